@@ -1,0 +1,29 @@
+# One-command setup: `make demo` and `make test` create .venv on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of PyTorch, pinned: an unpinned torch would pull several GB of CUDA wheels.
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/mc2 demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) benchmarks/sweep_micro_batches.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
