@@ -1,0 +1,13 @@
+"""mc2: hide the All-to-All of Mixture-of-Experts behind expert computation.
+
+``mc2.fused_expert`` runs dispatch All-to-All -> SwiGLU experts -> combine All-to-All as a
+micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
+"""
+
+from .launch import run_local
+from .ops import fused_expert
+from .routing import DispatchHandle, MicroBatchRoute
+from .timeline import Span, Timeline
+
+__all__ = ["fused_expert", "run_local", "Timeline", "Span", "DispatchHandle", "MicroBatchRoute"]
+__version__ = "0.1.0"

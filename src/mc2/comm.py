@@ -1,0 +1,133 @@
+"""Moving bytes between the ranks of an expert-parallel group; owns no schedule.
+
+Every function takes the group explicitly and never falls back to another communicator. A group
+of one rank (or no initialised ``torch.distributed``) is served locally without collectives, so
+the same code runs in a single process.
+
+Device notes: with NCCL/HCCL, ``async_op=True`` enqueues the All-to-All on the backend's own
+communication stream after the current stream's pending work, and ``Work.wait()`` makes the
+current stream wait for it; the backend keeps the tensors alive while in flight and
+:class:`PendingTransfer` holds references until ``wait()`` returns, so no memory is reused
+under a running transfer. With Gloo the transfer runs on Gloo's worker threads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def comm_device(group: Any, like: Tensor) -> torch.device:
+    """Device for small control tensors: CPU for Gloo, the data's device otherwise."""
+    if group_size(group) > 1 and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return like.device
+
+
+@dataclass
+class PendingTransfer:
+    """An All-to-All in flight: ``wait()`` returns the received rows.
+
+    Attributes:
+        output: ``[sum(recv_splits), hidden]`` the receive buffer (valid after ``wait``).
+        work: the backend's work handle, ``None`` when the transfer already completed.
+        issued_at: ``time.perf_counter()`` when the transfer was issued.
+        keep_alive: tensors that must not be freed while the transfer runs (the send buffer).
+    """
+
+    output: Tensor
+    work: Any = None
+    issued_at: float = 0.0
+    keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.keep_alive = ()
+        return self.output
+
+
+def all_to_all_rows(
+    rows: Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Any,
+    *,
+    async_op: bool,
+) -> PendingTransfer:
+    """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
+
+    Rows ``[sum(send_splits[:j]), sum(send_splits[:j+1]))`` go to rank ``j``; the result holds
+    the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``.
+    """
+    issued = time.perf_counter()
+    if group_size(group) == 1:
+        return PendingTransfer(output=rows, issued_at=issued)
+    rows = rows.contiguous()
+    output = rows.new_empty((int(sum(recv_splits)),) + tuple(rows.shape[1:]))
+    work = dist.all_to_all_single(
+        output, rows, recv_splits, send_splits, group=group, async_op=async_op
+    )
+    return PendingTransfer(
+        output=output,
+        work=work if async_op else None,
+        issued_at=issued,
+        keep_alive=(rows,) if async_op else (),
+    )
+
+
+def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
+    """The one up-front exchange of per-micro-batch, per-expert row counts.
+
+    Args:
+        send_counts: ``[world, K, local_experts] int64``: rows this rank sends to each rank's
+            local experts in each micro-batch (destination-major).
+
+    Returns:
+        ``[world, K, local_experts] int64``: rows each source rank sends to *this* rank's
+        experts (source-major).
+    """
+    if group_size(group) == 1:
+        return send_counts.clone()
+    send = send_counts.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def all_reduce_max(values: Tensor, group: Any) -> Tensor:
+    """Element-wise maximum over the group (identity for one rank)."""
+    if group_size(group) == 1:
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (used only on the error path, where cost does not matter)."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,126 @@
+"""A local multi-process ``torch.distributed`` world: the embedded default (Gloo on CPU).
+
+``run_local(fn, world_size)`` spawns ``world_size`` processes on this machine, joins them in a
+process group over loopback (127.0.0.1 only), calls ``fn(rank, world_size, *args)`` in each and
+returns every rank's result. A rank that raises, dies or runs past ``deadline_s`` makes the whole
+call raise :class:`LocalWorldError` with each rank's story, and every process is ended: a broken
+world never hangs the caller. For real clusters launch with ``torchrun`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import multiprocessing as mp
+
+
+class LocalWorldError(RuntimeError):
+    """One or more ranks of a local world failed; ``failures`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
+    fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including KeyboardInterrupt, then exit
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    backend: str = "gloo",
+    threads: int = 1,
+    timeout_s: float = 60.0,
+    deadline_s: float = 600.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results.
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be picklable.
+        world_size: number of processes (ranks).
+        backend: ``torch.distributed`` backend; ``"gloo"`` runs anywhere on CPU.
+        threads: ``torch.set_num_threads`` per rank (1 keeps ranks from fighting over cores).
+        timeout_s: collective timeout of the process group (a dead peer becomes an error).
+        deadline_s: wall-clock limit for the whole world.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(r, world_size, port, backend, threads, timeout_s, fn, args, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(values) + len(failures) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise LocalWorldError(
+                        f"local world of {world_size} ranks passed its {deadline_s:.0f}s deadline",
+                        failures) from None
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in values and r not in failures]
+                for r in dead:
+                    failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                continue
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+        if failures:
+            detail = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failures.items()))
+            raise LocalWorldError(f"{len(failures)} of {world_size} ranks failed:\n{detail}",
+                                  failures)
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()

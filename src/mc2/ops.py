@@ -1,0 +1,249 @@
+"""``mc2.fused_expert``: dispatch All-to-All -> SwiGLU experts -> combine All-to-All, overlapped.
+
+The whole pipeline is a single ``torch.autograd.Function`` on purpose: autograd would run
+per-primitive backward functions one after another, serialising the backward's communication.
+Owning the backward lets it be pipelined like the forward (the output gradients travel the
+dispatch routes, the input gradients come back the combine routes, micro-batch by micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .comm import exchange_counts, group_size
+from .experts import (
+    ExpertActivations,
+    GemmStrategy,
+    resolve_strategy,
+    swiglu_backward,
+    swiglu_forward,
+)
+from .pipeline import PipelineSteps, run_pipeline
+from .routing import DispatchHandle, MicroBatchRoute, build_handle, local_send_counts
+from .timeline import Timeline, maybe_span
+from .validation import agree, local_problem
+
+MicroBatches = int | Literal["auto"]
+
+
+def default_micro_batches(num_experts: int, max_tokens: int) -> int:
+    """The article's rule: K = number of experts, capped by the (group-wide) token count."""
+    return max(1, min(num_experts, max_tokens))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Non-tensor state shared by the forward and backward of one call."""
+
+    handle: DispatchHandle
+    group: Any
+    overlap: bool
+    strategy: str
+    keep_activations: bool
+    timeline: Timeline | None
+
+
+def _to_expert_order(route: MicroBatchRoute, received: Tensor) -> Tensor:
+    return received if route.expert_gather is None else received.index_select(0, route.expert_gather)
+
+
+def _to_receive_order(route: MicroBatchRoute, rows: Tensor) -> Tensor:
+    if route.expert_gather is None:
+        return rows
+    out = torch.empty_like(rows)
+    out.index_copy_(0, route.expert_gather, rows)
+    return out
+
+
+class _FusedExpertFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        w_up: Tensor,
+        w_gate: Tensor,
+        w_down: Tensor,
+        routing_weights: Tensor,
+        call: _Call,
+    ) -> Tensor:
+        handle, routes = call.handle, call.handle.micro_batches
+        tokens, topk, hidden = handle.num_tokens, handle.topk, x.shape[-1]
+        expert_out = x.new_empty((tokens * topk, hidden))  # per (token, slot), original order
+        activations: list[ExpertActivations | None] = [None] * len(routes)
+
+        def compute(i: int, received: Tensor) -> Tensor:
+            route = routes[i]
+            y, activations[i] = swiglu_forward(
+                _to_expert_order(route, received), route.expert_counts, w_up, w_gate, w_down,
+                strategy=call.strategy, keep_activations=call.keep_activations,
+            )
+            return _to_receive_order(route, y)
+
+        run_pipeline(
+            handle,
+            PipelineSteps(
+                gather=lambda i: x.index_select(0, routes[i].token_index),
+                compute=compute,
+                scatter=lambda i, rows: expert_out.index_copy_(0, routes[i].pair_order, rows),
+            ),
+            group=call.group, overlap=call.overlap, phase="forward", timeline=call.timeline,
+        )
+        with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
+            out = torch.bmm(
+                routing_weights.view(tokens, 1, topk), expert_out.view(tokens, topk, hidden)
+            ).view(tokens, hidden)
+        ctx.call = call
+        ctx.activations = activations
+        ctx.save_for_backward(w_up, w_gate, w_down, routing_weights, expert_out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        call: _Call = ctx.call
+        handle, routes = call.handle, call.handle.micro_batches
+        w_up, w_gate, w_down, routing_weights, expert_out = ctx.saved_tensors
+        activations: list[ExpertActivations] = ctx.activations
+        tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
+        grad_out = grad_out.contiguous()
+        flat_weights = routing_weights.reshape(-1)
+
+        grad_weights = None
+        if ctx.needs_input_grad[4]:
+            grad_weights = torch.bmm(
+                expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
+            ).view(tokens, topk)
+        grad_x = torch.zeros_like(grad_out)
+        grads = (torch.zeros_like(w_up), torch.zeros_like(w_gate), torch.zeros_like(w_down))
+
+        def gather(i: int) -> Tensor:
+            route = routes[i]
+            scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
+            return grad_out.index_select(0, route.token_index) * scale
+
+        def compute(i: int, received: Tensor) -> Tensor:
+            route = routes[i]
+            grad_in = swiglu_backward(
+                _to_expert_order(route, received), activations[i], route.expert_counts,
+                w_up, w_gate, w_down, grads, strategy=call.strategy,
+            )
+            activations[i] = None  # type: ignore[call-overload]  # free as we go
+            return _to_receive_order(route, grad_in)
+
+        run_pipeline(
+            handle,
+            PipelineSteps(
+                gather=gather,
+                compute=compute,
+                scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
+            ),
+            group=call.group, overlap=call.overlap, phase="backward", timeline=call.timeline,
+        )
+        return grad_x, grads[0], grads[1], grads[2], grad_weights, None
+
+
+def fused_expert(
+    x: Tensor,
+    weights_up: Tensor,
+    weights_gate: Tensor,
+    weights_down: Tensor,
+    expert_ids: Tensor,
+    routing_weights: Tensor | None = None,
+    *,
+    group: Any = None,
+    micro_batches: MicroBatches = "auto",
+    overlap: bool = True,
+    num_experts: int | None = None,
+    gemm: GemmStrategy = "auto",
+    timeline: Timeline | None = None,
+) -> Tensor:
+    """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
+
+    Expert ``e`` lives on rank ``e // local_experts`` of ``group``. Each token is sent to the
+    ranks of its top-k experts (dispatch), transformed there by
+    ``down(silu(x @ gate) * (x @ up))`` and sent back (combine); the result is the
+    ``routing_weights``-weighted sum over its top-k expert outputs, in the original token order.
+    Dropless: no capacity factor, no token is ever dropped.
+
+    Args:
+        x: ``[batch, seq, hidden]`` or ``[tokens, hidden]`` float tokens of this rank (may hold
+            zero tokens; the rank still takes part).
+        weights_up: ``[local_experts, hidden, ffn]`` this rank's experts' up projections.
+        weights_gate: ``[local_experts, hidden, ffn]`` gate projections.
+        weights_down: ``[local_experts, ffn, hidden]`` down projections.
+        expert_ids: ``x.shape[:-1] + (topk,)`` integer *global* expert ids in
+            ``[0, world * local_experts)``.
+        routing_weights: like ``expert_ids``, float; the top-k combine weights (``None``: 1).
+        group: the expert-parallel process group (``None``: the default group). Without an
+            initialised ``torch.distributed`` or with one rank, runs locally without collectives.
+        micro_batches: K, the number of micro-batches the local tokens are split into; ``1`` does
+            not split; ``"auto"`` uses K = number of experts capped by the largest local token
+            count of the group. Must be the same on every rank.
+        overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
+            and ``i-1`` combined while ``i`` computes; ``False`` is the plain serial path (with
+            ``"auto"``: K = 1, one synchronous dispatch, compute, one synchronous combine).
+        num_experts: optional check that the group holds exactly this many experts.
+        gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
+            expert) or ``"auto"`` (grouped on accelerators, loop on CPU where it measured faster).
+        timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait spans.
+
+    Returns:
+        ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
+        ``routing_weights``. Every rank must run the backward when any rank does (as with DDP).
+
+    Memory kept for the backward: per micro-batch the received rows and their gate/up
+    projections (``rows * (hidden + 2 * ffn)`` elements), plus the combined expert outputs
+    ``tokens * topk * hidden`` for the ``routing_weights`` gradient. Nothing is kept when no
+    input requires a gradient.
+
+    Raises:
+        ValueError: on *every* rank of the group when any rank passes bad arguments (wrong
+            shape/dtype/device, expert id out of range, weights that do not match the group), or
+            when ranks disagree on values that must be shared; no rank is left in a collective.
+    """
+    world = group_size(group)
+    problem = local_problem(
+        x, weights_up, weights_gate, weights_down, expert_ids, routing_weights,
+        world_size=world, num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
+    )
+    tensors = [t for t in (x, weights_up, weights_gate, weights_down, routing_weights)
+               if isinstance(t, Tensor)]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    with maybe_span(timeline, "comm", "handshake", "forward"):
+        agreement = agree(
+            problem, x=x, w_up=weights_up, expert_ids=expert_ids, micro_batches=micro_batches,
+            overlap=overlap, needs_grad=needs_grad, group=group,
+        )
+    strategy = resolve_strategy(gemm, x.dtype, x.device)
+
+    local_experts, hidden = weights_up.shape[0], x.shape[-1]
+    total_experts = world * local_experts
+    if micro_batches == "auto":
+        k = default_micro_batches(total_experts, agreement.max_tokens) if overlap else 1
+    else:
+        k = int(micro_batches)
+
+    x2d = x.reshape(-1, hidden)
+    ids2d = expert_ids.reshape(x2d.shape[0], -1)
+    weights2d = (
+        torch.ones(ids2d.shape, dtype=x.dtype, device=x.device)
+        if routing_weights is None
+        else routing_weights.reshape(ids2d.shape).to(x.dtype)
+    )
+    order, send_counts = local_send_counts(ids2d, total_experts, k)
+    with maybe_span(timeline, "comm", "counts", "forward"):
+        recv_counts = exchange_counts(
+            send_counts.view(k, world, local_experts).transpose(0, 1).contiguous(), group
+        )
+    handle = build_handle(
+        ids2d, order, send_counts, recv_counts, world_size=world, local_experts=local_experts
+    )
+    call = _Call(handle=handle, group=group, overlap=overlap, strategy=strategy,
+                 keep_activations=needs_grad, timeline=timeline)
+    out = _FusedExpertFunction.apply(
+        x2d, weights_up, weights_gate, weights_down, weights2d, call
+    )
+    return out.view(x.shape)

@@ -1,0 +1,105 @@
+"""The scheduler: orders dispatch / compute / combine of the micro-batches; owns no math.
+
+The same loop serves the forward (tokens out, expert outputs back) and the backward (output
+gradients out, input gradients back): the backward's traffic follows the forward's routes, so a
+:class:`~mc2.routing.DispatchHandle` plus three callbacks describe either pass.
+
+Overlapped schedule (``overlap=True``), as issued on every rank in the same order::
+
+    dispatch(0)
+    for i in 0..K-1:
+        dispatch(i+1)            # in flight while i computes
+        wait dispatch(i); compute(i)
+        combine(i)               # in flight while i+1 computes
+        wait combine(i-1); receive(i-1)
+    wait combine(K-1); receive(K-1)
+
+Serial schedule (``overlap=False``): each collective is synchronous, nothing overlaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor
+
+from .comm import PendingTransfer, all_to_all_rows
+from .routing import DispatchHandle
+from .timeline import Timeline, maybe_span
+
+
+@dataclass(frozen=True)
+class PipelineSteps:
+    """The three pieces of per-micro-batch work the scheduler interleaves with communication.
+
+    Attributes:
+        gather: ``i -> [n_i, H]`` rows to send for micro-batch ``i``, grouped by destination.
+        compute: ``(i, received [r_i, H]) -> [r_i, H]`` rows to send back, in receive order.
+        scatter: ``(i, returned [n_i, H]) -> None`` consumes the rows that came back.
+    """
+
+    gather: Callable[[int], Tensor]
+    compute: Callable[[int, Tensor], Tensor]
+    scatter: Callable[[int, Tensor], None]
+
+
+def run_pipeline(
+    handle: DispatchHandle,
+    steps: PipelineSteps,
+    *,
+    group: Any,
+    overlap: bool,
+    phase: str,
+    timeline: Timeline | None = None,
+) -> None:
+    """Run every micro-batch of ``handle`` through dispatch -> compute -> combine."""
+    routes = handle.micro_batches
+
+    def gather(i: int) -> Tensor:
+        with maybe_span(timeline, "compute", "gather", phase, i):
+            return steps.gather(i)
+
+    def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
+        r = routes[i]
+        return all_to_all_rows(rows, r.send_splits, r.recv_splits, group, async_op=async_op)
+
+    def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
+        r = routes[i]
+        return all_to_all_rows(rows, r.recv_splits, r.send_splits, group, async_op=async_op)
+
+    def compute(i: int, received: Tensor) -> Tensor:
+        with maybe_span(timeline, "compute", "experts", phase, i):
+            return steps.compute(i, received)
+
+    def scatter(i: int, returned: Tensor) -> None:
+        with maybe_span(timeline, "compute", "scatter", phase, i):
+            steps.scatter(i, returned)
+
+    if not overlap:
+        for i in range(len(routes)):
+            rows = gather(i)
+            with maybe_span(timeline, "comm", "dispatch", phase, i):
+                received = send(i, rows, async_op=False).wait()
+            out = compute(i, received)
+            with maybe_span(timeline, "comm", "combine", phase, i):
+                returned = combine(i, out, async_op=False).wait()
+            scatter(i, returned)
+        return
+
+    dispatches = {0: send(0, gather(0), async_op=True)}
+    combines: dict[int, PendingTransfer] = {}
+    for i in range(len(routes)):
+        if i + 1 < len(routes):
+            dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)
+        with maybe_span(timeline, "wait", "dispatch", phase, i):
+            received = dispatches.pop(i).wait()
+        combines[i] = combine(i, compute(i, received), async_op=True)
+        if i >= 1:
+            with maybe_span(timeline, "wait", "combine", phase, i - 1):
+                returned = combines.pop(i - 1).wait()
+            scatter(i - 1, returned)
+    last = len(routes) - 1
+    with maybe_span(timeline, "wait", "combine", phase, last):
+        returned = combines.pop(last).wait()
+    scatter(last, returned)

@@ -1,0 +1,176 @@
+"""Routing plan: which local (token, slot) pairs go where, per micro-batch.
+
+Everything here is local bookkeeping on integer tensors, computed once per call and reused by
+the backward pass (the gradient travels the same routes in the same micro-batches). The only
+communication is the single up-front exchange of per-micro-batch counts (see
+:func:`mc2.comm.exchange_counts`), so the pipeline never stops for a small message per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MicroBatchRoute:
+    """The routes of one micro-batch.
+
+    Attributes:
+        pair_order: ``[n] int64`` pair indices (``token * topk + slot``) sorted by global expert
+            id; the dispatch send buffer is ``x[pair_order // topk]`` in this order.
+        token_index: ``[n] int64`` ``pair_order // topk`` (the source row of each sent row).
+        send_splits: rows sent to each rank (``len == world``), i.e. grouped by destination.
+        recv_splits: rows received from each rank (``len == world``).
+        expert_counts: rows each *local* expert processes (``len == local_experts``).
+        expert_gather: ``[r] int64`` gather index that turns the received rows (ordered by
+            source rank, then local expert) into expert-grouped order (local expert, then source);
+            ``None`` when that order already is expert-grouped (one rank or one local expert).
+    """
+
+    pair_order: Tensor
+    token_index: Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    expert_counts: list[int]
+    expert_gather: Tensor | None
+
+    @property
+    def num_sent(self) -> int:
+        return int(sum(self.send_splits))
+
+    @property
+    def num_received(self) -> int:
+        return int(sum(self.recv_splits))
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """Everything the combine and the backward need to retrace a dispatch (DeepEP-style handle).
+
+    Attributes:
+        num_tokens: local tokens ``T`` of this rank (may be 0).
+        topk: expert slots per token.
+        world_size: ranks in the expert-parallel group.
+        local_experts: experts held by each rank.
+        micro_batches: the routes, one per micro-batch, the same count on every rank.
+    """
+
+    num_tokens: int
+    topk: int
+    world_size: int
+    local_experts: int
+    micro_batches: tuple[MicroBatchRoute, ...]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+
+def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[int, int]]:
+    """Contiguous token ranges of ``num_micro_batches`` near-equal micro-batches.
+
+    Sizes differ by at most one (``torch.tensor_split`` semantics); when there are fewer tokens
+    than micro-batches the trailing ranges are empty, which keeps the micro-batch count equal on
+    every rank (collectives must match) even on a rank with no tokens at all.
+    """
+    base, extra = divmod(num_tokens, num_micro_batches)
+    bounds, start = [], 0
+    for i in range(num_micro_batches):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def local_send_counts(
+    expert_ids: Tensor, num_experts: int, num_micro_batches: int
+) -> tuple[Tensor, Tensor]:
+    """Sort the pairs by (micro-batch, expert) and count them.
+
+    Args:
+        expert_ids: ``[T, topk]`` integer global expert ids, already validated.
+        num_experts: ``E``, the global expert count.
+        num_micro_batches: ``K``.
+
+    Returns:
+        ``(order, counts)``: ``order`` ``[T * topk] int64`` pair indices sorted by micro-batch
+        then expert (stable, so equal experts keep token order); ``counts`` ``[K, E] int64``.
+    """
+    num_tokens, topk = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    chunk_of_token = torch.empty(num_tokens, dtype=torch.int64, device=flat.device)
+    for i, (start, stop) in enumerate(micro_batch_bounds(num_tokens, num_micro_batches)):
+        chunk_of_token[start:stop] = i
+    key = chunk_of_token.repeat_interleave(topk) * num_experts + flat
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_micro_batches * num_experts)
+    return order, counts.view(num_micro_batches, num_experts)
+
+
+def expert_grouping_index(recv_counts: Tensor) -> Tensor | None:
+    """Gather index from receive order (source, expert) to expert-grouped order (expert, source).
+
+    Args:
+        recv_counts: ``[world, local_experts] int64`` rows received per (source rank, local
+            expert) for one micro-batch.
+    """
+    world, local = recv_counts.shape
+    if world == 1 or local == 1:
+        return None
+    lengths = recv_counts.reshape(-1)
+    starts = torch.cumsum(lengths, 0) - lengths  # start of block (j, l) in receive order
+    lengths_t = recv_counts.t().reshape(-1)  # blocks in expert-grouped order (l, j)
+    starts_t = starts.view(world, local).t().reshape(-1)
+    total = int(lengths.sum())
+    dest_starts = torch.cumsum(lengths_t, 0) - lengths_t
+    offset = torch.repeat_interleave(starts_t - dest_starts, lengths_t, output_size=total)
+    return offset + torch.arange(total, dtype=torch.int64, device=recv_counts.device)
+
+
+def build_handle(
+    expert_ids: Tensor,
+    order: Tensor,
+    send_counts: Tensor,
+    recv_counts: Tensor,
+    *,
+    world_size: int,
+    local_experts: int,
+) -> DispatchHandle:
+    """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
+
+    Args:
+        expert_ids: ``[T, topk]`` the validated expert ids.
+        order: ``[T * topk]`` from :func:`local_send_counts`.
+        send_counts: ``[K, E]`` from :func:`local_send_counts`.
+        recv_counts: ``[world, K, local_experts]`` rows each source rank sends to this rank's
+            experts, per micro-batch (from :func:`mc2.comm.exchange_counts`).
+    """
+    num_tokens, topk = expert_ids.shape
+    num_micro = send_counts.shape[0]
+    send_cpu = send_counts.view(num_micro, world_size, local_experts).sum(-1).cpu()
+    recv_cpu = recv_counts.cpu()
+    sizes = send_cpu.sum(-1).tolist()
+    routes = []
+    for i, pairs in enumerate(torch.split(order, sizes)):
+        per_expert = recv_cpu[:, i, :]
+        gather = expert_grouping_index(per_expert)
+        routes.append(
+            MicroBatchRoute(
+                pair_order=pairs,
+                token_index=pairs // topk,
+                send_splits=send_cpu[i].tolist(),
+                recv_splits=per_expert.sum(-1).tolist(),
+                expert_counts=per_expert.sum(0).tolist(),
+                expert_gather=None if gather is None else gather.to(order.device),
+            )
+        )
+    return DispatchHandle(
+        num_tokens=num_tokens,
+        topk=topk,
+        world_size=world_size,
+        local_experts=local_experts,
+        micro_batches=tuple(routes),
+    )

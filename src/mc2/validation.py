@@ -1,0 +1,173 @@
+"""Input checks that fail on every rank together, never leaving a peer inside a collective.
+
+Each rank first checks its own arguments locally (:func:`local_problem`), then all ranks take part
+in one small ``all_reduce`` (:func:`agree`) that carries an error flag together with the values
+every rank must share (micro-batch request, hidden size, expert count, dtype, overlap flag,
+whether gradients are needed). If any rank found a problem, or the ranks disagree, *every* rank
+raises ``ValueError`` before the first data collective is issued. The same reduction also yields
+the global maximum token count that ``micro_batches="auto"`` is derived from, so all ranks agree
+on K without a second message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .comm import all_reduce_max, comm_device, gather_objects, group_rank
+
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The local facts of a validated call."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    local_experts: int
+    topk: int
+
+
+def _is_tensor(name: str, t: Any) -> str | None:
+    if not isinstance(t, Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    return None
+
+
+def local_problem(
+    x: Any,
+    w_up: Any,
+    w_gate: Any,
+    w_down: Any,
+    expert_ids: Any,
+    routing_weights: Any,
+    *,
+    world_size: int,
+    num_experts: int | None,
+    micro_batches: Any,
+    overlap: Any,
+) -> str | None:
+    """A human-readable description of what is wrong with this rank's arguments, or ``None``."""
+    for name, t in (("x", x), ("weights_up", w_up), ("weights_gate", w_gate),
+                    ("weights_down", w_down), ("expert_ids", expert_ids)):
+        if (msg := _is_tensor(name, t)) is not None:
+            return msg
+    if not x.is_floating_point() or x.dtype not in _DTYPE_CODES:
+        return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
+    if x.dim() not in (2, 3):
+        return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
+    hidden = x.shape[-1]
+    for name, w in (("weights_up", w_up), ("weights_gate", w_gate), ("weights_down", w_down)):
+        if w.dtype != x.dtype:
+            return f"{name} must have x's dtype {x.dtype}, got {w.dtype}"
+        if w.device != x.device:
+            return f"{name} must be on x's device {x.device}, got {w.device}"
+        if w.dim() != 3:
+            return f"{name} must be 3-D [local_experts, ...], got shape {tuple(w.shape)}"
+    local, h_up, ffn = w_up.shape
+    if local < 1:
+        return "weights_up holds no expert (local_experts == 0); every rank needs at least one"
+    if h_up != hidden:
+        return f"weights_up must be [local_experts, {hidden}, ffn] to match x, got {tuple(w_up.shape)}"
+    if tuple(w_gate.shape) != tuple(w_up.shape):
+        return f"weights_gate must match weights_up {tuple(w_up.shape)}, got {tuple(w_gate.shape)}"
+    if tuple(w_down.shape) != (local, ffn, hidden):
+        return f"weights_down must be {(local, ffn, hidden)}, got {tuple(w_down.shape)}"
+    total_experts = world_size * local
+    if num_experts is not None and num_experts != total_experts:
+        return (f"num_experts={num_experts} does not match the group: {world_size} ranks x "
+                f"{local} local experts = {total_experts}")
+    if expert_ids.dtype in (torch.bool,) or expert_ids.is_floating_point() or expert_ids.is_complex():
+        return f"expert_ids must be an integer tensor, got {expert_ids.dtype}"
+    if expert_ids.dim() != x.dim() or tuple(expert_ids.shape[:-1]) != tuple(x.shape[:-1]):
+        return (f"expert_ids must be {tuple(x.shape[:-1])} + (topk,) to match x, "
+                f"got {tuple(expert_ids.shape)}")
+    if expert_ids.shape[-1] < 1:
+        return "expert_ids has topk == 0; every token needs at least one expert"
+    if expert_ids.numel():
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= total_experts:
+            bad = lo if lo < 0 else hi
+            return (f"expert id {bad} out of range [0, {total_experts}) "
+                    f"({world_size} ranks x {local} local experts)")
+    if routing_weights is not None:
+        if (msg := _is_tensor("routing_weights", routing_weights)) is not None:
+            return msg
+        if not routing_weights.is_floating_point():
+            return f"routing_weights must be floating point, got {routing_weights.dtype}"
+        if tuple(routing_weights.shape) != tuple(expert_ids.shape):
+            return (f"routing_weights must have expert_ids' shape {tuple(expert_ids.shape)}, "
+                    f"got {tuple(routing_weights.shape)}")
+    if micro_batches != "auto" and (
+        isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1
+    ):
+        return f"micro_batches must be a positive int or 'auto', got {micro_batches!r}"
+    if not isinstance(overlap, bool):
+        return f"overlap must be a bool, got {overlap!r}"
+    return None
+
+
+def shapes_of(x: Tensor, w_up: Tensor, expert_ids: Tensor) -> Shapes:
+    local, hidden, ffn = w_up.shape
+    return Shapes(
+        tokens=x.numel() // x.shape[-1], hidden=hidden, ffn=ffn, local_experts=local,
+        topk=expert_ids.shape[-1],
+    )
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the group agreed on: the largest local token count (for ``"auto"``)."""
+
+    max_tokens: int
+
+
+_SHARED = ("micro_batches", "hidden size", "ffn size", "local experts", "dtype", "overlap",
+           "gradient mode")
+
+
+def agree(
+    problem: str | None,
+    *,
+    x: Any,
+    w_up: Any,
+    expert_ids: Any,
+    micro_batches: Any,
+    overlap: Any,
+    needs_grad: bool,
+    group: Any,
+) -> Agreement:
+    """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed."""
+    if problem is None:
+        s = shapes_of(x, w_up, expert_ids)
+        shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
+                  s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad)]
+        facts = [0, s.tokens, *shared]
+    else:
+        facts = [1, 0] + [0] * len(_SHARED)
+    device = comm_device(group, x) if isinstance(x, Tensor) else torch.device("cpu")
+    local = torch.tensor(facts, dtype=torch.int64, device=device)
+    reduced = all_reduce_max(torch.cat([local, -local]), group).cpu()
+    n = len(facts)
+    highest, lowest = reduced[:n].tolist(), [-v for v in reduced[n:].tolist()]
+    if highest[0]:
+        messages = gather_objects(problem, group)
+        if problem is not None:
+            raise ValueError(f"fused_expert: {problem}")
+        culprits = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise ValueError(
+            f"fused_expert: another rank of the group rejected its input ({culprits}); "
+            f"rank {group_rank(group)} stops too so that no rank waits in a collective"
+        )
+    for name, hi, lo in zip(_SHARED, highest[2:], lowest[2:]):
+        if hi != lo:
+            raise ValueError(
+                f"fused_expert: ranks disagree on {name} (values between {lo} and {hi}); every "
+                "rank of the group must pass the same value (0 means 'auto' for micro_batches)"
+            )
+    return Agreement(max_tokens=int(highest[1]))
