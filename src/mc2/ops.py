@@ -227,7 +227,7 @@ def fused_expert(
         k = int(micro_batches)
 
     x2d = x.reshape(-1, hidden)
-    ids2d = expert_ids.reshape(x2d.shape[0], -1)
+    ids2d = expert_ids.reshape(x2d.shape[0], expert_ids.shape[-1])
     weights2d = (
         torch.ones(ids2d.shape, dtype=x.dtype, device=x.device)
         if routing_weights is None

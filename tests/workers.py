@@ -1,0 +1,75 @@
+"""Functions run inside each rank of a local world (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import mc2
+from tests.problems import Problem
+
+
+def run_cases(rank: int, world: int, cases: list[tuple[Problem, dict[str, Any]]]) -> list[dict]:
+    """Forward + backward of each (problem, fused_expert options); returns outputs and grads."""
+    results = []
+    for problem, options in cases:
+        x = problem.xs[rank].clone().requires_grad_(True)
+        rw = problem.rws[rank].clone().requires_grad_(True)
+        weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
+        out = mc2.fused_expert(x, *weights, problem.ids[rank], rw, **options)
+        out.backward(problem.grad_outs[rank])
+        results.append({
+            "out": out.detach(), "x": x.grad, "rw": rw.grad,
+            "w": [w.grad for w in weights],
+        })
+    return results
+
+
+def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
+    """Only ``culprit`` passes a bad argument; every rank must raise, then the group still works."""
+    from tests.problems import make_problem
+
+    p = make_problem(world, "uniform")
+    x, ids, rw = p.xs[rank], p.ids[rank], p.rws[rank]
+    w_up, w_gate, w_down = p.local_weights(rank)
+    kwargs: dict[str, Any] = {}
+    if rank == culprit:
+        if bad == "expert_out_of_range":
+            ids = ids.clone()
+            ids[0, 0] = p.w_up.shape[0]
+        elif bad == "negative_expert":
+            ids = ids.clone()
+            ids[-1, -1] = -1
+        elif bad == "hidden_mismatch":
+            x = torch.randn(x.shape[0], x.shape[1] + 1, dtype=x.dtype)
+        elif bad == "weight_dtype":
+            w_up = w_up.float()
+        elif bad == "ids_dtype":
+            ids = ids.float()
+        elif bad == "ids_shape":
+            ids = ids[:-1]
+        elif bad == "num_experts":
+            kwargs["num_experts"] = p.w_up.shape[0] + 1
+        elif bad == "local_experts_differ":
+            w_up, w_gate, w_down = w_up[:1], w_gate[:1], w_down[:1]
+        elif bad == "micro_batches_differ":
+            kwargs["micro_batches"] = 3
+        elif bad == "micro_batches_zero":
+            kwargs["micro_batches"] = 0
+        else:
+            raise AssertionError(bad)
+    start = time.monotonic()
+    error = None
+    try:
+        mc2.fused_expert(x, w_up, w_gate, w_down, ids, rw, **kwargs)
+    except ValueError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - start
+    # the group must still be usable afterwards
+    good_w = p.local_weights(rank)
+    out = mc2.fused_expert(p.xs[rank], *good_w, p.ids[rank], p.rws[rank], micro_batches=2)
+    dist.barrier()
+    return {"error": error, "elapsed": elapsed, "good_rows": out.shape[0]}
