@@ -55,6 +55,7 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
             kwargs["num_experts"] = p.w_up.shape[0] + 1
         elif bad == "local_experts_differ":
             w_up, w_gate, w_down = w_up[:1], w_gate[:1], w_down[:1]
+            ids = ids % world  # valid ids for one expert per rank: only the counts disagree
         elif bad == "micro_batches_differ":
             kwargs["micro_batches"] = 3
         elif bad == "micro_batches_zero":

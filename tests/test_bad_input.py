@@ -1,0 +1,48 @@
+"""Bad input on one rank raises a clear ValueError on every rank, quickly, and hangs nobody."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from tests.workers import bad_input_then_good
+
+BAD = {
+    "expert_out_of_range": "out of range",
+    "negative_expert": "out of range",
+    "hidden_mismatch": "weights_up must be",
+    "weight_dtype": "dtype",
+    "ids_dtype": "integer",
+    "ids_shape": "expert_ids must be",
+    "num_experts": "does not match the group",
+    "local_experts_differ": "disagree on local experts",
+    "micro_batches_differ": "disagree on micro_batches",
+    "micro_batches_zero": "micro_batches must be",
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_input_on_rank1_raises_everywhere(bad: str) -> None:
+    results = mc2.run_local(bad_input_then_good, 2, args=(1, bad), timeout_s=20, deadline_s=30)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} did not raise for {bad}"
+        assert BAD[bad] in r["error"], f"rank {rank}: unexpected message {r['error']!r}"
+        assert r["elapsed"] < 30
+        assert r["good_rows"] > 0, "the group must still work after the error"
+    if not bad.endswith("differ"):  # the innocent rank names the culprit and its problem
+        assert "rank 1" in results[0]["error"]
+
+
+def test_single_process_errors_are_plain_value_errors() -> None:
+    x = torch.randn(4, 8)
+    w = torch.randn(2, 8, 16)
+    wd = torch.randn(2, 16, 8)
+    with pytest.raises(ValueError, match="expert id 5 out of range"):
+        mc2.fused_expert(x, w, w, wd, torch.tensor([[5], [0], [1], [0]]))
+    with pytest.raises(ValueError, match="routing_weights must have"):
+        mc2.fused_expert(x, w, w, wd, torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="gemm must be"):
+        mc2.fused_expert(x, w, w, wd, torch.zeros(4, 1, dtype=torch.long), gemm="fast")
+    with pytest.raises(ValueError, match="x must be"):
+        mc2.fused_expert(x.long(), w, w, wd, torch.zeros(4, 1, dtype=torch.long))
