@@ -1,0 +1,221 @@
+"""Serial vs MC2 measurements in one local world: what ``mc2 demo``, ``mc2 bench`` and
+``benchmarks/`` print.
+
+Every repeat runs every mode once, in a rotating order, so that machine noise hits all modes
+alike; each step is forward + backward of :func:`mc2.fused_expert`, timed from a barrier to the
+slowest rank's end. Where the time went comes from the :class:`~mc2.timeline.Timeline` spans:
+``compute`` (expert math and permutes), exposed communication (synchronous collectives plus
+waits on asynchronous ones), and the rest (autograd, allocation, the weighted sum).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import metrics
+from .launch import run_local
+from .ops import fused_expert
+from .timeline import Timeline
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark problem (per rank) and how to measure it."""
+
+    tokens_per_rank: int = 4096
+    hidden: int = 1024
+    ffn: int = 2048
+    experts: int = 8
+    topk: int = 2
+    dtype: str = "float32"
+    micro_batches: tuple[int, ...] = (2, 4, 8)
+    repeats: int = 5
+    warmup: int = 1
+    gemm: str = "auto"
+    seed: int = 0
+    split_sync: bool = False  # also time K micro-batches *without* overlap (split overhead)
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if self.tokens_per_rank < 0 or self.topk < 1 or self.topk > self.experts:
+            raise ValueError("need tokens_per_rank >= 0 and 1 <= topk <= experts, got "
+                             f"{self.tokens_per_rank}, {self.topk}, {self.experts}")
+        if any(k < 1 for k in self.micro_batches):
+            raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    micro_batches: int
+    overlap: bool
+
+
+@dataclass
+class ModeResult:
+    """Medians over repeats of the slowest rank's numbers for one mode."""
+
+    mode: str
+    micro_batches: int
+    overlap: bool
+    step_s: float
+    exposed_comm_s: float
+    compute_s: float
+    tokens_per_s_per_rank: float
+    comm_share: float
+    speedup: float = float("nan")
+    hidden_fraction: float = float("nan")
+    max_diff: float = 0.0
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    world_size: int
+    results: list[ModeResult] = field(default_factory=list)
+
+    @property
+    def serial(self) -> ModeResult:
+        return self.results[0]
+
+    @property
+    def best(self) -> ModeResult:
+        return min((r for r in self.results if r.overlap), key=lambda r: r.step_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.config), "world_size": self.world_size,
+                "results": [asdict(r) for r in self.results]}
+
+
+def modes_of(cfg: BenchConfig) -> list[Mode]:
+    modes = [Mode("serial", 1, False)]
+    modes += [Mode(f"mc2 K={k}", k, True) for k in cfg.micro_batches]
+    if cfg.split_sync:
+        modes += [Mode(f"split K={k} (sync)", k, False) for k in cfg.micro_batches if k > 1]
+    return modes
+
+
+def _problem(rank: int, cfg: BenchConfig):
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    dtype = _DTYPES[cfg.dtype]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = cfg.experts // world
+    x = torch.randn(cfg.tokens_per_rank, cfg.hidden, generator=g).to(dtype)
+    logits = torch.randn(cfg.tokens_per_rank, cfg.experts, generator=g)
+    top, ids = logits.softmax(-1).topk(cfg.topk, dim=-1)
+    rw = (top / top.sum(-1, keepdim=True)).to(dtype)
+    ws = [torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.hidden ** -0.5,
+          torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.hidden ** -0.5,
+          torch.randn(local, cfg.ffn, cfg.hidden, generator=g) * cfg.ffn ** -0.5]
+    grad_out = torch.randn(cfg.tokens_per_rank, cfg.hidden, generator=g).to(dtype)
+    return x, [w.to(dtype) for w in ws], ids, rw, grad_out
+
+
+def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Timeline | None):
+    xg = x.detach().requires_grad_(True)
+    wg = [w.detach().requires_grad_(True) for w in ws]
+    out = fused_expert(xg, *wg, ids, rw, micro_batches=mode.micro_batches, overlap=mode.overlap,
+                       gemm=cfg.gemm, timeline=timeline)
+    out.backward(grad_out)
+    return [out.detach(), xg.grad] + [w.grad for w in wg]
+
+
+def _slowest(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
+    """Runs inside each rank; returns per-mode, per-repeat (step, exposed comm, compute, diff)."""
+    if cfg.experts % world:
+        raise ValueError(f"experts ({cfg.experts}) must be divisible by world size ({world})")
+    x, ws, ids, rw, grad_out = _problem(rank, cfg)
+    modes = modes_of(cfg)
+    reference = _step(x, ws, ids, rw, grad_out, modes[0], cfg, None)
+    samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
+    diffs = {m.name: 0.0 for m in modes}
+    for rep in range(cfg.warmup + cfg.repeats):
+        for j in range(len(modes)):
+            mode = modes[(j + rep) % len(modes)]
+            tl = Timeline()
+            dist.barrier()
+            start = time.perf_counter()
+            got = _step(x, ws, ids, rw, grad_out, mode, cfg, tl)
+            step = time.perf_counter() - start
+            diffs[mode.name] = max(diffs[mode.name], max(
+                (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+                for a, b in zip(got, reference)))
+            row = _slowest([step, tl.exposed_comm, tl.total("compute")])
+            if rep >= cfg.warmup:
+                samples[mode.name].append(row)
+            if rank == 0 and not cfg.quiet:
+                tag = "warmup" if rep < cfg.warmup else f"repeat {rep - cfg.warmup + 1}/{cfg.repeats}"
+                print(f"  [{tag}] {mode.name:<18} {row[0] * 1e3:9.1f} ms", file=sys.stderr,
+                      flush=True)
+    slowest_diff = _slowest([diffs[m.name] for m in modes])
+    return {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff))}
+
+
+def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
+    """Medians and DESIGN.md §6 ratios from :func:`bench_rank`'s samples."""
+    report = BenchReport(cfg, world)
+    for mode in modes_of(cfg):
+        rows = raw["samples"][mode.name]
+        step = metrics.median(r[0] for r in rows)
+        comm = metrics.median(r[1] for r in rows)
+        report.results.append(ModeResult(
+            mode=mode.name, micro_batches=mode.micro_batches, overlap=mode.overlap, step_s=step,
+            exposed_comm_s=comm, compute_s=metrics.median(r[2] for r in rows),
+            tokens_per_s_per_rank=cfg.tokens_per_rank / step,
+            comm_share=metrics.comm_share(comm, step), max_diff=raw["diffs"][mode.name],
+        ))
+    serial = report.serial
+    for r in report.results:
+        r.speedup = metrics.speedup(serial.step_s, r.step_s)
+        r.hidden_fraction = metrics.hidden_fraction(serial.step_s, serial.exposed_comm_s, r.step_s)
+    return report
+
+
+def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1) -> BenchReport:
+    """Start a local Gloo world, measure every mode, return the report (rank 0's view)."""
+    raw = run_local(bench_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
+                    deadline_s=3600)
+    return summarize(cfg, world_size, raw[0])
+
+
+def format_report(report: BenchReport) -> str:
+    """The article's table: mode, step time, comm share, tokens/s per rank, speedup, hidden."""
+    cfg = report.config
+    head = (f"{report.world_size} ranks x {cfg.tokens_per_rank} tokens, hidden {cfg.hidden}, "
+            f"ffn {cfg.ffn}, {cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, forward+backward,"
+            f" median of {cfg.repeats}")
+    cols = ("mode", "step ms", "comm share", "compute ms", "tokens/s/rank", "speedup", "hidden",
+            "max diff")
+    rows = [cols]
+    for r in report.results:
+        rows.append((r.mode, f"{r.step_s * 1e3:.1f}", f"{r.comm_share * 100:.1f}%",
+                     f"{r.compute_s * 1e3:.1f}", f"{r.tokens_per_s_per_rank:,.0f}",
+                     f"{r.speedup:.3f}x", "-" if r.mode == "serial" else f"{r.hidden_fraction:.2f}",
+                     f"{r.max_diff:.1e}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = [head] + ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                                enumerate(zip(row, widths))) for row in rows]
+    serial = report.serial
+    bound = metrics.overlap_bound(serial.comm_share)
+    lines.append(f"serial comm share {serial.comm_share * 100:.1f}% -> overlap can at best give "
+                 f"{bound:.3f}x; best MC2: {report.best.mode} at {report.best.speedup:.3f}x")
+    return "\n".join(lines)
