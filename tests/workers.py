@@ -74,3 +74,47 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
     out = mc2.fused_expert(p.xs[rank], *good_w, p.ids[rank], p.rws[rank], micro_batches=2)
     dist.barrier()
     return {"error": error, "elapsed": elapsed, "good_rows": out.shape[0]}
+
+
+def timeline_spans(rank: int, world: int, micro_batches: int) -> list[tuple]:
+    """One overlapped forward+backward with a Timeline; returns the spans as tuples."""
+    from tests.problems import make_problem
+
+    p = make_problem(world, "uniform")
+    tl = mc2.Timeline()
+    x = p.xs[rank].clone().requires_grad_(True)
+    out = mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                           micro_batches=micro_batches, timeline=tl)
+    out.backward(p.grad_outs[rank])
+    return [(s.kind, s.name, s.phase, s.micro_batch, s.start, s.end) for s in tl.spans]
+
+
+def gradient_mode_differs(rank: int, world: int) -> str | None:
+    """Rank 1 runs without gradients while rank 0 needs them: a backward would hang, so raise."""
+    from tests.problems import make_problem
+
+    p = make_problem(world, "uniform")
+    x = p.xs[rank].clone().requires_grad_(True)
+    try:
+        with torch.set_grad_enabled(rank == 0):
+            mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def peer_leaves_early(rank: int, world: int) -> None:
+    """Rank 1 quits without taking part; rank 0's collective must fail, not freeze."""
+    from tests.problems import make_problem
+
+    if rank == 1:
+        return None
+    p = make_problem(world, "uniform")
+    mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank])
+    return None
+
+
+def raise_on_rank(rank: int, world: int, culprit: int) -> int:
+    if rank == culprit:
+        raise RuntimeError(f"planted failure on rank {rank}")
+    return rank

@@ -113,6 +113,64 @@ def swiglu_forward(
     return y, (ExpertActivations(x, gate, up) if keep_activations else None)
 
 
+@dataclass
+class WeightGradInputs:
+    """Operands of the weight gradients of one micro-batch, produced by
+    :func:`swiglu_backward_input` and consumed by :func:`accumulate_weight_grads`.
+
+    Why separate: the input gradient must travel back to the token owners, the weight gradients
+    stay here. Computing the input gradient first lets the pipeline put it on the wire at once
+    and do the weight-gradient GEMMs while it travels.
+    """
+
+    x: Tensor  # [R, H]
+    act: Tensor  # [R, F] silu(gate) * up
+    grad_y: Tensor  # [R, H]
+    grad_up: Tensor  # [R, F]
+    grad_gate: Tensor  # [R, F]
+    counts: list[int]
+
+
+def swiglu_backward_input(
+    grad_y: Tensor,
+    saved: ExpertActivations,
+    counts: list[int],
+    w_up: Tensor,
+    w_gate: Tensor,
+    w_down: Tensor,
+    *,
+    strategy: str,
+) -> tuple[Tensor, WeightGradInputs | None]:
+    """Gradient w.r.t. the expert inputs ``[R, H]``, plus what the weight gradients need.
+
+    Args:
+        grad_y: ``[R, H]`` gradient of the expert outputs, expert-grouped like ``saved.x``.
+    """
+    if grad_y.shape[0] == 0:
+        return grad_y.new_empty((0, w_up.shape[1])), None
+    sig = torch.sigmoid(saved.gate)
+    silu = saved.gate * sig
+    grad_act = _grouped(grad_y, w_down.transpose(1, 2), counts, strategy)
+    grad_up = grad_act * silu
+    grad_gate = grad_act.mul_(saved.up).mul_(sig * (1 + saved.gate * (1 - sig)))
+    grad_x = _grouped(grad_up, w_up.transpose(1, 2), counts, strategy)
+    grad_x.add_(_grouped(grad_gate, w_gate.transpose(1, 2), counts, strategy))
+    act = silu.mul_(saved.up)
+    return grad_x, WeightGradInputs(saved.x, act, grad_y, grad_up, grad_gate, counts)
+
+
+def accumulate_weight_grads(
+    work: WeightGradInputs | None, grads: tuple[Tensor, Tensor, Tensor], *, strategy: str
+) -> None:
+    """Add one micro-batch's contribution to ``grads = (grad_up, grad_gate, grad_down)``."""
+    if work is None:
+        return
+    grad_up_w, grad_gate_w, grad_down_w = grads
+    _grouped_weight_grad(work.act, work.grad_y, work.counts, strategy, grad_down_w)
+    _grouped_weight_grad(work.x, work.grad_up, work.counts, strategy, grad_up_w)
+    _grouped_weight_grad(work.x, work.grad_gate, work.counts, strategy, grad_gate_w)
+
+
 def swiglu_backward(
     grad_y: Tensor,
     saved: ExpertActivations,
@@ -124,24 +182,8 @@ def swiglu_backward(
     *,
     strategy: str,
 ) -> Tensor:
-    """Gradient w.r.t. the expert inputs ``[R, H]``; adds weight gradients into ``grads``.
-
-    Args:
-        grad_y: ``[R, H]`` gradient of the expert outputs, expert-grouped like ``saved.x``.
-        grads: ``(grad_up, grad_gate, grad_down)`` accumulators shaped like the weights.
-    """
-    if grad_y.shape[0] == 0:
-        return grad_y.new_empty((0, w_up.shape[1]))
-    grad_up_w, grad_gate_w, grad_down_w = grads
-    sig = torch.sigmoid(saved.gate)
-    silu = saved.gate * sig
-    act = silu * saved.up
-    _grouped_weight_grad(act, grad_y, counts, strategy, grad_down_w)
-    grad_act = _grouped(grad_y, w_down.transpose(1, 2), counts, strategy)
-    grad_up = grad_act * silu
-    grad_gate = grad_act * saved.up * (sig * (1 + saved.gate * (1 - sig)))
-    _grouped_weight_grad(saved.x, grad_up, counts, strategy, grad_up_w)
-    _grouped_weight_grad(saved.x, grad_gate, counts, strategy, grad_gate_w)
-    grad_x = _grouped(grad_up, w_up.transpose(1, 2), counts, strategy)
-    grad_x.add_(_grouped(grad_gate, w_gate.transpose(1, 2), counts, strategy))
+    """Input gradient ``[R, H]``; adds the weight gradients into ``grads`` right away."""
+    grad_x, work = swiglu_backward_input(grad_y, saved, counts, w_up, w_gate, w_down,
+                                         strategy=strategy)
+    accumulate_weight_grads(work, grads, strategy=strategy)
     return grad_x

@@ -18,8 +18,10 @@ from .comm import exchange_counts, group_size
 from .experts import (
     ExpertActivations,
     GemmStrategy,
+    WeightGradInputs,
+    accumulate_weight_grads,
     resolve_strategy,
-    swiglu_backward,
+    swiglu_backward_input,
     swiglu_forward,
 )
 from .pipeline import PipelineSteps, run_pipeline
@@ -124,14 +126,20 @@ class _FusedExpertFunction(torch.autograd.Function):
             scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
             return grad_out.index_select(0, route.token_index) * scale
 
+        pending: list[WeightGradInputs | None] = [None] * len(routes)
+
         def compute(i: int, received: Tensor) -> Tensor:
             route = routes[i]
-            grad_in = swiglu_backward(
+            grad_in, pending[i] = swiglu_backward_input(
                 _to_expert_order(route, received), activations[i], route.expert_counts,
-                w_up, w_gate, w_down, grads, strategy=call.strategy,
+                w_up, w_gate, w_down, strategy=call.strategy,
             )
             activations[i] = None  # type: ignore[call-overload]  # free as we go
             return _to_receive_order(route, grad_in)
+
+        def weight_grads(i: int) -> None:
+            accumulate_weight_grads(pending[i], grads, strategy=call.strategy)
+            pending[i] = None
 
         run_pipeline(
             handle,
@@ -139,6 +147,7 @@ class _FusedExpertFunction(torch.autograd.Function):
                 gather=gather,
                 compute=compute,
                 scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
+                deferred=weight_grads,
             ),
             group=call.group, overlap=call.overlap, phase="backward", timeline=call.timeline,
         )

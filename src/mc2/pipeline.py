@@ -11,6 +11,7 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
         dispatch(i+1)            # in flight while i computes
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
+        deferred(i)              # e.g. weight gradients, while combine(i) travels
         wait combine(i-1); receive(i-1)
     wait combine(K-1); receive(K-1)
 
@@ -37,11 +38,15 @@ class PipelineSteps:
         gather: ``i -> [n_i, H]`` rows to send for micro-batch ``i``, grouped by destination.
         compute: ``(i, received [r_i, H]) -> [r_i, H]`` rows to send back, in receive order.
         scatter: ``(i, returned [n_i, H]) -> None`` consumes the rows that came back.
+        deferred: ``i -> None`` work of micro-batch ``i`` that nothing sent depends on (the
+            backward's weight gradients); run after ``i``'s combine is on the wire, so it fills
+            time that would otherwise be spent waiting.
     """
 
     gather: Callable[[int], Tensor]
     compute: Callable[[int, Tensor], Tensor]
     scatter: Callable[[int, Tensor], None]
+    deferred: Callable[[int], None] | None = None
 
 
 def run_pipeline(
@@ -76,6 +81,11 @@ def run_pipeline(
         with maybe_span(timeline, "compute", "scatter", phase, i):
             steps.scatter(i, returned)
 
+    def deferred(i: int) -> None:
+        if steps.deferred is not None:
+            with maybe_span(timeline, "compute", "deferred", phase, i):
+                steps.deferred(i)
+
     if not overlap:
         for i in range(len(routes)):
             rows = gather(i)
@@ -85,6 +95,7 @@ def run_pipeline(
             with maybe_span(timeline, "comm", "combine", phase, i):
                 returned = combine(i, out, async_op=False).wait()
             scatter(i, returned)
+            deferred(i)
         return
 
     dispatches = {0: send(0, gather(0), async_op=True)}
@@ -95,6 +106,7 @@ def run_pipeline(
         with maybe_span(timeline, "wait", "dispatch", phase, i):
             received = dispatches.pop(i).wait()
         combines[i] = combine(i, compute(i, received), async_op=True)
+        deferred(i)
         if i >= 1:
             with maybe_span(timeline, "wait", "combine", phase, i - 1):
                 returned = combines.pop(i - 1).wait()

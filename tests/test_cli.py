@@ -1,0 +1,42 @@
+"""The command line: help text and a tiny end-to-end bench in a local world."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mc2.cli import main
+
+
+def test_help_explains_commands(capsys) -> None:
+    try:
+        main(["--help"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    text = capsys.readouterr().out
+    assert "demo" in text and "bench" in text
+
+
+def test_tiny_bench_prints_the_table(tmp_path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+         "--ffn", "48", "--experts", "4", "--micro-batches", "2,4", "--repeats", "2",
+         "--warmup", "0", "--split-sync", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for column in ("comm share", "tokens/s/rank", "speedup", "hidden", "max diff"):
+        assert column in proc.stdout
+    report = json.loads(out.read_text())
+    modes = [r["mode"] for r in report["results"]]
+    assert modes == ["serial", "mc2 K=2", "mc2 K=4", "split K=2 (sync)", "split K=4 (sync)"]
+    for r in report["results"]:
+        assert r["step_s"] > 0 and r["max_diff"] < 1e-4
+
+
+def test_bad_arguments_exit_cleanly() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "bench", "--topk", "9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "topk" in proc.stderr
