@@ -196,7 +196,8 @@ def fused_expert(
             ``"auto"``: K = 1, one synchronous dispatch, compute, one synchronous combine).
         num_experts: optional check that the group holds exactly this many experts.
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
-            expert) or ``"auto"`` (grouped on accelerators, loop on CPU where it measured faster).
+            expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
+            :mod:`mc2.experts`).
         timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait spans.
 
     Returns:
