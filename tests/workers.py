@@ -118,3 +118,19 @@ def raise_on_rank(rank: int, world: int, culprit: int) -> int:
     if rank == culprit:
         raise RuntimeError(f"planted failure on rank {rank}")
     return rank
+
+
+def profiled_step(rank: int, world: int, micro_batches: int, overlap: bool) -> list:
+    """One forward+backward inside ``mc2.profile()`` with a marked step; all ranks' spans."""
+    from tests.problems import make_problem
+
+    p = make_problem(world, "uniform")
+    x = p.xs[rank].clone().requires_grad_(True)
+    with mc2.profile() as prof:
+        with prof.step():
+            out = mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                                   micro_batches=micro_batches, overlap=overlap)
+            out.backward(p.grad_outs[rank])
+    # outside the block nothing is recorded any more
+    mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank])
+    return prof.gather()

@@ -4,10 +4,12 @@
 micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 """
 
+from . import profiler
 from .launch import run_local
+from .profiler import Profiler, profile
 from .ops import fused_expert
 from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Span, Timeline
 
-__all__ = ["fused_expert", "run_local", "Timeline", "Span", "DispatchHandle", "MicroBatchRoute"]
+__all__ = ["fused_expert", "profile", "Profiler", "run_local", "Timeline", "Span", "DispatchHandle", "MicroBatchRoute"]
 __version__ = "0.1.0"

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from . import metrics
 from .launch import run_local
 from .ops import fused_expert
-from .timeline import Timeline
+from .profiler import profile
+from .timeline import Span, Timeline
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -42,6 +43,7 @@ class BenchConfig:
     gemm: str = "auto"
     seed: int = 0
     split_sync: bool = False  # also time K micro-batches *without* overlap (split overhead)
+    trace: bool = False  # profile one extra step per mode and return every rank's spans
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -85,6 +87,8 @@ class BenchReport:
     config: BenchConfig
     world_size: int
     results: list[ModeResult] = field(default_factory=list)
+    traces: dict[str, list[list[Span]]] = field(default_factory=dict)  # mode -> per-rank spans
+    profiler_overhead: float = float("nan")  # (step with recording) / (step without) - 1
 
     @property
     def serial(self) -> ModeResult:
@@ -96,7 +100,8 @@ class BenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "world_size": self.world_size,
-                "results": [asdict(r) for r in self.results]}
+                "results": [asdict(r) for r in self.results],
+                "profiler_overhead": self.profiler_overhead}
 
 
 def modes_of(cfg: BenchConfig) -> list[Mode]:
@@ -167,7 +172,29 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 print(f"  [{tag}] {mode.name:<18} {row[0] * 1e3:9.1f} ms", file=sys.stderr,
                       flush=True)
     slowest_diff = _slowest([diffs[m.name] for m in modes])
-    return {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff))}
+    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff))}
+    if cfg.trace:
+        raw["traces"] = {}
+        for mode in modes:
+            with profile() as prof:
+                dist.barrier()
+                with prof.step():
+                    _step(x, ws, ids, rw, grad_out, mode, cfg, None)
+            raw["traces"][mode.name] = prof.gather()
+        raw["overhead"] = _recording_overhead(x, ws, ids, rw, grad_out, modes[-1], cfg)
+    return raw
+
+
+def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) -> float:
+    """Median step with a Timeline over median step without, minus 1 (alternating runs)."""
+    timed: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(2 * max(cfg.repeats, 3)):
+        record = rep % 2 == 0
+        dist.barrier()
+        start = time.perf_counter()
+        _step(x, ws, ids, rw, grad_out, mode, cfg, Timeline() if record else None)
+        timed[record].append(_slowest([time.perf_counter() - start])[0])
+    return metrics.median(timed[True]) / metrics.median(timed[False]) - 1
 
 
 def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
@@ -183,6 +210,8 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
             tokens_per_s_per_rank=cfg.tokens_per_rank / step,
             comm_share=metrics.comm_share(comm, step), max_diff=raw["diffs"][mode.name],
         ))
+    report.traces = raw.get("traces", {})
+    report.profiler_overhead = raw.get("overhead", float("nan"))
     serial = report.serial
     for r in report.results:
         r.speedup = metrics.speedup(serial.step_s, r.step_s)
@@ -218,4 +247,37 @@ def format_report(report: BenchReport) -> str:
     bound = metrics.overlap_bound(serial.comm_share)
     lines.append(f"serial comm share {serial.comm_share * 100:.1f}% -> overlap can at best give "
                  f"{bound:.3f}x; best MC2: {report.best.mode} at {report.best.speedup:.3f}x")
+    lines += ["", format_article_table(report)]
     return "\n".join(lines)
+
+
+def article_rows(report: BenchReport) -> list[dict[str, Any]]:
+    """The article's table: configuration, comm share, tokens/s per rank (no fusion vs MC2)."""
+    best = report.best
+    return [
+        {"config": "no fusion (serial)", "comm_share": report.serial.comm_share,
+         "tokens_per_s_per_rank": report.serial.tokens_per_s_per_rank},
+        {"config": f"MC2, one node ({best.mode})", "comm_share": best.comm_share,
+         "tokens_per_s_per_rank": best.tokens_per_s_per_rank},
+    ]
+
+
+def format_article_table(report: BenchReport) -> str:
+    rows = article_rows(report)
+    width = max(len(r["config"]) for r in rows)
+    lines = [f"{'config':<{width}} | comm share | tokens/s per rank"]
+    lines += [f"{r['config']:<{width}} | {r['comm_share'] * 100:9.1f}% | "
+              f"{r['tokens_per_s_per_rank']:,.0f}" for r in rows]
+    return "\n".join(lines)
+
+
+def write_csv(report: BenchReport, path: str) -> None:
+    """Every mode's numbers, one row each."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        fields = list(asdict(report.results[0]))
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in report.results:
+            writer.writerow(asdict(r))

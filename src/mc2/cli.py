@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .bench import BenchConfig, format_report, run_bench
+from .bench import BenchConfig, BenchReport, format_report, run_bench, write_csv
 
 DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
                    micro_batches=(2, 4, 8), repeats=5, warmup=1)
@@ -43,13 +43,17 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--split-sync", action="store_true",
                    help="also time K micro-batches without overlap, to separate split overhead")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
+    p.add_argument("--trace", type=Path, metavar="DIR",
+                   help="profile one step per mode; write DIR/trace.json (Chrome/Perfetto, all "
+                        "ranks), DIR/gantt.png (serial vs best MC2) and DIR/metrics.json")
 
 
 def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
     return replace(base, tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, ffn=args.ffn,
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
-                   gemm=args.gemm, split_sync=args.split_sync)
+                   gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str) -> int:
@@ -64,7 +68,34 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str) -> int:
     if args.json:
         args.json.write_text(json.dumps(report.to_dict(), indent=2))
         print(f"wrote {args.json}")
+    if args.csv:
+        write_csv(report, str(args.csv))
+        print(f"wrote {args.csv}")
+    if args.trace:
+        for path in write_traces(report, args.trace):
+            print(f"wrote {path}")
+        print(f"profiler overhead: {report.profiler_overhead * 100:+.1f}% of a step")
     return 0
+
+
+def write_traces(report: BenchReport, folder: Path) -> list[Path]:
+    """Chrome trace of every mode, Gantt of serial vs best MC2, per-rank metrics."""
+    from .plot import plot_gantt
+    from .profiler import metrics_dict, metrics_of, write_chrome_trace
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = report.config.tokens_per_rank
+    per_mode = {mode: [metrics_dict(metrics_of(spans, tokens=tokens)) for spans in ranks]
+                for mode, ranks in report.traces.items()}
+    metrics_path = folder / "metrics.json"
+    metrics_path.write_text(json.dumps(
+        {"per_mode_per_rank": per_mode, "profiler_overhead": report.profiler_overhead}, indent=2))
+    pair = {m: report.traces[m] for m in ("serial", report.best.mode)}
+    return [write_chrome_trace(folder / "trace.json", report.traces),
+            plot_gantt(pair, folder / "gantt.png",
+                       title=f"serial vs {report.best.mode}: {report.world_size} ranks x "
+                             f"{tokens} tokens, forward + backward"),
+            metrics_path]
 
 
 def build_parser() -> argparse.ArgumentParser:

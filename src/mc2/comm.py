@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -74,11 +74,14 @@ def all_to_all_rows(
     group: Any,
     *,
     async_op: bool,
+    on_complete: Callable[[float, float], None] | None = None,
 ) -> PendingTransfer:
     """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
 
     Rows ``[sum(send_splits[:j]), sum(send_splits[:j+1]))`` go to rank ``j``; the result holds
-    the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``.
+    the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``. ``on_complete(issued,
+    done)`` is called with ``perf_counter`` times when an asynchronous transfer completes (from
+    the backend's thread); used for profiling only.
     """
     issued = time.perf_counter()
     if group_size(group) == 1:
@@ -88,6 +91,8 @@ def all_to_all_rows(
     work = dist.all_to_all_single(
         output, rows, recv_splits, send_splits, group=group, async_op=async_op
     )
+    if async_op and on_complete is not None:
+        work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
     return PendingTransfer(
         output=output,
         work=work if async_op else None,

@@ -25,6 +25,7 @@ from .experts import (
     swiglu_forward,
 )
 from .pipeline import PipelineSteps, run_pipeline
+from .profiler import active_timeline
 from .routing import DispatchHandle, MicroBatchRoute, build_handle, local_send_counts
 from .timeline import Timeline, maybe_span
 from .validation import agree, local_problem
@@ -198,7 +199,8 @@ def fused_expert(
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
             expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
             :mod:`mc2.experts`).
-        timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait spans.
+        timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
+            spans (default: the one of the active :func:`mc2.profile`, if any).
 
     Returns:
         ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
@@ -214,6 +216,8 @@ def fused_expert(
             shape/dtype/device, expert id out of range, weights that do not match the group), or
             when ranks disagree on values that must be shared; no rank is left in a collective.
     """
+    if timeline is None:
+        timeline = active_timeline()
     world = group_size(group)
     problem = local_problem(
         x, weights_up, weights_gate, weights_down, expert_ids, routing_weights,

@@ -65,13 +65,20 @@ def run_pipeline(
         with maybe_span(timeline, "compute", "gather", phase, i):
             return steps.gather(i)
 
+    def in_flight(name: str, i: int) -> Callable[[float, float], None] | None:
+        if timeline is None:
+            return None
+        return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
+
     def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
         r = routes[i]
-        return all_to_all_rows(rows, r.send_splits, r.recv_splits, group, async_op=async_op)
+        return all_to_all_rows(rows, r.send_splits, r.recv_splits, group, async_op=async_op,
+                               on_complete=in_flight("dispatch", i))
 
     def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
         r = routes[i]
-        return all_to_all_rows(rows, r.recv_splits, r.send_splits, group, async_op=async_op)
+        return all_to_all_rows(rows, r.recv_splits, r.send_splits, group, async_op=async_op,
+                               on_complete=in_flight("combine", i))
 
     def compute(i: int, received: Tensor) -> Tensor:
         with maybe_span(timeline, "compute", "experts", phase, i):

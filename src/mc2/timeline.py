@@ -7,7 +7,10 @@ wall-clock (``time.perf_counter``) seen from the calling thread:
 * ``compute``: expert math of one micro-batch (plus local permutes);
 * ``comm``: a synchronous collective, blocking the caller for its whole duration;
 * ``wait``: the caller blocked in ``wait()`` on an asynchronous collective: communication that
-  was *not* hidden.
+  was *not* hidden;
+* ``transfer``: an asynchronous collective in flight, from its issue to its completion as the
+  backend reports it (recorded from the backend's thread; on accelerators this is when the
+  host learns of completion).
 
 Exposed communication (DESIGN.md §6) is the sum of ``comm`` and ``wait`` spans.
 """
@@ -19,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
-SpanKind = Literal["compute", "comm", "wait"]
+SpanKind = Literal["compute", "comm", "wait", "transfer", "step"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class Timeline:
             yield
         finally:
             self.spans.append(Span(kind, name, phase, micro_batch, start, time.perf_counter()))
+
+    def add(self, kind: SpanKind, name: str, phase: str, micro_batch: int, start: float,
+            end: float) -> None:
+        """Record a span measured elsewhere (e.g. a transfer completed on a backend thread)."""
+        self.spans.append(Span(kind, name, phase, micro_batch, start, end))
 
     def total(self, *kinds: SpanKind) -> float:
         """Summed duration of the spans of the given kinds (seconds)."""

@@ -1,0 +1,189 @@
+"""See the overlap: a per-rank timeline of every micro-batch's dispatch, compute, combine and wait.
+
+Usage::
+
+    with mc2.profile() as prof:          # every fused_expert call inside is recorded
+        with prof.step():                # optional: mark training steps
+            loss = model(x).sum(); loss.backward()
+    ranks = prof.gather()                # collective: every rank's spans (call on all ranks)
+    print(prof.metrics(tokens=x.shape[0]))
+    write_chrome_trace("trace.json", {"mc2": ranks})
+
+The profiler is an object the caller holds; ``profile()`` only makes it the *active* one for the
+calls made inside the ``with`` block (a ``contextvars`` variable, so threads and tasks do not
+leak into each other). Recording costs a ``perf_counter`` pair per span and one future callback
+per asynchronous transfer; ``mc2 bench --trace`` reports the measured overhead.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from .comm import gather_objects
+from .timeline import Span, Timeline
+
+_ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar(
+    "mc2_active_profiler", default=None
+)
+
+
+def active_timeline() -> Timeline | None:
+    """The timeline of the profiler active in this context, if any."""
+    prof = _ACTIVE.get()
+    return None if prof is None else prof.timeline
+
+
+@dataclass(frozen=True)
+class RankMetrics:
+    """DESIGN.md §6 quantities of one rank over the profiled window (seconds)."""
+
+    step_s: float  # window (or mean marked step) time
+    comm_s: float  # union of communication intervals (sync collectives and transfers)
+    exposed_comm_s: float  # time the caller was blocked on communication
+    compute_s: float
+    comm_share: float  # exposed / step
+    tokens_per_s: float
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def metrics_of(spans: Sequence[Span], *, tokens: int = 0, steps: int = 1) -> RankMetrics:
+    """Metrics of one rank's spans; ``steps`` divides the totals into per-step values."""
+    work = [s for s in spans if s.kind != "step"]
+    marked = [s for s in spans if s.kind == "step"]
+    if marked:
+        window = sum(s.duration for s in marked)
+        steps = len(marked)
+    elif work:
+        window = max(s.end for s in work) - min(s.start for s in work)
+    else:
+        window = 0.0
+    comm = _union_length([(s.start, s.end) for s in work if s.kind in ("comm", "transfer")])
+    exposed = sum(s.duration for s in work if s.kind in ("comm", "wait"))
+    compute = sum(s.duration for s in work if s.kind == "compute")
+    step = window / steps if steps else 0.0
+    return RankMetrics(
+        step_s=step, comm_s=comm / steps, exposed_comm_s=exposed / steps,
+        compute_s=compute / steps, comm_share=exposed / window if window else 0.0,
+        tokens_per_s=tokens / step if step else 0.0,
+    )
+
+
+class Profiler:
+    """Records the spans of the ``fused_expert`` calls made while it is active."""
+
+    def __init__(self) -> None:
+        self.timeline = Timeline()
+        self.wall_offset = time.time() - time.perf_counter()  # aligns ranks on other hosts
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Mark one training step (forward + backward); metrics are then per marked step."""
+        with self.timeline.span("step", "step", "step"):
+            yield
+
+    @property
+    def spans(self) -> list[Span]:
+        return self.timeline.spans
+
+    def gather(self, group: Any = None) -> list[list[Span]]:
+        """Every rank's spans, in rank order, on a common wall clock (a collective)."""
+        shifted = [Span(s.kind, s.name, s.phase, s.micro_batch, s.start + self.wall_offset,
+                        s.end + self.wall_offset) for s in self.spans]
+        return gather_objects(shifted, group)
+
+    def metrics(self, *, tokens: int = 0) -> RankMetrics:
+        """This rank's metrics; ``tokens`` is the local tokens per step, for tokens/s."""
+        return metrics_of(self.spans, tokens=tokens)
+
+
+@contextmanager
+def profile() -> Iterator[Profiler]:
+    """Make a new :class:`Profiler` active for the calls inside the ``with`` block."""
+    prof = Profiler()
+    token = _ACTIVE.set(prof)
+    try:
+        yield prof
+    finally:
+        _ACTIVE.reset(token)
+
+
+def aggregate(per_rank: Sequence[RankMetrics]) -> RankMetrics:
+    """The group's view: the slowest rank's step, the mean of the other quantities."""
+    n = max(len(per_rank), 1)
+    slowest = max(per_rank, key=lambda m: m.step_s)
+    return RankMetrics(
+        step_s=slowest.step_s,
+        comm_s=sum(m.comm_s for m in per_rank) / n,
+        exposed_comm_s=sum(m.exposed_comm_s for m in per_rank) / n,
+        compute_s=sum(m.compute_s for m in per_rank) / n,
+        comm_share=sum(m.comm_share for m in per_rank) / n,
+        tokens_per_s=sum(m.tokens_per_s for m in per_rank) / n,
+    )
+
+
+# --- Chrome trace / Perfetto ------------------------------------------------------------------
+
+ENGINES = {"compute": 0, "wait": 0, "comm": 1, "transfer": 1}
+ENGINE_NAMES = {0: "compute", 1: "communication"}
+
+
+def _label(s: Span) -> str:
+    what = {"wait": f"wait {s.name}", "transfer": s.name, "comm": s.name}.get(s.kind, s.name)
+    return what if s.micro_batch < 0 else f"{what} [{s.phase[:3]} {s.micro_batch}]"
+
+
+def chrome_trace(runs: dict[str, Sequence[Sequence[Span]]]) -> dict[str, Any]:
+    """A Chrome-trace (Perfetto) JSON object: one process per (run, rank), one thread per engine.
+
+    Args:
+        runs: run label (e.g. ``"serial"``, ``"mc2 K=4"``) -> per-rank span lists, as returned
+            by :meth:`Profiler.gather`. Every run starts at time 0 so they compare side by side.
+    """
+    events: list[dict[str, Any]] = []
+    for run_index, (label, ranks) in enumerate(runs.items()):
+        starts = [s.start for spans in ranks for s in spans]
+        origin = min(starts) if starts else 0.0
+        for rank, spans in enumerate(ranks):
+            pid = run_index * 1000 + rank
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                           "args": {"name": f"{label} / rank {rank}"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                           "args": {"sort_index": pid}})
+            for tid, name in ENGINE_NAMES.items():
+                events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                               "args": {"name": name}})
+            for s in spans:
+                if s.kind == "step":
+                    continue
+                events.append({
+                    "name": _label(s), "cat": s.kind, "ph": "X", "pid": pid,
+                    "tid": ENGINES[s.kind], "ts": (s.start - origin) * 1e6,
+                    "dur": max(s.duration, 0.0) * 1e6,
+                    "args": {"phase": s.phase, "micro_batch": s.micro_batch, "kind": s.kind},
+                })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, runs: dict[str, Sequence[Sequence[Span]]]) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(runs)))
+    return path
+
+
+def metrics_dict(m: RankMetrics) -> dict[str, float]:
+    return asdict(m)
