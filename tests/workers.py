@@ -134,3 +134,24 @@ def profiled_step(rank: int, world: int, micro_batches: int, overlap: bool) -> l
     # outside the block nothing is recorded any more
     mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank])
     return prof.gather()
+
+
+def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int) -> dict:
+    """``micro_batches="auto"`` with different local token counts: the K each rank used."""
+    g = torch.Generator().manual_seed(rank)
+    local = 2
+    x = torch.randn(tokens[rank], hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens[rank], 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = mc2.Planner()
+    tl = mc2.Timeline()
+    out = mc2.fused_expert(x.requires_grad_(True), *ws, ids, micro_batches="auto",
+                           planner=planner, timeline=tl)
+    out.sum().backward()
+    used = 1 + max((s.micro_batch for s in tl.spans), default=0)
+    cal = next(iter(planner._cache.values()))
+    work = planner.workload(max(tokens), 2, ws[0], None)
+    return {"used": used, "calibration": cal,
+            "predicted": {k: mc2.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import metrics
 from .launch import run_local
 from .ops import fused_expert
+from .planner import planner_for, predict
 from .profiler import profile
 from .timeline import Span, Timeline
 
@@ -44,6 +45,7 @@ class BenchConfig:
     seed: int = 0
     split_sync: bool = False  # also time K micro-batches *without* overlap (split overhead)
     trace: bool = False  # profile one extra step per mode and return every rank's spans
+    auto: bool = False  # also time micro_batches="auto" and return the planner's predictions
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -61,7 +63,7 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Mode:
     name: str
-    micro_batches: int
+    micro_batches: int | str
     overlap: bool
 
 
@@ -70,7 +72,7 @@ class ModeResult:
     """Medians over repeats of the slowest rank's numbers for one mode."""
 
     mode: str
-    micro_batches: int
+    micro_batches: int | str
     overlap: bool
     step_s: float
     exposed_comm_s: float
@@ -89,6 +91,8 @@ class BenchReport:
     results: list[ModeResult] = field(default_factory=list)
     traces: dict[str, list[list[Span]]] = field(default_factory=dict)  # mode -> per-rank spans
     profiler_overhead: float = float("nan")  # (step with recording) / (step without) - 1
+    auto_k: int = 0  # the K "auto" chose (0: not run)
+    predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
 
     @property
     def serial(self) -> ModeResult:
@@ -96,12 +100,23 @@ class BenchReport:
 
     @property
     def best(self) -> ModeResult:
+        """The fastest overlapped mode, "auto" included."""
         return min((r for r in self.results if r.overlap), key=lambda r: r.step_s)
+
+    @property
+    def best_fixed(self) -> ModeResult:
+        """The fastest overlapped mode with a fixed K (what a sweep finds)."""
+        return min((r for r in self.results if r.overlap and isinstance(r.micro_batches, int)),
+                   key=lambda r: r.step_s)
+
+    def result(self, mode: str) -> ModeResult:
+        return next(r for r in self.results if r.mode == mode)
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "world_size": self.world_size,
                 "results": [asdict(r) for r in self.results],
-                "profiler_overhead": self.profiler_overhead}
+                "profiler_overhead": self.profiler_overhead, "auto_k": self.auto_k,
+                "predicted_s": self.predicted_s}
 
 
 def modes_of(cfg: BenchConfig) -> list[Mode]:
@@ -109,6 +124,8 @@ def modes_of(cfg: BenchConfig) -> list[Mode]:
     modes += [Mode(f"mc2 K={k}", k, True) for k in cfg.micro_batches]
     if cfg.split_sync:
         modes += [Mode(f"split K={k} (sync)", k, False) for k in cfg.micro_batches if k > 1]
+    if cfg.auto:
+        modes.append(Mode("mc2 auto", "auto", True))
     return modes
 
 
@@ -151,6 +168,15 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     x, ws, ids, rw, grad_out = _problem(rank, cfg)
     modes = modes_of(cfg)
     reference = _step(x, ws, ids, rw, grad_out, modes[0], cfg, None)
+    plan: dict[str, Any] = {}
+    if cfg.auto:  # measure before timing anything, then report what the model predicts
+        planner = planner_for(None)
+        plan["auto_k"] = planner.plan(max_tokens=cfg.tokens_per_rank, topk=cfg.topk,
+                                      w_up=ws[0], w_gate=ws[1], w_down=ws[2], group=None)
+        cal = planner.calibration(ws[0], ws[1], ws[2], None)
+        work = planner.workload(cfg.tokens_per_rank, cfg.topk, ws[0], None)
+        plan["predicted"] = {k: predict(cal, work, k).step_s
+                             for k in sorted(set(cfg.micro_batches) | {1})}
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
     for rep in range(cfg.warmup + cfg.repeats):
@@ -172,7 +198,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 print(f"  [{tag}] {mode.name:<18} {row[0] * 1e3:9.1f} ms", file=sys.stderr,
                       flush=True)
     slowest_diff = _slowest([diffs[m.name] for m in modes])
-    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff))}
+    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)), **plan}
     if cfg.trace:
         raw["traces"] = {}
         for mode in modes:
@@ -211,6 +237,8 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
             comm_share=metrics.comm_share(comm, step), max_diff=raw["diffs"][mode.name],
         ))
     report.traces = raw.get("traces", {})
+    report.auto_k = raw.get("auto_k", 0)
+    report.predicted_s = raw.get("predicted", {})
     report.profiler_overhead = raw.get("overhead", float("nan"))
     serial = report.serial
     for r in report.results:
@@ -253,7 +281,7 @@ def format_report(report: BenchReport) -> str:
 
 def article_rows(report: BenchReport) -> list[dict[str, Any]]:
     """The article's table: configuration, comm share, tokens/s per rank (no fusion vs MC2)."""
-    best = report.best
+    best = report.best_fixed
     return [
         {"config": "no fusion (serial)", "comm_share": report.serial.comm_share,
          "tokens_per_s_per_rank": report.serial.tokens_per_s_per_rank},
@@ -281,3 +309,20 @@ def write_csv(report: BenchReport, path: str) -> None:
         writer.writeheader()
         for r in report.results:
             writer.writerow(asdict(r))
+
+
+def format_plan(report: BenchReport) -> str:
+    """The planner's predicted step time for every K beside the measured one, and its pick."""
+    lines = ["K    predicted ms  measured ms  error"]
+    for k, predicted in sorted(report.predicted_s.items()):
+        measured = report.result(f"mc2 K={k}").step_s if any(
+            r.mode == f"mc2 K={k}" for r in report.results) else float("nan")
+        lines.append(f"{k:<4} {predicted * 1e3:12.1f} {measured * 1e3:12.1f} "
+                     f"{(predicted / measured - 1) * 100:+6.1f}%")
+    auto = report.result("mc2 auto")
+    best = report.best_fixed
+    k1 = report.result("mc2 K=1") if any(r.mode == "mc2 K=1" for r in report.results) else None
+    lines.append(f"auto chose K={report.auto_k}: {auto.step_s * 1e3:.1f} ms; best measured "
+                 f"{best.mode}: {best.step_s * 1e3:.1f} ms; auto/best {auto.step_s / best.step_s:.3f}"
+                 + (f"; auto/K=1 {auto.step_s / k1.step_s:.3f}" if k1 else ""))
+    return "\n".join(lines)

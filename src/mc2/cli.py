@@ -1,4 +1,4 @@
-"""The ``mc2`` command line: ``mc2 demo`` and ``mc2 bench``."""
+"""The ``mc2`` command line: ``mc2 demo``, ``mc2 bench`` and ``mc2 plan``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,18 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
-from .bench import BenchConfig, BenchReport, format_report, run_bench, write_csv
+from .bench import (
+    BenchConfig,
+    BenchReport,
+    format_plan,
+    format_report,
+    run_bench,
+    write_csv,
+)
 
+PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
 DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
                    micro_batches=(2, 4, 8), repeats=5, warmup=1)
 
@@ -40,6 +49,8 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--warmup", type=int, default=base.warmup, help="untimed repeats per mode")
     p.add_argument("--gemm", default=base.gemm, choices=["auto", "grouped", "loop"],
                    help="expert GEMM strategy")
+    p.add_argument("--auto", action="store_true", default=base.auto,
+                   help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
                    help="also time K micro-batches without overlap, to separate split overhead")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
@@ -53,10 +64,12 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
     return replace(base, tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, ffn=args.ffn,
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
-                   gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None)
+                   gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
+                   auto=args.auto)
 
 
-def _run(args: argparse.Namespace, base: BenchConfig, title: str) -> int:
+def _run(args: argparse.Namespace, base: BenchConfig, title: str,
+         extra: Callable[[BenchReport], str] | None = None) -> int:
     try:
         cfg = _config(args, base)
     except ValueError as exc:
@@ -65,6 +78,9 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str) -> int:
     print(title, file=sys.stderr, flush=True)
     report = run_bench(cfg, world_size=args.world_size, threads=args.threads)
     print(format_report(report))
+    if extra is not None:
+        print()
+        print(extra(report))
     if args.json:
         args.json.write_text(json.dumps(report.to_dict(), indent=2))
         print(f"wrote {args.json}")
@@ -113,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "time, comm share, tokens/s per rank, speedup, hidden fraction and the max "
                     "difference against the serial result.")
     _add_problem_args(demo, DEMO)
+    plan = sub.add_parser(
+        "plan", help="the planner's predicted step time for every K beside the measured one",
+        description="Calibrates the cost model on a local Gloo world (link latency and "
+                    "bandwidth, expert compute, interference), predicts forward+backward time "
+                    "for each K, measures each K and micro_batches='auto', and prints them side "
+                    "by side.")
+    _add_problem_args(plan, PLAN)
     bench = sub.add_parser(
         "bench", help="measure serial vs MC2 on a chosen problem (default: the issue's 4096 "
                       "tokens/rank, hidden 1024, ffn 2048)",
@@ -123,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        return _run(args, PLAN, "mc2 plan", extra=format_plan)
     if args.command == "demo":
         return _run(args, DEMO, "mc2 demo: Mixtral-shaped MoE layer (scaled to CPU), "
                                 f"{args.world_size} Gloo ranks on loopback")

@@ -25,17 +25,13 @@ from .experts import (
     swiglu_forward,
 )
 from .pipeline import PipelineSteps, run_pipeline
+from .planner import Planner, planner_for
 from .profiler import active_timeline
 from .routing import DispatchHandle, MicroBatchRoute, build_handle, local_send_counts
 from .timeline import Timeline, maybe_span
 from .validation import agree, local_problem
 
 MicroBatches = int | Literal["auto"]
-
-
-def default_micro_batches(num_experts: int, max_tokens: int) -> int:
-    """The article's rule: K = number of experts, capped by the (group-wide) token count."""
-    return max(1, min(num_experts, max_tokens))
 
 
 @dataclass(frozen=True)
@@ -169,6 +165,7 @@ def fused_expert(
     num_experts: int | None = None,
     gemm: GemmStrategy = "auto",
     timeline: Timeline | None = None,
+    planner: Planner | None = None,
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -190,8 +187,9 @@ def fused_expert(
         group: the expert-parallel process group (``None``: the default group). Without an
             initialised ``torch.distributed`` or with one rank, runs locally without collectives.
         micro_batches: K, the number of micro-batches the local tokens are split into; ``1`` does
-            not split; ``"auto"`` uses K = number of experts capped by the largest local token
-            count of the group. Must be the same on every rank.
+            not split; ``"auto"`` lets the planner choose from a cost model measured on this
+            group (:mod:`mc2.planner`; K = 1 where splitting cannot pay). Must be the same on
+            every rank; with ``"auto"`` all ranks derive the same K.
         overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
             and ``i-1`` combined while ``i`` computes; ``False`` is the plain serial path (with
             ``"auto"``: K = 1, one synchronous dispatch, compute, one synchronous combine).
@@ -199,6 +197,8 @@ def fused_expert(
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
             expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
             :mod:`mc2.experts`).
+        planner: the :class:`~mc2.planner.Planner` for ``"auto"`` (default: one shared per
+            group, measuring on first use: a collective all ranks enter together).
         timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
             spans (default: the one of the active :func:`mc2.profile`, if any).
 
@@ -236,7 +236,12 @@ def fused_expert(
     local_experts, hidden = weights_up.shape[0], x.shape[-1]
     total_experts = world * local_experts
     if micro_batches == "auto":
-        k = default_micro_batches(total_experts, agreement.max_tokens) if overlap else 1
+        k = 1
+        if overlap:
+            with maybe_span(timeline, "compute", "plan", "forward"):
+                k = (planner or planner_for(group)).plan(
+                    max_tokens=agreement.max_tokens, topk=agreement.max_topk, w_up=weights_up,
+                    w_gate=weights_gate, w_down=weights_down, group=group, strategy=strategy)
     else:
         k = int(micro_batches)
 

@@ -5,8 +5,8 @@ in one small ``all_reduce`` (:func:`agree`) that carries an error flag together 
 every rank must share (micro-batch request, hidden size, expert count, dtype, overlap flag,
 whether gradients are needed). If any rank found a problem, or the ranks disagree, *every* rank
 raises ``ValueError`` before the first data collective is issued. The same reduction also yields
-the global maximum token count that ``micro_batches="auto"`` is derived from, so all ranks agree
-on K without a second message.
+the global maximum token count and top-k that ``micro_batches="auto"`` plans with, so all ranks
+agree on K without a second message.
 """
 
 from __future__ import annotations
@@ -122,9 +122,10 @@ def shapes_of(x: Tensor, w_up: Tensor, expert_ids: Tensor) -> Shapes:
 
 @dataclass(frozen=True)
 class Agreement:
-    """What the group agreed on: the largest local token count (for ``"auto"``)."""
+    """What the group agreed on: the largest local token count and top-k (for ``"auto"``)."""
 
     max_tokens: int
+    max_topk: int
 
 
 _SHARED = ("micro_batches", "hidden size", "ffn size", "local experts", "dtype", "overlap",
@@ -147,9 +148,9 @@ def agree(
         s = shapes_of(x, w_up, expert_ids)
         shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
                   s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad)]
-        facts = [0, s.tokens, *shared]
+        facts = [0, s.tokens, s.topk, *shared]
     else:
-        facts = [1, 0] + [0] * len(_SHARED)
+        facts = [1, 0, 0] + [0] * len(_SHARED)
     device = comm_device(group, x) if isinstance(x, Tensor) else torch.device("cpu")
     local = torch.tensor(facts, dtype=torch.int64, device=device)
     reduced = all_reduce_max(torch.cat([local, -local]), group).cpu()
@@ -164,10 +165,10 @@ def agree(
             f"fused_expert: another rank of the group rejected its input ({culprits}); "
             f"rank {group_rank(group)} stops too so that no rank waits in a collective"
         )
-    for name, hi, lo in zip(_SHARED, highest[2:], lowest[2:]):
+    for name, hi, lo in zip(_SHARED, highest[3:], lowest[3:]):
         if hi != lo:
             raise ValueError(
                 f"fused_expert: ranks disagree on {name} (values between {lo} and {hi}); every "
                 "rank of the group must pass the same value (0 means 'auto' for micro_batches)"
             )
-    return Agreement(max_tokens=int(highest[1]))
+    return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]))

@@ -1,0 +1,249 @@
+"""Choosing K: a cost model of the pipeline, fed by measurements on the running group.
+
+Why a model and not a rule: the article's rule (K = number of experts) ignores what splitting
+costs. Every micro-batch runs every local expert's GEMMs once more, so a small micro-batch pays
+the expert weights' memory traffic again (forward reads, backward reads and gradient
+read-modify-writes) for a handful of rows; every extra All-to-All pays the link's latency; and
+on a busy host the transfer threads slow the compute down. The model below has one term for each,
+each measured once per (hidden, ffn, local experts, dtype, group) and cached in the planner:
+
+* expert compute, forward + backward, of ``r`` rows on one expert: ``a + b * r`` seconds
+  (``a``: per-expert per-micro-batch cost, ``b``: per-row cost);
+* one All-to-All moving ``n`` bytes off-rank per rank: ``alpha + beta * n`` seconds;
+* interference: while a transfer runs under compute, compute slows by ``gamma`` times the
+  transfer time.
+
+For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts, one pass
+(forward: 1/3 of the expert math, backward: 2/3) with per-micro-batch compute ``c`` and
+per-transfer time ``x`` takes::
+
+    serial (K = 1, synchronous):  2x + c
+    overlapped:                   2x + K c + (K - 1) max(0, 2x - c) + gamma (K - 1) min(2x, c)
+
+(the first dispatch and the last combine cannot hide; in between, two transfers run under each
+micro-batch's compute). K = 1 is kept unless the best K is predicted to gain at least
+``min_gain``. All ranks agree: the measurements are reduced to the group's maximum before use,
+and the token count is the group-wide maximum the call's handshake already agreed on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
+from .experts import accumulate_weight_grads, swiglu_backward_input, swiglu_forward
+
+FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured constants of the cost model (seconds; the group's maximum over ranks)."""
+
+    expert_fixed_s: float  # a: per expert per micro-batch, forward + backward
+    expert_row_s: float  # b: per row, forward + backward
+    link_latency_s: float  # alpha: per All-to-All
+    link_s_per_byte: float  # beta: per byte sent off-rank by each rank
+    interference: float  # gamma: compute slowdown per second of concurrent transfer
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted forward + backward time of one K (seconds)."""
+
+    micro_batches: int
+    step_s: float
+    compute_s: float
+    comm_s: float  # total All-to-All time, hidden or not
+    exposed_comm_s: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model needs to know about one call (all values agreed by the group)."""
+
+    rows_per_rank: int  # max tokens x topk
+    hidden: int
+    local_experts: int
+    world_size: int
+    element_size: int
+
+    def off_rank_bytes(self, rows: float) -> float:
+        share = (self.world_size - 1) / self.world_size if self.world_size > 1 else 0.0
+        return rows * self.hidden * self.element_size * share
+
+
+def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -> Prediction:
+    """The model's step time for ``k`` micro-batches (see the module docstring)."""
+    rows = work.rows_per_rank / k
+    per_expert = rows / work.local_experts
+    compute_mb = work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
+    transfer = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
+    if work.world_size == 1:
+        transfer = 0.0
+    step = exposed = 0.0
+    for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
+        c = compute_mb * share
+        if not overlap or k == 1:
+            pass_time, pass_exposed = k * (c + 2 * transfer), k * 2 * transfer
+        else:
+            stall = (k - 1) * max(0.0, 2 * transfer - c)
+            slowdown = cal.interference * (k - 1) * min(2 * transfer, c)
+            pass_time = 2 * transfer + k * c + stall + slowdown
+            pass_exposed = 2 * transfer + stall
+        step += pass_time
+        exposed += pass_exposed
+    return Prediction(k, step, k * compute_mb, 4 * k * transfer, exposed)
+
+
+def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain: float,
+           max_tokens: int) -> int:
+    """The K to use: the predicted best, or 1 when the best does not gain ``min_gain``."""
+    allowed = [k for k in candidates if 1 <= k <= max(1, max_tokens)] or [1]
+    preds = {k: predict(cal, work, k).step_s for k in set(allowed) | {1}}
+    best = min(sorted(preds), key=lambda k: preds[k])
+    return best if preds[best] < preds[1] * (1 - min_gain) else 1
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
+    slope = max((t1 - t0) / (x1 - x0), 0.0)
+    return max(t0 - slope * x0, 0.0), slope
+
+
+class Planner:
+    """Chooses ``micro_batches`` for ``"auto"``; measures once per shape and group, then caches.
+
+    Args:
+        candidates: the K values considered.
+        min_gain: keep K = 1 unless the model predicts at least this relative gain.
+        repeats: timing repeats per calibration measurement (medians are used).
+    """
+
+    def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
+                 repeats: int = 3) -> None:
+        if not candidates or min(candidates) < 1:
+            raise ValueError(f"candidates must be positive integers, got {candidates!r}")
+        self.candidates = tuple(candidates)
+        self.min_gain = min_gain
+        self.repeats = repeats
+        self._cache: dict[tuple, Calibration] = {}
+
+    def calibration(self, w_up: Tensor, w_gate: Tensor, w_down: Tensor, group: Any,
+                    strategy: str = "loop") -> Calibration:
+        """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
+        key = (tuple(w_up.shape), w_up.dtype, w_up.device.type, group_size(group), id(group))
+        if key not in self._cache:
+            self._cache[key] = self._measure(w_up, w_gate, w_down, group, strategy)
+        return self._cache[key]
+
+    def plan(self, *, max_tokens: int, topk: int, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
+             group: Any, strategy: str = "loop") -> int:
+        """K for a call whose largest rank holds ``max_tokens`` tokens (agreed by the group)."""
+        if group_size(group) == 1 or max_tokens <= 1:
+            return 1  # nothing to hide, or nothing to split
+        cal = self.calibration(w_up, w_gate, w_down, group, strategy)
+        return choose(cal, self.workload(max_tokens, topk, w_up, group), self.candidates,
+                      self.min_gain, max_tokens)
+
+    def workload(self, max_tokens: int, topk: int, w_up: Tensor, group: Any) -> Workload:
+        return Workload(rows_per_rank=max_tokens * topk, hidden=w_up.shape[1],
+                        local_experts=w_up.shape[0], world_size=group_size(group),
+                        element_size=w_up.element_size())
+
+    def _measure(self, w_up: Tensor, w_gate: Tensor, w_down: Tensor, group: Any,
+                 strategy: str) -> Calibration:
+        hidden = w_up.shape[1]
+        ws = (w_up.detach(), w_gate.detach(), w_down.detach())
+        grads = tuple(torch.zeros_like(w[:1]) for w in ws)
+        one = tuple(w[:1] for w in ws)
+
+        def expert_step(rows: int) -> None:
+            x = torch.randn(rows, hidden, dtype=w_up.dtype, device=w_up.device)
+            y, saved = swiglu_forward(x, [rows], *one, strategy=strategy, keep_activations=True)
+            assert saved is not None
+            _, work = swiglu_backward_input(y, saved, [rows], *one, strategy=strategy)
+            accumulate_weight_grads(work, grads, strategy=strategy)
+
+        with torch.no_grad():
+            small, large = 4, 64
+            expert_step(small)  # warm-up
+            t_small = _median_time(lambda: expert_step(small), self.repeats)
+            t_large = _median_time(lambda: expert_step(large), self.repeats)
+            fixed, per_row = _fit_line(small, t_small, large, t_large)
+
+            world = group_size(group)
+            row_small, row_large = 1, 256
+            latency, per_byte, interference = 0.0, 0.0, 0.0
+            if world > 1:
+                def a2a(rows_per_peer: int, async_op: bool = False):
+                    rows = torch.zeros(rows_per_peer * world, hidden, dtype=w_up.dtype,
+                                       device=w_up.device)
+                    splits = [rows_per_peer] * world
+                    return all_to_all_rows(rows, splits, splits, group, async_op=async_op)
+
+                def timed_a2a(rows_per_peer: int) -> float:
+                    dist.barrier(group=group)
+                    return _median_time(lambda: a2a(rows_per_peer).wait(), self.repeats)
+
+                a2a(row_small).wait()
+                t_lat = timed_a2a(row_small)
+                t_big = timed_a2a(row_large)
+                bytes_per = lambda r: r * (world - 1) * hidden * w_up.element_size()  # noqa: E731
+                latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large),
+                                              t_big)
+                # compute alone vs with a transfer in flight
+                rows = max(large, int(4 * t_big / max(per_row, 1e-9)))
+                rows = min(rows, 4096)
+                alone = _median_time(lambda: expert_step(rows), self.repeats)
+                dist.barrier(group=group)
+
+                def with_transfer() -> None:
+                    pending = a2a(row_large * 4, async_op=True)
+                    expert_step(rows)
+                    pending.wait()
+
+                together = _median_time(with_transfer, self.repeats)
+                moved = latency + per_byte * bytes_per(row_large * 4)
+                interference = min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
+
+        device = comm_device(group, w_up)
+        values = torch.tensor([fixed, per_row, latency, per_byte, interference],
+                              dtype=torch.float64, device=device)
+        agreed = all_reduce_max(values, group).cpu().tolist()
+        return Calibration(*agreed)
+
+
+_GROUP_PLANNERS: dict[tuple, Planner] = {}
+
+
+def planner_for(group: Any) -> Planner:
+    """The planner ``micro_batches="auto"`` uses when the caller passes none.
+
+    A process-wide cache keyed by the group's ranks and backend: the measurements describe the
+    machine and the group, not one call, so every layer and step of the model shares them.
+    Callers who want control hold their own :class:`Planner` and pass it as ``planner=``.
+    """
+    if group_size(group) > 1:
+        key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+               dist.get_backend(group))
+    else:
+        key = ("local",)
+    if key not in _GROUP_PLANNERS:
+        _GROUP_PLANNERS[key] = Planner()
+    return _GROUP_PLANNERS[key]

@@ -1,0 +1,75 @@
+"""The planner: its arithmetic on hand-computable cases, and agreement across ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+import mc2
+from mc2.planner import Calibration, Workload, choose, predict
+from tests.workers import auto_choice
+
+# one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
+CAL = Calibration(expert_fixed_s=0.0, expert_row_s=1e-3, link_latency_s=0.0,
+                  link_s_per_byte=0.0, interference=0.0)
+WORK = Workload(rows_per_rank=120, hidden=10, local_experts=1, world_size=2, element_size=4)
+
+
+def test_compute_only_step_does_not_depend_on_k() -> None:
+    for k in (1, 2, 3, 8):
+        p = predict(CAL, WORK, k)
+        assert p.step_s == pytest.approx(0.120)
+        assert p.exposed_comm_s == 0
+
+
+def test_comm_only_step() -> None:
+    cal = Calibration(0.0, 0.0, link_latency_s=0.5, link_s_per_byte=0.0, interference=0.0)
+    # serial: 4 transfers; overlapped K: per pass 2x + (K-1) * 2x (nothing to hide under)
+    assert predict(cal, WORK, 1).step_s == pytest.approx(4 * 0.5)
+    assert predict(cal, WORK, 3).step_s == pytest.approx(2 * (2 * 0.5 + 2 * 2 * 0.5))
+
+
+def test_pipeline_of_equal_stages() -> None:
+    # bytes per transfer at K: 120/K rows * 10 * 4 B * 1/2 off-rank; 1 us per byte
+    cal = Calibration(0.0, 1e-3, link_latency_s=0.0, link_s_per_byte=1e-6, interference=0.0)
+    k = 4
+    x = 120 / k * 10 * 4 * 0.5 * 1e-6  # 0.6 ms per transfer
+    c = 120 / k * 1e-3  # 30 ms per micro-batch, both passes; compute >> 2x: all hidden
+    want = sum(2 * x + k * c * share for share in (1 / 3, 2 / 3))
+    assert predict(cal, WORK, k).step_s == pytest.approx(want)
+    serial = predict(cal, WORK, 1)
+    assert serial.step_s == pytest.approx(0.120 + 4 * 120 * 10 * 4 * 0.5 * 1e-6)
+    assert serial.exposed_comm_s == pytest.approx(serial.comm_s)
+
+
+def test_interference_charges_hidden_transfers() -> None:
+    cal = Calibration(0.0, 1e-3, 0.0, 1e-6, interference=0.5)
+    free = Calibration(0.0, 1e-3, 0.0, 1e-6, interference=0.0)
+    k = 4
+    x = 120 / k * 10 * 4 * 0.5 * 1e-6
+    extra = predict(cal, WORK, k).step_s - predict(free, WORK, k).step_s
+    assert extra == pytest.approx(2 * 0.5 * (k - 1) * 2 * x)
+
+
+def test_fixed_cost_per_micro_batch_makes_splitting_lose() -> None:
+    cal = Calibration(expert_fixed_s=0.010, expert_row_s=1e-5, link_latency_s=1e-4,
+                      link_s_per_byte=1e-9, interference=0.0)
+    assert choose(cal, WORK, (1, 2, 4, 8), min_gain=0.02, max_tokens=60) == 1
+
+
+def test_choose_needs_a_real_gain() -> None:
+    cal = Calibration(0.0, 1e-3, 0.0, 2e-5, interference=0.0)  # comm ~ compute: overlap pays
+    assert choose(cal, WORK, (1, 2, 4), min_gain=0.02, max_tokens=60) > 1
+    assert choose(cal, WORK, (1, 2, 4), min_gain=0.9, max_tokens=60) == 1
+    assert choose(cal, WORK, (1, 2, 4), min_gain=0.02, max_tokens=1) == 1
+
+
+def test_auto_agrees_across_ranks_with_different_token_counts() -> None:
+    results = mc2.run_local(auto_choice, 2, args=([300, 37], 64, 128))
+    assert results[0]["used"] == results[1]["used"]
+    assert results[0]["calibration"] == results[1]["calibration"], "reduced to the same values"
+
+
+def test_auto_keeps_tiny_batches_whole() -> None:
+    # the article's trap: 4 tokens per rank; each extra micro-batch re-runs every expert's GEMMs
+    results = mc2.run_local(auto_choice, 2, args=([4, 4], 512, 1024))
+    assert [r["used"] for r in results] == [1, 1], results[0]["predicted"]
