@@ -27,7 +27,9 @@ def main() -> int:
     p.add_argument("--batches", type=_ints, default=(4, 16, 64, 256))
     p.add_argument("--hiddens", type=_ints, default=(512, 1024))
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="repeats at 4096 tokens/rank; smaller problems get proportionally more "
+                        "(up to 25), since their millisecond steps are noisier")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -37,8 +39,9 @@ def main() -> int:
         for batch in args.batches:
             tokens = batch * args.seq
             ks = tuple(k for k in (1, 2, 4, 8, 16) if k <= tokens)
+            repeats = min(25, args.repeats * max(1, 4096 // tokens))
             cfg = BenchConfig(tokens_per_rank=tokens, hidden=hidden, ffn=2 * hidden,
-                              micro_batches=ks, repeats=args.repeats, auto=True, quiet=True)
+                              micro_batches=ks, repeats=repeats, auto=True, quiet=True)
             print(f"\n== batch {batch} x seq {args.seq} = {tokens} tokens/rank, hidden {hidden} ==",
                   flush=True)
             report = run_bench(cfg, world_size=args.world_size)

@@ -53,6 +53,10 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
                    help="also time K micro-batches without overlap, to separate split overhead")
+    p.add_argument("--breakdown", action="store_true",
+                   help="instead: split a Mixtral-like block's training step into the article's "
+                        "five parts (embedding + gate, dispatch, experts, combine, attention + "
+                        "residual + norm), serial vs MC2 with the first --micro-batches value")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
@@ -76,6 +80,8 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
         print(f"mc2: {exc}", file=sys.stderr)
         return 2
     print(title, file=sys.stderr, flush=True)
+    if args.breakdown:
+        return _breakdown(args, cfg)
     report = run_bench(cfg, world_size=args.world_size, threads=args.threads)
     print(format_report(report))
     if extra is not None:
@@ -91,6 +97,22 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
         for path in write_traces(report, args.trace):
             print(f"wrote {path}")
         print(f"profiler overhead: {report.profiler_overhead * 100:+.1f}% of a step")
+    return 0
+
+
+def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
+    from .breakdown import BreakdownConfig, format_breakdown, run_breakdown
+
+    seq = min(128, max(cfg.tokens_per_rank, 1))
+    bcfg = BreakdownConfig(batch=max(1, cfg.tokens_per_rank // seq), seq=seq, hidden=cfg.hidden,
+                           ffn=cfg.ffn, experts=cfg.experts, topk=cfg.topk,
+                           micro_batches=cfg.micro_batches[0], repeats=cfg.repeats,
+                           warmup=cfg.warmup)
+    result = run_breakdown(bcfg, world_size=args.world_size, threads=args.threads)
+    print(format_breakdown(result, bcfg))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -1,0 +1,195 @@
+"""The article's step decomposition, measured on a small Mixtral-like block.
+
+The block is what one MoE transformer layer does in training: token embedding, attention with
+residual and RMSNorm, the router gate (linear -> softmax -> top-k, renormalised), the fused MoE
+(dispatch, experts, combine) and the residual. One forward + backward is split into the
+article's five parts:
+
+1. embedding + router gate
+2. dispatch All-to-All
+3. expert FFN
+4. combine All-to-All
+5. attention + residual + norm (everything else, the loss included)
+
+Forward parts are timed directly. Backward parts are timed with markers: identity autograd
+functions placed on the tensors between parts, which note the time at which their gradient
+arrives. Dispatch and combine come from the fused op's timeline (synchronous collectives and
+waits, i.e. the *exposed* communication); the expert part is the rest of the fused op's time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import metrics
+from .launch import run_local
+from .ops import fused_expert
+from .timeline import Timeline
+
+PARTS = ("embedding + gate", "dispatch", "experts", "combine", "attention + residual + norm")
+
+
+class _Marker(torch.autograd.Function):
+    """Identity that records when the gradient of its output arrives."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, clock: dict, name: str) -> Tensor:  # type: ignore[override]
+        ctx.clock, ctx.name = clock, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        ctx.clock[ctx.name] = time.perf_counter()
+        return grad, None, None
+
+
+def _mark(x: Tensor, clock: dict, name: str) -> Tensor:
+    return _Marker.apply(x, clock, name)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class TinyMixtralBlock(nn.Module):
+    """Embedding + one Mixtral-style layer; this rank holds ``experts // world`` experts."""
+
+    def __init__(self, vocab: int, hidden: int, ffn: int, heads: int, experts: int, topk: int,
+                 world: int, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        local = experts // world
+        self.topk, self.heads = topk, heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.w_up = nn.Parameter(torch.randn(local, hidden, ffn, generator=g) * hidden ** -0.5)
+        self.w_gate = nn.Parameter(torch.randn(local, hidden, ffn, generator=g) * hidden ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(local, ffn, hidden, generator=g) * ffn ** -0.5)
+
+    def attention(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return x + self.proj(o.transpose(1, 2).reshape(b, s, h))
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        probs = self.gate(x).softmax(-1)
+        weights, ids = probs.topk(self.topk, dim=-1)
+        return ids, weights / weights.sum(-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class BreakdownConfig:
+    batch: int = 16
+    seq: int = 128
+    hidden: int = 512
+    ffn: int = 1024
+    heads: int = 8
+    experts: int = 8
+    topk: int = 2
+    vocab: int = 4096
+    micro_batches: int | str = 4
+    repeats: int = 5
+    warmup: int = 1
+
+
+def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int | str
+              ) -> dict[str, float]:
+    clock: dict[str, float] = {}
+    tl = Timeline()
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    x = _mark(model.embed(tokens), clock, "embed_out")
+    t1 = time.perf_counter()
+    h = model.attention(x)
+    n2 = model.norm2(h)
+    t2 = time.perf_counter()
+    ids, rw = model.route(_mark(n2, clock, "gate_in"))
+    t3 = time.perf_counter()
+    moe = fused_expert(_mark(n2, clock, "moe_in"), model.w_up, model.w_gate, model.w_down, ids,
+                       rw, micro_batches=k if overlap else 1, overlap=overlap, timeline=tl)
+    t4 = time.perf_counter()
+    loss = (h + _mark(moe, clock, "moe_out")).pow(2).mean()
+    t5 = time.perf_counter()
+    loss.backward()
+    t6 = time.perf_counter()
+
+    def exposed(name: str, phase: str) -> float:
+        return sum(s.duration for s in tl.spans if s.phase == phase and s.kind in ("comm", "wait")
+                   and (s.name == name or (name == "dispatch" and s.name in ("handshake", "counts"))))
+
+    fwd_moe, bwd_moe = t4 - t3, clock["moe_in"] - clock["moe_out"]
+    dispatch = exposed("dispatch", "forward") + exposed("dispatch", "backward")
+    combine = exposed("combine", "forward") + exposed("combine", "backward")
+    gate_bwd = max(clock["gate_in"] - clock["moe_in"], 0.0)
+    embed_bwd = t6 - clock["embed_out"]
+    parts = {
+        "embedding + gate": (t1 - t0) + (t3 - t2) + gate_bwd + embed_bwd,
+        "dispatch": dispatch,
+        "combine": combine,
+        "experts": fwd_moe + bwd_moe - dispatch - combine,
+    }
+    total = t6 - t0
+    parts["attention + residual + norm"] = total - sum(parts.values())
+    parts["step"] = total
+    return parts
+
+
+def breakdown_rank(rank: int, world: int, cfg: BreakdownConfig) -> dict[str, dict[str, float]]:
+    model = TinyMixtralBlock(cfg.vocab, cfg.hidden, cfg.ffn, cfg.heads, cfg.experts, cfg.topk,
+                             world, seed=rank)
+    g = torch.Generator().manual_seed(100 + rank)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    runs = {"serial": (False, 1), f"mc2 K={cfg.micro_batches}": (True, cfg.micro_batches)}
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for rep in range(cfg.warmup + cfg.repeats):
+        for name, (overlap, k) in runs.items():
+            dist.barrier()
+            parts = _one_step(model, tokens, overlap=overlap, k=k)
+            if rep >= cfg.warmup:
+                samples[name].append(parts)
+        if rank == 0:
+            print(f"  [breakdown] repeat {rep + 1}/{cfg.warmup + cfg.repeats}", file=sys.stderr,
+                  flush=True)
+    return {name: {part: metrics.median(s[part] for s in rows) for part in (*PARTS, "step")}
+            for name, rows in samples.items()}
+
+
+def run_breakdown(cfg: BreakdownConfig, world_size: int = 2, threads: int = 1
+                  ) -> dict[str, dict[str, float]]:
+    """Rank 0's median parts (seconds) for the serial and the MC2 step."""
+    return run_local(breakdown_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
+                     deadline_s=3600)[0]
+
+
+def format_breakdown(result: dict[str, dict[str, float]], cfg: BreakdownConfig) -> str:
+    names = list(result)
+    lines = [f"training step of a Mixtral-like block: batch {cfg.batch} x seq {cfg.seq}, hidden "
+             f"{cfg.hidden}, ffn {cfg.ffn}, {cfg.experts} experts, top-{cfg.topk}; forward + "
+             "backward, rank 0, median",
+             f"{'part':<28}" + "".join(f"{n:>22}" for n in names)]
+    for part in PARTS:
+        cells = "".join(f"{result[n][part] * 1e3:11.1f} ms {result[n][part] / result[n]['step'] * 100:5.1f}%"
+                        for n in names)
+        lines.append(f"{part:<28}{cells}")
+    lines.append(f"{'step':<28}" + "".join(f"{result[n]['step'] * 1e3:11.1f} ms {'':6}"
+                                            for n in names))
+    return "\n".join(lines)
