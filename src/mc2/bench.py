@@ -93,6 +93,7 @@ class BenchReport:
     profiler_overhead: float = float("nan")  # (step with recording) / (step without) - 1
     auto_k: int = 0  # the K "auto" chose (0: not run)
     predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
+    predicted_serial_s: float = float("nan")
 
     @property
     def serial(self) -> ModeResult:
@@ -177,6 +178,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
         work = planner.workload(cfg.tokens_per_rank, cfg.topk, ws[0], None)
         plan["predicted"] = {k: predict(cal, work, k).step_s
                              for k in sorted(set(cfg.micro_batches) | {1})}
+        plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
     for rep in range(cfg.warmup + cfg.repeats):
@@ -239,6 +241,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
     report.traces = raw.get("traces", {})
     report.auto_k = raw.get("auto_k", 0)
     report.predicted_s = raw.get("predicted", {})
+    report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
     report.profiler_overhead = raw.get("overhead", float("nan"))
     serial = report.serial
     for r in report.results:

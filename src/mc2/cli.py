@@ -1,4 +1,4 @@
-"""The ``mc2`` command line: ``mc2 demo``, ``mc2 bench`` and ``mc2 plan``."""
+"""The ``mc2`` command line: ``mc2 demo``, ``mc2 bench``, ``mc2 plan`` and ``mc2 simulate``."""
 
 from __future__ import annotations
 
@@ -163,11 +163,76 @@ def build_parser() -> argparse.ArgumentParser:
                       "tokens/rank, hidden 1024, ffn 2048)",
         description="Median step times of the serial path and MC2 for each K, in the same run.")
     _add_problem_args(bench, BenchConfig())
+    sim = sub.add_parser(
+        "simulate", help="predict comm share and throughput for clusters we do not have",
+        description="Predicts a training step of an MoE model on a hardware preset: no fusion vs "
+                    "MC2 on one node and across nodes (flat and hierarchical All-to-All), beside "
+                    "the article's figures; --nodes with many values sweeps the cluster size; "
+                    "--calibrate checks the model against this machine's measured runs.")
+    sim.add_argument("--hardware", default="atlas-800i-a2",
+                     help="preset name or a .toml file (shipped: %(default)s, atlas-800t-a2, "
+                          "dgx-h100)")
+    sim.add_argument("--model", default="mixtral-8x7b",
+                     help="preset name or a .toml file (shipped: mixtral-8x7b, mixtral-8x22b, "
+                          "deepseek-v3, qwen3-30b-a3b)")
+    sim.add_argument("--nodes", type=_ints, default=(1, 2),
+                     help="node counts, comma-separated (default 1,2); more than three values "
+                          "prints the scale sweep")
+    sim.add_argument("--tokens", type=int, default=4096, help="tokens per device per step")
+    sim.add_argument("--seq", type=int, default=4096, help="sequence length (attention cost)")
+    sim.add_argument("--skew", type=float, default=1.0,
+                     help="busiest device's routed traffic / average (1 = uniform)")
+    sim.add_argument("--plot", type=Path, help="write the scale sweep as a PNG")
+    sim.add_argument("--calibrate", action="store_true",
+                     help="instead: measure this machine's Gloo world and compare the model's "
+                          "predictions with mc2 bench's measured step times")
+    sim.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed repeats")
     return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .sim.presets import PresetError, load_hardware, load_model
+    from .sim.report import (
+        article_check,
+        article_rows,
+        format_rows,
+        format_scale,
+        plot_scale,
+        scale_rows,
+    )
+
+    if args.calibrate:
+        from .sim.validate import format_checks, validate
+
+        print("mc2 simulate --calibrate: measuring this machine's Gloo worlds "
+              "(2 and 4 ranks; a few minutes)", file=sys.stderr, flush=True)
+        print(format_checks(*validate(repeats=args.repeats)))
+        return 0
+    try:
+        hw, model = load_hardware(args.hardware), load_model(args.model)
+        if len(args.nodes) <= 3:
+            rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew)
+            print(format_rows(rows, hw, model, args.tokens))
+            print()
+            print(article_check())
+        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq) \
+            if len(args.nodes) > 3 or args.plot else []
+    except (PresetError, ValueError) as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    if scale:
+        print(f"\n{model.name} on {hw.name}, {args.tokens} tokens/device: no fusion vs MC2 (best K),"
+              " flat vs hierarchical All-to-All, EP as large as the experts allow (packed)")
+        print(format_scale(scale))
+    if args.plot:
+        print(f"wrote {plot_scale(scale, args.plot, f'{model.name} on {hw.name}')}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "plan":
         return _run(args, PLAN, "mc2 plan", extra=format_plan)
     if args.command == "demo":

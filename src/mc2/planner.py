@@ -11,7 +11,9 @@ each measured once per (hidden, ffn, local experts, dtype, group) and cached in 
   (``a``: per-expert per-micro-batch cost, ``b``: per-row cost);
 * one All-to-All moving ``n`` bytes off-rank per rank: ``alpha + beta * n`` seconds;
 * interference: while a transfer runs under compute, compute slows by ``gamma`` times the
-  transfer time.
+  transfer time;
+* bookkeeping: the gathers, scatters and permutations of each routed row, ``rho`` seconds per
+  row, whatever K.
 
 For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts, one pass
 (forward: 1/3 of the expert math, backward: 2/3) with per-micro-batch compute ``c`` and
@@ -52,6 +54,7 @@ class Calibration:
     link_latency_s: float  # alpha: per All-to-All
     link_s_per_byte: float  # beta: per byte sent off-rank by each rank
     interference: float  # gamma: compute slowdown per second of concurrent transfer
+    row_overhead_s: float = 0.0  # per routed row, forward + backward: gathers, scatters, permutes
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -
     """The model's step time for ``k`` micro-batches (see the module docstring)."""
     rows = work.rows_per_rank / k
     per_expert = rows / work.local_experts
-    compute_mb = work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
+    compute_mb = (work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
+                  + cal.row_overhead_s * rows)
     transfer = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
     if work.world_size == 1:
         transfer = 0.0
@@ -124,6 +128,28 @@ def _median_time(fn: Any, repeats: int) -> float:
 def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
     slope = max((t1 - t0) / (x1 - x0), 0.0)
     return max(t0 - slope * x0, 0.0), slope
+
+
+def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
+                          repeats: int) -> float:
+    """Seconds per routed row for the row moves of a forward + backward.
+
+    Per row and pass the pipeline gathers it (``index_select``), reorders it to expert order and
+    back, and scatters the result (``index_copy_`` / ``index_add_``): about four row copies a
+    pass, measured here as one gather + one copy + one add, twice.
+    """
+    rows = 2048
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    out = torch.zeros_like(x)
+    index = torch.randperm(rows, device=device)
+
+    def moves() -> None:
+        y = x.index_select(0, index)
+        out.index_copy_(0, index, y)
+        out.index_add_(0, index, y)
+
+    moves()
+    return 2 * _median_time(moves, repeats) / rows
 
 
 class Planner:
@@ -181,7 +207,7 @@ class Planner:
             accumulate_weight_grads(work, grads, strategy=strategy)
 
         with torch.no_grad():
-            small, large = 4, 64
+            small, large = 4, 256  # large enough to see cache effects of big micro-batches
             expert_step(small)  # warm-up
             t_small = _median_time(lambda: expert_step(small), self.repeats)
             t_large = _median_time(lambda: expert_step(large), self.repeats)
@@ -222,8 +248,10 @@ class Planner:
                 moved = latency + per_byte * bytes_per(row_large * 4)
                 interference = min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
+            row_overhead = _measure_row_overhead(hidden, w_up.dtype, w_up.device, self.repeats)
+
         device = comm_device(group, w_up)
-        values = torch.tensor([fixed, per_row, latency, per_byte, interference],
+        values = torch.tensor([fixed, per_row, latency, per_byte, interference, row_overhead],
                               dtype=torch.float64, device=device)
         agreed = all_reduce_max(values, group).cpu().tolist()
         return Calibration(*agreed)
