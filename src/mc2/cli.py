@@ -195,8 +195,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim.report import (
         article_check,
         article_rows,
+        format_best,
         format_rows,
         format_scale,
+        implied_bandwidth,
         plot_scale,
         scale_rows,
     )
@@ -213,8 +215,14 @@ def _simulate(args: argparse.Namespace) -> int:
         if len(args.nodes) <= 3:
             rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew)
             print(format_rows(rows, hw, model, args.tokens))
+            print(format_best(hw, model, args.nodes, args.tokens, args.seq))
             print()
             print(article_check())
+            if model.name == "mixtral-8x7b":
+                need = implied_bandwidth(hw, model, args.tokens, args.seq, 0.47)
+                print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
+                      f"All-to-All ran at {need:.1f} GB/s per device, against "
+                      f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
         scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq) \
             if len(args.nodes) > 3 or args.plot else []
     except (PresetError, ValueError) as exc:

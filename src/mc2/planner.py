@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
-from .experts import accumulate_weight_grads, swiglu_backward_input, swiglu_forward
+from .experts import swiglu_backward, swiglu_forward
 
 FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
 
@@ -203,8 +203,7 @@ class Planner:
             x = torch.randn(rows, hidden, dtype=w_up.dtype, device=w_up.device)
             y, saved = swiglu_forward(x, [rows], *one, strategy=strategy, keep_activations=True)
             assert saved is not None
-            _, work = swiglu_backward_input(y, saved, [rows], *one, strategy=strategy)
-            accumulate_weight_grads(work, grads, strategy=strategy)
+            swiglu_backward(y, saved, [rows], *one, grads, strategy=strategy)
 
         with torch.no_grad():
             small, large = 4, 256  # large enough to see cache effects of big micro-batches

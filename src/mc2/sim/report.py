@@ -28,10 +28,28 @@ class Row:
 
 
 def best_ep(base: Scenario) -> StepPrediction:
-    """Fastest MC2 configuration over valid EP sizes and K."""
-    sizes = [d for d in range(1, min(base.devices, base.model.experts) + 1)
+    """Fastest MC2 configuration over EP sizes and K, flat and hierarchical.
+
+    EP sizes from one node's worth of devices (or all experts, if fewer) up: smaller EP groups
+    replicate more experts per device, and the model does not weigh memory, so it does not offer
+    them.
+    """
+    floor = min(base.hardware.devices_per_node, base.model.experts)
+    sizes = [d for d in range(floor, min(base.devices, base.model.experts) + 1)
              if base.model.experts % d == 0 and base.devices % d == 0]
-    return min((best(replace(base, ep=d)) for d in sizes), key=lambda p: p.step_s)
+    return min((best(replace(base, ep=d, hierarchy=h)) for d in sizes for h in ("flat", "2d")),
+               key=lambda p: p.step_s)
+
+
+def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int) -> str:
+    lines = []
+    for n in nodes:
+        p = best_ep(Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq))
+        s = p.scenario
+        lines.append(f"best MC2 on {n} node(s): EP {s.ep_size} ({s.hierarchy}), K {s.micro_batches}"
+                     f": {p.tokens_per_s_per_device:,.0f} tokens/s/device, comm share "
+                     f"{p.comm_share * 100:.1f}%")
+    return "\n".join(lines)
 
 
 def article_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
@@ -66,6 +84,20 @@ def format_rows(rows: Sequence[Row], hw: Hardware, model: Model, tokens: int) ->
                      f"{p.comm_share * 100:9.1f}% {p.tokens_per_s_per_device:12,.0f} "
                      f"{r.bound:5.2f}x   {art}{flag}")
     return "\n".join(lines)
+
+
+def implied_bandwidth(hw: Hardware, model: Model, tokens: int, seq: int, share: float) -> float:
+    """Intra-node GB/s at which the serial one-node step would have ``share`` comm share."""
+    lo, hi = 1e-3, 1e5
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        link = replace(hw.intra_node, bandwidth_gbps=mid)
+        s = Scenario(replace(hw, intra_node=link), model, tokens_per_device=tokens, seq_len=seq)
+        if simulate(s).comm_share > share:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
 
 
 def article_check() -> str:
