@@ -155,3 +155,29 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
     work = planner.workload(max(tokens), 2, ws[0], None)
     return {"used": used, "calibration": cal,
             "predicted": {k: mc2.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
+
+
+def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int) -> dict:
+    """fused_expert with shared experts (same weights on every rank) on rank's tokens."""
+    x = problem.xs[rank].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
+    ss = [t.clone().requires_grad_(True) for t in shared]
+    out = mc2.fused_expert(x, *ws, problem.ids[rank], problem.rws[rank], micro_batches=k,
+                           shared_up=ss[0], shared_gate=ss[1], shared_down=ss[2])
+    out.backward(problem.grad_outs[rank])
+    return {"out": out.detach(), "x": x.grad, "shared": [t.grad for t in ss]}
+
+
+def layer_roundtrip(rank: int, world: int, full: dict, x: torch.Tensor, shared: int) -> dict:
+    """Load an unsharded MoELayer state at this EP size, run it, gather the state back."""
+    layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64,
+                         micro_batches=2)
+    mc2.load_full_state_dict(layer, full)
+    mine = x.chunk(world)[rank]
+    out, losses = layer(mine, return_losses=True)
+    (out.pow(2).sum() + losses.load_balancing + losses.z_loss).backward()
+    return {"out": out.detach(), "local_keys": sorted(layer.state_dict()),
+            "local_experts": layer.expert_index.tolist(),
+            "w_up_grad": layer.w_up.grad, "gate_grad": layer.gate.weight.grad,
+            "gathered": mc2.gather_full_state_dict(layer),
+            "losses": (losses.load_balancing.item(), losses.z_loss.item())}

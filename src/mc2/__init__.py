@@ -6,12 +6,14 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 
 from . import planner, profiler
 from .launch import run_local
+from .layer import MoELayer, RouterLosses, gather_full_state_dict, load_full_state_dict
 from .ops import fused_expert
 from .planner import Planner
 from .profiler import Profiler, profile
 from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Span, Timeline
 
-__all__ = ["fused_expert", "profile", "Profiler", "Planner", "run_local", "Timeline", "Span",
+__all__ = ["fused_expert", "MoELayer", "RouterLosses", "gather_full_state_dict",
+           "load_full_state_dict", "profile", "Profiler", "Planner", "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "planner", "profiler"]
 __version__ = "0.1.0"

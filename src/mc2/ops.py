@@ -29,7 +29,7 @@ from .planner import Planner, planner_for
 from .profiler import active_timeline
 from .routing import DispatchHandle, MicroBatchRoute, build_handle, local_send_counts
 from .timeline import Timeline, maybe_span
-from .validation import agree, local_problem
+from .validation import agree, local_problem, shared_problem
 
 MicroBatches = int | Literal["auto"]
 
@@ -68,11 +68,20 @@ class _FusedExpertFunction(torch.autograd.Function):
         w_down: Tensor,
         routing_weights: Tensor,
         call: _Call,
+        s_up: Tensor | None,
+        s_gate: Tensor | None,
+        s_down: Tensor | None,
     ) -> Tensor:
         handle, routes = call.handle, call.handle.micro_batches
         tokens, topk, hidden = handle.num_tokens, handle.topk, x.shape[-1]
         expert_out = x.new_empty((tokens * topk, hidden))  # per (token, slot), original order
         activations: list[ExpertActivations | None] = [None] * len(routes)
+        shared: list[Any] = [None, None]  # output, activations
+
+        def shared_experts() -> None:
+            shared[0], shared[1] = swiglu_forward(
+                x, [tokens], s_up, s_gate, s_down, strategy=call.strategy,
+                keep_activations=call.keep_activations)
 
         def compute(i: int, received: Tensor) -> Tensor:
             route = routes[i]
@@ -88,6 +97,7 @@ class _FusedExpertFunction(torch.autograd.Function):
                 gather=lambda i: x.index_select(0, routes[i].token_index),
                 compute=compute,
                 scatter=lambda i, rows: expert_out.index_copy_(0, routes[i].pair_order, rows),
+                local=shared_experts if s_up is not None else None,
             ),
             group=call.group, overlap=call.overlap, phase="forward", timeline=call.timeline,
         )
@@ -95,16 +105,20 @@ class _FusedExpertFunction(torch.autograd.Function):
             out = torch.bmm(
                 routing_weights.view(tokens, 1, topk), expert_out.view(tokens, topk, hidden)
             ).view(tokens, hidden)
+            if shared[0] is not None:
+                out.add_(shared[0])
         ctx.call = call
         ctx.activations = activations
-        ctx.save_for_backward(w_up, w_gate, w_down, routing_weights, expert_out)
+        ctx.shared_activations = shared[1]
+        ctx.save_for_backward(w_up, w_gate, w_down, routing_weights, expert_out, s_up, s_gate,
+                              s_down)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         call: _Call = ctx.call
         handle, routes = call.handle, call.handle.micro_batches
-        w_up, w_gate, w_down, routing_weights, expert_out = ctx.saved_tensors
+        w_up, w_gate, w_down, routing_weights, expert_out, s_up, s_gate, s_down = ctx.saved_tensors
         activations: list[ExpertActivations] = ctx.activations
         tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
         grad_out = grad_out.contiguous()
@@ -138,6 +152,20 @@ class _FusedExpertFunction(torch.autograd.Function):
             accumulate_weight_grads(pending[i], grads, strategy=call.strategy)
             pending[i] = None
 
+        shared_grads: tuple[Tensor | None, ...] = (None, None, None)
+        if s_up is not None:
+            shared_grads = (torch.zeros_like(s_up), torch.zeros_like(s_gate),
+                            torch.zeros_like(s_down))
+
+        def shared_experts() -> None:
+            if ctx.shared_activations is None:
+                return
+            grad_in, work = swiglu_backward_input(
+                grad_out, ctx.shared_activations, [tokens], s_up, s_gate, s_down,
+                strategy=call.strategy)
+            grad_x.add_(grad_in)
+            accumulate_weight_grads(work, shared_grads, strategy=call.strategy)  # type: ignore[arg-type]
+
         run_pipeline(
             handle,
             PipelineSteps(
@@ -145,10 +173,11 @@ class _FusedExpertFunction(torch.autograd.Function):
                 compute=compute,
                 scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
                 deferred=weight_grads,
+                local=shared_experts if s_up is not None else None,
             ),
             group=call.group, overlap=call.overlap, phase="backward", timeline=call.timeline,
         )
-        return grad_x, grads[0], grads[1], grads[2], grad_weights, None
+        return (grad_x, grads[0], grads[1], grads[2], grad_weights, None, *shared_grads)
 
 
 def fused_expert(
@@ -166,6 +195,9 @@ def fused_expert(
     gemm: GemmStrategy = "auto",
     timeline: Timeline | None = None,
     planner: Planner | None = None,
+    shared_up: Tensor | None = None,
+    shared_gate: Tensor | None = None,
+    shared_down: Tensor | None = None,
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -199,6 +231,10 @@ def fused_expert(
             :mod:`mc2.experts`).
         planner: the :class:`~mc2.planner.Planner` for ``"auto"`` (default: one shared per
             group, measuring on first use: a collective all ranks enter together).
+        shared_up, shared_gate: ``[shared, hidden, shared_ffn]`` optional shared experts
+            (DeepSeek/Qwen style) that every token passes through; computed while the first
+            dispatch is in flight (forward) and the first gradient dispatch (backward).
+        shared_down: ``[shared, shared_ffn, hidden]``.
         timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
             spans (default: the one of the active :func:`mc2.profile`, if any).
 
@@ -222,9 +258,9 @@ def fused_expert(
     problem = local_problem(
         x, weights_up, weights_gate, weights_down, expert_ids, routing_weights,
         world_size=world, num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
-    )
-    tensors = [t for t in (x, weights_up, weights_gate, weights_down, routing_weights)
-               if isinstance(t, Tensor)]
+    ) or shared_problem(x, shared_up, shared_gate, shared_down)
+    tensors = [t for t in (x, weights_up, weights_gate, weights_down, routing_weights, shared_up,
+                           shared_gate, shared_down) if isinstance(t, Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     with maybe_span(timeline, "comm", "handshake", "forward"):
         agreement = agree(
@@ -262,7 +298,13 @@ def fused_expert(
     )
     call = _Call(handle=handle, group=group, overlap=overlap, strategy=strategy,
                  keep_activations=needs_grad, timeline=timeline)
+    shared = (None, None, None)
+    if shared_up is not None:  # S shared experts = one expert of width S * shared_ffn
+        n, _, f = shared_up.shape
+        shared = (shared_up.permute(1, 0, 2).reshape(1, hidden, n * f),
+                  shared_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
+                  shared_down.reshape(1, n * f, hidden))
     out = _FusedExpertFunction.apply(
-        x2d, weights_up, weights_gate, weights_down, weights2d, call
+        x2d, weights_up, weights_gate, weights_down, weights2d, call, *shared
     )
     return out.view(x.shape)

@@ -9,6 +9,7 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
     dispatch(0)
     for i in 0..K-1:
         dispatch(i+1)            # in flight while i computes
+        local()                  # once, i == 0: shared experts under the first dispatch
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
         deferred(i)              # e.g. weight gradients, while combine(i) travels
@@ -41,12 +42,15 @@ class PipelineSteps:
         deferred: ``i -> None`` work of micro-batch ``i`` that nothing sent depends on (the
             backward's weight gradients); run after ``i``'s combine is on the wire, so it fills
             time that would otherwise be spent waiting.
+        local: work that needs no communication at all (shared experts); run while the first
+            dispatch is in flight.
     """
 
     gather: Callable[[int], Tensor]
     compute: Callable[[int, Tensor], Tensor]
     scatter: Callable[[int, Tensor], None]
     deferred: Callable[[int], None] | None = None
+    local: Callable[[], None] | None = None
 
 
 def run_pipeline(
@@ -93,7 +97,13 @@ def run_pipeline(
             with maybe_span(timeline, "compute", "deferred", phase, i):
                 steps.deferred(i)
 
+    def local() -> None:
+        if steps.local is not None:
+            with maybe_span(timeline, "compute", "local", phase):
+                steps.local()
+
     if not overlap:
+        local()
         for i in range(len(routes)):
             rows = gather(i)
             with maybe_span(timeline, "comm", "dispatch", phase, i):
@@ -110,6 +120,8 @@ def run_pipeline(
     for i in range(len(routes)):
         if i + 1 < len(routes):
             dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)
+        if i == 0:
+            local()
         with maybe_span(timeline, "wait", "dispatch", phase, i):
             received = dispatches.pop(i).wait()
         combines[i] = combine(i, compute(i, received), async_op=True)

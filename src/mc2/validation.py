@@ -112,6 +112,28 @@ def local_problem(
     return None
 
 
+def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
+    """What is wrong with the optional shared-expert weights, or ``None``."""
+    given = [t is not None for t in (s_up, s_gate, s_down)]
+    if not any(given):
+        return None
+    if not all(given):
+        return "shared_up, shared_gate and shared_down go together: pass all three or none"
+    for name, t in (("shared_up", s_up), ("shared_gate", s_gate), ("shared_down", s_down)):
+        if (msg := _is_tensor(name, t)) is not None:
+            return msg
+        if t.dtype != x.dtype or t.device != x.device or t.dim() != 3:
+            return (f"{name} must be a 3-D tensor with x's dtype and device, got "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    n, hidden, ffn = s_up.shape
+    if hidden != x.shape[-1] or tuple(s_gate.shape) != tuple(s_up.shape) or \
+            tuple(s_down.shape) != (n, ffn, hidden):
+        return (f"shared experts must be up/gate [shared, {x.shape[-1]}, ffn] and down "
+                f"[shared, ffn, {x.shape[-1]}], got {tuple(s_up.shape)}, {tuple(s_gate.shape)}, "
+                f"{tuple(s_down.shape)}")
+    return None
+
+
 def shapes_of(x: Tensor, w_up: Tensor, expert_ids: Tensor) -> Shapes:
     local, hidden, ffn = w_up.shape
     return Shapes(

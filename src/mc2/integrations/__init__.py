@@ -1,0 +1,1 @@
+"""Adapters that switch MC2 on inside other libraries' models."""

@@ -1,0 +1,167 @@
+"""``MoELayer``: router + this rank's experts + the fused, overlapped op, as an ``nn.Module``.
+
+Model code uses this; it owns parameters, :func:`mc2.fused_expert` owns the math and the
+schedule. Each rank of the expert-parallel group holds ``num_experts // world`` experts; the
+router (and the shared experts) are replicated, so their gradients must be averaged over the
+data-parallel ranks like any other replicated parameter.
+
+Checkpoints: ``state_dict()`` holds only this rank's experts, with their global indices in the
+``expert_index`` buffer. :func:`gather_full_state_dict` assembles the unsharded state on every
+rank (a collective) and :func:`load_full_state_dict` takes an unsharded state onto any EP size,
+so a checkpoint written at EP 2 loads at EP 4 or in a single process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .comm import group_rank, group_size
+from .ops import MicroBatches, fused_expert
+
+EXPERT_KEYS = ("w_up", "w_gate", "w_down")
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    """Auxiliary router losses of one forward (scalars, differentiable w.r.t. the router).
+
+    Attributes:
+        load_balancing: Switch/Mixtral style ``E * sum_e f_e * P_e`` over this rank's tokens
+            (``f_e``: share of routed slots to expert ``e``; ``P_e``: mean router probability);
+            1 when perfectly balanced.
+        z_loss: mean squared log-sum-exp of the router logits (ST-MoE), keeps logits small.
+    """
+
+    load_balancing: Tensor
+    z_loss: Tensor
+
+
+class MoELayer(nn.Module):
+    """A Mixtral/DeepSeek-style sparse MoE block with expert parallelism and overlap.
+
+    Args:
+        hidden: model width ``H``.
+        ffn: expert FFN width ``F``.
+        num_experts: global routed experts ``E`` (a multiple of the group size).
+        topk: experts per token.
+        group: the expert-parallel process group (``None``: default group, or one process).
+        shared_experts: experts every token passes through (DeepSeek/Qwen), replicated.
+        shared_ffn: their width (default ``ffn``).
+        micro_batches, overlap: passed to :func:`mc2.fused_expert`.
+        renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 2, *,
+                 group: Any = None, shared_experts: int = 0, shared_ffn: int | None = None,
+                 micro_batches: MicroBatches = "auto", overlap: bool = True,
+                 renormalize: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        world = group_size(group)
+        if num_experts % world:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
+                             f"({world})")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
+        self.group, self.num_experts, self.topk = group, num_experts, topk
+        self.micro_batches, self.overlap, self.renormalize = micro_batches, overlap, renormalize
+        local = num_experts // world
+        first = group_rank(group) * local
+        kw = {"dtype": dtype, "device": device}
+        self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)
+        self.w_up = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
+        self.w_gate = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
+        self.w_down = nn.Parameter(torch.empty(local, ffn, hidden, **kw))
+        self.register_buffer("expert_index", torch.arange(first, first + local, device=device))
+        self.shared: nn.ParameterList | None = None
+        if shared_experts:
+            sf = shared_ffn or ffn
+            self.shared = nn.ParameterList([
+                nn.Parameter(torch.empty(shared_experts, hidden, sf, **kw)),
+                nn.Parameter(torch.empty(shared_experts, hidden, sf, **kw)),
+                nn.Parameter(torch.empty(shared_experts, sf, hidden, **kw))])
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.w_up, self.w_gate, self.w_down, *(self.shared or [])):
+            nn.init.normal_(p, std=std)
+
+    @property
+    def local_experts(self) -> int:
+        return self.w_up.shape[0]
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(expert_ids, routing_weights, router_logits)`` for tokens ``x [..., H]``."""
+        logits = self.gate(x)
+        probs = logits.float().softmax(-1)
+        weights, ids = probs.topk(self.topk, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype), logits
+
+    def router_losses(self, logits: Tensor, ids: Tensor) -> RouterLosses:
+        flat = logits.reshape(-1, self.num_experts).float()
+        probs = flat.softmax(-1)
+        if flat.shape[0] == 0:
+            zero = flat.sum()
+            return RouterLosses(zero, zero)
+        share = torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+        share = share / ids.numel()
+        balance = self.num_experts * (share * probs.mean(0)).sum()
+        z = torch.logsumexp(flat, -1).pow(2).mean()
+        return RouterLosses(balance, z)
+
+    def forward(self, x: Tensor, *, return_losses: bool = False
+                ) -> Tensor | tuple[Tensor, RouterLosses]:
+        """``x [batch, seq, H]`` or ``[tokens, H]`` -> same shape (and the router losses)."""
+        ids, weights, logits = self.route(x)
+        shared = dict(zip(("shared_up", "shared_gate", "shared_down"), self.shared or []))
+        out = fused_expert(x, self.w_up, self.w_gate, self.w_down, ids, weights,
+                           group=self.group, micro_batches=self.micro_batches,
+                           overlap=self.overlap, **shared)
+        if return_losses:
+            return out, self.router_losses(logits, ids)
+        return out
+
+
+def load_full_state_dict(layer: MoELayer, full: dict[str, Tensor], prefix: str = "") -> None:
+    """Load an unsharded state (experts ``[E, ...]``) into ``layer``, taking this rank's experts."""
+    mine = layer.expert_index.to("cpu")
+    state = {}
+    for name in layer.state_dict():
+        key = prefix + name
+        if name == "expert_index":
+            continue
+        if key not in full:
+            raise KeyError(f"load_full_state_dict: missing '{key}'")
+        value = full[key]
+        if name in EXPERT_KEYS:
+            if value.shape[0] != layer.num_experts:
+                raise ValueError(f"'{key}' holds {value.shape[0]} experts, the layer "
+                                 f"{layer.num_experts}")
+            value = value.index_select(0, mine.to(value.device))
+        state[name] = value
+    state["expert_index"] = layer.expert_index
+    layer.load_state_dict(state)
+
+
+def gather_full_state_dict(layer: MoELayer, prefix: str = "") -> dict[str, Tensor]:
+    """The unsharded state of ``layer`` on every rank (a collective over its group)."""
+    state = {prefix + k: v.detach().clone() for k, v in layer.state_dict().items()
+             if k != "expert_index"}
+    world = group_size(layer.group)
+    for name in EXPERT_KEYS:
+        local = getattr(layer, name).detach().contiguous()
+        if world == 1:
+            full = local.clone()
+        else:
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local, group=layer.group)
+            full = torch.cat(parts)
+        state[prefix + name] = full
+    return state

@@ -1,0 +1,58 @@
+"""MoELayer: router, losses, and checkpoints that move between EP sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from tests.workers import layer_roundtrip
+
+
+def full_state(shared: int) -> dict:
+    torch.manual_seed(0)
+    layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64)
+    layer.reset_parameters(std=0.3)
+    torch.nn.init.normal_(layer.gate.weight, std=0.5)
+    return mc2.gather_full_state_dict(layer)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_checkpoint_moves_between_ep_sizes(shared: int) -> None:
+    full = full_state(shared)
+    x = torch.randn(24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    single = layer_roundtrip(0, 1, full, x, shared)  # one process, all 8 experts
+    ep2 = mc2.run_local(layer_roundtrip, 2, args=(full, x, shared))
+    ep4 = mc2.run_local(layer_roundtrip, 4, args=(ep2[0]["gathered"], x, shared))
+    for results in (ep2, ep4):
+        world = len(results)
+        out = torch.cat([r["out"] for r in results])
+        torch.testing.assert_close(out, single["out"], rtol=0, atol=1e-10)
+        for rank, r in enumerate(results):
+            assert r["local_experts"] == list(range(rank * 8 // world, (rank + 1) * 8 // world))
+            assert r["gathered"].keys() == full.keys()
+            for key, value in full.items():
+                torch.testing.assert_close(r["gathered"][key], value, rtol=0, atol=0)
+    # expert gradients are complete on their owner: EP-4 rank 1 holds experts 2 and 3
+    w_up_grad_single = single["w_up_grad"]
+    torch.testing.assert_close(ep4[1]["w_up_grad"], w_up_grad_single[2:4], rtol=0, atol=1e-10)
+    assert "expert_index" in ep4[0]["local_keys"]
+
+
+def test_router_losses_are_balanced_at_one() -> None:
+    layer = mc2.MoELayer(8, 8, 4, topk=1, dtype=torch.float64)
+    torch.nn.init.zeros_(layer.gate.weight)  # uniform probabilities
+    logits = torch.zeros(8, 4, dtype=torch.float64)
+    ids = torch.arange(8).remainder(4).unsqueeze(-1)  # perfectly balanced assignment
+    losses = layer.router_losses(logits, ids)
+    assert losses.load_balancing.item() == pytest.approx(1.0)
+    assert losses.z_loss.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)
+    skewed = layer.router_losses(logits, torch.zeros(8, 1, dtype=torch.long))
+    assert skewed.load_balancing.item() == pytest.approx(1.0)  # P uniform: f . P = 1/E
+    peaked = torch.tensor([[5.0, 0, 0, 0]], dtype=torch.float64).expand(8, 4)
+    assert layer.router_losses(peaked, torch.zeros(8, 1, dtype=torch.long)).load_balancing > 3
+
+
+def test_bad_layer_arguments() -> None:
+    with pytest.raises(ValueError, match="topk"):
+        mc2.MoELayer(8, 8, 4, topk=5)

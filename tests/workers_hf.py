@@ -1,0 +1,39 @@
+"""Rank functions for the Hugging Face integration tests (import transformers lazily)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import mc2
+
+
+def build(kind: str, config: dict[str, Any], state: dict, dtype: torch.dtype):
+    import transformers
+
+    cfg = getattr(transformers, f"{kind}Config")(**config)
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg).to(dtype)
+    model.load_state_dict(state)
+    return model
+
+
+def patched_step(rank: int, world: int, kind: str, config: dict, state: dict,
+                 input_ids: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype,
+                 micro_batches: int) -> dict:
+    from mc2.integrations.transformers import MC2SparseMoeBlock, enable_mc2
+
+    model = build(kind, config, state, dtype)
+    replaced = enable_mc2(model, micro_batches=micro_batches)
+    ids = input_ids.chunk(world)[rank]
+    logits = model(ids).logits
+    (logits * grad.chunk(world)[rank]).sum().backward()
+    experts = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MC2SparseMoeBlock):
+            experts[name] = {"index": m.expert_index.tolist(), "w_gate": m.w_gate.grad,
+                             "w_up": m.w_up.grad, "w_down": m.w_down.grad}
+    replicated = {n: p.grad for n, p in model.named_parameters()
+                  if p.grad is not None and not n.endswith(("w_up", "w_gate", "w_down"))}
+    return {"logits": logits.detach(), "experts": experts, "replicated": replicated,
+            "replaced": replaced}
