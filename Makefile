@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of PyTorch, pinned: an unpinned torch would pull several GB of CUDA wheels.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+lint: venv
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check src tests benchmarks
 
 bench: venv
 	$(PY) benchmarks/sweep_micro_batches.py

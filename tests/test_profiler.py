@@ -63,7 +63,7 @@ def test_every_micro_batch_has_dispatch_compute_combine(runs) -> None:
 
 
 def test_spans_are_positive_and_nest_in_the_step(runs) -> None:
-    for label, ranks in runs.items():
+    for ranks in runs.values():
         for spans in ranks:
             steps = [s for s in spans if s.kind == "step"]
             assert len(steps) == 1, "exactly the marked step; nothing after the block"

@@ -6,8 +6,6 @@ from typing import Any
 
 import torch
 
-import mc2
-
 
 def build(kind: str, config: dict[str, Any], state: dict, dtype: torch.dtype):
     import transformers

@@ -128,7 +128,6 @@ def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int 
                        rw, micro_batches=k if overlap else 1, overlap=overlap, timeline=tl)
     t4 = time.perf_counter()
     loss = (h + _mark(moe, clock, "moe_out")).pow(2).mean()
-    t5 = time.perf_counter()
     loss.backward()
     t6 = time.perf_counter()
 
