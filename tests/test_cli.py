@@ -40,3 +40,16 @@ def test_bad_arguments_exit_cleanly() -> None:
     proc = subprocess.run([sys.executable, "-m", "mc2.cli", "bench", "--topk", "9"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "topk" in proc.stderr
+
+
+def test_bench_marks_a_sync_fallback() -> None:
+    import os
+
+    env = dict(os.environ, MC2_FORCE_SYNC="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "32", "--hidden", "16",
+         "--ffn", "16", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
+         "--warmup", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "mc2 K=2 [SYNC FALLBACK]" in proc.stdout
+    assert "ran synchronously (MC2_FORCE_SYNC is set)" in proc.stdout

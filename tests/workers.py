@@ -181,3 +181,38 @@ def layer_roundtrip(rank: int, world: int, full: dict, x: torch.Tensor, shared: 
             "w_up_grad": layer.w_up.grad, "gate_grad": layer.gate.weight.grad,
             "gathered": mc2.gather_full_state_dict(layer),
             "losses": (losses.load_balancing.item(), losses.z_loss.item())}
+
+
+def forced_sync(rank: int, world: int) -> dict:
+    """MC2_FORCE_SYNC=1: same numbers, a warning, the timeline marked, no async transfers."""
+    import os
+    import warnings
+
+    from tests.problems import make_problem
+
+    os.environ["MC2_FORCE_SYNC"] = "1"
+    p = make_problem(world, "uniform")
+    with mc2.profile() as prof, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                               micro_batches=3, overlap=True)
+    del os.environ["MC2_FORCE_SYNC"]
+    kinds = {s.kind for s in prof.spans}
+    return {"out": out, "warned": [str(w.message) for w in caught
+                                   if issubclass(w.category, mc2.env.SyncFallbackWarning)],
+            "fallback": prof.sync_fallback, "kinds": kinds}
+
+
+def topology_of(rank: int, world: int, local_world: int) -> dict:
+    """Discover a (pretend) multi-node layout and use its sub-groups once."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    topo = mc2.topology.discover()
+    intra, inter = topo.subgroups()
+    a = torch.tensor([float(rank)])
+    b = torch.tensor([float(rank)])
+    dist.all_reduce(a, group=intra)
+    dist.all_reduce(b, group=inter)
+    return {"nodes": topo.nodes, "node": topo.node, "local": topo.local_rank,
+            "intra_sum": a.item(), "inter_sum": b.item(), "text": topo.describe()}

@@ -4,7 +4,7 @@
 micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 """
 
-from . import planner, profiler
+from . import env, planner, profiler, topology
 from .launch import run_local
 from .layer import MoELayer, RouterLosses, gather_full_state_dict, load_full_state_dict
 from .ops import fused_expert

@@ -91,6 +91,7 @@ class BenchReport:
     results: list[ModeResult] = field(default_factory=list)
     traces: dict[str, list[list[Span]]] = field(default_factory=dict)  # mode -> per-rank spans
     profiler_overhead: float = float("nan")  # (step with recording) / (step without) - 1
+    sync_fallbacks: dict[str, str] = field(default_factory=dict)  # mode -> why it ran sync
     auto_k: int = 0  # the K "auto" chose (0: not run)
     predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
     predicted_serial_s: float = float("nan")
@@ -117,6 +118,7 @@ class BenchReport:
         return {"config": asdict(self.config), "world_size": self.world_size,
                 "results": [asdict(r) for r in self.results],
                 "profiler_overhead": self.profiler_overhead, "auto_k": self.auto_k,
+                "sync_fallbacks": self.sync_fallbacks,
                 "predicted_s": self.predicted_s}
 
 
@@ -181,6 +183,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
         plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
+    fallbacks: dict[str, str] = {}
     for rep in range(cfg.warmup + cfg.repeats):
         for j in range(len(modes)):
             mode = modes[(j + rep) % len(modes)]
@@ -189,6 +192,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
             start = time.perf_counter()
             got = _step(x, ws, ids, rw, grad_out, mode, cfg, tl)
             step = time.perf_counter() - start
+            if tl.sync_fallback:
+                fallbacks[mode.name] = tl.sync_fallback
             diffs[mode.name] = max(diffs[mode.name], max(
                 (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
                 for a, b in zip(got, reference)))
@@ -200,7 +205,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 print(f"  [{tag}] {mode.name:<18} {row[0] * 1e3:9.1f} ms", file=sys.stderr,
                       flush=True)
     slowest_diff = _slowest([diffs[m.name] for m in modes])
-    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)), **plan}
+    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)),
+           "fallbacks": fallbacks, **plan}
     if cfg.trace:
         raw["traces"] = {}
         for mode in modes:
@@ -240,6 +246,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
         ))
     report.traces = raw.get("traces", {})
     report.auto_k = raw.get("auto_k", 0)
+    report.sync_fallbacks = raw.get("fallbacks", {})
     report.predicted_s = raw.get("predicted", {})
     report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
     report.profiler_overhead = raw.get("overhead", float("nan"))
@@ -267,7 +274,8 @@ def format_report(report: BenchReport) -> str:
             "max diff")
     rows = [cols]
     for r in report.results:
-        rows.append((r.mode, f"{r.step_s * 1e3:.1f}", f"{r.comm_share * 100:.1f}%",
+        name = f"{r.mode} [SYNC FALLBACK]" if r.mode in report.sync_fallbacks else r.mode
+        rows.append((name, f"{r.step_s * 1e3:.1f}", f"{r.comm_share * 100:.1f}%",
                      f"{r.compute_s * 1e3:.1f}", f"{r.tokens_per_s_per_rank:,.0f}",
                      f"{r.speedup:.3f}x", "-" if r.mode == "serial" else f"{r.hidden_fraction:.2f}",
                      f"{r.max_diff:.1e}"))
@@ -278,6 +286,8 @@ def format_report(report: BenchReport) -> str:
     bound = metrics.overlap_bound(serial.comm_share)
     lines.append(f"serial comm share {serial.comm_share * 100:.1f}% -> overlap can at best give "
                  f"{bound:.3f}x; best MC2: {report.best.mode} at {report.best.speedup:.3f}x")
+    for reason in sorted(set(report.sync_fallbacks.values())):
+        lines.append(f"WARNING: MC2 modes ran synchronously ({reason}): nothing was overlapped")
     lines += ["", format_article_table(report)]
     return "\n".join(lines)
 

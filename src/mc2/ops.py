@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .comm import exchange_counts, group_size
+from .env import sync_reason, warn_sync_fallback
 from .experts import (
     ExpertActivations,
     GemmStrategy,
@@ -223,7 +225,9 @@ def fused_expert(
             group (:mod:`mc2.planner`; K = 1 where splitting cannot pay). Must be the same on
             every rank; with ``"auto"`` all ranks derive the same K.
         overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
-            and ``i-1`` combined while ``i`` computes; ``False`` is the plain serial path (with
+            and ``i-1`` combined while ``i`` computes (where the backend cannot, or
+            ``MC2_FORCE_SYNC=1`` is set, it falls back to synchronous collectives, warns with
+            :class:`~mc2.env.SyncFallbackWarning` and marks the timeline); ``False`` is the plain serial path (with
             ``"auto"``: K = 1, one synchronous dispatch, compute, one synchronous combine).
         num_experts: optional check that the group holds exactly this many experts.
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
@@ -255,6 +259,15 @@ def fused_expert(
     if timeline is None:
         timeline = active_timeline()
     world = group_size(group)
+    if overlap is True and world > 1:
+        reason = sync_reason(dist.get_backend(group))
+        if reason is not None:
+            warn_sync_fallback(reason)
+            overlap = False
+            if micro_batches == "auto":
+                micro_batches = 1
+            if timeline is not None:
+                timeline.sync_fallback = reason
     problem = local_problem(
         x, weights_up, weights_gate, weights_down, expert_ids, routing_weights,
         world_size=world, num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,

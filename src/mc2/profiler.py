@@ -100,6 +100,11 @@ class Profiler:
     def spans(self) -> list[Span]:
         return self.timeline.spans
 
+    @property
+    def sync_fallback(self) -> str | None:
+        """Why a call that asked for overlap ran synchronously (``None``: it did not)."""
+        return self.timeline.sync_fallback
+
     def gather(self, group: Any = None) -> list[list[Span]]:
         """Every rank's spans, in rank order, on a common wall clock (a collective)."""
         shifted = [Span(s.kind, s.name, s.phase, s.micro_batch, s.start + self.wall_offset,

@@ -46,9 +46,11 @@ class Timeline:
     """Spans recorded by the pipeline; ``clear()`` between steps, or keep accumulating."""
 
     spans: list[Span] = field(default_factory=list)
+    sync_fallback: str | None = None  # why overlap was requested but ran synchronously
 
     def clear(self) -> None:
         self.spans.clear()
+        self.sync_fallback = None
 
     @contextmanager
     def span(self, kind: SpanKind, name: str, phase: str, micro_batch: int = -1) -> Iterator[None]:

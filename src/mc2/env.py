@@ -1,0 +1,37 @@
+"""Environment variables mc2 reads, all in one place (for debugging and emergencies only).
+
+* ``MC2_FORCE_SYNC=1``: never issue asynchronous collectives; ``fused_expert`` runs its
+  micro-batches synchronously (nothing overlaps), warns once, and marks the timeline. Use it to
+  rule out an overlap problem, or on a backend whose asynchronous path misbehaves.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+# backends whose collectives accept async_op=True and progress on their own threads/streams
+ASYNC_BACKENDS = frozenset({"gloo", "nccl", "hccl", "mpi", "ucc", "xccl", "fake"})
+
+
+class SyncFallbackWarning(UserWarning):
+    """Overlap was requested but communication runs synchronously."""
+
+
+def force_sync() -> bool:
+    return os.environ.get("MC2_FORCE_SYNC", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sync_reason(backend: str | None) -> str | None:
+    """Why asynchronous communication cannot be used, or ``None`` when it can."""
+    if force_sync():
+        return "MC2_FORCE_SYNC is set"
+    if backend is not None and backend not in ASYNC_BACKENDS:
+        return f"backend {backend!r} is not known to support asynchronous collectives"
+    return None
+
+
+def warn_sync_fallback(reason: str) -> None:
+    """Say once (per reason) that the pipeline fell back to synchronous communication."""
+    warnings.warn(f"mc2: overlap requested but {reason}; communication runs synchronously "
+                  "and nothing is hidden", SyncFallbackWarning, stacklevel=3)
