@@ -1,4 +1,4 @@
-"""The ``mc2`` command line: ``demo``, ``bench``, ``plan``, ``simulate`` and ``train``."""
+"""The ``mc2`` command line: ``demo``, ``bench``, ``plan``, ``simulate``, ``train``, ``doctor``."""
 
 from __future__ import annotations
 
@@ -205,7 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for loss_curve.png and losses.json (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     tr.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
+    sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
+                   description="Backends and their async support, accelerators, the launcher's "
+                               "environment, network interfaces and RDMA devices, then advice.")
     return parser
+
+
+def _doctor() -> int:
+    from .doctor import report
+
+    facts, advice = report()
+    print("\n".join(facts))
+    print("\nadvice:")
+    print("\n".join(f"- {a}" for a in advice))
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -280,6 +293,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        return _doctor()
     if args.command == "train":
         return _train(args)
     if args.command == "simulate":
