@@ -15,5 +15,5 @@ from .timeline import Span, Timeline
 
 __all__ = ["fused_expert", "MoELayer", "RouterLosses", "gather_full_state_dict",
            "load_full_state_dict", "profile", "Profiler", "Planner", "run_local", "Timeline", "Span",
-           "DispatchHandle", "MicroBatchRoute", "planner", "profiler"]
+           "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
 __version__ = "0.1.0"

@@ -227,8 +227,9 @@ def fused_expert(
         overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
             and ``i-1`` combined while ``i`` computes (where the backend cannot, or
             ``MC2_FORCE_SYNC=1`` is set, it falls back to synchronous collectives, warns with
-            :class:`~mc2.env.SyncFallbackWarning` and marks the timeline); ``False`` is the plain serial path (with
-            ``"auto"``: K = 1, one synchronous dispatch, compute, one synchronous combine).
+            :class:`~mc2.env.SyncFallbackWarning` and marks the timeline); ``False`` is the
+            plain serial path (with ``"auto"``: K = 1, one synchronous dispatch, compute, one
+            synchronous combine).
         num_experts: optional check that the group holds exactly this many experts.
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
             expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
