@@ -216,3 +216,12 @@ def topology_of(rank: int, world: int, local_world: int) -> dict:
     dist.all_reduce(b, group=inter)
     return {"nodes": topo.nodes, "node": topo.node, "local": topo.local_rank,
             "intra_sum": a.item(), "inter_sum": b.item(), "text": topo.describe()}
+
+
+def run_cases_as_nodes(rank: int, world: int, local_world: int,
+                       cases: list[tuple[Problem, dict[str, Any]]]) -> list[dict]:
+    """:func:`run_cases` with the ranks presented as nodes of ``local_world`` ranks each."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    return run_cases(rank, world, cases)

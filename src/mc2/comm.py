@@ -52,18 +52,25 @@ class PendingTransfer:
         work: the backend's work handle, ``None`` when the transfer already completed.
         issued_at: ``time.perf_counter()`` when the transfer was issued.
         keep_alive: tensors that must not be freed while the transfer runs (the send buffer).
+        future: a ``concurrent.futures.Future`` whose result is the output (an exchange run on
+            the communication thread), instead of ``work``.
     """
 
-    output: Tensor
+    output: Tensor | None
     work: Any = None
     issued_at: float = 0.0
     keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)
+    future: Any = None
 
     def wait(self) -> Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.future is not None:
+            self.output = self.future.result()
+            self.future = None
         self.keep_alive = ()
+        assert self.output is not None
         return self.output
 
 
@@ -101,6 +108,25 @@ def all_to_all_rows(
     )
 
 
+@dataclass(frozen=True)
+class FlatExchange:
+    """One micro-batch's exchange as a single All-to-All over the whole group."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    group: Any
+
+    def dispatch(self, rows: Tensor, *, async_op: bool,
+                 on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+        return all_to_all_rows(rows, self.send_splits, self.recv_splits, self.group,
+                               async_op=async_op, on_complete=on_complete)
+
+    def combine(self, rows: Tensor, *, async_op: bool,
+                on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group,
+                               async_op=async_op, on_complete=on_complete)
+
+
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     """The one up-front exchange of per-micro-batch, per-expert row counts.
 
@@ -118,6 +144,19 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv
+
+
+def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
+    """Every rank's per-micro-batch row counts to every rank: ``[world(src), K, world(dst)]``.
+
+    Args:
+        send_totals: ``[K, world] int64`` rows this rank sends to each rank per micro-batch.
+    """
+    if group_size(group) == 1:
+        return send_totals.unsqueeze(0).clone()
+    parts = [torch.empty_like(send_totals) for _ in range(group_size(group))]
+    dist.all_gather(parts, send_totals.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 def all_reduce_max(values: Tensor, group: Any) -> Tensor:

@@ -22,11 +22,11 @@ Serial schedule (``overlap=False``): each collective is synchronous, nothing ove
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from torch import Tensor
 
-from .comm import PendingTransfer, all_to_all_rows
+from .comm import PendingTransfer
 from .routing import DispatchHandle
 from .timeline import Timeline, maybe_span
 
@@ -57,7 +57,6 @@ def run_pipeline(
     handle: DispatchHandle,
     steps: PipelineSteps,
     *,
-    group: Any,
     overlap: bool,
     phase: str,
     timeline: Timeline | None = None,
@@ -75,14 +74,12 @@ def run_pipeline(
         return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
 
     def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
-        r = routes[i]
-        return all_to_all_rows(rows, r.send_splits, r.recv_splits, group, async_op=async_op,
-                               on_complete=in_flight("dispatch", i))
+        return routes[i].exchange.dispatch(rows, async_op=async_op,
+                                           on_complete=in_flight("dispatch", i))
 
     def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
-        r = routes[i]
-        return all_to_all_rows(rows, r.recv_splits, r.send_splits, group, async_op=async_op,
-                               on_complete=in_flight("combine", i))
+        return routes[i].exchange.combine(rows, async_op=async_op,
+                                          on_complete=in_flight("combine", i))
 
     def compute(i: int, received: Tensor) -> Tensor:
         with maybe_span(timeline, "compute", "experts", phase, i):

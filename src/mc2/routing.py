@@ -9,9 +9,12 @@ communication is the single up-front exchange of per-micro-batch counts (see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
+
+from .comm import FlatExchange
 
 
 @dataclass(frozen=True)
@@ -25,9 +28,12 @@ class MicroBatchRoute:
         send_splits: rows sent to each rank (``len == world``), i.e. grouped by destination.
         recv_splits: rows received from each rank (``len == world``).
         expert_counts: rows each *local* expert processes (``len == local_experts``).
-        expert_gather: ``[r] int64`` gather index that turns the received rows (ordered by
-            source rank, then local expert) into expert-grouped order (local expert, then source);
-            ``None`` when that order already is expert-grouped (one rank or one local expert).
+        expert_gather: ``[r] int64`` gather index that turns the received rows (in arrival
+            order: by source rank for a flat exchange, by forwarding local rank and source node
+            for a two-stage one; then local expert) into expert-grouped order (local expert,
+            then source rank); ``None`` when no reordering is needed.
+        exchange: moves this micro-batch's rows (``dispatch``) and back (``combine``): a
+            :class:`~mc2.comm.FlatExchange` or a :class:`~mc2.hierarchy.TwoStageExchange`.
     """
 
     pair_order: Tensor
@@ -36,6 +42,7 @@ class MicroBatchRoute:
     recv_splits: list[int]
     expert_counts: list[int]
     expert_gather: Tensor | None
+    exchange: Any = None
 
     @property
     def num_sent(self) -> int:
@@ -110,20 +117,27 @@ def local_send_counts(
     return order, counts.view(num_micro_batches, num_experts)
 
 
-def expert_grouping_index(recv_counts: Tensor) -> Tensor | None:
-    """Gather index from receive order (source, expert) to expert-grouped order (expert, source).
+def expert_grouping_index(recv_counts: Tensor, arrival: list[int] | None = None
+                          ) -> Tensor | None:
+    """Gather index from arrival order to expert-grouped order (expert, then source rank).
 
     Args:
         recv_counts: ``[world, local_experts] int64`` rows received per (source rank, local
             expert) for one micro-batch.
+        arrival: the source ranks in the order their blocks arrive (default: 0, 1, ...).
     """
     world, local = recv_counts.shape
-    if world == 1 or local == 1:
+    identity = arrival is None or arrival == list(range(world))
+    if local == 1 or (identity and world == 1):
         return None
-    lengths = recv_counts.reshape(-1)
-    starts = torch.cumsum(lengths, 0) - lengths  # start of block (j, l) in receive order
-    lengths_t = recv_counts.t().reshape(-1)  # blocks in expert-grouped order (l, j)
-    starts_t = starts.view(world, local).t().reshape(-1)
+    order = torch.tensor(arrival if arrival is not None else range(world), dtype=torch.int64)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(world)
+    arranged = recv_counts[order]  # blocks in arrival order
+    lengths = arranged.reshape(-1)
+    starts = (torch.cumsum(lengths, 0) - lengths).view(world, local)[position]  # by source
+    lengths_t = recv_counts.t().reshape(-1)  # blocks in expert-grouped order (l, source)
+    starts_t = starts.t().reshape(-1)
     total = int(lengths.sum())
     dest_starts = torch.cumsum(lengths_t, 0) - lengths_t
     offset = torch.repeat_interleave(starts_t - dest_starts, lengths_t, output_size=total)
@@ -138,6 +152,8 @@ def build_handle(
     *,
     world_size: int,
     local_experts: int,
+    group: Any = None,
+    two_stage: Callable[[int], tuple[Any, list[int]]] | None = None,
 ) -> DispatchHandle:
     """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
 
@@ -147,6 +163,9 @@ def build_handle(
         send_counts: ``[K, E]`` from :func:`local_send_counts`.
         recv_counts: ``[world, K, local_experts]`` rows each source rank sends to this rank's
             experts, per micro-batch (from :func:`mc2.comm.exchange_counts`).
+        group: the group the flat exchanges run on.
+        two_stage: ``i -> (exchange, arrival order)`` for a hierarchical exchange; ``None``:
+            flat.
     """
     num_tokens, topk = expert_ids.shape
     num_micro = send_counts.shape[0]
@@ -156,15 +175,21 @@ def build_handle(
     routes = []
     for i, pairs in enumerate(torch.split(order, sizes)):
         per_expert = recv_cpu[:, i, :]
-        gather = expert_grouping_index(per_expert)
+        send_splits, recv_splits = send_cpu[i].tolist(), per_expert.sum(-1).tolist()
+        if two_stage is None:
+            exchange, arrival = FlatExchange(send_splits, recv_splits, group), None
+        else:
+            exchange, arrival = two_stage(i)
+        gather = expert_grouping_index(per_expert, arrival)
         routes.append(
             MicroBatchRoute(
                 pair_order=pairs,
                 token_index=pairs // topk,
-                send_splits=send_cpu[i].tolist(),
-                recv_splits=per_expert.sum(-1).tolist(),
+                send_splits=send_splits,
+                recv_splits=recv_splits,
                 expert_counts=per_expert.sum(0).tolist(),
                 expert_gather=None if gather is None else gather.to(order.device),
+                exchange=exchange,
             )
         )
     return DispatchHandle(

@@ -94,3 +94,17 @@ def discover(group: Any = None) -> Topology:
     hosts = gather_objects(socket.gethostname(), group)
     order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
     return Topology([order[h] for h in hosts], rank, "hostname")
+
+
+_TOPOLOGIES: dict[tuple, Topology] = {}
+
+
+def topology_for(group: Any = None) -> Topology:
+    """:func:`discover` once per group (cached with its sub-groups; every rank calls it)."""
+    if group_size(group) == 1:
+        return Topology([0], 0, "single")
+    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+           os.environ.get("LOCAL_WORLD_SIZE"))
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = discover(group)
+    return _TOPOLOGIES[key]

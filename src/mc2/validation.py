@@ -51,6 +51,7 @@ def local_problem(
     num_experts: int | None,
     micro_batches: Any,
     overlap: Any,
+    hierarchy: Any = "flat",
 ) -> str | None:
     """A human-readable description of what is wrong with this rank's arguments, or ``None``."""
     for name, t in (("x", x), ("weights_up", w_up), ("weights_gate", w_gate),
@@ -109,6 +110,8 @@ def local_problem(
         return f"micro_batches must be a positive int or 'auto', got {micro_batches!r}"
     if not isinstance(overlap, bool):
         return f"overlap must be a bool, got {overlap!r}"
+    if hierarchy not in _HIERARCHY_CODES:
+        return f"hierarchy must be 'auto', 'flat' or '2d', got {hierarchy!r}"
     return None
 
 
@@ -151,7 +154,8 @@ class Agreement:
 
 
 _SHARED = ("micro_batches", "hidden size", "ffn size", "local experts", "dtype", "overlap",
-           "gradient mode")
+           "gradient mode", "hierarchy")
+_HIERARCHY_CODES = {"flat": 0, "2d": 1, "auto": 2}
 
 
 def agree(
@@ -164,12 +168,14 @@ def agree(
     overlap: Any,
     needs_grad: bool,
     group: Any,
+    hierarchy: str = "flat",
 ) -> Agreement:
     """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed."""
     if problem is None:
         s = shapes_of(x, w_up, expert_ids)
         shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
-                  s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad)]
+                  s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad),
+                  _HIERARCHY_CODES[hierarchy]]
         facts = [0, s.tokens, s.topk, *shared]
     else:
         facts = [1, 0, 0] + [0] * len(_SHARED)
