@@ -46,6 +46,7 @@ class BenchConfig:
     split_sync: bool = False  # also time K micro-batches *without* overlap (split overhead)
     trace: bool = False  # profile one extra step per mode and return every rank's spans
     auto: bool = False  # also time micro_batches="auto" and return the planner's predictions
+    hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class BenchConfig:
                              f"{self.tokens_per_rank}, {self.topk}, {self.experts}")
         if any(k < 1 for k in self.micro_batches):
             raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
+        if not self.hierarchies or set(self.hierarchies) - {"flat", "2d", "auto"}:
+            raise ValueError(f"hierarchies must be among flat, 2d, auto; got {self.hierarchies}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Mode:
     name: str
     micro_batches: int | str
     overlap: bool
+    hierarchy: str = "flat"
 
 
 @dataclass
@@ -124,7 +128,9 @@ class BenchReport:
 
 def modes_of(cfg: BenchConfig) -> list[Mode]:
     modes = [Mode("serial", 1, False)]
-    modes += [Mode(f"mc2 K={k}", k, True) for k in cfg.micro_batches]
+    for h in cfg.hierarchies:
+        tag = "" if h == "flat" else f" {h}"
+        modes += [Mode(f"mc2 K={k}{tag}", k, True, h) for k in cfg.micro_batches]
     if cfg.split_sync:
         modes += [Mode(f"split K={k} (sync)", k, False) for k in cfg.micro_batches if k > 1]
     if cfg.auto:
@@ -152,6 +158,7 @@ def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Time
     xg = x.detach().requires_grad_(True)
     wg = [w.detach().requires_grad_(True) for w in ws]
     out = fused_expert(xg, *wg, ids, rw, micro_batches=mode.micro_batches, overlap=mode.overlap,
+                       hierarchy=mode.hierarchy,
                        gemm=cfg.gemm, timeline=timeline)
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
@@ -257,10 +264,11 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
     return report
 
 
-def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1) -> BenchReport:
+def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
+              ranks_per_node: int | None = None) -> BenchReport:
     """Start a local Gloo world, measure every mode, return the report (rank 0's view)."""
     raw = run_local(bench_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
-                    deadline_s=3600)
+                    deadline_s=3600, ranks_per_node=ranks_per_node)
     return summarize(cfg, world_size, raw[0])
 
 

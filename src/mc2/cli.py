@@ -50,6 +50,11 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--warmup", type=int, default=base.warmup, help="untimed repeats per mode")
     p.add_argument("--gemm", default=base.gemm, choices=["auto", "grouped", "loop"],
                    help="expert GEMM strategy")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="present the ranks as nodes of this many ranks (topology only: every "
+                        "link is still loopback; shaped inter-node links are not built yet)")
+    p.add_argument("--hierarchy", type=lambda t: tuple(t.split(",")), default=base.hierarchies,
+                   help="All-to-All layouts to time MC2 with: flat, 2d or flat,2d")
     p.add_argument("--auto", action="store_true", default=base.auto,
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
@@ -70,7 +75,7 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
                    gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
-                   auto=args.auto)
+                   auto=args.auto, hierarchies=args.hierarchy)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
@@ -83,7 +88,8 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
     print(title, file=sys.stderr, flush=True)
     if args.breakdown:
         return _breakdown(args, cfg)
-    report = run_bench(cfg, world_size=args.world_size, threads=args.threads)
+    report = run_bench(cfg, world_size=args.world_size, threads=args.threads,
+                       ranks_per_node=args.ranks_per_node)
     print(format_report(report))
     if extra is not None:
         print()

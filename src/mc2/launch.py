@@ -67,11 +67,11 @@ def steady_allocator() -> bool:
 
 def _worker(
     rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
-    steady: bool, fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
+    steady: bool, per_node: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
+                      LOCAL_WORLD_SIZE=str(per_node))
     import torch
     import torch.distributed as dist
 
@@ -100,6 +100,7 @@ def run_local(
     timeout_s: float = 60.0,
     deadline_s: float = 600.0,
     steady_memory: bool = True,
+    ranks_per_node: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results.
 
@@ -111,15 +112,20 @@ def run_local(
         timeout_s: collective timeout of the process group (a dead peer becomes an error).
         deadline_s: wall-clock limit for the whole world.
         steady_memory: apply :func:`steady_allocator` in every rank.
+        ranks_per_node: present the ranks as nodes of this many ranks (``LOCAL_WORLD_SIZE``),
+            so topology-aware code sees several nodes; the links stay loopback.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    per_node = ranks_per_node or world_size
+    if per_node < 1 or world_size % per_node:
+        raise ValueError(f"ranks_per_node ({per_node}) must divide world_size ({world_size})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(r, world_size, port, backend, threads, timeout_s, steady_memory, fn,
+                    args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node, fn,
                           args, results))
         for r in range(world_size)
     ]
