@@ -225,3 +225,15 @@ def run_cases_as_nodes(rank: int, world: int, local_world: int,
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     return run_cases(rank, world, cases)
+
+
+def hierarchy_pair(rank: int, world: int, problem: Problem) -> dict:
+    """Flat and 2-D results of one problem (run inside an emulated cluster)."""
+    out = {}
+    for hierarchy in ("flat", "2d"):
+        x = problem.xs[rank].clone().requires_grad_(True)
+        o = mc2.fused_expert(x, *problem.local_weights(rank), problem.ids[rank],
+                             problem.rws[rank], micro_batches=2, hierarchy=hierarchy)
+        o.backward(problem.grad_outs[rank])
+        out[hierarchy] = (o.detach(), x.grad)
+    return out

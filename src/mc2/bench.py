@@ -265,10 +265,10 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
 
 
 def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
-              ranks_per_node: int | None = None) -> BenchReport:
+              ranks_per_node: int | None = None, rank_env: Any = None) -> BenchReport:
     """Start a local Gloo world, measure every mode, return the report (rank 0's view)."""
     raw = run_local(bench_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
-                    deadline_s=3600, ranks_per_node=ranks_per_node)
+                    deadline_s=3600, ranks_per_node=ranks_per_node, rank_env=rank_env)
     return summarize(cfg, world_size, raw[0])
 
 

@@ -51,8 +51,15 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--gemm", default=base.gemm, choices=["auto", "grouped", "loop"],
                    help="expert GEMM strategy")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="present the ranks as nodes of this many ranks (topology only: every "
-                        "link is still loopback; shaped inter-node links are not built yet)")
+                   help="present the ranks as nodes of this many ranks; alone, every link "
+                        "stays loopback (topology only)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="emulate this many nodes, each in its own network namespace, joined by "
+                        "tc-shaped links (needs root and iproute2); world = nodes x "
+                        "--ranks-per-node")
+    p.add_argument("--inter-node-bandwidth", default="2gbit",
+                   help="tc rate of each node's link, e.g. 2gbit, 500mbit (default %(default)s;"
+                        " this kernel has no netem, so latency cannot be emulated)")
     p.add_argument("--hierarchy", type=lambda t: tuple(t.split(",")), default=base.hierarchies,
                    help="All-to-All layouts to time MC2 with: flat, 2d or flat,2d")
     p.add_argument("--auto", action="store_true", default=base.auto,
@@ -88,8 +95,22 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
     print(title, file=sys.stderr, flush=True)
     if args.breakdown:
         return _breakdown(args, cfg)
-    report = run_bench(cfg, world_size=args.world_size, threads=args.threads,
-                       ranks_per_node=args.ranks_per_node)
+    if args.nodes:
+        from .netns import EmulatedCluster, NetnsError
+
+        per_node = args.ranks_per_node or 1
+        try:
+            with EmulatedCluster(args.nodes, per_node, args.inter_node_bandwidth) as cluster:
+                print(f"emulated cluster: {args.nodes} nodes x {per_node} ranks, inter-node "
+                      f"links shaped to {cluster.bandwidth}", file=sys.stderr, flush=True)
+                report = run_bench(cfg, world_size=args.nodes * per_node, threads=args.threads,
+                                   ranks_per_node=per_node, rank_env=cluster.rank_environment)
+        except (NetnsError, ValueError) as exc:
+            print(f"mc2: {exc}", file=sys.stderr)
+            return 2
+    else:
+        report = run_bench(cfg, world_size=args.world_size, threads=args.threads,
+                           ranks_per_node=args.ranks_per_node)
     print(format_report(report))
     if extra is not None:
         print()

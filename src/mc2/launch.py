@@ -67,11 +67,21 @@ def steady_allocator() -> bool:
 
 def _worker(
     rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
-    steady: bool, per_node: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
+    steady: bool, per_node: int, extra_env: dict[str, str], fn: Callable[..., Any],
+    args: tuple[Any, ...], results: Any,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
                       LOCAL_WORLD_SIZE=str(per_node))
+    os.environ.update(extra_env)
+    if "MC2_NETNS" in extra_env:
+        from .netns import enter_namespace
+
+        try:
+            enter_namespace(extra_env["MC2_NETNS"])
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+            return
     import torch
     import torch.distributed as dist
 
@@ -101,6 +111,7 @@ def run_local(
     deadline_s: float = 600.0,
     steady_memory: bool = True,
     ranks_per_node: int | None = None,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results.
 
@@ -114,6 +125,8 @@ def run_local(
         steady_memory: apply :func:`steady_allocator` in every rank.
         ranks_per_node: present the ranks as nodes of this many ranks (``LOCAL_WORLD_SIZE``),
             so topology-aware code sees several nodes; the links stay loopback.
+        rank_env: extra environment per rank, e.g. :meth:`mc2.netns.EmulatedCluster.
+            rank_environment` to run each rank inside its emulated node's namespace.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -125,7 +138,8 @@ def run_local(
     port = free_port()
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node, fn,
+                    args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node,
+                          rank_env(r) if rank_env else {}, fn,
                           args, results))
         for r in range(world_size)
     ]

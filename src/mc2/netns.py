@@ -1,0 +1,167 @@
+"""A cluster of several nodes inside one Linux box, for benchmarks and tests.
+
+Each emulated node is a network namespace of its own. The ranks of one node talk over that
+namespace's local routes (fast, like HCCS/NVLink); nodes are joined through a bridge in a
+"switch" namespace by veth links whose egress is shaped with ``tc`` (token bucket), the slow
+link between nodes. Only namespaces, interfaces and addresses this module creates are used
+(``10.213.0.0/24`` inside its own namespaces), and everything is torn down on exit, on an
+exception and on Ctrl-C. Needs root and iproute2 (``ip``, ``tc``).
+
+The kernel here has no ``netem``, so only bandwidth is shaped; no latency option is offered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+SUBNET = "10.213.0"
+CLONE_NEWNET = 0x40000000
+
+
+class NetnsError(RuntimeError):
+    """The emulated cluster cannot be built here (not root, tools missing, kernel refused)."""
+
+
+def _run(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise NetnsError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def check_requirements() -> None:
+    """Raise :class:`NetnsError` with the fix when the cluster cannot be built."""
+    if os.geteuid() != 0:
+        raise NetnsError("an emulated cluster needs root (network namespaces and tc); run as "
+                         "root or use --ranks-per-node alone for an unshaped layout")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise NetnsError(f"missing {', '.join(missing)}: install iproute2 "
+                         "(apt-get install iproute2)")
+
+
+def parse_rate(text: str) -> str:
+    """Validate a tc rate such as ``2gbit``, ``500mbit``; returns it normalised."""
+    t = text.strip().lower()
+    units = ("kbit", "mbit", "gbit", "bit")
+    if not any(t.endswith(u) and t[: -len(u)].replace(".", "", 1).isdigit() for u in units):
+        raise ValueError(f"bandwidth must look like 2gbit, 500mbit or 100kbit; got {text!r}")
+    return t
+
+
+@dataclass
+class EmulatedCluster:
+    """``nodes`` namespaces joined by shaped links; use as a context manager.
+
+    Attributes:
+        nodes, ranks_per_node: the layout.
+        bandwidth: tc rate of each node's link to the switch (``None``: unshaped).
+    """
+
+    nodes: int
+    ranks_per_node: int
+    bandwidth: str | None = "2gbit"
+    prefix: str = field(default_factory=lambda: f"mc2-{os.getpid()}")
+    _made: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def node_ns(self, node: int) -> str:
+        return f"{self.prefix}-n{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def namespace_of_rank(self, rank: int) -> str:
+        return self.node_ns(rank // self.ranks_per_node)
+
+    @property
+    def interface(self) -> str:
+        return "mc2eth"
+
+    def __enter__(self) -> "EmulatedCluster":
+        check_requirements()
+        if self.nodes < 2 or self.ranks_per_node < 1:
+            raise ValueError(f"need >= 2 nodes and >= 1 rank per node, got {self.nodes} x "
+                             f"{self.ranks_per_node}")
+        if self.bandwidth is not None:
+            self.bandwidth = parse_rate(self.bandwidth)
+        atexit.register(self.teardown)
+        previous = signal.getsignal(signal.SIGINT)
+
+        def interrupted(signum: int, frame: Any) -> None:
+            self.teardown()
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, interrupted)
+        self._previous_sigint = previous
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.teardown()
+        signal.signal(signal.SIGINT, self._previous_sigint)
+
+    def _build(self) -> None:
+        _run("ip", "netns", "add", self.switch)
+        self._made.append(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for node in range(self.nodes):
+            ns = self.node_ns(node)
+            _run("ip", "netns", "add", ns)
+            self._made.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            peer = f"sw{node}"
+            _run("ip", "-n", ns, "link", "add", self.interface, "type", "veth", "peer", "name",
+                 peer, "netns", self.switch)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", self.interface)
+            _run("ip", "-n", ns, "link", "set", self.interface, "up")
+            _run("ip", "-n", self.switch, "link", "set", peer, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", peer, "up")
+            if self.bandwidth is not None:
+                for where, dev in ((ns, self.interface), (self.switch, peer)):
+                    _run("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
+                         "tbf", "rate", self.bandwidth, "burst", "512kb", "latency", "100ms")
+
+    def teardown(self) -> None:
+        """Delete every namespace this cluster made (their links go with them)."""
+        while self._made:
+            ns = self._made.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def rank_environment(self, rank: int) -> dict[str, str]:
+        """What a rank needs to join the world from inside its node's namespace."""
+        return {"MC2_NETNS": self.namespace_of_rank(rank), "MASTER_ADDR": self.address(0),
+                "GLOO_SOCKET_IFNAME": self.interface}
+
+
+def enter_namespace(name: str) -> None:
+    """Move this process into network namespace ``name`` (before it opens any socket)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsError(f"setns into {name} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def leftover_namespaces(prefix: str = "mc2-") -> list[str]:
+    """Namespaces whose name starts with ``prefix`` (for checks that nothing is left behind)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
