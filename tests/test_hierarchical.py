@@ -43,3 +43,13 @@ def test_2d_equals_flat_and_reference(results, index: int) -> None:
         assert_close(two_d["x"], ref["x"][rank], torch.float64, f"rank {rank} grad x")
         for g, want in zip(two_d["w"], ref["w"][rank]):
             assert_close(g, want, torch.float64, f"rank {rank} grad w")
+
+
+def test_auto_measures_and_agrees() -> None:
+    """'auto' times both exchanges once, all ranks take the same choice, results equal flat."""
+    p = make_problem(4, "uniform", seed=9)
+    cases = [(p, {"micro_batches": 2, "hierarchy": h}) for h in ("flat", "auto", "auto")]
+    results = mc2.run_local(run_cases_as_nodes, 4, args=(2, cases), deadline_s=120)
+    for r in results:
+        assert torch.equal(r[0]["out"], r[1]["out"]) and torch.equal(r[0]["out"], r[2]["out"])
+        assert torch.equal(r[0]["x"], r[1]["x"])

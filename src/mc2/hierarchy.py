@@ -31,7 +31,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .comm import PendingTransfer, all_to_all_rows
+import torch.distributed as dist
+
+from .comm import FlatExchange, PendingTransfer, all_reduce_max, all_to_all_rows, comm_device
 
 
 class CommWorker:
@@ -150,3 +152,41 @@ def two_stage_plan(totals: Tensor, micro_batch: int, *, rank: int, nodes: int, p
     exchange = TwoStageExchange(inter_send, inter_recv, gather, intra_send, intra_recv,
                                 intra_group, inter_group)
     return exchange, arrival
+
+
+_CHOICES: dict[tuple, bool] = {}
+
+
+def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_group: Any,
+                   inter_group: Any, rows_per_rank: int, hidden: int, dtype: torch.dtype,
+                   device: torch.device, repeats: int = 3) -> bool:
+    """Whether the 2-D exchange beats the flat one for this size here (measured once).
+
+    A collective: every rank of ``group`` calls it together. Both exchanges move the same
+    uniform traffic, synchronously, ``repeats`` times; the group's slowest times decide, so all
+    ranks decide alike. Cached per (group, size rounded to a power of two, hidden, dtype).
+    """
+    world = nodes * per_node
+    per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
+    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), per, hidden, dtype)
+    if key not in _CHOICES:
+        totals = torch.full((world, 1, world), per, dtype=torch.int64)
+        two_d, _ = two_stage_plan(totals, 0, rank=rank, nodes=nodes, per_node=per_node,
+                                  intra_group=intra_group, inter_group=inter_group)
+        flat = FlatExchange([per] * world, [per] * world, group)
+        rows = torch.zeros(per * world, hidden, dtype=dtype, device=device)
+
+        def timed(exchange: Any) -> float:
+            exchange.dispatch(rows, async_op=False).wait()  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                exchange.dispatch(rows, async_op=False).wait()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        measured = torch.tensor([timed(flat), timed(two_d)], dtype=torch.float64)
+        slowest = all_reduce_max(measured.to(comm_device(group, rows)), group).cpu().tolist()
+        _CHOICES[key] = slowest[1] < 0.95 * slowest[0]
+    return _CHOICES[key]

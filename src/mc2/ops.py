@@ -26,7 +26,7 @@ from .experts import (
     swiglu_backward_input,
     swiglu_forward,
 )
-from .hierarchy import two_stage_plan
+from .hierarchy import two_stage_pays, two_stage_plan
 from .pipeline import PipelineSteps, run_pipeline
 from .planner import Planner, planner_for
 from .profiler import active_timeline
@@ -185,9 +185,13 @@ class _FusedExpertFunction(torch.autograd.Function):
         return (grad_x, grads[0], grads[1], grads[2], grad_weights, None, *shared_grads)
 
 
-def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeline | None
-               ) -> Callable[[int], tuple[Any, list[int]]] | None:
-    """The per-micro-batch two-stage exchanges, or ``None`` where a flat one is right."""
+def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeline | None,
+               rows_per_rank: int, like: Tensor) -> Callable[[int], tuple[Any, list[int]]] | None:
+    """The per-micro-batch two-stage exchanges, or ``None`` where a flat one is right.
+
+    ``"auto"`` takes the 2-D exchange only on several nodes of several ranks each, and only
+    where it measured faster than the flat one for this size (:func:`two_stage_pays`).
+    """
     topo = topology_for(group)
     per_node = len(topo.ranks_of_node(0))
     if hierarchy == "auto" and (topo.nodes == 1 or per_node == 1 or not topo.uniform):
@@ -195,6 +199,14 @@ def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeli
     if not topo.uniform:
         raise ValueError(f"hierarchy='2d' needs the same ranks on every node: {topo.describe()}")
     intra, inter = topo.subgroups(group)
+    if hierarchy == "auto":
+        with maybe_span(timeline, "comm", "choose_hierarchy", "forward"):
+            pays = two_stage_pays(group, rank=topo.rank, nodes=topo.nodes, per_node=per_node,
+                                  intra_group=intra, inter_group=inter,
+                                  rows_per_rank=rows_per_rank, hidden=like.shape[-1],
+                                  dtype=like.dtype, device=like.device)
+        if not pays:
+            return None
     with maybe_span(timeline, "comm", "counts", "forward"):
         totals = gather_counts(send_totals, group)  # [world(src), K, world(dst)]
     return lambda i: two_stage_plan(totals, i, rank=topo.rank, nodes=topo.nodes,
@@ -263,7 +275,9 @@ def fused_expert(
         hierarchy: ``"flat"``: one All-to-All over the group; ``"2d"``: across nodes only
             between ranks of the same local rank, one message per node, then inside the node
             (:mod:`mc2.hierarchy`; needs the same number of ranks on every node); ``"auto"``:
-            ``"2d"`` when the group spans several nodes with several ranks each, else flat.
+            ``"2d"`` when the group spans several nodes with several ranks each and the 2-D
+            exchange measured faster than the flat one for this size (once, then cached),
+            else flat.
             Results are identical; only the traffic differs.
         timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
             spans (default: the one of the active :func:`mc2.profile`, if any).
@@ -336,7 +350,8 @@ def fused_expert(
     two_stage = None
     if hierarchy != "flat" and world > 1:
         two_stage = _two_stage(hierarchy, send_counts.view(k, world, local_experts).sum(-1),
-                               group, timeline)
+                               group, timeline, agreement.max_tokens * agreement.max_topk // k,
+                               x)
     handle = build_handle(
         ids2d, order, send_counts, recv_counts, world_size=world, local_experts=local_experts,
         group=group, two_stage=two_stage,
