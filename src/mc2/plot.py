@@ -7,11 +7,23 @@ torch-only.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .timeline import Span
 
 _LANES = {"compute": 0, "wait": 0, "comm": 1, "transfer": 1}
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or a clear error naming the extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("drawing pictures needs matplotlib: pip install 'mc2[plot]'") from exc
+    return plt
 
 
 def plot_gantt(runs: dict[str, Sequence[Sequence[Span]]], path: str | Path,
@@ -22,14 +34,8 @@ def plot_gantt(runs: dict[str, Sequence[Sequence[Span]]], path: str | Path,
     waits (communication not hidden) are drawn hatched on the compute lane, whole-call work
     (handshake, counts exchange, weighted sum) in grey.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("plot_gantt needs matplotlib: pip install 'mc2[plot]'") from exc
+    plt = pyplot()
+    from matplotlib.patches import Patch
 
     rows = [(label, rank, spans) for label, ranks in runs.items()
             for rank, spans in enumerate(ranks)]

@@ -151,12 +151,9 @@ def run_training(cfg: TrainConfig, world_size: int = 2, threads: int = 1) -> dic
 
 
 def plot_losses(curves: dict[str, list[float]], path: str | Path) -> Path:
-    import matplotlib
+    from .plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=label, lw=1.5)
     ax.set_xlabel("step")
@@ -167,7 +164,7 @@ def plot_losses(curves: dict[str, list[float]], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 

@@ -151,10 +151,9 @@ def format_scale(rows: Sequence[dict[str, float]]) -> str:
 
 
 def plot_scale(rows: Sequence[dict[str, float]], path: str | Path, title: str) -> Path:
-    import matplotlib
+    from ..plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     devices = [r["devices"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
