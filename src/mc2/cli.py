@@ -167,9 +167,11 @@ def write_traces(report: BenchReport, folder: Path) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mc2",
-        description="Hide MoE All-to-All behind expert computation. Runs a local multi-process "
-                    "Gloo world on this machine (loopback only) and compares the serial path "
-                    "with the MC2 pipeline, forward and backward.",
+        description="Hide MoE All-to-All behind expert computation. demo, plan, bench and "
+                    "train run a local multi-process Gloo world on this machine (loopback, or "
+                    "emulated nodes with --nodes) and compare the serial path with the MC2 "
+                    "pipeline, forward and backward; simulate predicts clusters you do not "
+                    "have; doctor says what this machine offers.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -187,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "by side.")
     _add_problem_args(plan, PLAN)
     bench = sub.add_parser(
-        "bench", help="measure serial vs MC2 on a chosen problem (default: the issue's 4096 "
+        "bench", help="measure serial vs MC2 on a chosen problem (default: 4096 "
                       "tokens/rank, hidden 1024, ffn 2048)",
         description="Median step times of the serial path and MC2 for each K, in the same run.")
     _add_problem_args(bench, BenchConfig())
