@@ -20,16 +20,14 @@ import json
 from pathlib import Path
 
 from mc2.bench import BenchConfig, format_plan, run_bench
+from mc2.cli import parse_ints
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batches", type=_ints, default=(4, 16, 64, 256))
-    p.add_argument("--hiddens", type=_ints, default=(512, 1024))
+    p.add_argument("--batches", type=parse_ints, default=(4, 16, 64, 256))
+    p.add_argument("--hiddens", type=parse_ints, default=(512, 1024))
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--repeats", type=int, default=5,
                    help="repeats at 4096 tokens/rank; smaller problems get proportionally more "

@@ -18,17 +18,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from mc2.bench import BenchConfig, format_report, run_bench
+from mc2.cli import parse_ints
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batches", type=_ints, default=(4, 16, 64), help="batch sizes (sequences)")
+    p.add_argument("--batches", type=parse_ints, default=(4, 16, 64), help="batch sizes (sequences)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--micro-batches", type=_ints, default=(1, 2, 4, 8, 16), help="K values")
+    p.add_argument("--micro-batches", type=parse_ints, default=(1, 2, 4, 8, 16), help="K values")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--experts", type=int, default=8)

@@ -23,7 +23,8 @@ DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2
                    micro_batches=(2, 4, 8), repeats=5, warmup=1)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def parse_ints(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``: positive integers, for argparse ``type=``."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -44,7 +45,7 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--experts", type=int, default=base.experts, help="global experts")
     p.add_argument("--topk", type=int, default=base.topk, help="experts per token")
     p.add_argument("--dtype", default=base.dtype, choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--micro-batches", type=_ints, default=base.micro_batches,
+    p.add_argument("--micro-batches", type=parse_ints, default=base.micro_batches,
                    help="comma-separated K values to try with overlap (default %(default)s)")
     p.add_argument("--repeats", type=int, default=base.repeats, help="timed repeats per mode")
     p.add_argument("--warmup", type=int, default=base.warmup, help="untimed repeats per mode")
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default="mixtral-8x7b",
                      help="preset name or a .toml file (shipped: mixtral-8x7b, mixtral-8x22b, "
                           "deepseek-v3, qwen3-30b-a3b)")
-    sim.add_argument("--nodes", type=_ints, default=(1, 2),
+    sim.add_argument("--nodes", type=parse_ints, default=(1, 2),
                      help="node counts, comma-separated (default 1,2); more than three values "
                           "prints the scale sweep")
     sim.add_argument("--tokens", type=int, default=4096, help="tokens per device per step")

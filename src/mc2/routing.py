@@ -44,14 +44,6 @@ class MicroBatchRoute:
     expert_gather: Tensor | None
     exchange: Any = None
 
-    @property
-    def num_sent(self) -> int:
-        return int(sum(self.send_splits))
-
-    @property
-    def num_received(self) -> int:
-        return int(sum(self.recv_splits))
-
 
 @dataclass(frozen=True)
 class DispatchHandle:
