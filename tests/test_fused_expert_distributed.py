@@ -36,11 +36,13 @@ class Case:
     overlap: bool
     dtype: torch.dtype = torch.float64
     gemm: str = "auto"
+    layout: str = "split"  # "packed": mc2.fused_expert_packed with the nn.Linear layout
 
     @property
     def id(self) -> str:
         return (f"{self.routing}-top{self.topk}-K{self.micro_batches}-"
-                f"{'overlap' if self.overlap else 'serial'}-{str(self.dtype)[6:]}-{self.gemm}")
+                f"{'overlap' if self.overlap else 'serial'}-{str(self.dtype)[6:]}-{self.gemm}-"
+                f"{self.layout}")
 
 
 CASES = [Case(r, k, m, o) for r, k, m, o in itertools.product(
@@ -50,6 +52,11 @@ CASES += [Case(r, 2, m, True, torch.float32, g) for r, m, g in itertools.product
     ("uniform", "uneven", "one_expert"), (1, 3), ("loop", "grouped"))]
 CASES += [Case("uniform", 2, m, True, torch.bfloat16, g) for m, g in itertools.product(
     (1, 4), ("loop", "grouped"))]
+CASES += [Case(r, k, m, o, layout="packed") for r, k, m, o in itertools.product(
+    ROUTINGS, (1, 2), (1, 3), (True, False))]
+CASES += [Case(r, 2, m, True, torch.float32, g, "packed") for r, m, g in itertools.product(
+    ("uniform", "one_expert"), (1, 3), ("loop", "grouped"))]
+CASES += [Case("uniform", 2, 4, True, torch.bfloat16, "loop", "packed")]
 WORLDS = (2, 4)
 
 
@@ -63,7 +70,7 @@ def world_results() -> dict[int, list[dict]]:
     results = {}
     for world in WORLDS:
         cases = [(problem_for(c, world), {"micro_batches": c.micro_batches, "overlap": c.overlap,
-                                          "gemm": c.gemm}) for c in CASES]
+                                          "gemm": c.gemm, "layout": c.layout}) for c in CASES]
         results[world] = mc2.run_local(run_cases, world, args=(cases,), deadline_s=300)
     return results
 
@@ -113,7 +120,8 @@ def test_overlap_equals_serial(world_results, world: int) -> None:
     for i, case in enumerate(CASES):
         if case.overlap or case.dtype != torch.float64:
             continue
-        twin = CASES.index(Case(case.routing, case.topk, case.micro_batches, True))
+        twin = CASES.index(Case(case.routing, case.topk, case.micro_batches, True,
+                                layout=case.layout))
         for rank in range(world):
             a, b = world_results[world][rank][i], world_results[world][rank][twin]
             torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=1e-12)

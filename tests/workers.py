@@ -16,15 +16,26 @@ def run_cases(rank: int, world: int, cases: list[tuple[Problem, dict[str, Any]]]
     """Forward + backward of each (problem, fused_expert options); returns outputs and grads."""
     results = []
     for problem, options in cases:
+        options = dict(options)
+        packed = options.pop("layout", "split") == "packed"
         x = problem.xs[rank].clone().requires_grad_(True)
         rw = problem.rws[rank].clone().requires_grad_(True)
-        weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
-        out = mc2.fused_expert(x, *weights, problem.ids[rank], rw, **options)
-        out.backward(problem.grad_outs[rank])
-        results.append({
-            "out": out.detach(), "x": x.grad, "rw": rw.grad,
-            "w": [w.grad for w in weights],
-        })
+        if packed:
+            up, gate, down = problem.local_weights(rank)
+            ffn = up.shape[-1]
+            gate_up = torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], 1).requires_grad_(True)
+            down_t = down.transpose(1, 2).contiguous().requires_grad_(True)
+            out = mc2.fused_expert_packed(x, gate_up, down_t, problem.ids[rank], rw, **options)
+            out.backward(problem.grad_outs[rank])
+            g = gate_up.grad
+            grads = [g[:, ffn:].transpose(1, 2), g[:, :ffn].transpose(1, 2),
+                     down_t.grad.transpose(1, 2)]
+        else:
+            weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
+            out = mc2.fused_expert(x, *weights, problem.ids[rank], rw, **options)
+            out.backward(problem.grad_outs[rank])
+            grads = [w.grad for w in weights]
+        results.append({"out": out.detach(), "x": x.grad, "rw": rw.grad, "w": grads})
     return results
 
 

@@ -7,13 +7,14 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 from . import env, planner, profiler, topology
 from .launch import run_local
 from .layer import MoELayer, RouterLosses, gather_full_state_dict, load_full_state_dict
-from .ops import fused_expert
+from .ops import fused_expert, fused_expert_packed
 from .planner import Planner
 from .profiler import Profiler, profile
 from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Span, Timeline
+from .workspace import Workspace
 
-__all__ = ["fused_expert", "MoELayer", "RouterLosses", "gather_full_state_dict",
+__all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses", "gather_full_state_dict",
            "load_full_state_dict", "profile", "Profiler", "Planner", "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
 __version__ = "0.1.0"

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .workspace import Workspace
+
 
 def group_size(group: Any) -> int:
     """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
@@ -82,6 +84,7 @@ def all_to_all_rows(
     *,
     async_op: bool,
     on_complete: Callable[[float, float], None] | None = None,
+    workspace: Workspace | None = None,
 ) -> PendingTransfer:
     """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
 
@@ -94,7 +97,8 @@ def all_to_all_rows(
     if group_size(group) == 1:
         return PendingTransfer(output=rows, issued_at=issued)
     rows = rows.contiguous()
-    output = rows.new_empty((int(sum(recv_splits)),) + tuple(rows.shape[1:]))
+    shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
+    output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
     work = dist.all_to_all_single(
         output, rows, recv_splits, send_splits, group=group, async_op=async_op
     )
@@ -115,16 +119,19 @@ class FlatExchange:
     send_splits: list[int]
     recv_splits: list[int]
     group: Any
+    workspace: Workspace | None = None  # where receive buffers come from
 
     def dispatch(self, rows: Tensor, *, async_op: bool,
                  on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.send_splits, self.recv_splits, self.group,
-                               async_op=async_op, on_complete=on_complete)
+                               async_op=async_op, on_complete=on_complete,
+                               workspace=self.workspace)
 
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group,
-                               async_op=async_op, on_complete=on_complete)
+                               async_op=async_op, on_complete=on_complete,
+                               workspace=self.workspace)
 
 
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:

@@ -1,19 +1,29 @@
 """SwiGLU expert math on expert-grouped rows: ``down(silu(x @ gate) * (x @ up))``.
 
-Rows arrive grouped by local expert (``counts[l]`` rows for expert ``l``, in order). Two GEMM
-strategies compute the same thing:
+Rows arrive grouped by local expert (``counts[l]`` rows for expert ``l``, in order). The weights
+come in one of two layouts (:class:`ExpertWeights`), and neither is ever copied or transposed
+in memory by a call:
 
-* ``"grouped"``: ``torch.nn.functional.grouped_mm`` with cumulative offsets, one kernel per
-  projection (float32/bfloat16/float16 only);
-* ``"loop"``: one ``torch.mm`` per non-empty expert, writing into preallocated slices.
+* **packed** (``gate_up [L, 2F, H]`` with the gate rows first, ``down [L, H, F]``): the
+  ``nn.Linear`` ``[out, in]`` layout of Hugging Face's ``gate_up_proj``/``down_proj``,
+  Megatron's ``linear_fc1``/``linear_fc2`` and DeepSpeed experts. Gate and up are one
+  ``[R, H] x [H, 2F]`` GEMM forward and one ``[R, 2F] x [2F, H]`` GEMM for the input gradient.
+  Measured with ``benchmarks/gemm_strategies.py``, this is the faster layout on the CPU here (the
+  BLAS kernels prefer a transposed right operand), so :class:`mc2.MoELayer` and the Hugging Face
+  adapter keep their experts packed.
+* **split** (``gate, up [L, H, F]``, ``down [L, F, H]``): the article's
+  ``weights_up/weights_gate/weights_down`` signature; two GEMMs where packed runs one.
 
-``"auto"`` takes ``loop``: measured with ``benchmarks/gemm_strategies.py`` on CPU (torch 2.13,
-one thread) the two are within 2-7% of each other with ``loop`` ahead on small experts, and on an
-H200 (torch 2.11, bf16, 8 experts of 4096x3584, 32768 rows, forward+backward) ``loop`` took
-13.6 ms against 15.1 ms for ``grouped_mm``. ``grouped`` stays available for shapes where kernel
-launches dominate (many small experts); pass ``gemm="grouped"``.
-The backward accumulates weight gradients into caller-owned buffers so that micro-batches add up
-without extra allocations.
+Two GEMM strategies compute the same thing: ``"loop"`` (one ``torch.mm`` per non-empty expert,
+writing into preallocated slices) and ``"grouped"`` (``torch.nn.functional.grouped_mm``).
+``"auto"`` takes ``loop``: on CPU (torch 2.13, one thread) the two are within a few percent
+with ``loop`` ahead on small experts, and on an H200 (bf16, 8 experts of 4096x3584, 32768 rows)
+``loop`` took 13.6 ms against 15.1 ms.
+
+Weight gradients are *written*, not zero-filled and accumulated: the first micro-batch that
+touches an expert writes its gradient with ``mm(out=...)``, later ones add to it, and only the
+experts that received no row at all are zeroed (:class:`WeightGrads`). Every large buffer comes
+from a :class:`~mc2.workspace.Workspace`, so steady-state calls do not allocate.
 """
 
 from __future__ import annotations
@@ -25,21 +35,72 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .workspace import Workspace
+
 GemmStrategy = Literal["auto", "grouped", "loop"]
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
-class ExpertActivations:
-    """What the backward of one micro-batch needs: ``x [R, H]``, ``gate``, ``up`` ``[R, F]``.
+@dataclass(frozen=True)
+class ExpertWeights:
+    """This rank's routed experts, in the packed or the split layout (see the module docstring).
 
-    Memory: ``R * (H + 2F)`` elements per micro-batch, ``R`` the rows this rank's experts
-    received. ``silu(gate) * up`` is recomputed in the backward rather than stored.
+    Attributes:
+        down: packed ``[L, H, F]``; split ``[L, F, H]``.
+        gate_up: packed ``[L, 2F, H]`` (gate rows ``[:F]``, up rows ``[F:]``), else ``None``.
+        gate, up: split ``[L, H, F]`` each, else ``None``.
     """
 
-    x: Tensor
-    gate: Tensor
-    up: Tensor
+    down: Tensor
+    gate_up: Tensor | None = None
+    gate: Tensor | None = None
+    up: Tensor | None = None
+
+    @staticmethod
+    def packed_of(gate_up: Tensor, down: Tensor) -> "ExpertWeights":
+        return ExpertWeights(down=down, gate_up=gate_up)
+
+    @staticmethod
+    def split_of(up: Tensor, gate: Tensor, down: Tensor) -> "ExpertWeights":
+        return ExpertWeights(down=down, gate=gate, up=up)
+
+    @property
+    def packed(self) -> bool:
+        return self.gate_up is not None
+
+    @property
+    def local_experts(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.down.shape[1] if self.packed else self.down.shape[2]
+
+    @property
+    def ffn(self) -> int:
+        return self.down.shape[2] if self.packed else self.down.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.down.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.down.device
+
+    def tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+        """``(gate_up, gate, up, down)``: the autograd inputs, ``None`` where absent."""
+        return self.gate_up, self.gate, self.up, self.down
+
+    def first(self, n: int = 1) -> "ExpertWeights":
+        """The first ``n`` experts (views), for calibration runs."""
+        pick = lambda t: None if t is None else t[:n]  # noqa: E731
+        return ExpertWeights(self.down[:n], pick(self.gate_up), pick(self.gate), pick(self.up))
+
+    def detached(self) -> "ExpertWeights":
+        pick = lambda t: None if t is None else t.detach()  # noqa: E731
+        return ExpertWeights(self.down.detach(), pick(self.gate_up), pick(self.gate),
+                             pick(self.up))
 
 
 def resolve_strategy(strategy: GemmStrategy, dtype: torch.dtype, device: torch.device) -> str:
@@ -66,58 +127,73 @@ def _offsets(counts: list[int], device: torch.device) -> Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
-def _grouped(a: Tensor, w: Tensor, counts: list[int], strategy: str) -> Tensor:
-    """``out[rows of l] = a[rows of l] @ w[l]`` for every local expert ``l``."""
+def _per_expert(a: Tensor, w: Tensor, counts: list[int], strategy: str, out: Tensor,
+                accumulate: bool = False) -> Tensor:
+    """``out[rows of l] (+)= a[rows of l] @ w[l]`` for every local expert ``l``.
+
+    ``w`` may be a transposed view (``[L, in, out]`` with any strides): BLAS reads it in place.
+    """
     if strategy == "grouped":
-        return F.grouped_mm(a, w, offs=_offsets(counts, a.device))
-    out = a.new_empty((a.shape[0], w.shape[-1]))
+        result = F.grouped_mm(a, w, offs=_offsets(counts, a.device))
+        return out.add_(result) if accumulate else out.copy_(result)
     for expert, start, stop in _ranges(counts):
-        torch.mm(a[start:stop], w[expert], out=out[start:stop])
+        if accumulate:
+            out[start:stop].addmm_(a[start:stop], w[expert])
+        else:
+            torch.mm(a[start:stop], w[expert], out=out[start:stop])
     return out
 
 
-def _grouped_weight_grad(a: Tensor, g: Tensor, counts: list[int], strategy: str, acc: Tensor) -> None:
-    """``acc[l] += a[rows of l].T @ g[rows of l]`` (weight gradient, accumulated)."""
-    if strategy == "grouped":
-        acc.add_(F.grouped_mm(a.t(), g, offs=_offsets(counts, a.device)))
-        return
-    for expert, start, stop in _ranges(counts):
-        acc[expert].addmm_(a[start:stop].t(), g[start:stop])
+@dataclass
+class ExpertActivations:
+    """What the backward of one micro-batch needs: ``x [R, H]`` and ``gate_up [R, 2F]``.
+
+    ``silu(gate) * up`` is recomputed in the backward rather than stored.
+    """
+
+    x: Tensor
+    gate_up: Tensor
 
 
 def swiglu_forward(
     x: Tensor,
     counts: list[int],
-    w_up: Tensor,
-    w_gate: Tensor,
-    w_down: Tensor,
+    weights: ExpertWeights,
     *,
     strategy: str,
     keep_activations: bool,
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, ExpertActivations | None]:
     """Expert outputs ``[R, H]`` for expert-grouped rows ``x [R, H]``.
 
     Args:
         counts: rows per local expert, ``sum(counts) == R``.
-        w_up, w_gate: ``[L, H, F]``; w_down: ``[L, F, H]``.
         strategy: ``"grouped"`` or ``"loop"`` (see :func:`resolve_strategy`).
-        keep_activations: return what :func:`swiglu_backward` needs.
+        keep_activations: return what :func:`swiglu_backward_input` needs.
     """
-    if x.shape[0] == 0:
-        empty = x.new_empty((0, w_up.shape[-1]))
-        return x.new_empty((0, w_down.shape[-1])), (
-            ExpertActivations(x, empty, empty) if keep_activations else None
-        )
-    gate = _grouped(x, w_gate, counts, strategy)
-    up = _grouped(x, w_up, counts, strategy)
-    y = _grouped(F.silu(gate) * up, w_down, counts, strategy)
-    return y, (ExpertActivations(x, gate, up) if keep_activations else None)
+    ws = workspace or Workspace.transient()
+    rows, ffn = x.shape[0], weights.ffn
+    gate_up = ws.empty((rows, 2 * ffn), x.dtype, x.device)
+    if rows:
+        if weights.packed:
+            _per_expert(x, weights.gate_up.transpose(1, 2), counts, strategy, gate_up)
+        else:
+            _per_expert(x, weights.gate, counts, strategy, gate_up[:, :ffn])
+            _per_expert(x, weights.up, counts, strategy, gate_up[:, ffn:])
+    act = ws.empty((rows, ffn), x.dtype, x.device)
+    torch.ops.aten.silu.out(gate_up[:, :ffn], out=act)
+    act.mul_(gate_up[:, ffn:])
+    y = ws.empty((rows, weights.hidden), x.dtype, x.device)
+    down = weights.down.transpose(1, 2) if weights.packed else weights.down
+    if rows:
+        _per_expert(act, down, counts, strategy, y)
+    return y, (ExpertActivations(x, gate_up) if keep_activations else None)
 
 
 @dataclass
 class WeightGradInputs:
     """Operands of the weight gradients of one micro-batch, produced by
-    :func:`swiglu_backward_input` and consumed by :func:`accumulate_weight_grads`.
+    :func:`swiglu_backward_input` and consumed by :meth:`WeightGrads.add`.
 
     Why separate: the input gradient must travel back to the token owners, the weight gradients
     stay here. Computing the input gradient first lets the pipeline put it on the wire at once
@@ -127,8 +203,7 @@ class WeightGradInputs:
     x: Tensor  # [R, H]
     act: Tensor  # [R, F] silu(gate) * up
     grad_y: Tensor  # [R, H]
-    grad_up: Tensor  # [R, F]
-    grad_gate: Tensor  # [R, F]
+    grad_gate_up: Tensor  # [R, 2F]
     counts: list[int]
 
 
@@ -136,55 +211,123 @@ def swiglu_backward_input(
     grad_y: Tensor,
     saved: ExpertActivations,
     counts: list[int],
-    w_up: Tensor,
-    w_gate: Tensor,
-    w_down: Tensor,
+    weights: ExpertWeights,
     *,
     strategy: str,
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, WeightGradInputs | None]:
     """Gradient w.r.t. the expert inputs ``[R, H]``, plus what the weight gradients need.
 
     Args:
         grad_y: ``[R, H]`` gradient of the expert outputs, expert-grouped like ``saved.x``.
     """
-    if grad_y.shape[0] == 0:
-        return grad_y.new_empty((0, w_up.shape[1])), None
-    sig = torch.sigmoid(saved.gate)
-    silu = saved.gate * sig
-    grad_act = _grouped(grad_y, w_down.transpose(1, 2), counts, strategy)
-    grad_up = grad_act * silu
-    grad_gate = grad_act.mul_(saved.up).mul_(sig * (1 + saved.gate * (1 - sig)))
-    grad_x = _grouped(grad_up, w_up.transpose(1, 2), counts, strategy)
-    grad_x.add_(_grouped(grad_gate, w_gate.transpose(1, 2), counts, strategy))
-    act = silu.mul_(saved.up)
-    return grad_x, WeightGradInputs(saved.x, act, grad_y, grad_up, grad_gate, counts)
+    ws = workspace or Workspace.transient()
+    rows, ffn, hidden = grad_y.shape[0], weights.ffn, weights.hidden
+    grad_x = ws.empty((rows, hidden), grad_y.dtype, grad_y.device)
+    if rows == 0:
+        return grad_x, None
+    gate, up = saved.gate_up[:, :ffn], saved.gate_up[:, ffn:]
+    grad_act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
+    _per_expert(grad_y, weights.down if weights.packed else weights.down.transpose(1, 2), counts,
+                strategy, grad_act)
+    act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
+    torch.ops.aten.silu.out(gate, out=act)  # silu(gate), then act = silu(gate) * up below
+    grad_gate_up = ws.empty((rows, 2 * ffn), grad_y.dtype, grad_y.device)
+    torch.mul(grad_act, act, out=grad_gate_up[:, ffn:])  # d up
+    grad_act.mul_(up)  # d silu(gate)
+    torch.ops.aten.silu_backward.grad_input(grad_act, gate, grad_input=grad_gate_up[:, :ffn])
+    act.mul_(up)
+    if weights.packed:
+        _per_expert(grad_gate_up, weights.gate_up, counts, strategy, grad_x)
+    else:
+        _per_expert(grad_gate_up[:, :ffn], weights.gate.transpose(1, 2), counts, strategy, grad_x)
+        _per_expert(grad_gate_up[:, ffn:], weights.up.transpose(1, 2), counts, strategy, grad_x,
+                    accumulate=True)
+    return grad_x, WeightGradInputs(saved.x, act, grad_y, grad_gate_up, counts)
 
 
-def accumulate_weight_grads(
-    work: WeightGradInputs | None, grads: tuple[Tensor, Tensor, Tensor], *, strategy: str
-) -> None:
-    """Add one micro-batch's contribution to ``grads = (grad_up, grad_gate, grad_down)``."""
-    if work is None:
+class WeightGrads:
+    """The weight gradients of one backward, written by the first micro-batch that touches an
+    expert and added to by later ones (no zero fill, no read-modify-write on first touch).
+
+    Args:
+        weights: the weights whose gradients these are (layout and shapes).
+        needed: ``(gate_up, gate, up, down)`` flags, as ``ctx.needs_input_grad``.
+    """
+
+    def __init__(self, weights: ExpertWeights, needed: tuple[bool, bool, bool, bool],
+                 workspace: Workspace | None = None) -> None:
+        ws = workspace or Workspace.transient()
+        self.weights = weights
+        self.grads = tuple(ws.empty(tuple(w.shape), w.dtype, w.device) if w is not None and need
+                           else None for w, need in zip(weights.tensors(), needed))
+        self.touched = [False] * weights.local_experts
+
+    def add(self, work: WeightGradInputs | None, *, strategy: str) -> None:
+        """Add one micro-batch's contribution."""
+        if work is None:
+            return
+        g_gate_up, g_gate, g_up, g_down = self.grads
+        ffn = self.weights.ffn
+        if strategy == "grouped":
+            self._add_grouped(work)
+            return
+        for expert, start, stop in _ranges(work.counts):
+            first = not self.touched[expert]
+            self.touched[expert] = True
+            x, act = work.x[start:stop], work.act[start:stop]
+            grad_y, grad_gu = work.grad_y[start:stop], work.grad_gate_up[start:stop]
+            if self.weights.packed:
+                _write(g_gate_up, expert, grad_gu.t(), x, first)
+                _write(g_down, expert, grad_y.t(), act, first)
+            else:
+                _write(g_gate, expert, x.t(), grad_gu[:, :ffn], first)
+                _write(g_up, expert, x.t(), grad_gu[:, ffn:], first)
+                _write(g_down, expert, act.t(), grad_y, first)
+
+    def _add_grouped(self, work: WeightGradInputs) -> None:
+        g_gate_up, g_gate, g_up, g_down = self.grads
+        ffn, offs = self.weights.ffn, _offsets(work.counts, work.x.device)
+        first = not any(self.touched)
+        parts = ((g_gate_up, work.grad_gate_up.t(), work.x), (g_down, work.grad_y.t(), work.act)) \
+            if self.weights.packed else \
+            ((g_gate, work.x.t(), work.grad_gate_up[:, :ffn]),
+             (g_up, work.x.t(), work.grad_gate_up[:, ffn:]), (g_down, work.act.t(), work.grad_y))
+        for grad, a, b in parts:
+            if grad is not None:
+                result = F.grouped_mm(a, b, offs=offs)
+                grad.copy_(result) if first else grad.add_(result)
+        self.touched = [True] * len(self.touched)
+
+    def finish(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """``(gate_up, gate, up, down)`` gradients; experts that saw no row are zeroed."""
+        for expert, seen in enumerate(self.touched):
+            if not seen:
+                for grad in self.grads:
+                    if grad is not None:
+                        grad[expert].zero_()
+        return self.grads  # type: ignore[return-value]
+
+
+def _write(grad: Tensor | None, expert: int, a: Tensor, b: Tensor, first: bool) -> None:
+    if grad is None:
         return
-    grad_up_w, grad_gate_w, grad_down_w = grads
-    _grouped_weight_grad(work.act, work.grad_y, work.counts, strategy, grad_down_w)
-    _grouped_weight_grad(work.x, work.grad_up, work.counts, strategy, grad_up_w)
-    _grouped_weight_grad(work.x, work.grad_gate, work.counts, strategy, grad_gate_w)
+    if first:
+        torch.mm(a, b, out=grad[expert])
+    else:
+        grad[expert].addmm_(a, b)
 
 
 def swiglu_backward(
     grad_y: Tensor,
     saved: ExpertActivations,
     counts: list[int],
-    w_up: Tensor,
-    w_gate: Tensor,
-    w_down: Tensor,
-    grads: tuple[Tensor, Tensor, Tensor],
+    weights: ExpertWeights,
+    grads: WeightGrads,
     *,
     strategy: str,
 ) -> Tensor:
     """Input gradient ``[R, H]``; adds the weight gradients into ``grads`` right away."""
-    grad_x, work = swiglu_backward_input(grad_y, saved, counts, w_up, w_gate, w_down,
-                                         strategy=strategy)
-    accumulate_weight_grads(work, grads, strategy=strategy)
+    grad_x, work = swiglu_backward_input(grad_y, saved, counts, weights, strategy=strategy)
+    grads.add(work, strategy=strategy)
     return grad_x

@@ -1,216 +1,44 @@
 """``mc2.fused_expert``: dispatch All-to-All -> SwiGLU experts -> combine All-to-All, overlapped.
 
-The whole pipeline is a single ``torch.autograd.Function`` on purpose: autograd would run
-per-primitive backward functions one after another, serialising the backward's communication.
-Owning the backward lets it be pipelined like the forward (the output gradients travel the
-dispatch routes, the input gradients come back the combine routes, micro-batch by micro-batch).
+Two entry points, one pipeline: :func:`fused_expert` takes the article's separate
+``weights_up/weights_gate/weights_down`` (``[L, H, F]``, ``[L, F, H]``);
+:func:`fused_expert_packed` takes the packed ``nn.Linear`` layout of Hugging Face, Megatron and
+DeepSpeed experts (``gate_up [L, 2F, H]``, ``down [L, H, F]``), which runs gate and up as one
+GEMM and measured faster (:mod:`mc2.experts`). :mod:`mc2.call_plan` plans a call,
+:mod:`mc2.function` runs it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .comm import exchange_counts, gather_counts, group_size
-from .env import sync_reason, warn_sync_fallback
-from .experts import (
-    ExpertActivations,
-    GemmStrategy,
-    WeightGradInputs,
-    accumulate_weight_grads,
-    resolve_strategy,
-    swiglu_backward_input,
-    swiglu_forward,
-)
-from .hierarchy import two_stage_pays, two_stage_plan
-from .pipeline import PipelineSteps, run_pipeline
-from .planner import Planner, planner_for
-from .profiler import active_timeline
-from .routing import DispatchHandle, MicroBatchRoute, build_handle, local_send_counts
-from .timeline import Timeline, maybe_span
-from .topology import topology_for
-from .validation import agree, local_problem, shared_problem
+from .call_plan import plan_call
+from .experts import GemmStrategy
+from .function import FusedExpertFunction
+from .planner import Planner
+from .timeline import Timeline
+from .workspace import Workspace
 
 MicroBatches = int | Literal["auto"]
 Hierarchy = Literal["auto", "flat", "2d"]
 
 
-@dataclass(frozen=True)
-class _Call:
-    """Non-tensor state shared by the forward and backward of one call."""
-
-    handle: DispatchHandle
-    group: Any
-    overlap: bool
-    strategy: str
-    keep_activations: bool
-    timeline: Timeline | None
-
-
-def _to_expert_order(route: MicroBatchRoute, received: Tensor) -> Tensor:
-    return received if route.expert_gather is None else received.index_select(0, route.expert_gather)
-
-
-def _to_receive_order(route: MicroBatchRoute, rows: Tensor) -> Tensor:
-    if route.expert_gather is None:
-        return rows
-    out = torch.empty_like(rows)
-    out.index_copy_(0, route.expert_gather, rows)
-    return out
-
-
-class _FusedExpertFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        w_up: Tensor,
-        w_gate: Tensor,
-        w_down: Tensor,
-        routing_weights: Tensor,
-        call: _Call,
-        s_up: Tensor | None,
-        s_gate: Tensor | None,
-        s_down: Tensor | None,
-    ) -> Tensor:
-        handle, routes = call.handle, call.handle.micro_batches
-        tokens, topk, hidden = handle.num_tokens, handle.topk, x.shape[-1]
-        expert_out = x.new_empty((tokens * topk, hidden))  # per (token, slot), original order
-        activations: list[ExpertActivations | None] = [None] * len(routes)
-        shared: list[Any] = [None, None]  # output, activations
-
-        def shared_experts() -> None:
-            shared[0], shared[1] = swiglu_forward(
-                x, [tokens], s_up, s_gate, s_down, strategy=call.strategy,
-                keep_activations=call.keep_activations)
-
-        def compute(i: int, received: Tensor) -> Tensor:
-            route = routes[i]
-            y, activations[i] = swiglu_forward(
-                _to_expert_order(route, received), route.expert_counts, w_up, w_gate, w_down,
-                strategy=call.strategy, keep_activations=call.keep_activations,
-            )
-            return _to_receive_order(route, y)
-
-        run_pipeline(
-            handle,
-            PipelineSteps(
-                gather=lambda i: x.index_select(0, routes[i].token_index),
-                compute=compute,
-                scatter=lambda i, rows: expert_out.index_copy_(0, routes[i].pair_order, rows),
-                local=shared_experts if s_up is not None else None,
-            ),
-            overlap=call.overlap, phase="forward", timeline=call.timeline,
-        )
-        with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
-            out = torch.bmm(
-                routing_weights.view(tokens, 1, topk), expert_out.view(tokens, topk, hidden)
-            ).view(tokens, hidden)
-            if shared[0] is not None:
-                out.add_(shared[0])
-        ctx.call = call
-        ctx.activations = activations
-        ctx.shared_activations = shared[1]
-        ctx.save_for_backward(w_up, w_gate, w_down, routing_weights, expert_out, s_up, s_gate,
-                              s_down)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        call: _Call = ctx.call
-        handle, routes = call.handle, call.handle.micro_batches
-        w_up, w_gate, w_down, routing_weights, expert_out, s_up, s_gate, s_down = ctx.saved_tensors
-        activations: list[ExpertActivations] = ctx.activations
-        tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
-        grad_out = grad_out.contiguous()
-        flat_weights = routing_weights.reshape(-1)
-
-        grad_weights = None
-        if ctx.needs_input_grad[4]:
-            grad_weights = torch.bmm(
-                expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
-            ).view(tokens, topk)
-        grad_x = torch.zeros_like(grad_out)
-        grads = (torch.zeros_like(w_up), torch.zeros_like(w_gate), torch.zeros_like(w_down))
-
-        def gather(i: int) -> Tensor:
-            route = routes[i]
-            scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
-            return grad_out.index_select(0, route.token_index) * scale
-
-        pending: list[WeightGradInputs | None] = [None] * len(routes)
-
-        def compute(i: int, received: Tensor) -> Tensor:
-            route = routes[i]
-            grad_in, pending[i] = swiglu_backward_input(
-                _to_expert_order(route, received), activations[i], route.expert_counts,
-                w_up, w_gate, w_down, strategy=call.strategy,
-            )
-            activations[i] = None  # type: ignore[call-overload]  # free as we go
-            return _to_receive_order(route, grad_in)
-
-        def weight_grads(i: int) -> None:
-            accumulate_weight_grads(pending[i], grads, strategy=call.strategy)
-            pending[i] = None
-
-        shared_grads: tuple[Tensor | None, ...] = (None, None, None)
-        if s_up is not None:
-            shared_grads = (torch.zeros_like(s_up), torch.zeros_like(s_gate),
-                            torch.zeros_like(s_down))
-
-        def shared_experts() -> None:
-            if ctx.shared_activations is None:
-                return
-            grad_in, work = swiglu_backward_input(
-                grad_out, ctx.shared_activations, [tokens], s_up, s_gate, s_down,
-                strategy=call.strategy)
-            grad_x.add_(grad_in)
-            accumulate_weight_grads(work, shared_grads, strategy=call.strategy)  # type: ignore[arg-type]
-
-        run_pipeline(
-            handle,
-            PipelineSteps(
-                gather=gather,
-                compute=compute,
-                scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
-                deferred=weight_grads,
-                local=shared_experts if s_up is not None else None,
-            ),
-            overlap=call.overlap, phase="backward", timeline=call.timeline,
-        )
-        return (grad_x, grads[0], grads[1], grads[2], grad_weights, None, *shared_grads)
-
-
-def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeline | None,
-               rows_per_rank: int, like: Tensor) -> Callable[[int], tuple[Any, list[int]]] | None:
-    """The per-micro-batch two-stage exchanges, or ``None`` where a flat one is right.
-
-    ``"auto"`` takes the 2-D exchange only on several nodes of several ranks each, and only
-    where it measured faster than the flat one for this size (:func:`two_stage_pays`).
-    """
-    topo = topology_for(group)
-    per_node = len(topo.ranks_of_node(0))
-    if hierarchy == "auto" and (topo.nodes == 1 or per_node == 1 or not topo.uniform):
-        return None
-    if not topo.uniform:
-        raise ValueError(f"hierarchy='2d' needs the same ranks on every node: {topo.describe()}")
-    intra, inter = topo.subgroups(group)
-    if hierarchy == "auto":
-        with maybe_span(timeline, "comm", "choose_hierarchy", "forward"):
-            pays = two_stage_pays(group, rank=topo.rank, nodes=topo.nodes, per_node=per_node,
-                                  intra_group=intra, inter_group=inter,
-                                  rows_per_rank=rows_per_rank, hidden=like.shape[-1],
-                                  dtype=like.dtype, device=like.device)
-        if not pays:
-            return None
-    with maybe_span(timeline, "comm", "counts", "forward"):
-        totals = gather_counts(send_totals, group)  # [world(src), K, world(dst)]
-    return lambda i: two_stage_plan(totals, i, rank=topo.rank, nodes=topo.nodes,
-                                    per_node=per_node, intra_group=intra, inter_group=inter)
+def _run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
+         routing_weights: Tensor | None, shared: tuple, **options: Any) -> Tensor:
+    call, weights, combine_weights = plan_call(x, named, expert_ids, routing_weights,
+                                               packed=packed, shared=shared, **options)
+    hidden = x.shape[-1]
+    if shared[0] is not None:  # S shared experts = one expert of width S * shared_ffn
+        s_up, s_gate, s_down = shared
+        n, _, f = s_up.shape
+        shared = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
+                  s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
+                  s_down.reshape(1, n * f, hidden))
+    out = FusedExpertFunction.apply(x.reshape(-1, hidden), *weights.tensors(), combine_weights,
+                                    call, *shared)
+    return out.view(x.shape)
 
 
 def fused_expert(
@@ -232,6 +60,7 @@ def fused_expert(
     shared_gate: Tensor | None = None,
     shared_down: Tensor | None = None,
     hierarchy: Hierarchy = "flat",
+    workspace: Workspace | None = None,
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -281,6 +110,9 @@ def fused_expert(
             Results are identical; only the traffic differs.
         timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
             spans (default: the one of the active :func:`mc2.profile`, if any).
+        workspace: the :class:`~mc2.workspace.Workspace` large buffers come from (default: the
+            process's shared one), so steady-state calls allocate nothing. Returned tensors
+            (output, gradients) share its memory until you drop them.
 
     Returns:
         ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
@@ -296,75 +128,45 @@ def fused_expert(
             shape/dtype/device, expert id out of range, weights that do not match the group), or
             when ranks disagree on values that must be shared; no rank is left in a collective.
     """
-    if timeline is None:
-        timeline = active_timeline()
-    world = group_size(group)
-    if overlap is True and world > 1:
-        reason = sync_reason(dist.get_backend(group))
-        if reason is not None:
-            warn_sync_fallback(reason)
-            overlap = False
-            if micro_batches == "auto":
-                micro_batches = 1
-            if timeline is not None:
-                timeline.sync_fallback = reason
-    problem = local_problem(
-        x, weights_up, weights_gate, weights_down, expert_ids, routing_weights,
-        world_size=world, num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
-        hierarchy=hierarchy,
-    ) or shared_problem(x, shared_up, shared_gate, shared_down)
-    tensors = [t for t in (x, weights_up, weights_gate, weights_down, routing_weights, shared_up,
-                           shared_gate, shared_down) if isinstance(t, Tensor)]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    with maybe_span(timeline, "comm", "handshake", "forward"):
-        agreement = agree(
-            problem, x=x, w_up=weights_up, expert_ids=expert_ids, micro_batches=micro_batches,
-            overlap=overlap, needs_grad=needs_grad, group=group, hierarchy=hierarchy,
-        )
-    strategy = resolve_strategy(gemm, x.dtype, x.device)
+    return _run(x, {"weights_up": weights_up, "weights_gate": weights_gate,
+                    "weights_down": weights_down}, False, expert_ids, routing_weights,
+                (shared_up, shared_gate, shared_down), group=group, micro_batches=micro_batches,
+                overlap=overlap, num_experts=num_experts, gemm=gemm, timeline=timeline,
+                planner=planner, hierarchy=hierarchy, workspace=workspace)
 
-    local_experts, hidden = weights_up.shape[0], x.shape[-1]
-    total_experts = world * local_experts
-    if micro_batches == "auto":
-        k = 1
-        if overlap:
-            with maybe_span(timeline, "compute", "plan", "forward"):
-                k = (planner or planner_for(group)).plan(
-                    max_tokens=agreement.max_tokens, topk=agreement.max_topk, w_up=weights_up,
-                    w_gate=weights_gate, w_down=weights_down, group=group, strategy=strategy)
-    else:
-        k = int(micro_batches)
 
-    x2d = x.reshape(-1, hidden)
-    ids2d = expert_ids.reshape(x2d.shape[0], expert_ids.shape[-1])
-    weights2d = (
-        torch.ones(ids2d.shape, dtype=x.dtype, device=x.device)
-        if routing_weights is None
-        else routing_weights.reshape(ids2d.shape).to(x.dtype)
-    )
-    order, send_counts = local_send_counts(ids2d, total_experts, k)
-    with maybe_span(timeline, "comm", "counts", "forward"):
-        recv_counts = exchange_counts(
-            send_counts.view(k, world, local_experts).transpose(0, 1).contiguous(), group
-        )
-    two_stage = None
-    if hierarchy != "flat" and world > 1:
-        two_stage = _two_stage(hierarchy, send_counts.view(k, world, local_experts).sum(-1),
-                               group, timeline, agreement.max_tokens * agreement.max_topk // k,
-                               x)
-    handle = build_handle(
-        ids2d, order, send_counts, recv_counts, world_size=world, local_experts=local_experts,
-        group=group, two_stage=two_stage,
-    )
-    call = _Call(handle=handle, group=group, overlap=overlap, strategy=strategy,
-                 keep_activations=needs_grad, timeline=timeline)
-    shared = (None, None, None)
-    if shared_up is not None:  # S shared experts = one expert of width S * shared_ffn
-        n, _, f = shared_up.shape
-        shared = (shared_up.permute(1, 0, 2).reshape(1, hidden, n * f),
-                  shared_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
-                  shared_down.reshape(1, n * f, hidden))
-    out = _FusedExpertFunction.apply(
-        x2d, weights_up, weights_gate, weights_down, weights2d, call, *shared
-    )
-    return out.view(x.shape)
+def fused_expert_packed(
+    x: Tensor,
+    weights_gate_up: Tensor,
+    weights_down: Tensor,
+    expert_ids: Tensor,
+    routing_weights: Tensor | None = None,
+    *,
+    group: Any = None,
+    micro_batches: MicroBatches = "auto",
+    overlap: bool = True,
+    num_experts: int | None = None,
+    gemm: GemmStrategy = "auto",
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    shared_up: Tensor | None = None,
+    shared_gate: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    hierarchy: Hierarchy = "flat",
+    workspace: Workspace | None = None,
+) -> Tensor:
+    """:func:`fused_expert` with the experts in the packed ``nn.Linear`` layout.
+
+    Args:
+        weights_gate_up: ``[local_experts, 2 * ffn, hidden]``: rows ``[:ffn]`` are the gate
+            projection, rows ``[ffn:]`` the up projection (Hugging Face ``gate_up_proj``,
+            Megatron ``linear_fc1``), applied as ``x @ W.T``.
+        weights_down: ``[local_experts, hidden, ffn]`` (``down_proj``, ``linear_fc2``).
+
+    Everything else is as in :func:`fused_expert`; the result is the same function of the same
+    weights. Gate and up run as one GEMM and no weight is ever copied or transposed in memory.
+    """
+    return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down}, True,
+                expert_ids, routing_weights, (shared_up, shared_gate, shared_down), group=group,
+                micro_batches=micro_batches, overlap=overlap, num_experts=num_experts, gemm=gemm,
+                timeline=timeline, planner=planner, hierarchy=hierarchy, workspace=workspace)

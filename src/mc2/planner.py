@@ -33,14 +33,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
-from .experts import swiglu_backward, swiglu_forward
+from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
 
 FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
 
@@ -152,58 +152,166 @@ def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
     return 2 * _median_time(moves, repeats) / rows
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The K for one call.
+
+    Attributes:
+        micro_batches: K.
+        trial: this call is one of ``"auto"``'s bounded trials (see :class:`Planner`).
+        on_pass_done: ``(phase, seconds)`` to report each pass's time to (trials only).
+    """
+
+    micro_batches: int
+    trial: bool = False
+    on_pass_done: Callable[[str, float], None] | None = None
+
+
+@dataclass
+class _Trials:
+    """``"auto"``'s measurements of the candidate K of one shape, then its decision."""
+
+    candidates: tuple[int, ...]
+    samples: dict[int, list[dict[str, float]]]  # K -> one {phase: seconds} per trial call
+    locked: int | None = None
+
+    def next_candidate(self) -> int:
+        return min(self.candidates, key=lambda k: (len(self.samples[k]), self.candidates.index(k)))
+
+    def explored(self, trials: int) -> bool:
+        return all(len(self.samples[k]) >= trials for k in self.candidates)
+
+    def scores(self) -> list[float]:
+        """Per candidate, its best trial's time: forward + backward where every candidate has a
+        complete trial, else forward only (the same rule on every rank)."""
+        complete = all(any("backward" in t for t in self.samples[k]) for k in self.candidates)
+        phases = ("forward", "backward") if complete else ("forward",)
+        return [min(sum(t.get(p, 0.0) for p in phases) for t in self.samples[k]
+                    if all(p in t for p in phases)) for k in self.candidates]
+
+
+def _bucket(n: int) -> int:
+    """Token counts within 1/16 of a power of two share their decisions."""
+    step = max(1, 1 << max(0, n.bit_length() - 5))
+    return -(-n // step) * step
+
+
 class Planner:
-    """Chooses ``micro_batches`` for ``"auto"``; measures once per shape and group, then caches.
+    """Chooses ``micro_batches`` for ``"auto"``: the model ranks, the real calls decide.
+
+    For each new shape (token count within 1/16, weights, group) the cost model, calibrated
+    once per weight shape and group, ranks every candidate K. The first calls of that shape then
+    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, round robin;
+    every rank records each call's forward and backward time, one ``all_reduce`` takes the
+    slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
+    ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
+    timeline marks them (``auto trial K=...``). ``explore=1`` trusts the model alone.
 
     Args:
         candidates: the K values considered.
-        min_gain: keep K = 1 unless the model predicts at least this relative gain.
+        min_gain: with ``explore=1``, keep K = 1 unless the model predicts this relative gain.
         repeats: timing repeats per calibration measurement (medians are used).
+        explore: how many of the model's best K the real calls try (K = 1 always among them).
+        trials: calls per tried K (the best of them counts, so a cold first call does not).
     """
 
     def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
-                 repeats: int = 3) -> None:
+                 repeats: int = 3, explore: int = 3, trials: int = 2) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
+        if explore < 1 or trials < 1:
+            raise ValueError(f"explore and trials must be >= 1, got {explore}, {trials}")
         self.candidates = tuple(candidates)
         self.min_gain = min_gain
         self.repeats = repeats
+        self.explore = explore
+        self.trials = trials
         self._cache: dict[tuple, Calibration] = {}
+        self._shapes: dict[tuple, _Trials] = {}
 
-    def calibration(self, w_up: Tensor, w_gate: Tensor, w_down: Tensor, group: Any,
-                    strategy: str = "loop") -> Calibration:
+    def calibration(self, weights: ExpertWeights, group: Any, strategy: str = "loop"
+                    ) -> Calibration:
         """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
-        key = (tuple(w_up.shape), w_up.dtype, w_up.device.type, group_size(group), id(group))
+        key = (tuple(weights.down.shape), weights.packed, weights.dtype, weights.device.type,
+               group_size(group), id(group))
         if key not in self._cache:
-            self._cache[key] = self._measure(w_up, w_gate, w_down, group, strategy)
+            self._cache[key] = self._measure(weights, group, strategy)
         return self._cache[key]
 
-    def plan(self, *, max_tokens: int, topk: int, w_up: Tensor, w_gate: Tensor, w_down: Tensor,
-             group: Any, strategy: str = "loop") -> int:
-        """K for a call whose largest rank holds ``max_tokens`` tokens (agreed by the group)."""
+    def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+             strategy: str = "loop") -> int:
+        """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
+        the group), without trials."""
         if group_size(group) == 1 or max_tokens <= 1:
             return 1  # nothing to hide, or nothing to split
-        cal = self.calibration(w_up, w_gate, w_down, group, strategy)
-        return choose(cal, self.workload(max_tokens, topk, w_up, group), self.candidates,
+        cal = self.calibration(weights, group, strategy)
+        return choose(cal, self.workload(max_tokens, topk, weights, group), self.candidates,
                       self.min_gain, max_tokens)
 
-    def workload(self, max_tokens: int, topk: int, w_up: Tensor, group: Any) -> Workload:
-        return Workload(rows_per_rank=max_tokens * topk, hidden=w_up.shape[1],
-                        local_experts=w_up.shape[0], world_size=group_size(group),
-                        element_size=w_up.element_size())
+    def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+               strategy: str = "loop") -> list[int]:
+        """The candidates the model allows, best predicted first."""
+        cal = self.calibration(weights, group, strategy)
+        work = self.workload(max_tokens, topk, weights, group)
+        allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
+        return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
 
-    def _measure(self, w_up: Tensor, w_gate: Tensor, w_down: Tensor, group: Any,
-                 strategy: str) -> Calibration:
-        hidden = w_up.shape[1]
-        ws = (w_up.detach(), w_gate.detach(), w_down.detach())
-        grads = tuple(torch.zeros_like(w[:1]) for w in ws)
-        one = tuple(w[:1] for w in ws)
+    def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+               strategy: str = "loop", needs_grad: bool = True) -> Choice:
+        """K for this call: a trial while the shape is explored, then the locked winner.
+
+        A collective whenever it calibrates or decides; every rank calls it with the same
+        agreed values, in the same order, so every rank takes the same branch.
+        """
+        if group_size(group) == 1 or max_tokens <= 1:
+            return Choice(1)
+        if self.explore == 1:
+            return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
+                                    group=group, strategy=strategy))
+        key = (_bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
+               weights.dtype, weights.device.type, group_size(group), id(group), strategy)
+        state = self._shapes.get(key)
+        if state is None:
+            ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                                 strategy=strategy)
+            tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
+            state = self._shapes[key] = _Trials(tuple(sorted(tried)), {k: [] for k in tried})
+        if state.locked is None and state.explored(self.trials):
+            times = torch.tensor(state.scores(), dtype=torch.float64,
+                                 device=comm_device(group, weights.down))
+            slowest = all_reduce_max(times, group).cpu().tolist()
+            state.locked = state.candidates[min(range(len(slowest)), key=slowest.__getitem__)]
+        if state.locked is not None:
+            return Choice(state.locked)
+        k = state.next_candidate()
+        sample: dict[str, float] = {}
+        state.samples[k].append(sample)
+        return Choice(k, trial=True, on_pass_done=sample.__setitem__)
+
+    def decisions(self) -> dict[tuple, dict[str, Any]]:
+        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "times"}}``."""
+        return {key: {"tried": s.candidates, "locked": s.locked,
+                      "times": {k: list(v) for k, v in s.samples.items()}}
+                for key, s in self._shapes.items()}
+
+    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any
+                 ) -> Workload:
+        return Workload(rows_per_rank=max_tokens * topk, hidden=weights.hidden,
+                        local_experts=weights.local_experts, world_size=group_size(group),
+                        element_size=weights.down.element_size())
+
+    def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
+        hidden = weights.hidden
+        one = weights.detached().first(1)
+        dtype, device = weights.dtype, weights.device
 
         def expert_step(rows: int) -> None:
-            x = torch.randn(rows, hidden, dtype=w_up.dtype, device=w_up.device)
-            y, saved = swiglu_forward(x, [rows], *one, strategy=strategy, keep_activations=True)
+            x = torch.randn(rows, hidden, dtype=dtype, device=device)
+            y, saved = swiglu_forward(x, [rows], one, strategy=strategy, keep_activations=True)
             assert saved is not None
-            swiglu_backward(y, saved, [rows], *one, grads, strategy=strategy)
+            grads = WeightGrads(one, (True, True, True, True))
+            swiglu_backward(y, saved, [rows], one, grads, strategy=strategy)
+            grads.finish()
 
         with torch.no_grad():
             small, large = 4, 256  # large enough to see cache effects of big micro-batches
@@ -217,8 +325,7 @@ class Planner:
             latency, per_byte, interference = 0.0, 0.0, 0.0
             if world > 1:
                 def a2a(rows_per_peer: int, async_op: bool = False):
-                    rows = torch.zeros(rows_per_peer * world, hidden, dtype=w_up.dtype,
-                                       device=w_up.device)
+                    rows = torch.zeros(rows_per_peer * world, hidden, dtype=dtype, device=device)
                     splits = [rows_per_peer] * world
                     return all_to_all_rows(rows, splits, splits, group, async_op=async_op)
 
@@ -229,7 +336,8 @@ class Planner:
                 a2a(row_small).wait()
                 t_lat = timed_a2a(row_small)
                 t_big = timed_a2a(row_large)
-                bytes_per = lambda r: r * (world - 1) * hidden * w_up.element_size()  # noqa: E731
+                element = weights.down.element_size()
+                bytes_per = lambda r: r * (world - 1) * hidden * element  # noqa: E731
                 latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large),
                                               t_big)
                 # compute alone vs with a transfer in flight
@@ -247,11 +355,10 @@ class Planner:
                 moved = latency + per_byte * bytes_per(row_large * 4)
                 interference = min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
-            row_overhead = _measure_row_overhead(hidden, w_up.dtype, w_up.device, self.repeats)
+            row_overhead = _measure_row_overhead(hidden, dtype, device, self.repeats)
 
-        device = comm_device(group, w_up)
         values = torch.tensor([fixed, per_row, latency, per_byte, interference, row_overhead],
-                              dtype=torch.float64, device=device)
+                              dtype=torch.float64, device=comm_device(group, weights.down))
         agreed = all_reduce_max(values, group).cpu().tolist()
         return Calibration(*agreed)
 

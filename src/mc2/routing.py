@@ -146,6 +146,7 @@ def build_handle(
     local_experts: int,
     group: Any = None,
     two_stage: Callable[[int], tuple[Any, list[int]]] | None = None,
+    workspace: Any = None,
 ) -> DispatchHandle:
     """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
 
@@ -158,6 +159,7 @@ def build_handle(
         group: the group the flat exchanges run on.
         two_stage: ``i -> (exchange, arrival order)`` for a hierarchical exchange; ``None``:
             flat.
+        workspace: the :class:`~mc2.workspace.Workspace` flat exchanges receive into.
     """
     num_tokens, topk = expert_ids.shape
     num_micro = send_counts.shape[0]
@@ -169,7 +171,7 @@ def build_handle(
         per_expert = recv_cpu[:, i, :]
         send_splits, recv_splits = send_cpu[i].tolist(), per_expert.sum(-1).tolist()
         if two_stage is None:
-            exchange, arrival = FlatExchange(send_splits, recv_splits, group), None
+            exchange, arrival = FlatExchange(send_splits, recv_splits, group, workspace), None
         else:
             exchange, arrival = two_stage(i)
         gather = expert_grouping_index(per_expert, arrival)

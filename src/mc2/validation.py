@@ -39,37 +39,31 @@ def _is_tensor(name: str, t: Any) -> str | None:
     return None
 
 
-def local_problem(
-    x: Any,
-    w_up: Any,
-    w_gate: Any,
-    w_down: Any,
-    expert_ids: Any,
-    routing_weights: Any,
-    *,
-    world_size: int,
-    num_experts: int | None,
-    micro_batches: Any,
-    overlap: Any,
-    hierarchy: Any = "flat",
-) -> str | None:
-    """A human-readable description of what is wrong with this rank's arguments, or ``None``."""
-    for name, t in (("x", x), ("weights_up", w_up), ("weights_gate", w_gate),
-                    ("weights_down", w_down), ("expert_ids", expert_ids)):
-        if (msg := _is_tensor(name, t)) is not None:
+def _weights_problem(x: Any, weights: dict[str, Any], packed: bool) -> str | None:
+    """What is wrong with the expert weights (either layout, see :mod:`mc2.experts`), or ``None``."""
+    for name, w in weights.items():
+        if (msg := _is_tensor(name, w)) is not None:
             return msg
-    if not x.is_floating_point() or x.dtype not in _DTYPE_CODES:
-        return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
-    if x.dim() not in (2, 3):
-        return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
     hidden = x.shape[-1]
-    for name, w in (("weights_up", w_up), ("weights_gate", w_gate), ("weights_down", w_down)):
+    for name, w in weights.items():
         if w.dtype != x.dtype:
             return f"{name} must have x's dtype {x.dtype}, got {w.dtype}"
         if w.device != x.device:
             return f"{name} must be on x's device {x.device}, got {w.device}"
         if w.dim() != 3:
             return f"{name} must be 3-D [local_experts, ...], got shape {tuple(w.shape)}"
+    if packed:
+        gate_up, down = weights["weights_gate_up"], weights["weights_down"]
+        local, two_f, h = gate_up.shape
+        if local < 1:
+            return "weights_gate_up holds no expert (local_experts == 0); every rank needs one"
+        if h != hidden or two_f % 2:
+            return (f"weights_gate_up must be [local_experts, 2 * ffn, {hidden}] to match x, got "
+                    f"{tuple(gate_up.shape)}")
+        if tuple(down.shape) != (local, hidden, two_f // 2):
+            return f"weights_down must be {(local, hidden, two_f // 2)}, got {tuple(down.shape)}"
+        return None
+    w_up, w_gate, w_down = (weights[k] for k in ("weights_up", "weights_gate", "weights_down"))
     local, h_up, ffn = w_up.shape
     if local < 1:
         return "weights_up holds no expert (local_experts == 0); every rank needs at least one"
@@ -79,6 +73,36 @@ def local_problem(
         return f"weights_gate must match weights_up {tuple(w_up.shape)}, got {tuple(w_gate.shape)}"
     if tuple(w_down.shape) != (local, ffn, hidden):
         return f"weights_down must be {(local, ffn, hidden)}, got {tuple(w_down.shape)}"
+    return None
+
+
+def local_problem(
+    x: Any,
+    weights: dict[str, Any],
+    expert_ids: Any,
+    routing_weights: Any,
+    *,
+    packed: bool,
+    world_size: int,
+    num_experts: int | None,
+    micro_batches: Any,
+    overlap: Any,
+    hierarchy: Any = "flat",
+) -> str | None:
+    """A human-readable description of what is wrong with this rank's arguments, or ``None``.
+
+    ``weights`` maps argument names to the expert weights: ``weights_up``, ``weights_gate``,
+    ``weights_down`` (split layout) or ``weights_gate_up``, ``weights_down`` (``packed``).
+    """
+    if (msg := _is_tensor("x", x)) is not None or (msg := _is_tensor("expert_ids", expert_ids)):
+        return msg
+    if not x.is_floating_point() or x.dtype not in _DTYPE_CODES:
+        return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
+    if x.dim() not in (2, 3):
+        return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
+    if (msg := _weights_problem(x, weights, packed)) is not None:
+        return msg
+    local = weights["weights_down"].shape[0]
     total_experts = world_size * local
     if num_experts is not None and num_experts != total_experts:
         return (f"num_experts={num_experts} does not match the group: {world_size} ranks x "
@@ -137,10 +161,11 @@ def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
     return None
 
 
-def shapes_of(x: Tensor, w_up: Tensor, expert_ids: Tensor) -> Shapes:
-    local, hidden, ffn = w_up.shape
+def shapes_of(x: Tensor, experts: tuple[int, int], expert_ids: Tensor) -> Shapes:
+    """``experts``: ``(local_experts, ffn)`` of the validated weights."""
+    local, ffn = experts
     return Shapes(
-        tokens=x.numel() // x.shape[-1], hidden=hidden, ffn=ffn, local_experts=local,
+        tokens=x.numel() // x.shape[-1], hidden=x.shape[-1], ffn=ffn, local_experts=local,
         topk=expert_ids.shape[-1],
     )
 
@@ -162,7 +187,7 @@ def agree(
     problem: str | None,
     *,
     x: Any,
-    w_up: Any,
+    experts: tuple[int, int] | None,
     expert_ids: Any,
     micro_batches: Any,
     overlap: Any,
@@ -170,9 +195,13 @@ def agree(
     group: Any,
     hierarchy: str = "flat",
 ) -> Agreement:
-    """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed."""
+    """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
+
+    ``experts`` is ``(local_experts, ffn)`` when this rank's input is valid.
+    """
     if problem is None:
-        s = shapes_of(x, w_up, expert_ids)
+        assert experts is not None
+        s = shapes_of(x, experts, expert_ids)
         shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
                   s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad),
                   _HIERARCHY_CODES[hierarchy]]
