@@ -34,8 +34,9 @@ def test_checkpoint_moves_between_ep_sizes(shared: int) -> None:
             for key, value in full.items():
                 torch.testing.assert_close(r["gathered"][key], value, rtol=0, atol=0)
     # expert gradients are complete on their owner: EP-4 rank 1 holds experts 2 and 3
-    w_up_grad_single = single["w_up_grad"]
-    torch.testing.assert_close(ep4[1]["w_up_grad"], w_up_grad_single[2:4], rtol=0, atol=1e-10)
+    w_gate_up_grad_single = single["w_gate_up_grad"]
+    torch.testing.assert_close(ep4[1]["w_gate_up_grad"], w_gate_up_grad_single[2:4], rtol=0,
+                               atol=1e-10)
     assert "expert_index" in ep4[0]["local_keys"]
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mc2
 from mc2.planner import Calibration, Workload, choose, predict
-from tests.workers import auto_choice
+from tests.workers import auto_choice, auto_trials
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
 CAL = Calibration(expert_fixed_s=0.0, expert_row_s=1e-3, link_latency_s=0.0,
@@ -73,3 +74,22 @@ def test_auto_keeps_tiny_batches_whole() -> None:
     # the article's trap: 4 tokens per rank; each extra micro-batch re-runs every expert's GEMMs
     results = mc2.run_local(auto_choice, 2, args=([4, 4], 512, 1024))
     assert [r["used"] for r in results] == [1, 1], results[0]["predicted"]
+
+
+def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() -> None:
+    calls = 9
+    results = mc2.run_local(auto_trials, 2, args=([300, 37], calls))
+    a, b = results
+    assert a["used"] == b["used"], "every rank must run the same K on every call"
+    decision = a["decision"]
+    tried, locked = decision["tried"], decision["locked"]
+    assert 1 in tried and len(tried) <= 3
+    n_trials = 3 * 2
+    assert sum(1 for marks in a["trials"] if marks) == n_trials  # bounded, and visible
+    assert all(not marks for marks in a["trials"][n_trials:])
+    assert sorted(a["used"][:n_trials]) == sorted(k for k in tried for _ in range(2))
+    assert a["used"][n_trials:] == [locked] * (calls - n_trials)
+    assert locked == b["decision"]["locked"]
+    # every call, trial or not, computes the same function
+    for out in a["outs"][1:]:
+        torch.testing.assert_close(out, a["outs"][0], rtol=0, atol=1e-5)

@@ -163,7 +163,7 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
     out.sum().backward()
     used = 1 + max((s.micro_batch for s in tl.spans), default=0)
     cal = next(iter(planner._cache.values()))
-    work = planner.workload(max(tokens), 2, ws[0], None)
+    work = planner.workload(max(tokens), 2, mc2.experts.ExpertWeights.split_of(*ws), None)
     return {"used": used, "calibration": cal,
             "predicted": {k: mc2.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
 
@@ -189,7 +189,7 @@ def layer_roundtrip(rank: int, world: int, full: dict, x: torch.Tensor, shared: 
     (out.pow(2).sum() + losses.load_balancing + losses.z_loss).backward()
     return {"out": out.detach(), "local_keys": sorted(layer.state_dict()),
             "local_experts": layer.expert_index.tolist(),
-            "w_up_grad": layer.w_up.grad, "gate_grad": layer.gate.weight.grad,
+            "w_gate_up_grad": layer.w_gate_up.grad, "gate_grad": layer.gate.weight.grad,
             "gathered": mc2.gather_full_state_dict(layer),
             "losses": (losses.load_balancing.item(), losses.z_loss.item())}
 
@@ -248,3 +248,26 @@ def hierarchy_pair(rank: int, world: int, problem: Problem) -> dict:
         o.backward(problem.grad_outs[rank])
         out[hierarchy] = (o.detach(), x.grad)
     return out
+
+
+def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
+    """``"auto"`` over several forward+backward calls of one shape: the K each call used."""
+    g = torch.Generator().manual_seed(rank)
+    local, hidden, ffn = 2, 64, 128
+    x = torch.randn(tokens[rank], hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens[rank], 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = mc2.Planner(candidates=(1, 2, 4, 8), explore=3, trials=2)
+    used, trial_marks, outs = [], [], []
+    for _ in range(calls):
+        tl = mc2.Timeline()
+        out = mc2.fused_expert(x.clone().requires_grad_(True), *ws, ids, micro_batches="auto",
+                               planner=planner, timeline=tl)
+        out.sum().backward()
+        used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
+        trial_marks.append([s.name for s in tl.spans if s.name.startswith("auto trial")])
+        outs.append(out.detach())
+    (decision,) = planner.decisions().values()
+    return {"used": used, "trials": trial_marks, "decision": decision, "outs": outs}

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import metrics
 from .launch import run_local
-from .ops import fused_expert
+from .experts import ExpertWeights
+from .ops import fused_expert_packed
 from .planner import planner_for, predict
 from .profiler import profile
 from .timeline import Span, Timeline
@@ -48,6 +49,7 @@ class BenchConfig:
     auto: bool = False  # also time micro_batches="auto" and return the planner's predictions
     hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
+    malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -148,9 +150,9 @@ def _problem(rank: int, cfg: BenchConfig):
     logits = torch.randn(cfg.tokens_per_rank, cfg.experts, generator=g)
     top, ids = logits.softmax(-1).topk(cfg.topk, dim=-1)
     rw = (top / top.sum(-1, keepdim=True)).to(dtype)
-    ws = [torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.hidden ** -0.5,
-          torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.hidden ** -0.5,
-          torch.randn(local, cfg.ffn, cfg.hidden, generator=g) * cfg.ffn ** -0.5]
+    # packed nn.Linear layout, as MoELayer keeps it: gate_up [L, 2F, H], down [L, H, F]
+    ws = [torch.randn(local, 2 * cfg.ffn, cfg.hidden, generator=g) * cfg.hidden ** -0.5,
+          torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.ffn ** -0.5]
     grad_out = torch.randn(cfg.tokens_per_rank, cfg.hidden, generator=g).to(dtype)
     return x, [w.to(dtype) for w in ws], ids, rw, grad_out
 
@@ -158,9 +160,9 @@ def _problem(rank: int, cfg: BenchConfig):
 def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Timeline | None):
     xg = x.detach().requires_grad_(True)
     wg = [w.detach().requires_grad_(True) for w in ws]
-    out = fused_expert(xg, *wg, ids, rw, micro_batches=mode.micro_batches, overlap=mode.overlap,
-                       hierarchy=mode.hierarchy,
-                       gemm=cfg.gemm, timeline=timeline)
+    out = fused_expert_packed(xg, *wg, ids, rw, micro_batches=mode.micro_batches,
+                              overlap=mode.overlap, hierarchy=mode.hierarchy, gemm=cfg.gemm,
+                              timeline=timeline)
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
 
@@ -182,10 +184,11 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     if cfg.auto:  # measure before timing anything, then report what the model predicts
         planner = planner_for(None)
+        weights = ExpertWeights.packed_of(*ws)
         plan["auto_k"] = planner.plan(max_tokens=cfg.tokens_per_rank, topk=cfg.topk,
-                                      w_up=ws[0], w_gate=ws[1], w_down=ws[2], group=None)
-        cal = planner.calibration(ws[0], ws[1], ws[2], None)
-        work = planner.workload(cfg.tokens_per_rank, cfg.topk, ws[0], None)
+                                      weights=weights, group=None)
+        cal = planner.calibration(weights, None)
+        work = planner.workload(cfg.tokens_per_rank, cfg.topk, weights, None)
         plan["predicted"] = {k: predict(cal, work, k).step_s
                              for k in sorted(set(cfg.micro_batches) | {1})}
         plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
@@ -269,7 +272,8 @@ def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
               ranks_per_node: int | None = None, rank_env: Any = None) -> BenchReport:
     """Start a local Gloo world, measure every mode, return the report (rank 0's view)."""
     raw = run_local(bench_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
-                    deadline_s=3600, ranks_per_node=ranks_per_node, rank_env=rank_env)
+                    deadline_s=3600, ranks_per_node=ranks_per_node, rank_env=rank_env,
+                    steady_memory=cfg.malloc_tuned)
     report = summarize(cfg, world_size, raw[0])
     report.nodes = world_size // ranks_per_node if ranks_per_node else 1
     return report
@@ -280,7 +284,8 @@ def format_report(report: BenchReport) -> str:
     cfg = report.config
     head = (f"{report.world_size} ranks x {cfg.tokens_per_rank} tokens, hidden {cfg.hidden}, "
             f"ffn {cfg.ffn}, {cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, forward+backward,"
-            f" median of {cfg.repeats}")
+            f" median of {cfg.repeats}" + (", MALLOC-TUNED processes (not a plain process)"
+                                           if cfg.malloc_tuned else ", plain processes"))
     cols = ("mode", "step ms", "comm share", "compute ms", "tokens/s/rank", "speedup", "hidden",
             "max diff")
     rows = [cols]

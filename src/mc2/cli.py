@@ -71,6 +71,9 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="instead: split a Mixtral-like block's training step into the article's "
                         "five parts (embedding + gate, dispatch, experts, combine, attention + "
                         "residual + norm), serial vs MC2 with the first --micro-batches value")
+    p.add_argument("--malloc-tuned", action="store_true",
+                   help="tell glibc to keep freed memory in every rank (mallopt); off by default, "
+                        "so the numbers are those of a plain process; labelled in the report")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
@@ -83,7 +86,7 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
                    gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
-                   auto=args.auto, hierarchies=args.hierarchy)
+                   auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,

@@ -109,7 +109,7 @@ def run_local(
     threads: int = 1,
     timeout_s: float = 60.0,
     deadline_s: float = 600.0,
-    steady_memory: bool = True,
+    steady_memory: bool = False,
     ranks_per_node: int | None = None,
     rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
@@ -122,7 +122,8 @@ def run_local(
         threads: ``torch.set_num_threads`` per rank (1 keeps ranks from fighting over cores).
         timeout_s: collective timeout of the process group (a dead peer becomes an error).
         deadline_s: wall-clock limit for the whole world.
-        steady_memory: apply :func:`steady_allocator` in every rank.
+        steady_memory: apply :func:`steady_allocator` in every rank (off by default: measure
+            what a user's ``torchrun`` process gets; mc2's own workspace keeps memory put).
         ranks_per_node: present the ranks as nodes of this many ranks (``LOCAL_WORLD_SIZE``),
             so topology-aware code sees several nodes; the links stay loopback.
         rank_env: extra environment per rank, e.g. :meth:`mc2.netns.EmulatedCluster.

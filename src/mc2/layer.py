@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .comm import group_rank, group_size
-from .ops import MicroBatches, fused_expert
+from .ops import MicroBatches, fused_expert_packed
 
-EXPERT_KEYS = ("w_up", "w_gate", "w_down")
+EXPERT_KEYS = ("w_gate_up", "w_down")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class MoELayer(nn.Module):
         shared_ffn: their width (default ``ffn``).
         micro_batches, overlap: passed to :func:`mc2.fused_expert`.
         renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
+
+    The experts are kept packed, in the ``nn.Linear`` layout of Hugging Face and Megatron:
+    ``w_gate_up [local_experts, 2 * ffn, hidden]`` (gate rows first) and
+    ``w_down [local_experts, hidden, ffn]``; gate and up run as one GEMM and no call copies a
+    weight (:func:`mc2.fused_expert_packed`).
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 2, *,
@@ -74,9 +79,8 @@ class MoELayer(nn.Module):
         first = group_rank(group) * local
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)
-        self.w_up = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
-        self.w_gate = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
-        self.w_down = nn.Parameter(torch.empty(local, ffn, hidden, **kw))
+        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * ffn, hidden, **kw))
+        self.w_down = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
         self.register_buffer("expert_index", torch.arange(first, first + local, device=device))
         self.shared: nn.ParameterList | None = None
         if shared_experts:
@@ -88,12 +92,12 @@ class MoELayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for p in (self.w_up, self.w_gate, self.w_down, *(self.shared or [])):
+        for p in (self.w_gate_up, self.w_down, *(self.shared or [])):
             nn.init.normal_(p, std=std)
 
     @property
     def local_experts(self) -> int:
-        return self.w_up.shape[0]
+        return self.w_gate_up.shape[0]
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(expert_ids, routing_weights, router_logits)`` for tokens ``x [..., H]``."""
@@ -121,9 +125,9 @@ class MoELayer(nn.Module):
         """``x [batch, seq, H]`` or ``[tokens, H]`` -> same shape (and the router losses)."""
         ids, weights, logits = self.route(x)
         shared = dict(zip(("shared_up", "shared_gate", "shared_down"), self.shared or []))
-        out = fused_expert(x, self.w_up, self.w_gate, self.w_down, ids, weights,
-                           group=self.group, micro_batches=self.micro_batches,
-                           overlap=self.overlap, **shared)
+        out = fused_expert_packed(x, self.w_gate_up, self.w_down, ids, weights,
+                                  group=self.group, micro_batches=self.micro_batches,
+                                  overlap=self.overlap, **shared)
         if return_losses:
             return out, self.router_losses(logits, ids)
         return out

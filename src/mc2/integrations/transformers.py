@@ -21,15 +21,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm import group_rank, group_size
-from ..ops import MicroBatches, fused_expert
+from ..ops import MicroBatches, fused_expert_packed
 
 
 class MC2SparseMoeBlock(nn.Module):
     """A sparse-MoE block running through :func:`mc2.fused_expert` with this rank's experts.
 
-    Weights are converted once from the fused layout: ``gate_up_proj[e] = [gate; up]`` with
-    shape ``[2F, H]`` becomes ``w_gate[l] = gate.T``, ``w_up[l] = up.T`` (``[H, F]``) and
-    ``down_proj[e] [H, F]`` becomes ``w_down[l] = down.T`` (``[F, H]``).
+    The experts keep the model's own packed layout and names: ``gate_up_proj [L, 2F, H]``
+    (gate rows first) and ``down_proj [L, H, F]``, this rank's ``L`` experts sliced out once;
+    :func:`mc2.fused_expert_packed` runs them as they are, with no split or transpose.
     """
 
     def __init__(self, block: nn.Module, *, group: Any = None,
@@ -42,13 +42,11 @@ class MC2SparseMoeBlock(nn.Module):
             raise ValueError(f"{num_experts} experts do not split over {world} ranks")
         local = num_experts // world
         first = group_rank(group) * local
-        ffn = two_f // 2
+
         mine = slice(first, first + local)
         with torch.no_grad():
-            gate_up = experts.gate_up_proj[mine]
-            self.w_gate = nn.Parameter(gate_up[:, :ffn, :].transpose(1, 2).contiguous())
-            self.w_up = nn.Parameter(gate_up[:, ffn:, :].transpose(1, 2).contiguous())
-            self.w_down = nn.Parameter(experts.down_proj[mine].transpose(1, 2).contiguous())
+            self.gate_up_proj = nn.Parameter(experts.gate_up_proj[mine].clone())
+            self.down_proj = nn.Parameter(experts.down_proj[mine].clone())
         self.register_buffer("expert_index", torch.arange(first, first + local))
         self.gate = block.gate
         self.group, self.micro_batches, self.overlap = group, micro_batches, overlap
@@ -57,9 +55,9 @@ class MC2SparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.gate(x)
-        out = fused_expert(x, self.w_up, self.w_gate, self.w_down, ids, weights.to(x.dtype),
-                           group=self.group, micro_batches=self.micro_batches,
-                           overlap=self.overlap)
+        out = fused_expert_packed(x, self.gate_up_proj, self.down_proj, ids,
+                                  weights.to(x.dtype), group=self.group,
+                                  micro_batches=self.micro_batches, overlap=self.overlap)
         return out.reshape(shape)
 
 
@@ -103,7 +101,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, micro_batches: MicroBatch
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The rank-local expert weights of every MC2 block (not to be averaged over ranks)."""
     return [p for m in model.modules() if isinstance(m, MC2SparseMoeBlock)
-            for p in (m.w_up, m.w_gate, m.w_down)]
+            for p in (m.gate_up_proj, m.down_proj)]
 
 
 def average_gradients(model: nn.Module, group: Any = None) -> None:
