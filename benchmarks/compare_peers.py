@@ -138,6 +138,9 @@ def run_regime(regime: Regime, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"regime": regime.name, "tokens": regime.tokens, "rate": regime.rate}
     missing = peers_missing()
     for lib in LIBS:
+        if lib not in args.libs.split(","):
+            row[lib] = {"missing": "not asked for (--libs)"}
+            continue
         if missing:
             row[lib] = {"missing": missing}
             continue
@@ -199,6 +202,8 @@ def main() -> int:
     p.add_argument("--mc2-modes", default="auto,serial",
                    help="mc2 modes to time in the same process: auto, serial, K=<n> "
                         "(default auto,serial)")
+    p.add_argument("--libs", default=",".join(LIBS),
+                   help="peers to run beside mc2 (default: deepspeed,megatron)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     p.add_argument("--json", type=Path, help="also write every number as JSON")
     args = p.parse_args()

@@ -175,8 +175,10 @@ class _Trials:
     samples: dict[int, list[dict[str, float]]]  # K -> one {phase: seconds} per trial call
     locked: int | None = None
 
-    def next_candidate(self) -> int:
-        return min(self.candidates, key=lambda k: (len(self.samples[k]), self.candidates.index(k)))
+    def next_candidate(self, trials: int) -> int:
+        """The first candidate still short of trials: each K's trials run back to back, so only
+        one K's buffers are in use at a time."""
+        return next(k for k in self.candidates if len(self.samples[k]) < trials)
 
     def explored(self, trials: int) -> bool:
         return all(len(self.samples[k]) >= trials for k in self.candidates)
@@ -201,7 +203,7 @@ class Planner:
 
     For each new shape (token count within 1/16, weights, group) the cost model, calibrated
     once per weight shape and group, ranks every candidate K. The first calls of that shape then
-    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, round robin;
+    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, back to back;
     every rank records each call's forward and backward time, one ``all_reduce`` takes the
     slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
     ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
@@ -283,7 +285,7 @@ class Planner:
             state.locked = state.candidates[min(range(len(slowest)), key=slowest.__getitem__)]
         if state.locked is not None:
             return Choice(state.locked)
-        k = state.next_candidate()
+        k = state.next_candidate(self.trials)
         sample: dict[str, float] = {}
         state.samples[k].append(sample)
         return Choice(k, trial=True, on_pass_done=sample.__setitem__)

@@ -15,7 +15,9 @@ There is no explicit release, and so no way to release a buffer that is still in
 
 Sizes are rounded up to 1/16 of their power of two, and a free buffer serves any request that
 fits within 25% of it, so routing that changes a little from step to step reuses the same
-buffers. Buffers idle for ``max_idle_calls`` calls are dropped.
+buffers. Free buffers that no call used during the last ``max_idle_calls`` calls are dropped
+(a steady state uses every buffer in every call, so only leftovers of other shapes go: a
+changed batch, or ``"auto"`` trying another K).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Workspace:
         enabled: ``False`` allocates every request anew (for comparisons).
     """
 
-    def __init__(self, max_idle_calls: int = 64, enabled: bool = True) -> None:
+    def __init__(self, max_idle_calls: int = 2, enabled: bool = True) -> None:
         self.max_idle_calls = max_idle_calls
         self.enabled = enabled and _use_count is not None
         self._slots: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
@@ -83,6 +85,8 @@ class Workspace:
                 if best is None or cap < best.buffer.numel():
                     best = slot
         if best is None:
+            self._drop_idle(current_call_only=True)
+            slots = self._slots.setdefault((dtype, device), [])
             best = _Slot(torch.empty(_capacity(numel), dtype=dtype, device=device), self._calls)
             slots.append(best)
             self.allocations += 1
@@ -94,8 +98,15 @@ class Workspace:
     def tick(self) -> None:
         """One call finished: forget buffers that were free and unused for too long."""
         self._calls += 1
+        self._drop_idle(current_call_only=False)
+
+    def _drop_idle(self, *, current_call_only: bool) -> None:
+        """Forget free buffers unused for ``max_idle_calls`` calls, or (before allocating a new
+        one) every free buffer not used since the last call ended: a request that fits no
+        free buffer means the shapes changed, and the old ones should not stay beside the new."""
+        limit = 0 if current_call_only else self.max_idle_calls
         for key, slots in self._slots.items():
-            self._slots[key] = [s for s in slots if self._calls - s.last_call <= self.max_idle_calls
+            self._slots[key] = [s for s in slots if self._calls - s.last_call <= limit
                                 or not _only_pool_holds(s.buffer)]
 
     def pooled_bytes(self) -> int:
