@@ -6,7 +6,9 @@ their own virtual environment, see its README); mc2 runs the same work here: the
 experts, tokens and output gradient (drawn by the peers' own ``make_weights``/``make_inputs``),
 softmax over the top-k logits, dropless SwiGLU experts, ``y.backward(dy)`` with ``x`` and every
 parameter requiring grad, 2 Gloo ranks with one thread each, plain processes (no malloc tuning),
-2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step.
+2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step. Each regime runs
+``--rounds`` rounds of (DeepSpeed, Megatron, mc2) back to back and takes each library's median
+round, so that a slow spell of a shared machine hits every library alike.
 mc2 uses ``micro_batches="auto"``; its exploration calls (at most 6 for a shape) run as extra
 warm-ups and are reported. The peak resident memory of each run's largest process is reported
 beside its time.
@@ -134,25 +136,42 @@ def peers_missing() -> str | None:
     return None
 
 
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median time (its other numbers travel with it)."""
+    return sorted(runs, key=lambda r: r["median_s"])[(len(runs) - 1) // 2]
+
+
 def run_regime(regime: Regime, args: argparse.Namespace) -> dict[str, Any]:
+    """``--rounds`` rounds of (each peer, then mc2), so that a slow spell of this shared machine
+    hits every library alike; each library's figure is its median round."""
     row: dict[str, Any] = {"regime": regime.name, "tokens": regime.tokens, "rate": regime.rate}
     missing = peers_missing()
+    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in (*LIBS, "mc2")}
     for lib in LIBS:
         if lib not in args.libs.split(","):
             row[lib] = {"missing": "not asked for (--libs)"}
-            continue
-        if missing:
+        elif missing:
             row[lib] = {"missing": missing}
-            continue
-        log(f"  {lib} ...")
-        result, err, rss = measured(peer_cmd(lib, regime, args.steps), args.timeout)
-        row[lib] = ({"median_s": result["median_s"], "rss_mib": rss} if result else
-                    {"missing": f"failed: {err.strip().splitlines()[-1] if err.strip() else '?'}"})
-    log("  mc2 ...")
-    result, err, rss = measured(mc2_cmd(regime, args.steps, args.mc2_modes), args.timeout)
-    if result is None:
-        raise RuntimeError(f"mc2 failed in {regime.name}:\n{err}")
-    row["mc2"] = {**result, "rss_mib": rss}
+    for n in range(args.rounds):
+        for lib in LIBS:
+            if lib in row:
+                continue
+            log(f"  round {n + 1}/{args.rounds}: {lib} ...")
+            result, err, rss = measured(peer_cmd(lib, regime, args.steps), args.timeout)
+            if result is None:
+                row[lib] = {"missing": "failed: " + (err.strip().splitlines() or ["?"])[-1]}
+                continue
+            runs[lib].append({"median_s": result["median_s"], "rss_mib": rss})
+        log(f"  round {n + 1}/{args.rounds}: mc2 ...")
+        result, err, rss = measured(mc2_cmd(regime, args.steps, args.mc2_modes), args.timeout)
+        if result is None:
+            raise RuntimeError(f"mc2 failed in {regime.name}:\n{err}")
+        runs["mc2"].append({**result, "median_s": result["modes"]["auto"]["median_s"],
+                            "rss_mib": rss})
+    for lib, done in runs.items():
+        if done and lib not in row:
+            row[lib] = {**_median_of(done), "rounds_s": [r["median_s"] for r in done],
+                        "rss_mib": max(r["rss_mib"] for r in done)}
     return row
 
 
@@ -199,6 +218,8 @@ def main() -> int:
     p.add_argument("--regimes", default=",".join(REGIMES),
                    help=f"comma-separated, from {', '.join(REGIMES)} (default: all)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (peers, mc2) per regime; the median round counts (default 3)")
     p.add_argument("--mc2-modes", default="auto,serial",
                    help="mc2 modes to time in the same process: auto, serial, K=<n> "
                         "(default auto,serial)")

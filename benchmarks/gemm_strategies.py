@@ -22,20 +22,21 @@ from mc2.experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forw
 from mc2.workspace import Workspace
 
 
-def make(layout: str, dtype: torch.dtype, args: argparse.Namespace):
+def make(layout: str, dtype: torch.dtype, args: argparse.Namespace, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.ones(args.experts), args.rows, replacement=True,
                                generator=g).bincount(minlength=args.experts).tolist()
-    x = torch.randn(args.rows, args.hidden, generator=g).to(dtype)
+    x = torch.randn(args.rows, args.hidden, generator=g).to(device, dtype)
     up, gate = (torch.randn(args.experts, args.hidden, args.ffn, generator=g) * 0.03
                 for _ in range(2))
     down = torch.randn(args.experts, args.ffn, args.hidden, generator=g) * 0.02
     if layout == "packed":
         weights = ExpertWeights.packed_of(
-            torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], 1).to(dtype),
-            down.transpose(1, 2).contiguous().to(dtype))
+            torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], 1).to(device, dtype),
+            down.transpose(1, 2).contiguous().to(device, dtype))
     else:
-        weights = ExpertWeights.split_of(up.to(dtype), gate.to(dtype), down.to(dtype))
+        weights = ExpertWeights.split_of(up.to(device, dtype), gate.to(device, dtype),
+                                         down.to(device, dtype))
     return x, counts, weights
 
 

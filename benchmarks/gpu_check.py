@@ -50,32 +50,32 @@ def check_correctness(device: str) -> bool:
 
 
 def time_gemms(device: str) -> None:
-    from mc2.experts import swiglu_backward, swiglu_forward
+    """Layout (packed gate_up vs split) x strategy (loop vs grouped_mm), bf16, CUDA events."""
+    import argparse
 
-    rows, hidden, ffn, experts = 32768, 4096, 14336 // 4, 8
-    g = torch.Generator().manual_seed(0)
-    counts = torch.multinomial(torch.ones(experts), rows, replacement=True,
-                               generator=g).bincount(minlength=experts).tolist()
-    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
-    ws = [torch.randn(experts, hidden, ffn, device=device, dtype=torch.bfloat16) * 0.02,
-          torch.randn(experts, hidden, ffn, device=device, dtype=torch.bfloat16) * 0.02,
-          torch.randn(experts, ffn, hidden, device=device, dtype=torch.bfloat16) * 0.02]
-    grads = tuple(torch.zeros_like(w) for w in ws)
-    flops = 2 * rows * hidden * ffn * 9  # 3 forward GEMMs + 6 backward
-    for strategy in ("loop", "grouped"):
-        times = []
-        for rep in range(6):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            y, saved = swiglu_forward(x, counts, *ws, strategy=strategy, keep_activations=True)
-            swiglu_backward(y, saved, counts, *ws, grads, strategy=strategy)
-            end.record()
-            torch.cuda.synchronize()
-            if rep:
-                times.append(start.elapsed_time(end) / 1e3)
-        t = statistics.median(times)
-        print(f"  {strategy:<8} {rows} rows, hidden {hidden}, ffn {ffn}, {experts} experts, bf16 "
-              f"fwd+bwd: {t * 1e3:.2f} ms, {flops / t / 1e12:.0f} TFLOP/s", flush=True)
+    from benchmarks.gemm_strategies import make, step
+    from mc2.workspace import Workspace
+
+    args = argparse.Namespace(rows=32768, hidden=4096, ffn=14336 // 4, experts=8)
+    flops = 2 * args.rows * args.hidden * args.ffn * 9  # 3 forward GEMMs + 6 backward
+    ws = Workspace()
+    for layout in ("packed", "split"):
+        problem = make(layout, torch.bfloat16, args, device)
+        for strategy in ("loop", "grouped"):
+            times = []
+            for rep in range(6):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(*problem, strategy, ws)
+                end.record()
+                torch.cuda.synchronize()
+                if rep:
+                    times.append(start.elapsed_time(end) / 1e3)
+            t = statistics.median(times)
+            print(f"  {layout:<6} {strategy:<8} {args.rows} rows, hidden {args.hidden}, ffn "
+                  f"{args.ffn}, {args.experts} experts, bf16 fwd+bwd: {t * 1e3:.2f} ms, "
+                  f"{flops / t / 1e12:.0f} TFLOP/s", flush=True)
 
 
 def main() -> int:

@@ -192,6 +192,16 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
         plan["predicted"] = {k: predict(cal, work, k).step_s
                              for k in sorted(set(cfg.micro_batches) | {1})}
         plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
+        # "auto" explores a few K on its first calls (bounded); let it lock before timing
+        auto = next(m for m in modes if m.micro_batches == "auto")
+        calls = 0
+        while calls == 0 or (calls < 20 and not all(
+                d["locked"] for d in planner.decisions().values())):
+            _step(x, ws, ids, rw, grad_out, auto, cfg, None)
+            calls += 1
+        locked = [d["locked"] for d in planner.decisions().values()]
+        plan["auto_k"] = locked[0] if locked else plan["auto_k"]
+        plan["explore_calls"] = calls
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
     fallbacks: dict[str, str] = {}

@@ -218,6 +218,9 @@ def swiglu_backward_input(
 ) -> tuple[Tensor, WeightGradInputs | None]:
     """Gradient w.r.t. the expert inputs ``[R, H]``, plus what the weight gradients need.
 
+    Consumes ``saved``: its ``gate_up`` buffer is overwritten with the gradient of gate_up, so
+    a micro-batch's backward runs once.
+
     Args:
         grad_y: ``[R, H]`` gradient of the expert outputs, expert-grouped like ``saved.x``.
     """
@@ -226,17 +229,23 @@ def swiglu_backward_input(
     grad_x = ws.empty((rows, hidden), grad_y.dtype, grad_y.device)
     if rows == 0:
         return grad_x, None
-    gate, up = saved.gate_up[:, :ffn], saved.gate_up[:, ffn:]
+    # The gradient of gate_up is written over the saved gate_up (needed no more afterwards):
+    # one [R, 2F] buffer less at the backward's peak, for one [R, F] copy.
+    grad_gate_up = saved.gate_up
+    gate, up = grad_gate_up[:, :ffn], grad_gate_up[:, ffn:]
     grad_act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
     _per_expert(grad_y, weights.down if weights.packed else weights.down.transpose(1, 2), counts,
                 strategy, grad_act)
     act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
-    torch.ops.aten.silu.out(gate, out=act)  # silu(gate), then act = silu(gate) * up below
-    grad_gate_up = ws.empty((rows, 2 * ffn), grad_y.dtype, grad_y.device)
-    torch.mul(grad_act, act, out=grad_gate_up[:, ffn:])  # d up
-    grad_act.mul_(up)  # d silu(gate)
-    torch.ops.aten.silu_backward.grad_input(grad_act, gate, grad_input=grad_gate_up[:, :ffn])
+    torch.ops.aten.silu.out(gate, out=act)  # silu(gate); act = silu(gate) * up below
+    grad_silu = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
+    torch.mul(grad_act, up, out=grad_silu)
+    grad_act.mul_(act)  # now d up
     act.mul_(up)
+    torch.ops.aten.silu_backward.grad_input(grad_silu, gate, grad_input=gate)  # d gate
+    del grad_silu
+    up.copy_(grad_act)
+    del grad_act
     if weights.packed:
         _per_expert(grad_gate_up, weights.gate_up, counts, strategy, grad_x)
     else:
@@ -257,11 +266,22 @@ class WeightGrads:
 
     def __init__(self, weights: ExpertWeights, needed: tuple[bool, bool, bool, bool],
                  workspace: Workspace | None = None) -> None:
-        ws = workspace or Workspace.transient()
         self.weights = weights
-        self.grads = tuple(ws.empty(tuple(w.shape), w.dtype, w.device) if w is not None and need
-                           else None for w, need in zip(weights.tensors(), needed))
+        self._needed = needed
+        self._workspace = workspace or Workspace.transient()
+        self._grads: tuple[Tensor | None, ...] | None = None
         self.touched = [False] * weights.local_experts
+
+    @property
+    def grads(self) -> tuple[Tensor | None, ...]:
+        """Allocated on first use, i.e. after the first micro-batch's input gradient: by then
+        that micro-batch's temporaries are free, so the gradients reuse their memory."""
+        if self._grads is None:
+            ws = self._workspace
+            self._grads = tuple(ws.empty(tuple(w.shape), w.dtype, w.device)
+                                if w is not None and need else None
+                                for w, need in zip(self.weights.tensors(), self._needed))
+        return self._grads
 
     def add(self, work: WeightGradInputs | None, *, strategy: str) -> None:
         """Add one micro-batch's contribution."""
