@@ -3,13 +3,14 @@
 
 For each (batch, hidden) one local Gloo world measures serial, MC2 with K in {1,2,4,8,16} and
 MC2 with ``"auto"`` in the same run (median of ``--repeats``), then checks the acceptance:
-auto within 10% of the best fixed K, and never more than 3% slower than K = 1.
+auto within 5% of the best fixed K, and never more than 3% slower than K = 1. ``"auto"`` first
+runs its bounded trials (at most 6 calls) and locks a K before anything is timed.
 
 "auto" runs exactly the K it picks, so its time is judged as that K's time in the same sweep;
 the separately timed "auto" row is printed too, and its difference from its own K's row shows
 the machine's noise (a few percent on a shared 2-core host).
 
-    python benchmarks/planner_acceptance.py                      # batch 4,16,64,256 x hidden 512,1024
+    python benchmarks/planner_acceptance.py        # 256..16384 tokens/rank x hidden 512,1024
     python benchmarks/planner_acceptance.py --batches 4,16 --hiddens 512 --repeats 3
 """
 
@@ -26,7 +27,7 @@ from mc2.cli import parse_ints
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batches", type=parse_ints, default=(4, 16, 64, 256))
+    p.add_argument("--batches", type=parse_ints, default=(16, 64, 256, 1024))
     p.add_argument("--hiddens", type=parse_ints, default=(512, 1024))
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--repeats", type=int, default=5,
@@ -52,7 +53,7 @@ def main() -> int:
             auto = report.result(f"mc2 K={report.auto_k}").step_s
             best = report.best_fixed
             k1 = report.result("mc2 K=1").step_s
-            passed = auto <= 1.10 * best.step_s and auto <= 1.03 * k1
+            passed = auto <= 1.05 * best.step_s and auto <= 1.03 * k1
             ok &= passed
             rows.append({"batch": batch, "hidden": hidden, "tokens": tokens,
                          "auto_k": report.auto_k, "auto_ms": auto * 1e3,

@@ -100,6 +100,7 @@ class BenchReport:
     profiler_overhead: float = float("nan")  # (step with recording) / (step without) - 1
     sync_fallbacks: dict[str, str] = field(default_factory=dict)  # mode -> why it ran sync
     auto_k: int = 0  # the K "auto" chose (0: not run)
+    explore_calls: int = 0  # calls "auto" ran before it locked K (its trials), untimed
     predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
     predicted_serial_s: float = float("nan")
 
@@ -267,6 +268,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
         ))
     report.traces = raw.get("traces", {})
     report.auto_k = raw.get("auto_k", 0)
+    report.explore_calls = raw.get("explore_calls", 0)
     report.sync_fallbacks = raw.get("fallbacks", {})
     report.predicted_s = raw.get("predicted", {})
     report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
@@ -369,7 +371,8 @@ def format_plan(report: BenchReport) -> str:
     auto = report.result("mc2 auto")
     best = report.best_fixed
     k1 = report.result("mc2 K=1") if any(r.mode == "mc2 K=1" for r in report.results) else None
-    lines.append(f"auto chose K={report.auto_k}: {auto.step_s * 1e3:.1f} ms; best measured "
+    lines.append(f"auto tried K on {report.explore_calls} calls, then locked K={report.auto_k}: "
+                 f"{auto.step_s * 1e3:.1f} ms; best measured "
                  f"{best.mode}: {best.step_s * 1e3:.1f} ms; auto/best {auto.step_s / best.step_s:.3f}"
                  + (f"; auto/K=1 {auto.step_s / k1.step_s:.3f}" if k1 else ""))
     return "\n".join(lines)
