@@ -11,7 +11,8 @@ parameter requiring grad, 2 Gloo ranks with one thread each, plain processes (no
 round, so that a slow spell of a shared machine hits every library alike.
 mc2 uses ``micro_batches="auto"``; its exploration calls (at most 6 for a shape) run as extra
 warm-ups and are reported. The peak resident memory of each run's largest process is reported
-beside its time.
+beside its time (for mc2, read right after its ``"auto"`` steps, before its serial baseline
+runs in the same process).
 
 Regimes: plain loopback at 4096 and 64 tokens per rank, and loopback shaped with ``tc tbf`` to
 1 Gbit and 500 Mbit (root only; the qdisc is always removed: on exit, on failure, on Ctrl-C).
@@ -167,7 +168,7 @@ def run_regime(regime: Regime, args: argparse.Namespace) -> dict[str, Any]:
         if result is None:
             raise RuntimeError(f"mc2 failed in {regime.name}:\n{err}")
         runs["mc2"].append({**result, "median_s": result["modes"]["auto"]["median_s"],
-                            "rss_mib": rss})
+                            "rss_mib": result.get("rss_auto_mib", rss)})
     for lib, done in runs.items():
         if done and lib not in row:
             row[lib] = {**_median_of(done), "rounds_s": [r["median_s"] for r in done],

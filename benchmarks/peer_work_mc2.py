@@ -7,8 +7,10 @@ differentiable); the experts are packed like theirs (``[W_gate; W_up]`` as ``[2F
 ``W_down [H, F]``) and run by :func:`mc2.fused_expert_packed`. Two local Gloo ranks, one
 thread each, plain processes. Protocol as ``peers.py``: a barrier before each step, the slowest
 rank's time per step, median over ``--steps`` after 2 warm-ups. Several mc2 modes are timed in
-one process, round robin. ``auto`` first runs until its trials have locked a K (those calls
-are counted and reported, then 2 more warm-ups).
+one process, one block after the other, each with its own workspace. ``auto`` goes first: it
+runs until its trials have locked a K (those calls are counted and reported), then 2 warm-ups
+and its steps; the peak resident memory is read right after its block (``rss_auto_mib``), so it
+is that of ``auto`` alone.
 
     python benchmarks/peer_work_mc2.py --tokens 4096 --steps 5 --modes auto,serial,K=4
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -55,7 +58,8 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
     x.requires_grad_(True)
     planner = mc2.Planner()
 
-    def step(mode: str, timeline: mc2.Timeline | None = None) -> tuple[float, torch.Tensor]:
+    def step(mode: str, timeline: mc2.Timeline | None = None, *,
+             workspace: mc2.Workspace) -> tuple[float, torch.Tensor]:
         for p in params:
             p.grad = None
         x.grad = None
@@ -63,38 +67,45 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
         start = time.perf_counter()
         vals, idx = (x @ router.t()).topk(TOPK, dim=-1)
         y = mc2.fused_expert_packed(x, gate_up, down, idx, vals.softmax(dim=-1), planner=planner,
-                                    timeline=timeline, **_options(mode))
+                                    timeline=timeline, workspace=workspace, **_options(mode))
         y.backward(dy)
         return time.perf_counter() - start, y.detach()
 
     modes = a.modes.split(",")
-    explore_calls = 0
     if "auto" in modes:
-        locked = lambda: all(d["locked"] for d in planner.decisions().values())  # noqa: E731
-        while explore_calls == 0 or (explore_calls < 20 and not locked()):
-            step("auto")
-            explore_calls += 1
-    for _ in range(WARMUP):
-        for mode in modes:
-            step(mode)
+        modes = ["auto"] + [m for m in modes if m != "auto"]
+    explore_calls = 0
     times: dict[str, list[float]] = {m: [] for m in modes}
     compute: list[float] = []
     outputs: dict[str, torch.Tensor] = {}
-    for rep in range(a.steps):
-        for j in range(len(modes)):
-            mode = modes[(j + rep) % len(modes)]
+    rss_auto = 0.0
+    for mode in modes:
+        workspace = mc2.Workspace()
+        if mode == "auto":
+            locked = lambda: all(d["locked"] for d in planner.decisions().values())  # noqa: E731
+            while explore_calls == 0 or (explore_calls < 20 and not locked()):
+                step(mode, workspace=workspace)
+                explore_calls += 1
+        for _ in range(WARMUP):
+            step(mode, workspace=workspace)
+        for _ in range(a.steps):
             tl = mc2.Timeline() if mode == "serial" else None
-            seconds, outputs[mode] = step(mode, tl)
+            seconds, outputs[mode] = step(mode, tl, workspace=workspace)
             times[mode].append(seconds)
             if tl is not None:
                 compute.append(seconds - tl.exposed_comm)
-    flat = torch.tensor([t for m in modes for t in times[m]] + compute, dtype=torch.float64)
+        if mode == "auto":
+            rss_auto = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        del workspace
+    flat = torch.tensor([t for m in modes for t in times[m]] + compute + [rss_auto],
+                        dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # the slowest rank, step by step
     slowest = flat.tolist()
     ref = outputs.get("serial", outputs[modes[0]])
     diff = max((o - ref).abs().max().item() for o in outputs.values())
     decisions = list(planner.decisions().values())
     result = {"modes": {}, "explore_calls": explore_calls, "max_abs_diff": diff,
+              "rss_auto_mib": slowest[-1],
               "tried": decisions[0]["tried"] if decisions else None}
     for i, mode in enumerate(modes):
         mine_t = slowest[i * a.steps:(i + 1) * a.steps]
@@ -103,7 +114,7 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
         result["modes"][mode] = {"median_s": statistics.median(mine_t), "min_s": min(mine_t),
                                  "k": k}
     if compute:
-        result["t_comp_s"] = statistics.median(slowest[len(modes) * a.steps:])
+        result["t_comp_s"] = statistics.median(slowest[len(modes) * a.steps:-1])
     return result
 
 

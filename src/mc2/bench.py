@@ -2,7 +2,8 @@
 ``benchmarks/`` print.
 
 Every repeat runs every mode once, in a rotating order, so that machine noise hits all modes
-alike; each step is forward + backward of :func:`mc2.fused_expert`, timed from a barrier to the
+alike; each mode keeps its own :class:`~mc2.workspace.Workspace`, so each is measured with its
+buffers warm, as a job running only that mode would be; each step is forward + backward of :func:`mc2.fused_expert`, timed from a barrier to the
 slowest rank's end. Where the time went comes from the :class:`~mc2.timeline.Timeline` spans:
 ``compute`` (expert math and permutes), exposed communication (synchronous collectives plus
 waits on asynchronous ones), and the rest (autograd, allocation, the weighted sum).
@@ -25,6 +26,7 @@ from .ops import fused_expert_packed
 from .planner import planner_for, predict
 from .profiler import profile
 from .timeline import Span, Timeline
+from .workspace import Workspace
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -158,12 +160,16 @@ def _problem(rank: int, cfg: BenchConfig):
     return x, [w.to(dtype) for w in ws], ids, rw, grad_out
 
 
+_WORKSPACES: dict[str, Workspace] = {}
+
+
 def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Timeline | None):
     xg = x.detach().requires_grad_(True)
     wg = [w.detach().requires_grad_(True) for w in ws]
     out = fused_expert_packed(xg, *wg, ids, rw, micro_batches=mode.micro_batches,
                               overlap=mode.overlap, hierarchy=mode.hierarchy, gemm=cfg.gemm,
-                              timeline=timeline)
+                              timeline=timeline,
+                              workspace=_WORKSPACES.setdefault(mode.name, Workspace()))
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
 
