@@ -6,9 +6,9 @@ their own virtual environment, see its README); mc2 runs the same work here: the
 experts, tokens and output gradient (drawn by the peers' own ``make_weights``/``make_inputs``),
 softmax over the top-k logits, dropless SwiGLU experts, ``y.backward(dy)`` with ``x`` and every
 parameter requiring grad, 2 Gloo ranks with one thread each, plain processes (no malloc tuning),
-2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step. Each regime runs
-``--rounds`` rounds of (DeepSpeed, Megatron, mc2) back to back and takes each library's median
-round, so that a slow spell of a shared machine hits every library alike.
+2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step.
+Each regime runs ``--rounds`` rounds of (DeepSpeed, Megatron, mc2) back to back and takes each
+library's median round, so that a slow spell of a shared machine hits every library alike.
 mc2 uses ``micro_batches="auto"``; its exploration calls (at most 6 for a shape) run as extra
 warm-ups and are reported. The peak resident memory of each run's largest process is reported
 beside its time (for mc2, read right after its ``"auto"`` steps, before its serial baseline
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -190,11 +188,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("| regime | DeepSpeed-MoE | Megatron-Core | mc2 auto (K) | mc2 serial | mc2 / best peer"
             " | hidden | peak RSS MiB (DS / MC / mc2) |")
     lines = [head, "|" + "---|" * 8]
-    for row in rows:
-        def cell(lib: str) -> str:
-            r = row[lib]
-            return f"{r['median_s'] * 1e3:,.0f} ms" if "median_s" in r else "missing"
+    def cell(row: dict[str, Any], lib: str) -> str:
+        r = row[lib]
+        return f"{r['median_s'] * 1e3:,.0f} ms" if "median_s" in r else "missing"
 
+    for row in rows:
         m = row["mc2"]
         auto = m["modes"]["auto"]
         serial = m["modes"].get("serial")
@@ -208,7 +206,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         rss = " / ".join(f"{row[lib]['rss_mib']:.0f}" if "rss_mib" in row[lib] else "-"
                          for lib in (*LIBS, "mc2"))
         serial_cell = f"{serial['median_s'] * 1e3:,.0f} ms" if serial else "-"
-        lines.append(f"| {row['regime']} | {cell('deepspeed')} | {cell('megatron')} | "
+        lines.append(f"| {row['regime']} | {cell(row, 'deepspeed')} | {cell(row, 'megatron')} | "
                      f"{auto['median_s'] * 1e3:,.0f} ms (K={auto['k']}) | {serial_cell} | "
                      f"{ratio} | {hidden} | {rss} |")
     return "\n".join(lines)

@@ -14,7 +14,8 @@ from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Span, Timeline
 from .workspace import Workspace
 
-__all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses", "gather_full_state_dict",
-           "load_full_state_dict", "profile", "Profiler", "Planner", "run_local", "Timeline", "Span",
+__all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
+           "gather_full_state_dict", "load_full_state_dict", "profile", "Profiler", "Planner",
+           "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
 __version__ = "0.1.0"

@@ -37,7 +37,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
