@@ -82,3 +82,13 @@ def test_pooled_and_plain_allocation_give_identical_results() -> None:
         results.append([out.detach(), xg.grad, gate_up.grad, down.grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_second_backward_through_the_same_call_is_refused_not_wrong() -> None:
+    import pytest
+
+    x, gate_up, down, ids = _problem(2)
+    out = mc2.fused_expert_packed(x, gate_up, down, ids, micro_batches=2)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once per forward"):
+        out.sum().backward()

@@ -165,6 +165,11 @@ class FusedExpertFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         started = time.perf_counter()
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("mc2.fused_expert: its backward consumes the saved activations and "
+                               "runs once per forward; a second backward through the same graph "
+                               "(retain_graph=True) is not supported")
+        ctx.consumed = True
         call: CallPlan = ctx.call
         ws = call.workspace
         handle, routes = call.handle, call.handle.micro_batches
