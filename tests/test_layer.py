@@ -57,3 +57,18 @@ def test_router_losses_are_balanced_at_one() -> None:
 def test_bad_layer_arguments() -> None:
     with pytest.raises(ValueError, match="topk"):
         mc2.MoELayer(8, 8, 4, topk=5)
+
+
+def test_a_split_layout_state_loads_into_the_packed_layer() -> None:
+    torch.manual_seed(0)
+    src = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+    src.reset_parameters(std=0.3)
+    full = mc2.gather_full_state_dict(src)
+    ffn = 24
+    gate_up, down = full.pop("w_gate_up"), full.pop("w_down")
+    old = {**full, "w_gate": gate_up[:, :ffn].transpose(1, 2), "w_up": gate_up[:, ffn:].transpose(1, 2),
+           "w_down": down.transpose(1, 2)}
+    dst = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+    mc2.load_full_state_dict(dst, old)
+    x = torch.randn(10, 16, dtype=torch.float64)
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)

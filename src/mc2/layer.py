@@ -133,8 +133,26 @@ class MoELayer(nn.Module):
         return out
 
 
+def _packed_from_split(full: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """Checkpoints written before the packed layout hold ``w_up``/``w_gate [E, H, F]`` and
+    ``w_down [E, F, H]``; turn them into ``w_gate_up [E, 2F, H]`` and ``w_down [E, H, F]``."""
+    up, gate = prefix + "w_up", prefix + "w_gate"
+    if up not in full or gate not in full or prefix + "w_gate_up" in full:
+        return full
+    full = dict(full)
+    full[prefix + "w_gate_up"] = torch.cat([full.pop(gate).transpose(1, 2),
+                                            full.pop(up).transpose(1, 2)], 1).contiguous()
+    full[prefix + "w_down"] = full[prefix + "w_down"].transpose(1, 2).contiguous()
+    return full
+
+
 def load_full_state_dict(layer: MoELayer, full: dict[str, Tensor], prefix: str = "") -> None:
-    """Load an unsharded state (experts ``[E, ...]``) into ``layer``, taking this rank's experts."""
+    """Load an unsharded state (experts ``[E, ...]``) into ``layer``, taking this rank's experts.
+
+    States in the earlier split layout (``w_up``, ``w_gate``, ``w_down [E, F, H]``) are packed
+    on the way in.
+    """
+    full = _packed_from_split(full, prefix)
     mine = layer.expert_index.to("cpu")
     state = {}
     for name in layer.state_dict():
