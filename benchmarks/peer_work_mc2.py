@@ -82,8 +82,7 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
     for mode in modes:
         workspace = mc2.Workspace()
         if mode == "auto":
-            locked = lambda: all(d["locked"] for d in planner.decisions().values())  # noqa: E731
-            while explore_calls == 0 or (explore_calls < 20 and not locked()):
+            while explore_calls == 0 or (explore_calls < 20 and not planner.settled()):
                 step(mode, workspace=workspace)
                 explore_calls += 1
         for _ in range(WARMUP):

@@ -203,8 +203,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
         # "auto" explores a few K on its first calls (bounded); let it lock before timing
         auto = next(m for m in modes if m.micro_batches == "auto")
         calls = 0
-        while calls == 0 or (calls < 20 and not all(
-                d["locked"] for d in planner.decisions().values())):
+        while calls == 0 or (calls < 20 and not planner.settled()):
             _step(x, ws, ids, rw, grad_out, auto, cfg, None)
             calls += 1
         locked = [d["locked"] for d in planner.decisions().values()]

@@ -162,5 +162,5 @@ def plan_call(
     )
     call = CallPlan(handle=handle, group=group, overlap=overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
-                    packed=packed, on_pass_done=on_pass_done)
+                    on_pass_done=on_pass_done)
     return call, weights, _combine_weights(routing_weights, ids2d, x)

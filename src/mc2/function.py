@@ -53,7 +53,6 @@ class CallPlan:
         keep_activations: whether a backward will follow (save what it needs).
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
-        packed: the expert weights' layout (see :class:`~mc2.experts.ExpertWeights`).
         on_pass_done: ``(phase, seconds)`` called after each pass, for ``"auto"``'s trials.
     """
 
@@ -64,7 +63,6 @@ class CallPlan:
     keep_activations: bool
     timeline: Timeline | None
     workspace: Workspace
-    packed: bool
     on_pass_done: Callable[[str, float], None] | None = None
 
 

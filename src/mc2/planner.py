@@ -289,6 +289,10 @@ class Planner:
         state.samples[k].append(sample)
         return Choice(k, trial=True, on_pass_done=sample.__setitem__)
 
+    def settled(self) -> bool:
+        """Whether every shape seen so far has finished its trials and locked a K."""
+        return all(s.locked is not None for s in self._shapes.values())
+
     def decisions(self) -> dict[tuple, dict[str, Any]]:
         """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "times"}}``."""
         return {key: {"tried": s.candidates, "locked": s.locked,
