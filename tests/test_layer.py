@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mc2
+import mc2.checkpoint
 from tests.workers import layer_roundtrip
 
 
@@ -14,30 +15,35 @@ def full_state(shared: int) -> dict:
     layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64)
     layer.reset_parameters(std=0.3)
     torch.nn.init.normal_(layer.gate.weight, std=0.5)
-    return mc2.gather_full_state_dict(layer)
+    return {k: v.clone() for k, v in layer.state_dict().items()}  # one process: all experts
 
 
 @pytest.mark.parametrize("shared", [0, 1])
-def test_checkpoint_moves_between_ep_sizes(shared: int) -> None:
+def test_checkpoint_moves_between_ep_sizes(shared: int, tmp_path) -> None:
     full = full_state(shared)
+    assert "expert_index" not in full  # it differs between ranks; checkpoints place experts
     x = torch.randn(24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     single = layer_roundtrip(0, 1, full, x, shared)  # one process, all 8 experts
-    ep2 = mc2.run_local(layer_roundtrip, 2, args=(full, x, shared))
-    ep4 = mc2.run_local(layer_roundtrip, 4, args=(ep2[0]["gathered"], x, shared))
+    path = str(tmp_path / "ep2")
+    ep2 = mc2.run_local(layer_roundtrip, 2, args=(full, x, shared, path))
+    ep4 = mc2.run_local(layer_roundtrip, 4, args=(path, x, shared))  # DCP reshards 2 -> 4
     for results in (ep2, ep4):
         world = len(results)
         out = torch.cat([r["out"] for r in results])
         torch.testing.assert_close(out, single["out"], rtol=0, atol=1e-10)
         for rank, r in enumerate(results):
-            assert r["local_experts"] == list(range(rank * 8 // world, (rank + 1) * 8 // world))
-            assert r["gathered"].keys() == full.keys()
-            for key, value in full.items():
-                torch.testing.assert_close(r["gathered"][key], value, rtol=0, atol=0)
+            mine = list(range(rank * 8 // world, (rank + 1) * 8 // world))
+            assert r["local_experts"] == mine
+            torch.testing.assert_close(r["w_gate_up"], full["w_gate_up"][mine], rtol=0, atol=0)
     # expert gradients are complete on their owner: EP-4 rank 1 holds experts 2 and 3
     w_gate_up_grad_single = single["w_gate_up_grad"]
     torch.testing.assert_close(ep4[1]["w_gate_up_grad"], w_gate_up_grad_single[2:4], rtol=0,
                                atol=1e-10)
-    assert "expert_index" in ep4[0]["local_keys"]
+    assert ep4[0]["local_keys"] == sorted(full)
+    back = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64)
+    mc2.checkpoint.load(back, path)  # and back into one process
+    for key, value in full.items():
+        torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0)
 
 
 def test_router_losses_are_balanced_at_one() -> None:
@@ -63,7 +69,7 @@ def test_a_split_layout_state_loads_into_the_packed_layer() -> None:
     torch.manual_seed(0)
     src = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
     src.reset_parameters(std=0.3)
-    full = mc2.gather_full_state_dict(src)
+    full = dict(src.state_dict())
     ffn = 24
     gate_up, down = full.pop("w_gate_up"), full.pop("w_down")
     old = {**full, "w_gate": gate_up[:, :ffn].transpose(1, 2), "w_up": gate_up[:, ffn:].transpose(1, 2),

@@ -179,18 +179,27 @@ def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: in
     return {"out": out.detach(), "x": x.grad, "shared": [t.grad for t in ss]}
 
 
-def layer_roundtrip(rank: int, world: int, full: dict, x: torch.Tensor, shared: int) -> dict:
-    """Load an unsharded MoELayer state at this EP size, run it, gather the state back."""
+def layer_roundtrip(rank: int, world: int, source: dict | str, x: torch.Tensor, shared: int,
+                    save_to: str | None = None) -> dict:
+    """Load a MoELayer at this EP size (an unsharded state in memory, or a checkpoint folder),
+    run it on this rank's tokens, and save it again if asked."""
+    import mc2.checkpoint
+
     layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64,
                          micro_batches=2)
-    mc2.load_full_state_dict(layer, full)
+    if isinstance(source, dict):
+        mc2.load_full_state_dict(layer, source)
+    else:
+        mc2.checkpoint.load(layer, source)
+    if save_to is not None:
+        mc2.checkpoint.save(layer, save_to)
     mine = x.chunk(world)[rank]
     out, losses = layer(mine, return_losses=True)
     (out.pow(2).sum() + losses.load_balancing + losses.z_loss).backward()
     return {"out": out.detach(), "local_keys": sorted(layer.state_dict()),
             "local_experts": layer.expert_index.tolist(),
+            "w_gate_up": layer.w_gate_up.detach().clone(),
             "w_gate_up_grad": layer.w_gate_up.grad, "gate_grad": layer.gate.weight.grad,
-            "gathered": mc2.gather_full_state_dict(layer),
             "losses": (losses.load_balancing.item(), losses.z_loss.item())}
 
 

@@ -29,9 +29,9 @@ def patched_step(rank: int, world: int, kind: str, config: dict, state: dict,
     experts = {}
     for name, m in model.named_modules():
         if isinstance(m, MC2SparseMoeBlock):
-            experts[name] = {"index": m.expert_index.tolist(), "gate_up_proj": m.gate_up_proj.grad,
-                             "down_proj": m.down_proj.grad}
+            experts[name] = {"index": m.expert_index.tolist(), "gate_up_proj": m.experts.gate_up_proj.grad,
+                             "down_proj": m.experts.down_proj.grad}
     replicated = {n: p.grad for n, p in model.named_parameters()
-                  if p.grad is not None and not n.endswith(("gate_up_proj", "down_proj"))}
+                  if p.grad is not None and ".experts." not in n}
     return {"logits": logits.detach(), "experts": experts, "replicated": replicated,
             "replaced": replaced}

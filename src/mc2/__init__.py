@@ -5,8 +5,10 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 """
 
 from . import env, planner, profiler, topology
+from .grad_sync import average_gradients
 from .launch import run_local
-from .layer import MoELayer, RouterLosses, gather_full_state_dict, load_full_state_dict
+from .layer import MoELayer, RouterLosses, load_full_state_dict
+from .mesh import ParallelLayout, expert_parallel_mesh
 from .ops import fused_expert, fused_expert_packed
 from .planner import Planner
 from .profiler import Profiler, profile
@@ -15,7 +17,8 @@ from .timeline import Span, Timeline
 from .workspace import Workspace
 
 __all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
-           "gather_full_state_dict", "load_full_state_dict", "profile", "Profiler", "Planner",
+           "expert_parallel_mesh", "ParallelLayout", "average_gradients",
+           "load_full_state_dict", "profile", "Profiler", "Planner",
            "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
 __version__ = "0.1.0"

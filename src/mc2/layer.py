@@ -5,10 +5,12 @@ schedule. Each rank of the expert-parallel group holds ``num_experts // world`` 
 router (and the shared experts) are replicated, so their gradients must be averaged over the
 data-parallel ranks like any other replicated parameter.
 
-Checkpoints: ``state_dict()`` holds only this rank's experts, with their global indices in the
-``expert_index`` buffer. :func:`gather_full_state_dict` assembles the unsharded state on every
-rank (a collective) and :func:`load_full_state_dict` takes an unsharded state onto any EP size,
-so a checkpoint written at EP 2 loads at EP 4 or in a single process.
+Checkpoints: ``state_dict()`` holds only this rank's experts (their global indices are in the
+non-persistent ``expert_index`` buffer). :mod:`mc2.checkpoint` saves and reshards them with
+``torch.distributed.checkpoint``, between any EP x DP meshes and one process.
+:func:`load_full_state_dict` stays for one job DCP does not do: taking an unsharded state held in
+memory (a single-process ``state_dict()``, or a file in the earlier split layout) onto this
+rank's experts.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from .comm import group_rank, group_size
+from .mesh import resolve_layout
 from .ops import MicroBatches, fused_expert_packed
 
 EXPERT_KEYS = ("w_gate_up", "w_down")
@@ -50,6 +51,9 @@ class MoELayer(nn.Module):
         num_experts: global routed experts ``E`` (a multiple of the group size).
         topk: experts per token.
         group: the expert-parallel process group (``None``: default group, or one process).
+        mesh: instead of ``group``, a :class:`DeviceMesh`: 1-D (expert parallel), or 2-D with
+            dimensions ``("dp", "ep")`` (experts split over ``ep``, replicated over ``dp``;
+            :func:`mc2.expert_parallel_mesh` makes one).
         shared_experts: experts every token passes through (DeepSeek/Qwen), replicated.
         shared_ffn: their width (default ``ffn``).
         micro_batches, overlap: passed to :func:`mc2.fused_expert`.
@@ -62,26 +66,25 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 2, *,
-                 group: Any = None, shared_experts: int = 0, shared_ffn: int | None = None,
+                 group: Any = None, mesh: Any = None, shared_experts: int = 0, shared_ffn: int | None = None,
                  micro_batches: MicroBatches = "auto", overlap: bool = True,
                  renormalize: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        world = group_size(group)
-        if num_experts % world:
-            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
-                             f"({world})")
+        self.layout = resolve_layout(group, mesh, num_experts=num_experts)
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
-        self.group, self.num_experts, self.topk = group, num_experts, topk
+        self.group, self.num_experts, self.topk = self.layout.ep_group, num_experts, topk
         self.micro_batches, self.overlap, self.renormalize = micro_batches, overlap, renormalize
-        local = num_experts // world
-        first = group_rank(group) * local
+        mine = self.layout.experts_of_this_rank(num_experts)
+        local = len(mine)
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * ffn, hidden, **kw))
         self.w_down = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
-        self.register_buffer("expert_index", torch.arange(first, first + local, device=device))
+        # Not persistent: it differs between ranks, and checkpoints place experts by the layout.
+        self.register_buffer("expert_index", torch.arange(mine.start, mine.stop, device=device),
+                             persistent=False)
         self.shared: nn.ParameterList | None = None
         if shared_experts:
             sf = shared_ffn or ffn
@@ -94,6 +97,10 @@ class MoELayer(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         for p in (self.w_gate_up, self.w_down, *(self.shared or [])):
             nn.init.normal_(p, std=std)
+
+    def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's expert shards (see :mod:`mc2.expert_shards`)."""
+        return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
     @property
     def local_experts(self) -> int:
@@ -157,8 +164,6 @@ def load_full_state_dict(layer: MoELayer, full: dict[str, Tensor], prefix: str =
     state = {}
     for name in layer.state_dict():
         key = prefix + name
-        if name == "expert_index":
-            continue
         if key not in full:
             raise KeyError(f"load_full_state_dict: missing '{key}'")
         value = full[key]
@@ -168,22 +173,4 @@ def load_full_state_dict(layer: MoELayer, full: dict[str, Tensor], prefix: str =
                                  f"{layer.num_experts}")
             value = value.index_select(0, mine.to(value.device))
         state[name] = value
-    state["expert_index"] = layer.expert_index
     layer.load_state_dict(state)
-
-
-def gather_full_state_dict(layer: MoELayer, prefix: str = "") -> dict[str, Tensor]:
-    """The unsharded state of ``layer`` on every rank (a collective over its group)."""
-    state = {prefix + k: v.detach().clone() for k, v in layer.state_dict().items()
-             if k != "expert_index"}
-    world = group_size(layer.group)
-    for name in EXPERT_KEYS:
-        local = getattr(layer, name).detach().contiguous()
-        if world == 1:
-            full = local.clone()
-        else:
-            parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local, group=layer.group)
-            full = torch.cat(parts)
-        state[prefix + name] = full
-    return state

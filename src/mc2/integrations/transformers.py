@@ -7,7 +7,10 @@
 router-logit outputs and the auxiliary loss keep working) and holds only this rank's experts.
 
 The rest of the model stays as it is on every rank: its parameters are replicated, so train it
-data-parallel: :func:`average_gradients` turns per-rank gradients into the group's.
+data-parallel: :func:`mc2.average_gradients` turns per-rank gradients into those of the mean
+loss. With ``mesh=`` the experts are split over the mesh's ``"ep"`` dimension and replicated
+over ``"dp"``; :mod:`mc2.checkpoint` saves and reshards such a model with
+``torch.distributed.checkpoint``.
 No hub access is needed: the function works on any model object, including one built from a
 local config.
 """
@@ -17,45 +20,65 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm import group_rank, group_size
+from ..expert_shards import expert_shards
+from ..grad_sync import average_gradients
+from ..mesh import resolve_layout
 from ..ops import MicroBatches, fused_expert_packed
+
+__all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
+           "LocalExperts"]
+
+
+class LocalExperts(nn.Module):
+    """This rank's block of a model's experts, under the model's own names and layout.
+
+    ``gate_up_proj [L, 2F, H]`` (gate rows first) and ``down_proj [L, H, F]``, held at
+    ``<block>.experts`` as in the unpatched model: the state dict keeps Hugging Face's keys, and
+    :mod:`mc2.checkpoint` writes files the unpatched model loads.
+    """
+
+    def __init__(self, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj)
+        self.down_proj = nn.Parameter(down_proj)
 
 
 class MC2SparseMoeBlock(nn.Module):
     """A sparse-MoE block running through :func:`mc2.fused_expert` with this rank's experts.
 
-    The experts keep the model's own packed layout and names: ``gate_up_proj [L, 2F, H]``
-    (gate rows first) and ``down_proj [L, H, F]``, this rank's ``L`` experts sliced out once;
-    :func:`mc2.fused_expert_packed` runs them as they are, with no split or transpose.
+    The experts keep the model's own packed layout and names (:class:`LocalExperts`), this
+    rank's ``L`` experts sliced out once; :func:`mc2.fused_expert_packed` runs them as they
+    are, with no split or transpose.
     """
 
-    def __init__(self, block: nn.Module, *, group: Any = None,
+    def __init__(self, block: nn.Module, *, group: Any = None, mesh: Any = None,
                  micro_batches: MicroBatches = "auto", overlap: bool = True) -> None:
         super().__init__()
         experts = block.experts
-        num_experts, two_f, _ = experts.gate_up_proj.shape
-        world = group_size(group)
-        if num_experts % world:
-            raise ValueError(f"{num_experts} experts do not split over {world} ranks")
-        local = num_experts // world
-        first = group_rank(group) * local
-
-        mine = slice(first, first + local)
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.layout = resolve_layout(group, mesh, num_experts=self.num_experts)
+        mine = self.layout.experts_of_this_rank(self.num_experts)
         with torch.no_grad():
-            self.gate_up_proj = nn.Parameter(experts.gate_up_proj[mine].clone())
-            self.down_proj = nn.Parameter(experts.down_proj[mine].clone())
-        self.register_buffer("expert_index", torch.arange(first, first + local))
+            self.experts = LocalExperts(experts.gate_up_proj[mine.start:mine.stop].clone(),
+                                        experts.down_proj[mine.start:mine.stop].clone())
+        # Not persistent: it differs between ranks, and checkpoints place experts by the layout.
+        self.register_buffer("expert_index", torch.arange(mine.start, mine.stop),
+                             persistent=False)
         self.gate = block.gate
-        self.group, self.micro_batches, self.overlap = group, micro_batches, overlap
+        self.group, self.micro_batches, self.overlap = self.layout.ep_group, micro_batches, overlap
+
+    def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's expert shards (see :mod:`mc2.expert_shards`)."""
+        return {"experts.gate_up_proj": self.experts.gate_up_proj,
+                "experts.down_proj": self.experts.down_proj}
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.gate(x)
-        out = fused_expert_packed(x, self.gate_up_proj, self.down_proj, ids,
+        out = fused_expert_packed(x, self.experts.gate_up_proj, self.experts.down_proj, ids,
                                   weights.to(x.dtype), group=self.group,
                                   micro_batches=self.micro_batches, overlap=self.overlap)
         return out.reshape(shape)
@@ -76,12 +99,18 @@ def _is_sparse_moe_block(module: nn.Module) -> bool:
     return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def enable_mc2(model: nn.Module, group: Any = None, *, micro_batches: MicroBatches = "auto",
-               overlap: bool = True) -> int:
+def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
+               micro_batches: MicroBatches = "auto", overlap: bool = True) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
-    Every rank of ``group`` must call it on an identical model (same weights): each keeps its
-    own experts. Raises ``ValueError`` if the model has no block this adapter understands.
+    Every rank must call it on an identical model (same weights): each keeps its own experts.
+    ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh (expert parallel) or a
+    ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts split over ``ep`` and
+    replicated over ``dp``, everything else replicated everywhere.
+
+    Raises:
+        ValueError: the model has no block this adapter understands, or the mesh is bad
+            (see :func:`mc2.mesh.resolve_layout`); raised on every rank alike.
     """
     replaced = 0
     for name, module in list(model.named_modules()):
@@ -89,7 +118,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, micro_batches: MicroBatch
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1],
-                MC2SparseMoeBlock(module, group=group, micro_batches=micro_batches,
+                MC2SparseMoeBlock(module, group=group, mesh=mesh, micro_batches=micro_batches,
                                   overlap=overlap))
         replaced += 1
     if not replaced:
@@ -100,37 +129,4 @@ def enable_mc2(model: nn.Module, group: Any = None, *, micro_batches: MicroBatch
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The rank-local expert weights of every MC2 block (not to be averaged over ranks)."""
-    return [p for m in model.modules() if isinstance(m, MC2SparseMoeBlock)
-            for p in (m.gate_up_proj, m.down_proj)]
-
-
-def average_gradients(model: nn.Module, group: Any = None) -> None:
-    """Make every rank's gradients those of the group's mean loss (call after ``backward``).
-
-    Each rank's loss covers its own tokens and the objective is their mean. Replicated
-    parameters (attention, norms, router, embeddings) get the average of the ranks' gradients
-    (one flat all-reduce). A local expert's gradient already sums the contributions of every
-    rank's tokens (they travelled to it), so it is only divided by the group size.
-    """
-    world = group_size(group)
-    if world == 1:
-        return
-    local = {id(p) for p in expert_parameters(model)}
-    for p in expert_parameters(model):
-        if p.grad is not None:
-            p.grad.div_(world)
-    replicated = [p for p in model.parameters() if id(p) not in local and p.requires_grad]
-    if not replicated:
-        return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in replicated])
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for p in replicated:
-        chunk = flat[offset:offset + p.numel()].view_as(p)
-        if p.grad is None:
-            p.grad = chunk.clone()
-        else:
-            p.grad.copy_(chunk)
-        offset += p.numel()
+    return [shard.param for shard in expert_shards(model)]

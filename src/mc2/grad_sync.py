@@ -1,0 +1,90 @@
+"""Gradients of the mean loss over all ranks, for a model whose experts are sharded.
+
+Each rank's loss covers its own tokens; the objective is the mean over the ``W`` ranks that
+replicate the rest of the model. Then:
+
+- A replicated parameter (attention, norms, router, embeddings) gets the average of the ranks'
+  gradients: one flat all-reduce over the ``W`` ranks.
+- An expert's gradient on one rank already sums the contributions of every token of its EP
+  group: they travelled to it in the dispatch. The ranks of its ``dp`` group hold the same
+  experts and saw the other EP groups' tokens, so their gradients are summed over ``dp``. The
+  sum is then divided by ``W``, the same mean.
+
+With ``group=`` (every rank in one EP group) the ``dp`` sum disappears and this is the
+one-group rule: replicated averaged, experts divided by the group size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .comm import group_size
+from .expert_shards import expert_shards
+from .mesh import resolve_layout
+
+
+def average_gradients(model: nn.Module, group: Any = None, *, mesh: Any = None) -> None:
+    """Make every rank's gradients those of the mean of all ranks' losses (after ``backward``).
+
+    Args:
+        model: a model with MC2 modules (:class:`mc2.MoELayer` or ``enable_mc2``'s blocks).
+        group: the ranks that replicate the non-expert parameters, when every rank of it is in
+            one EP group (the one-group layout).
+        mesh: instead, the ``("dp", "ep")`` mesh the model was built on; the non-expert
+            parameters are then replicated over the whole mesh.
+
+    Parameters without a gradient on this rank count as zero, so every rank makes the same
+    collectives whatever its routing.
+    """
+    if mesh is not None:
+        resolve_layout(mesh=mesh)  # the same checks, on every rank
+        group = None
+    world = group_size(group)
+    if world == 1:
+        return
+    shards = expert_shards(model)
+    by_dp: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+    for shard in shards:
+        key = id(shard.layout.dp_group)
+        by_dp.setdefault(key, (shard.layout.dp_group, []))[1].append(shard.param)
+    for dp_group, params in by_dp.values():
+        if dp_group is None:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(world)
+        else:
+            _all_reduce_mean(params, dp_group, world)
+    local = {id(s.param) for s in shards}
+    replicated = [p for p in model.parameters() if id(p) not in local and p.requires_grad]
+    _all_reduce_mean(replicated, group, world)
+
+
+def _all_reduce_mean(params: list[nn.Parameter], group: Any, divide_by: int) -> None:
+    """Sum ``params``' gradients over ``group`` in one flat message, then divide."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault((p.dtype, p.device), []).append(p)
+    for same in by_dtype.values():
+        _all_reduce_flat(same, group, divide_by)
+
+
+def _all_reduce_flat(params: list[nn.Parameter], group: Any, divide_by: int) -> None:
+    flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    flat /= divide_by
+    offset = 0
+    for p in params:
+        chunk = flat[offset:offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += p.numel()
+
+
+def _grad_or_zeros(p: nn.Parameter) -> Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

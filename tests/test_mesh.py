@@ -1,0 +1,91 @@
+"""EP x DP meshes on real 4-rank Gloo worlds: training equals one process, checkpoints move.
+
+The model is Hugging Face's Mixtral (tiny), switched with ``enable_mc2(model, mesh=...)``.
+Every rank trains on its own batch; the reference trains the unpatched model in one process on
+the mean of the four ranks' losses. Losses are float32 and must agree to 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+import mc2.checkpoint
+from tests.workers_mesh import (
+    RESUMED_STEPS,
+    BAD_MESHES,
+    bad_meshes,
+    batches,
+    load_on_mesh,
+    reference_losses,
+    save_on_mesh,
+    train_on_mesh,
+    unpatched_model,
+)
+
+pytest.importorskip("transformers")
+RTOL = 1e-5
+
+
+@pytest.mark.parametrize("ep_size", [2, 4], ids=["dp2xep2", "ep4"])
+def test_mesh_training_equals_one_process(ep_size: int) -> None:
+    data = batches(3)
+    want = reference_losses(data)
+    got = mc2.run_local(train_on_mesh, 4, args=(ep_size, data), timeout_s=120)
+    for rank, losses in enumerate(got):
+        for step, loss in enumerate(losses):
+            assert loss == pytest.approx(want[step][rank], rel=RTOL), (rank, step)
+    # the steps changed the model: the same batch scores differently after training
+    untrained = reference_losses(data[-1:])[0]
+    assert max(abs(a - b) for a, b in zip(untrained, want[-1])) > 100 * RTOL
+
+
+def test_a_checkpoint_moves_between_meshes_and_back_to_hugging_face(tmp_path) -> None:
+    data = batches(2 + RESUMED_STEPS)
+    path = str(tmp_path / "ckpt")
+    saved = mc2.run_local(save_on_mesh, 4, args=(2, data, path), timeout_s=120)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    for ep_size in (4, 1):  # ep=4, then dp=4 x ep=1
+        loaded = mc2.run_local(load_on_mesh, 4, args=(ep_size, data, path), timeout_s=120)
+        for rank, r in enumerate(loaded):
+            assert r["extra"] == {"step": 2}
+            torch.testing.assert_close(r["logits"], saved[rank]["logits"], rtol=0, atol=1e-6)
+            # resuming (momentum included) continues the uninterrupted run
+            assert r["next_losses"] == pytest.approx(saved[rank]["next_losses"], rel=RTOL)
+    model = unpatched_model(seed=1)  # different weights until the checkpoint lands
+    assert mc2.checkpoint.load(model, path) == {"step": 2}
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+    with torch.no_grad():
+        for rank in range(4):
+            torch.testing.assert_close(model(data[0, rank]).logits, saved[rank]["logits"],
+                                       rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_without_optimizer_state_says_so(tmp_path) -> None:
+    model = unpatched_model()
+    mc2.checkpoint.save(model, tmp_path / "m")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(KeyError, match="no optimizer state"):
+        mc2.checkpoint.load(model, tmp_path / "m", optimizer=opt)
+    with pytest.raises(FileNotFoundError, match="no mc2 checkpoint"):
+        mc2.checkpoint.load(model, tmp_path / "missing")
+
+
+def test_a_bad_mesh_raises_on_every_rank() -> None:
+    expected = {"unnamed": "named ('dp', 'ep')",
+                "ep-does-not-divide-experts": "6 experts do not split over an EP size of 4",
+                "helper-experts": "must divide the number of experts",
+                "helper-world": "must divide the world size",
+                "does-not-cover": "every rank must be in it"}
+    assert set(expected) == set(BAD_MESHES)
+    # one world tries them all: a rank left waiting would make the next attempt hang
+    for errors in mc2.run_local(bad_meshes, 4, timeout_s=30, deadline_s=120):
+        for what, message in expected.items():
+            assert message in errors[what], (what, errors[what])
+
+
+def test_expert_parallel_mesh_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mc2.expert_parallel_mesh(2)

@@ -1,0 +1,141 @@
+"""Rank functions for the mesh tests: EP x DP training and checkpoints that move between meshes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CONFIG = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")
+LR = 0.5
+
+
+def unpatched_model(seed: int = 0):
+    """The tiny Mixtral every test starts from (larger random experts, so routing matters)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def batches(steps: int, ranks: int = 4) -> torch.Tensor:
+    """``[steps, ranks, 2, 12]`` token ids: one batch of two sequences per rank per step."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, CONFIG["vocab_size"], (steps, ranks, 2, 12), generator=g)
+
+
+def reference_losses(data: torch.Tensor) -> list[list[float]]:
+    """One process, the unpatched model, SGD on the mean of the ranks' losses."""
+    model = unpatched_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for step_batches in data:
+        losses = [model(ids, labels=ids).loss for ids in step_batches]
+        opt.zero_grad()
+        torch.stack(losses).mean().backward()
+        opt.step()
+        history.append([loss.item() for loss in losses])
+    return history
+
+
+def _mesh_model(ep_size: int):
+    import mc2
+    from mc2.integrations.transformers import enable_mc2
+
+    mesh = mc2.expert_parallel_mesh(ep_size, num_experts=CONFIG["num_local_experts"])
+    model = unpatched_model()
+    enable_mc2(model, mesh=mesh, micro_batches=2)
+    return model, mesh
+
+
+def _train(model, mesh, opt, data: torch.Tensor, rank: int) -> list[float]:
+    import mc2
+
+    losses = []
+    for step_batches in data:
+        ids = step_batches[rank]
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        mc2.average_gradients(model, mesh=mesh)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor) -> list[float]:
+    """Train on a ``dp x ep`` mesh; this rank's loss at every step."""
+    model, mesh = _mesh_model(ep_size)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return _train(model, mesh, opt, data, rank)
+
+
+RESUMED_STEPS = 2  # the second step after a resume reads the restored momentum
+
+
+def save_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor, path: str
+                 ) -> dict[str, Any]:
+    """Train, save (with momentum state) two steps before the end, then finish the run."""
+    import mc2.checkpoint
+
+    model, mesh = _mesh_model(ep_size)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    done = len(data) - RESUMED_STEPS
+    _train(model, mesh, opt, data[:done], rank)
+    mc2.checkpoint.save(model, path, optimizer=opt, extra={"step": done})
+    with torch.no_grad():
+        logits = model(data[0, rank]).logits
+    next_losses = _train(model, mesh, opt, data[done:], rank)
+    return {"logits": logits, "next_losses": next_losses}
+
+
+def load_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor, path: str
+                 ) -> dict[str, Any]:
+    """Load the checkpoint on another mesh: logits on a probe, then the remaining steps."""
+    import mc2.checkpoint
+
+    model, mesh = _mesh_model(ep_size)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    extra = mc2.checkpoint.load(model, path, optimizer=opt)
+    with torch.no_grad():
+        logits = model(data[0, rank]).logits
+    next_losses = _train(model, mesh, opt, data[extra["step"]:], rank)
+    return {"logits": logits, "next_losses": next_losses, "extra": extra}
+
+
+BAD_MESHES = ("unnamed", "ep-does-not-divide-experts", "helper-experts", "helper-world",
+              "does-not-cover")
+
+
+def bad_meshes(rank: int, world: int) -> dict[str, str]:
+    """Build each bad mesh or layer in turn; the error text of each (every rank must get one)."""
+    import mc2
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    def attempt(what: str) -> None:
+        if what == "unnamed":
+            mc2.MoELayer(8, 8, 4, mesh=init_device_mesh("cpu", (2, 2)))
+        elif what == "ep-does-not-divide-experts":
+            mc2.MoELayer(8, 8, 6, mesh=mc2.expert_parallel_mesh(4))
+        elif what == "helper-experts":
+            mc2.expert_parallel_mesh(4, num_experts=6)
+        elif what == "helper-world":
+            mc2.expert_parallel_mesh(3)
+        elif what == "does-not-cover":
+            mc2.MoELayer(8, 8, 4, mesh=DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("dp", "ep")))
+
+    errors = {}
+    for what in BAD_MESHES:
+        try:
+            attempt(what)
+            errors[what] = "no error"
+        except ValueError as exc:
+            errors[what] = str(exc)
+    return errors
