@@ -33,3 +33,37 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path) -> None:
     run_training(ckpt)
     resumed = run_training(replace(ckpt, steps=4, resume=True))["losses"]
     assert resumed == pytest.approx(straight, rel=1e-6)
+
+
+def test_resume_on_another_ep_size_continues_the_run(tmp_path) -> None:
+    """4 ranks: two steps as dp 2 x ep 2, then resumed as ep 4 from the DCP checkpoint."""
+    cfg = replace(TINY, steps=4, ep_size=2)
+    straight = run_training(cfg, world_size=4)["losses"]
+    first = replace(cfg, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    run_training(first, world_size=4)
+    resumed = run_training(replace(first, steps=4, ep_size=4, resume=True), world_size=4)
+    assert resumed["losses"] == pytest.approx(straight, rel=1e-5)
+    assert len(resumed["sync_s"]) == 4
+
+
+def test_ep_size_must_divide_the_world() -> None:
+    with pytest.raises(ValueError, match="must divide the world size"):
+        run_training(replace(TINY, ep_size=3), world_size=4)
+
+
+def _train_args(out) -> list[str]:
+    return ["--steps", "3", "--batch", "2", "--seq", "32", "--out", str(out)]
+
+
+def test_the_same_entry_point_runs_under_torchrun(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "-m", "mc2.train", "--ep-size", "1", *_train_args(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks as dp 2 x ep 1" in proc.stderr
+    losses = json.loads((tmp_path / "losses.json").read_text())["runs"]["MC2 K=2"]["losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0]

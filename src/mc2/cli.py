@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from .train_cli import add_train_parser, run_train_command
 from .bench import (
     BenchConfig,
     BenchReport,
@@ -221,23 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead: measure this machine's Gloo world and compare the model's "
                           "predictions with mc2 bench's measured step times")
     sim.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed repeats")
-    tr = sub.add_parser(
-        "train", help="train a small Mixtral-style model end to end with expert parallelism",
-        description="Hugging Face MixtralForCausalLM (4 layers, 8 experts, top-2, built from a "
-                    "local config) switched to MC2 with enable_mc2, trained on this machine's "
-                    "Python standard library sources on a local Gloo world. --compare trains "
-                    "serial and MC2 from the same seed and plots both loss curves.")
-    tr.add_argument("--steps", type=int, default=50)
-    tr.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    tr.add_argument("--seq", type=int, default=128)
-    tr.add_argument("--world-size", type=int, default=2)
-    tr.add_argument("--micro-batches", default="2", help="K, or 'auto'")
-    tr.add_argument("--serial", action="store_true", help="overlap=False (the baseline)")
-    tr.add_argument("--compare", action="store_true", help="train serial and MC2; compare")
-    tr.add_argument("--out", type=Path, default=Path("train_out"),
-                    help="folder for loss_curve.png and losses.json (default %(default)s)")
-    tr.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    tr.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
+    add_train_parser(sub)
     sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
                    description="Backends and their async support, accelerators, the launcher's "
                                "environment, network interfaces and RDMA devices, then advice.")
@@ -251,29 +236,6 @@ def _doctor() -> int:
     print("\n".join(facts))
     print("\nadvice:")
     print("\n".join(f"- {a}" for a in advice))
-    return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, plot_losses, run_training, summarize, write_json
-
-    k = args.micro_batches if args.micro_batches == "auto" else int(args.micro_batches)
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, micro_batches=k,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume)
-    runs = [("serial", False), (f"MC2 K={k}", True)] if args.compare else \
-        [("serial" if args.serial else f"MC2 K={k}", not args.serial)]
-    curves = {}
-    for label, overlap in runs:
-        cfg = replace(base, overlap=overlap,
-                      checkpoint_dir=str(args.out / "checkpoints" / label.replace(" ", "_")))
-        print(f"mc2 train: {label}, {args.world_size} Gloo ranks, {cfg.steps} steps of "
-              f"{cfg.batch} x {cfg.seq} bytes per rank", file=sys.stderr, flush=True)
-        curves[label] = run_training(cfg, world_size=args.world_size)
-    print(summarize(curves))
-    write_json(args.out / "losses.json", curves, base)
-    path = plot_losses({k: v["losses"] for k, v in curves.items()}, args.out / "loss_curve.png")
-    print(f"wrote {path} and {args.out / 'losses.json'}")
     return 0
 
 
@@ -329,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         return _doctor()
     if args.command == "train":
-        return _train(args)
+        return run_train_command(args)
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "plan":

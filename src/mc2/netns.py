@@ -18,6 +18,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +149,66 @@ class EmulatedCluster:
         """What a rank needs to join the world from inside its node's namespace."""
         return {"MC2_NETNS": self.namespace_of_rank(rank), "MASTER_ADDR": self.address(0),
                 "GLOO_SOCKET_IFNAME": self.interface}
+
+
+def torchrun_on_nodes(cluster: EmulatedCluster, program: list[str], *, port: int = 29611,
+                      timeout_s: float = 3600.0) -> None:
+    """Run ``torchrun --nnodes <nodes> ... <program>`` with one agent inside each node.
+
+    A real multi-node launch: each agent runs in its node's namespace, the agents meet through
+    torchrun's c10d rendezvous at node 0's address across the shaped link, and torchrun numbers
+    the ranks node by node (so EP groups of ``ranks_per_node`` stay inside a node). Gloo binds
+    to the node's interface. If one agent fails, or ``timeout_s`` passes, every agent is
+    killed with its workers.
+
+    Args:
+        program: what follows the torchrun options, e.g. ``["-m", "mc2.train", "--steps", "5"]``.
+
+    Raises:
+        NetnsError: an agent failed or the run timed out.
+    """
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface}
+    agents = []
+    for node in range(cluster.nodes):
+        cmd = ["ip", "netns", "exec", cluster.node_ns(node), sys.executable, "-m",
+               "torch.distributed.run", "--nnodes", str(cluster.nodes),
+               "--nproc-per-node", str(cluster.ranks_per_node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"{cluster.address(0)}:{port}", "--rdzv-id", cluster.prefix,
+               "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+               "--local-addr", cluster.address(node), "--max-restarts", "0", *program]
+        agents.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(a.poll() is None for a in agents):
+            failed = [i for i, a in enumerate(agents) if a.poll() not in (None, 0)]
+            if failed:
+                raise NetnsError(f"torchrun on node {failed[0]} exited with "
+                                 f"{agents[failed[0]].returncode}")
+            if time.monotonic() > deadline:
+                raise NetnsError(f"torchrun across {cluster.nodes} nodes passed {timeout_s:.0f}s")
+            time.sleep(0.2)
+        failed = [i for i, a in enumerate(agents) if a.returncode != 0]
+        if failed:
+            raise NetnsError(f"torchrun on node {failed[0]} exited with "
+                             f"{agents[failed[0]].returncode}")
+    finally:
+        _stop(agents)
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    """SIGTERM first (torchrun then ends its workers), SIGKILL what is left after 10 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [a for a in agents if a.poll() is None]
+        for agent in alive:
+            try:
+                os.killpg(agent.pid, sig)
+            except ProcessLookupError:
+                pass
+        for agent in alive:
+            try:
+                agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def enter_namespace(name: str) -> None:

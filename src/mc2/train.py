@@ -1,10 +1,15 @@
 """``mc2 train``: train a small Mixtral-style model end to end with expert parallelism.
 
 The model is Hugging Face's ``MixtralForCausalLM`` built from a local config (no hub access),
-switched to MC2 with :func:`mc2.integrations.transformers.enable_mc2`. Each rank of a local Gloo
-world holds the non-expert parameters (trained data-parallel: gradients averaged) and its share
-of the experts. The corpus is this machine's own Python standard library sources, read as bytes
-(vocabulary 256), so nothing is downloaded.
+switched to MC2 with :func:`mc2.integrations.transformers.enable_mc2` on a ``("dp", "ep")`` mesh
+(:func:`mc2.expert_parallel_mesh`): the experts are split over EP groups of ``ep_size`` ranks
+and replicated over DP; the rest of the model is replicated everywhere (gradients averaged by
+:func:`mc2.average_gradients`). The corpus is this machine's own Python standard library
+sources, read as bytes (vocabulary 256), so nothing is downloaded.
+
+Runs on a local Gloo world (:func:`run_training`), or as it is under ``torchrun``
+(:func:`run_launched`; ``torchrun --nproc-per-node 2 -m mc2.train --ep-size 2``). Checkpoints
+are :mod:`mc2.checkpoint` folders, one per saved step, so a run resumes on any EP size.
 
 ``--compare`` trains the same model twice from the same seed, serial (``overlap=False``) and
 MC2, and reports how far the two loss curves ever are apart.
@@ -13,6 +18,7 @@ MC2, and reports how far the two loss curves ever are apart.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import sysconfig
 import time
@@ -43,6 +49,7 @@ class TrainConfig:
     corpus_bytes: int = 4_000_000
     micro_batches: int | str = 2
     overlap: bool = True
+    ep_size: int | None = None  # ranks per EP group; None: all ranks in one
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -90,25 +97,45 @@ def _model(cfg: TrainConfig):
     return MixtralForCausalLM(config)
 
 
-def _checkpoint(cfg: TrainConfig, rank: int) -> Path:
+def _checkpoints(cfg: TrainConfig) -> list[Path]:
+    """Complete checkpoint folders, oldest first (DCP writes ``.metadata`` last)."""
     assert cfg.checkpoint_dir is not None
-    return Path(cfg.checkpoint_dir) / f"rank{rank}.pt"
+    root = Path(cfg.checkpoint_dir)
+    return sorted(p for p in root.glob("step-*") if (p / ".metadata").is_file())
+
+
+def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, list]) -> None:
+    import shutil
+
+    from . import checkpoint
+
+    assert cfg.checkpoint_dir is not None
+    checkpoint.save(model, Path(cfg.checkpoint_dir) / f"step-{step:06d}", optimizer=opt,
+                    extra={"step": step, **history, "config": asdict(cfg)})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for old in _checkpoints(cfg)[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    """One rank's training loop; returns the global loss and tokens/s of every step."""
-    from .integrations.transformers import average_gradients, enable_mc2
+    """One rank's training loop; the global loss, tokens/s and gradient-sync time of each step."""
+    from . import checkpoint
+    from .grad_sync import average_gradients
+    from .integrations.transformers import enable_mc2
+    from .mesh import expert_parallel_mesh
 
+    mesh = expert_parallel_mesh(cfg.ep_size or world, num_experts=cfg.experts)
     model = _model(cfg)
-    enable_mc2(model, micro_batches=cfg.micro_batches, overlap=cfg.overlap)
+    enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start_step, losses, rates = 0, [], []
-    if cfg.resume and cfg.checkpoint_dir and _checkpoint(cfg, rank).exists():
-        saved = torch.load(_checkpoint(cfg, rank), weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        start_step, losses, rates = saved["step"], saved["losses"], saved["rates"]
+    start_step = 0
+    history: dict[str, list] = {"losses": [], "tokens_per_s_per_rank": [], "sync_s": []}
+    if cfg.resume and cfg.checkpoint_dir and _checkpoints(cfg):
+        extra = checkpoint.load(model, _checkpoints(cfg)[-1], optimizer=opt)
+        start_step = extra["step"]
+        history = {k: extra[k] for k in history}
     corpus = load_corpus(cfg.corpus_bytes)
     bar = None
     if rank == 0 and cfg.progress:
@@ -125,32 +152,64 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         loss = model(ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        average_gradients(model)
+        t_sync = time.perf_counter()
+        average_gradients(model, mesh=mesh)
+        t_sync = time.perf_counter() - t_sync
         opt.step()
         elapsed = time.perf_counter() - t0
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world)
-        rates.append(ids.numel() / elapsed)
+        history["losses"].append(global_loss.item() / world)
+        history["tokens_per_s_per_rank"].append(ids.numel() / elapsed)
+        history["sync_s"].append(t_sync)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s_rank=f"{rates[-1]:,.0f}")
+            bar.set_postfix(loss=f"{history['losses'][-1]:.4f}",
+                            tok_s_rank=f"{history['tokens_per_s_per_rank'][-1]:,.0f}")
         if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step + 1, "losses": losses, "rates": rates,
-                        "config": asdict(cfg)}, _checkpoint(cfg, rank))
+            _save(model, opt, cfg, step + 1, history)
     if bar is not None:
         bar.close()
-    return {"losses": losses, "tokens_per_s_per_rank": rates}
+    return history
 
 
 def run_training(cfg: TrainConfig, world_size: int = 2, threads: int = 1) -> dict[str, Any]:
+    """Train on a local Gloo world of ``world_size`` processes; rank 0's history."""
+    _check_ep_size(cfg, world_size)
     return run_local(train_rank, world_size, args=(cfg,), threads=threads, timeout_s=600,
                      deadline_s=24 * 3600)[0]
 
 
-def plot_losses(curves: dict[str, list[float]], path: str | Path) -> Path:
+def launched() -> bool:
+    """Whether this process is one rank of a ``torchrun`` job (its environment says so)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_launched(cfg: TrainConfig, backend: str = "gloo") -> dict[str, Any] | None:
+    """Train as this rank of a ``torchrun`` job; rank 0 gets the history, the others ``None``."""
+    world = int(os.environ["WORLD_SIZE"])
+    _check_ep_size(cfg, world)
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend)
+    try:
+        result = train_rank(dist.get_rank(), world, cfg)
+        return result if dist.get_rank() == 0 else None
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _check_ep_size(cfg: TrainConfig, world: int) -> None:
+    ep = cfg.ep_size or world
+    if ep < 1 or world % ep:
+        raise ValueError(f"--ep-size {ep} must divide the world size {world}")
+    if cfg.experts % ep:
+        raise ValueError(f"--ep-size {ep} must divide the {cfg.experts} experts")
+
+
+def plot_losses(curves: dict[str, list[float]], path: str | Path,
+                title: str = "tiny Mixtral on Python's standard library") -> Path:
     from .plot import pyplot
 
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
@@ -158,7 +217,7 @@ def plot_losses(curves: dict[str, list[float]], path: str | Path) -> Path:
         ax.plot(range(1, len(losses) + 1), losses, label=label, lw=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title("tiny Mixtral on Python's standard library, expert-parallel over 2 Gloo ranks")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -173,8 +232,10 @@ def summarize(curves: dict[str, dict[str, Any]]) -> str:
     for label, result in curves.items():
         losses, rates = result["losses"], result["tokens_per_s_per_rank"]
         med = sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]
+        sync = sorted(result.get("sync_s", [0.0])[1:] or result.get("sync_s", [0.0]))
         lines.append(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
-                     f"steps; median {med:,.0f} tokens/s per rank")
+                     f"steps; median {med:,.0f} tokens/s per rank, gradient sync "
+                     f"{1e3 * sync[len(sync) // 2]:.1f} ms")
     if len(curves) == 2:
         a, b = (c["losses"] for c in curves.values())
         n = min(len(a), len(b), 50)
@@ -187,3 +248,9 @@ def summarize(curves: dict[str, dict[str, Any]]) -> str:
 
 def write_json(path: str | Path, curves: dict[str, Any], cfg: TrainConfig) -> None:
     Path(path).write_text(json.dumps({"config": asdict(cfg), "runs": curves}, indent=2))
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m mc2.train [mc2 train options]
+    from .cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,0 +1,151 @@
+"""``mc2 train``: its options, and where it runs (a local world, torchrun, emulated nodes)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Hugging Face MixtralForCausalLM (4 layers, 8 experts, top-2, built from a local config) switched
+to MC2 with enable_mc2 on a ("dp", "ep") mesh, trained on this machine's Python standard library
+sources. The experts are split over EP groups of --ep-size ranks and replicated over the
+world / ep-size DP groups.
+
+Where it runs:
+  mc2 train --world-size 4 --ep-size 2          a local Gloo world of 4 processes
+  torchrun --nproc-per-node 4 -m mc2.train --ep-size 2
+                                                as it is under torchrun (any launcher that sets
+                                                RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+  sudo mc2 train --nodes 2 --ranks-per-node 2 --ep-size 2 --inter-node-bandwidth 1gbit
+                                                torchrun --nnodes 2 across two emulated nodes
+                                                (network namespaces, tc-shaped link; DP crosses
+                                                the slow link, EP stays inside a node)
+
+--compare trains serial and MC2 from the same seed and plots both loss curves."""
+
+
+def add_train_parser(sub: Any) -> None:
+    tr = sub.add_parser("train", help="train a small Mixtral-style model end to end with EP x DP",
+                        description=DESCRIPTION,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("--steps", type=int, default=50)
+    tr.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    tr.add_argument("--seq", type=int, default=128)
+    tr.add_argument("--world-size", type=int, default=2,
+                    help="local Gloo ranks (ignored under torchrun, which sets it)")
+    tr.add_argument("--ep-size", type=int, default=None,
+                    help="ranks per expert-parallel group; must divide the world size and the "
+                         "8 experts (default: the whole world, no DP)")
+    tr.add_argument("--micro-batches", default="2", help="K, or 'auto'")
+    tr.add_argument("--serial", action="store_true", help="overlap=False (the baseline)")
+    tr.add_argument("--compare", action="store_true", help="train serial and MC2; compare")
+    tr.add_argument("--out", type=Path, default=Path("train_out"),
+                    help="folder for loss_curve.png and losses.json (default %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=0,
+                    help="steps between checkpoints (mc2.checkpoint folders under "
+                         "--out/checkpoints; a resume may use another --ep-size)")
+    tr.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
+    tr.add_argument("--nodes", type=int, default=None,
+                    help="run torchrun --nnodes across this many emulated nodes (network "
+                         "namespaces; needs root and iproute2)")
+    tr.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes (default 2)")
+    tr.add_argument("--inter-node-bandwidth", default="1gbit",
+                    help="with --nodes: tc rate of each node's link (default %(default)s)")
+
+
+def _options(args: argparse.Namespace) -> list[str]:
+    """The options to hand to ``-m mc2.train`` on every node (all but the node layout)."""
+    out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--micro-batches", str(args.micro_batches), "--out", str(args.out.resolve()),
+           "--checkpoint-every", str(args.checkpoint_every)]
+    if args.ep_size:
+        out += ["--ep-size", str(args.ep_size)]
+    for flag in ("serial", "compare", "resume"):
+        if getattr(args, flag):
+            out.append(f"--{flag}")
+    return out
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    from .train import launched
+
+    if args.nodes:
+        return _on_emulated_nodes(args)
+    return _train(args, under_torchrun=launched())
+
+
+def _on_emulated_nodes(args: argparse.Namespace) -> int:
+    from .netns import EmulatedCluster, NetnsError, torchrun_on_nodes
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_node_bandwidth) as c:
+            print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "
+                  f"{args.ranks_per_node} across emulated nodes, links shaped to {c.bandwidth}",
+                  file=sys.stderr, flush=True)
+            torchrun_on_nodes(c, ["-m", "mc2.train", *_options(args)])
+    except (NetnsError, ValueError) as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
+    from .train import (
+        TrainConfig,
+        plot_losses,
+        run_launched,
+        run_training,
+        summarize,
+        write_json,
+    )
+
+    k = args.micro_batches if args.micro_batches == "auto" else int(args.micro_batches)
+    base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, micro_batches=k,
+                       ep_size=args.ep_size, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume)
+    runs = [("serial", False), (f"MC2 K={k}", True)] if args.compare else \
+        [("serial" if args.serial else f"MC2 K={k}", not args.serial)]
+    world = _world(args, under_torchrun)
+    rank0 = not under_torchrun or _rank() == 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, Any] = {}
+    try:
+        for label, overlap in runs:
+            cfg = replace(base, overlap=overlap, progress=rank0,
+                          checkpoint_dir=str(args.out / "checkpoints" / label.replace(" ", "_")))
+            if rank0:
+                print(f"mc2 train: {label}, {world} ranks as dp {world // (cfg.ep_size or world)}"
+                      f" x ep {cfg.ep_size or world}, {cfg.steps} steps of {cfg.batch} x "
+                      f"{cfg.seq} bytes per rank", file=sys.stderr, flush=True)
+            curves[label] = run_launched(cfg) if under_torchrun else \
+                run_training(cfg, world_size=world)
+    except ValueError as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    if not rank0:
+        return 0
+    text = summarize(curves)
+    print(text)
+    (args.out / "summary.txt").write_text(text + "\n")
+    write_json(args.out / "losses.json", curves, base)
+    path = plot_losses({k: v["losses"] for k, v in curves.items()}, args.out / "loss_curve.png",
+                       title=f"tiny Mixtral on Python's standard library, {world} ranks, "
+                             f"ep {base.ep_size or world}")
+    print(f"wrote {path} and {args.out / 'losses.json'}")
+    return 0
+
+
+def _world(args: argparse.Namespace, under_torchrun: bool) -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ["RANK"])
