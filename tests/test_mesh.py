@@ -28,11 +28,12 @@ pytest.importorskip("transformers")
 RTOL = 1e-5
 
 
-@pytest.mark.parametrize("ep_size", [2, 4], ids=["dp2xep2", "ep4"])
-def test_mesh_training_equals_one_process(ep_size: int) -> None:
+@pytest.mark.parametrize("ep_size,overlapped", [(2, False), (4, False), (2, True)],
+                         ids=["dp2xep2", "ep4", "dp2xep2-overlapped-sync"])
+def test_mesh_training_equals_one_process(ep_size: int, overlapped: bool) -> None:
     data = batches(3)
     want = reference_losses(data)
-    got = mc2.run_local(train_on_mesh, 4, args=(ep_size, data), timeout_s=120)
+    got = mc2.run_local(train_on_mesh, 4, args=(ep_size, data, overlapped), timeout_s=120)
     for rank, losses in enumerate(got):
         for step, loss in enumerate(losses):
             assert loss == pytest.approx(want[step][rank], rel=RTOL), (rank, step)

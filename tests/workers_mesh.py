@@ -55,7 +55,8 @@ def _mesh_model(ep_size: int):
     return model, mesh
 
 
-def _train(model, mesh, opt, data: torch.Tensor, rank: int) -> list[float]:
+def _train(model, mesh, opt, data: torch.Tensor, rank: int, sync=None) -> list[float]:
+    """``sync``: a :class:`mc2.GradientSync` (overlapped), else ``average_gradients`` after."""
     import mc2
 
     losses = []
@@ -64,17 +65,24 @@ def _train(model, mesh, opt, data: torch.Tensor, rank: int) -> list[float]:
         loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
-        mc2.average_gradients(model, mesh=mesh)
+        if sync is None:
+            mc2.average_gradients(model, mesh=mesh)
+        else:
+            sync.wait()
         opt.step()
         losses.append(loss.item())
     return losses
 
 
-def train_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor) -> list[float]:
+def train_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor,
+                  overlapped: bool = False) -> list[float]:
     """Train on a ``dp x ep`` mesh; this rank's loss at every step."""
+    import mc2
+
     model, mesh = _mesh_model(ep_size)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    return _train(model, mesh, opt, data, rank)
+    sync = mc2.GradientSync(model, mesh=mesh, bucket_mb=0.01) if overlapped else None
+    return _train(model, mesh, opt, data, rank, sync)
 
 
 RESUMED_STEPS = 2  # the second step after a resume reads the restored momentum

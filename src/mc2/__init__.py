@@ -6,6 +6,7 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 
 from . import env, planner, profiler, topology
 from .grad_sync import average_gradients
+from .gradient_buckets import GradientSync
 from .launch import run_local
 from .layer import MoELayer, RouterLosses, load_full_state_dict
 from .mesh import ParallelLayout, expert_parallel_mesh
@@ -18,6 +19,7 @@ from .workspace import Workspace
 
 __all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
            "expert_parallel_mesh", "ParallelLayout", "average_gradients",
+           "GradientSync",
            "load_full_state_dict", "profile", "Profiler", "Planner",
            "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]

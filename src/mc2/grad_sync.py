@@ -16,6 +16,7 @@ one-group rule: replicated averaged, experts divided by the group size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,45 @@ from torch import Tensor, nn
 from .comm import group_size
 from .expert_shards import expert_shards
 from .mesh import resolve_layout
+
+
+@dataclass
+class SyncClass:
+    """Parameters whose gradients take the same collective.
+
+    Attributes:
+        params: in the model's registration order.
+        group: summed over this group; ``None`` when nothing is summed (experts without DP).
+        divide_by: then divided by this (the number of ranks whose losses are averaged).
+    """
+
+    params: list[nn.Parameter]
+    group: Any
+    divide_by: int
+    summed: bool = True
+
+
+def sync_classes(model: nn.Module, group: Any = None, *, mesh: Any = None) -> list[SyncClass]:
+    """The rule above, as lists of parameters; the same on every rank (empty for one rank).
+
+    Raises:
+        ValueError: a bad mesh (see :func:`mc2.mesh.resolve_layout`).
+    """
+    if mesh is not None:
+        resolve_layout(mesh=mesh)  # the same checks, on every rank
+        group = None
+    world = group_size(group)
+    if world == 1:
+        return []
+    shards = expert_shards(model)
+    classes: dict[int, SyncClass] = {}
+    for shard in shards:
+        dp = shard.layout.dp_group
+        cls = classes.setdefault(id(dp), SyncClass([], dp, world, summed=dp is not None))
+        cls.params.append(shard.param)
+    local = {id(s.param) for s in shards}
+    replicated = [p for p in model.parameters() if id(p) not in local and p.requires_grad]
+    return [SyncClass(replicated, group, world), *classes.values()]
 
 
 def average_gradients(model: nn.Module, group: Any = None, *, mesh: Any = None) -> None:
@@ -38,29 +78,16 @@ def average_gradients(model: nn.Module, group: Any = None, *, mesh: Any = None) 
             parameters are then replicated over the whole mesh.
 
     Parameters without a gradient on this rank count as zero, so every rank makes the same
-    collectives whatever its routing.
+    collectives whatever its routing. To overlap the sync with the backward instead, see
+    :class:`mc2.GradientSync`.
     """
-    if mesh is not None:
-        resolve_layout(mesh=mesh)  # the same checks, on every rank
-        group = None
-    world = group_size(group)
-    if world == 1:
-        return
-    shards = expert_shards(model)
-    by_dp: dict[int, tuple[Any, list[nn.Parameter]]] = {}
-    for shard in shards:
-        key = id(shard.layout.dp_group)
-        by_dp.setdefault(key, (shard.layout.dp_group, []))[1].append(shard.param)
-    for dp_group, params in by_dp.values():
-        if dp_group is None:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(world)
+    for cls in sync_classes(model, group, mesh=mesh):
+        if cls.summed:
+            _all_reduce_mean(cls.params, cls.group, cls.divide_by)
         else:
-            _all_reduce_mean(params, dp_group, world)
-    local = {id(s.param) for s in shards}
-    replicated = [p for p in model.parameters() if id(p) not in local and p.requires_grad]
-    _all_reduce_mean(replicated, group, world)
+            for p in cls.params:
+                if p.grad is not None:
+                    p.grad.div_(cls.divide_by)
 
 
 def _all_reduce_mean(params: list[nn.Parameter], group: Any, divide_by: int) -> None:

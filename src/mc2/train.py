@@ -50,6 +50,7 @@ class TrainConfig:
     micro_batches: int | str = 2
     overlap: bool = True
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
+    grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -122,6 +123,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """One rank's training loop; the global loss, tokens/s and gradient-sync time of each step."""
     from . import checkpoint
     from .grad_sync import average_gradients
+    from .gradient_buckets import GradientSync
     from .integrations.transformers import enable_mc2
     from .mesh import expert_parallel_mesh
 
@@ -130,6 +132,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sync = GradientSync(model, mesh=mesh) if cfg.grad_sync == "overlap" else None
     start_step = 0
     history: dict[str, list] = {"losses": [], "tokens_per_s_per_rank": [], "sync_s": []}
     if cfg.resume and cfg.checkpoint_dir and _checkpoints(cfg):
@@ -153,7 +156,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         t_sync = time.perf_counter()
-        average_gradients(model, mesh=mesh)
+        if sync is not None:
+            sync.wait()  # what is left of a sync that ran during the backward
+        else:
+            average_gradients(model, mesh=mesh)
         t_sync = time.perf_counter() - t_sync
         opt.step()
         elapsed = time.perf_counter() - t0
@@ -201,6 +207,8 @@ def run_launched(cfg: TrainConfig, backend: str = "gloo") -> dict[str, Any] | No
 
 
 def _check_ep_size(cfg: TrainConfig, world: int) -> None:
+    if cfg.grad_sync not in ("overlap", "after"):
+        raise ValueError(f"grad_sync must be 'overlap' or 'after', got {cfg.grad_sync!r}")
     ep = cfg.ep_size or world
     if ep < 1 or world % ep:
         raise ValueError(f"--ep-size {ep} must divide the world size {world}")
