@@ -132,7 +132,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sync = GradientSync(model, mesh=mesh) if cfg.grad_sync == "overlap" else None
+    # small buckets: this model's gradients are a few MB, and a bucket starts only when full
+    sync = GradientSync(model, mesh=mesh, bucket_mb=1.0) if cfg.grad_sync == "overlap" else None
     start_step = 0
     history: dict[str, list] = {"losses": [], "tokens_per_s_per_rank": [], "sync_s": []}
     if cfg.resume and cfg.checkpoint_dir and _checkpoints(cfg):
