@@ -19,6 +19,9 @@ BAD = {
     "local_experts_differ": "disagree on local experts",
     "micro_batches_differ": "disagree on micro_batches",
     "micro_batches_zero": "micro_batches must be",
+    "wire_dtype_differ": "disagree on wire_dtype (dispatch)",
+    "wire_dtype_unsupported": "wire_dtype must be None, torch.bfloat16",
+    "wire_block": "wire_block 5 must divide the hidden size 16",
 }
 
 

@@ -26,7 +26,8 @@ def test_checkpoint_moves_between_ep_sizes(shared: int, tmp_path) -> None:
     single = layer_roundtrip(0, 1, full, x, shared)  # one process, all 8 experts
     path = str(tmp_path / "ep2")
     ep2 = mc2.run_local(layer_roundtrip, 2, args=(full, x, shared, path))
-    ep4 = mc2.run_local(layer_roundtrip, 4, args=(path, x, shared))  # DCP reshards 2 -> 4
+    # DCP reshards 2 -> 4, from a layer on a group to one on a mesh
+    ep4 = mc2.run_local(layer_roundtrip, 4, args=(path, x, shared, None, True))
     for results in (ep2, ep4):
         world = len(results)
         out = torch.cat([r["out"] for r in results])

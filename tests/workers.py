@@ -71,6 +71,12 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
             kwargs["micro_batches"] = 3
         elif bad == "micro_batches_zero":
             kwargs["micro_batches"] = 0
+        elif bad == "wire_dtype_differ":
+            kwargs["wire_dtype"] = torch.bfloat16
+        elif bad == "wire_dtype_unsupported":
+            kwargs["wire_dtype"] = torch.int32
+        elif bad == "wire_block":
+            kwargs.update(wire_dtype="int8", wire_block=5)  # hidden is 16
         else:
             raise AssertionError(bad)
     start = time.monotonic()
@@ -168,25 +174,29 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
             "predicted": {k: mc2.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
 
 
-def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int) -> dict:
+def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int,
+                    wire_dtype: Any = None) -> dict:
     """fused_expert with shared experts (same weights on every rank) on rank's tokens."""
     x = problem.xs[rank].clone().requires_grad_(True)
     ws = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
     ss = [t.clone().requires_grad_(True) for t in shared]
     out = mc2.fused_expert(x, *ws, problem.ids[rank], problem.rws[rank], micro_batches=k,
-                           shared_up=ss[0], shared_gate=ss[1], shared_down=ss[2])
+                           shared_up=ss[0], shared_gate=ss[1], shared_down=ss[2],
+                           wire_dtype=wire_dtype, wire_block=8)
     out.backward(problem.grad_outs[rank])
     return {"out": out.detach(), "x": x.grad, "shared": [t.grad for t in ss]}
 
 
 def layer_roundtrip(rank: int, world: int, source: dict | str, x: torch.Tensor, shared: int,
-                    save_to: str | None = None) -> dict:
+                    save_to: str | None = None, on_mesh: bool = False) -> dict:
     """Load a MoELayer at this EP size (an unsharded state in memory, or a checkpoint folder),
-    run it on this rank's tokens, and save it again if asked."""
+    run it on this rank's tokens, and save it again if asked. ``on_mesh``: the layer takes a
+    ``("dp", "ep")`` mesh with ``ep`` = the world instead of the default group."""
     import mc2.checkpoint
 
+    mesh = mc2.expert_parallel_mesh(world) if on_mesh else None
     layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64,
-                         micro_batches=2)
+                         micro_batches=2, mesh=mesh)
     if isinstance(source, dict):
         mc2.load_full_state_dict(layer, source)
     else:

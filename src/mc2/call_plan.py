@@ -33,6 +33,7 @@ from .routing import build_handle, local_send_counts
 from .timeline import Timeline, maybe_span
 from .topology import topology_for
 from .validation import agree, local_problem, shared_problem
+from .wire import NONE, wire_pair, wire_problem
 from .workspace import Workspace, default_workspace
 
 
@@ -87,6 +88,8 @@ def plan_call(
     shared: tuple[Tensor | None, Tensor | None, Tensor | None],
     hierarchy: str,
     workspace: Workspace | None,
+    wire_dtype: Any = None,
+    wire_block: int = 128,
 ) -> tuple[CallPlan, ExpertWeights, Tensor]:
     """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
     weights. Raises ``ValueError`` on every rank when any rank's input is bad."""
@@ -106,7 +109,9 @@ def plan_call(
         x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
         num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
         hierarchy=hierarchy,
-    ) or shared_problem(x, *shared)
+    ) or shared_problem(x, *shared) or (
+        wire_problem(wire_dtype, wire_block, x.shape[-1]) if isinstance(x, Tensor) else None)
+    wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)
     weights = None
     if problem is None:
         weights = (ExpertWeights.packed_of(named_weights["weights_gate_up"],
@@ -123,6 +128,7 @@ def plan_call(
             experts=None if weights is None else (weights.local_experts, weights.ffn),
             expert_ids=expert_ids, micro_batches=micro_batches, overlap=overlap,
             needs_grad=needs_grad, group=group, hierarchy=hierarchy,
+            wire=(wire[0].code, wire[1].code),
         )
     assert weights is not None
     strategy = resolve_strategy(gemm, x.dtype, x.device)
@@ -135,7 +141,7 @@ def plan_call(
             with maybe_span(timeline, "compute", "plan", "forward"):
                 choice = (planner or planner_for(group)).choose(
                     max_tokens=agreement.max_tokens, topk=agreement.max_topk, weights=weights,
-                    group=group, strategy=strategy, needs_grad=needs_grad)
+                    group=group, strategy=strategy, needs_grad=needs_grad, wire=wire)
             k, on_pass_done = choice.micro_batches, choice.on_pass_done
             if timeline is not None and choice.trial:  # exploration is visible, and bounded
                 now = time.perf_counter()
@@ -162,5 +168,5 @@ def plan_call(
     )
     call = CallPlan(handle=handle, group=group, overlap=overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
-                    on_pass_done=on_pass_done)
+                    on_pass_done=on_pass_done, wire=wire)
     return call, weights, _combine_weights(routing_weights, ids2d, x)

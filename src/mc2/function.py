@@ -38,6 +38,7 @@ from .experts import (
 from .pipeline import PipelineSteps, run_pipeline
 from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Timeline, maybe_span
+from .wire import NONE, WireFormat
 from .workspace import Workspace
 
 
@@ -54,6 +55,9 @@ class CallPlan:
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
         on_pass_done: ``(phase, seconds)`` called after each pass, for ``"auto"``'s trials.
+        wire: ``(dispatch, combine)`` formats of each pass's two exchanges (:mod:`mc2.wire`).
+            The backward's exchanges use the same pair, and treat the rounding as the identity
+            (straight-through): the gradient of a quantised transfer is taken to be 1.
     """
 
     handle: DispatchHandle
@@ -64,6 +68,7 @@ class CallPlan:
     timeline: Timeline | None
     workspace: Workspace
     on_pass_done: Callable[[str, float], None] | None = None
+    wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
@@ -139,7 +144,7 @@ class FusedExpertFunction(torch.autograd.Function):
                 scatter=lambda i, rows: expert_out.index_copy_(0, routes[i].pair_order, rows),
                 local=shared_experts if shared_weights is not None else None,
             ),
-            overlap=call.overlap, phase="forward", timeline=call.timeline,
+            overlap=call.overlap, phase="forward", timeline=call.timeline, wire=call.wire,
         )
         with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
             out = ws.empty((tokens, 1, hidden), x.dtype, x.device)
@@ -232,7 +237,7 @@ class FusedExpertFunction(torch.autograd.Function):
                 deferred=weight_grads,
                 local=shared_experts if shared_weights is not None else None,
             ),
-            overlap=call.overlap, phase="backward", timeline=call.timeline,
+            overlap=call.overlap, phase="backward", timeline=call.timeline, wire=call.wire,
         )
         g_gate_up, g_gate, g_up, g_down = grads.finish()
         s_grads: tuple[Tensor | None, ...] = (None, None, None)

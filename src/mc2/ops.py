@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from .call_plan import plan_call
@@ -22,6 +23,7 @@ from .timeline import Timeline
 from .workspace import Workspace
 
 MicroBatches = int | Literal["auto"]
+WireDtype = torch.dtype | Literal["int8"] | None
 Hierarchy = Literal["auto", "flat", "2d"]
 
 
@@ -61,6 +63,8 @@ def fused_expert(
     shared_down: Tensor | None = None,
     hierarchy: Hierarchy = "flat",
     workspace: Workspace | None = None,
+    wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
+    wire_block: int = 128,
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -113,6 +117,15 @@ def fused_expert(
         workspace: the :class:`~mc2.workspace.Workspace` large buffers come from (default: the
             process's shared one), so steady-state calls allocate nothing. Returned tensors
             (output, gradients) share its memory until you drop them.
+        wire_dtype: the format rows travel in (:mod:`mc2.wire`). ``None``: ``x.dtype``, bit
+            for bit. ``torch.bfloat16`` / ``torch.float16``: a cast. ``torch.float8_e4m3fn`` /
+            ``"int8"``: 1 byte per element plus a float32 scale per row and per ``wire_block``
+            channels, in the same exchange. A pair ``(dispatch, combine)`` gives each exchange
+            its own format (e.g. fp8 out, bf16 back). Applies to all four transfers; the
+            backward uses the same pair and treats the rounding as the identity
+            (straight-through estimator). Compute always runs in ``x.dtype`` after decoding.
+            Must be the same on every rank.
+        wire_block: channels per scale of the quantised formats (must divide ``hidden``).
 
     Returns:
         ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
@@ -132,7 +145,8 @@ def fused_expert(
                     "weights_down": weights_down}, False, expert_ids, routing_weights,
                 (shared_up, shared_gate, shared_down), group=group, micro_batches=micro_batches,
                 overlap=overlap, num_experts=num_experts, gemm=gemm, timeline=timeline,
-                planner=planner, hierarchy=hierarchy, workspace=workspace)
+                planner=planner, hierarchy=hierarchy, workspace=workspace, wire_dtype=wire_dtype,
+                wire_block=wire_block)
 
 
 def fused_expert_packed(
@@ -154,6 +168,8 @@ def fused_expert_packed(
     shared_down: Tensor | None = None,
     hierarchy: Hierarchy = "flat",
     workspace: Workspace | None = None,
+    wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
+    wire_block: int = 128,
 ) -> Tensor:
     """:func:`fused_expert` with the experts in the packed ``nn.Linear`` layout.
 
@@ -169,4 +185,5 @@ def fused_expert_packed(
     return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down}, True,
                 expert_ids, routing_weights, (shared_up, shared_gate, shared_down), group=group,
                 micro_batches=micro_batches, overlap=overlap, num_experts=num_experts, gemm=gemm,
-                timeline=timeline, planner=planner, hierarchy=hierarchy, workspace=workspace)
+                timeline=timeline, planner=planner, hierarchy=hierarchy, workspace=workspace,
+                wire_dtype=wire_dtype, wire_block=wire_block)

@@ -17,6 +17,10 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
     wait combine(K-1); receive(K-1)
 
 Serial schedule (``overlap=False``): each collective is synchronous, nothing overlaps.
+
+Wire formats (:mod:`mc2.wire`): each pass's first exchange (dispatch) encodes its rows with
+``wire[0]``, its second (combine) with ``wire[1]``; rows are encoded on the way out and decoded
+right after the wait, so the compute steps only ever see compute-dtype rows.
 """
 
 from __future__ import annotations
@@ -24,11 +28,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from .comm import PendingTransfer
 from .routing import DispatchHandle
 from .timeline import Timeline, maybe_span
+from .wire import NONE, WireFormat
+
+
+@dataclass
+class _Encoded:
+    """A transfer of encoded rows; ``wait()`` decodes them."""
+
+    pending: PendingTransfer
+    fmt: WireFormat
+    hidden: int
+    dtype: torch.dtype
+
+    def wait(self) -> Tensor:
+        return self.fmt.decode(self.pending.wait(), self.hidden, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,7 @@ def run_pipeline(
     overlap: bool,
     phase: str,
     timeline: Timeline | None = None,
+    wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
 ) -> None:
     """Run every micro-batch of ``handle`` through dispatch -> compute -> combine."""
     routes = handle.micro_batches
@@ -73,13 +93,23 @@ def run_pipeline(
             return None
         return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
 
-    def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
-        return routes[i].exchange.dispatch(rows, async_op=async_op,
-                                           on_complete=in_flight("dispatch", i))
+    def transfer(i: int, rows: Tensor, async_op: bool, direction: int
+                 ) -> PendingTransfer | _Encoded:
+        fmt = wire[direction]
+        name = ("dispatch", "combine")[direction]
+        start = (routes[i].exchange.dispatch, routes[i].exchange.combine)[direction]
+        if fmt.kind is None:
+            return start(rows, async_op=async_op, on_complete=in_flight(name, i))
+        with maybe_span(timeline, "compute", "encode", phase, i):
+            data = fmt.encode(rows)
+        pending = start(data, async_op=async_op, on_complete=in_flight(name, i))
+        return _Encoded(pending, fmt, rows.shape[-1], rows.dtype)
 
-    def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer:
-        return routes[i].exchange.combine(rows, async_op=async_op,
-                                          on_complete=in_flight("combine", i))
+    def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
+        return transfer(i, rows, async_op, 0)
+
+    def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
+        return transfer(i, rows, async_op, 1)
 
     def compute(i: int, received: Tensor) -> Tensor:
         with maybe_span(timeline, "compute", "experts", phase, i):
@@ -113,7 +143,7 @@ def run_pipeline(
         return
 
     dispatches = {0: send(0, gather(0), async_op=True)}
-    combines: dict[int, PendingTransfer] = {}
+    combines: dict[int, PendingTransfer | _Encoded] = {}
     for i in range(len(routes)):
         if i + 1 < len(routes):
             dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)

@@ -14,6 +14,10 @@ each measured once per (hidden, ffn, local experts, dtype, group) and cached in 
   transfer time;
 * bookkeeping: the gathers, scatters and permutations of each routed row, ``rho`` seconds per
   row, whatever K.
+* wire format (:mod:`mc2.wire`): a transfer moves the format's bytes per row, and encoding and
+  decoding cost ``kappa`` seconds per routed row, on the compute thread. ``kappa`` is measured
+  per format and width, never assumed: on a small CPU it can eat what the fewer bytes save,
+  and then the planner says so (:class:`WireFormatWarning`).
 
 For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts, one pass
 (forward: 1/3 of the expert math, backward: 2/3) with per-micro-batch compute ``c`` and
@@ -40,6 +44,9 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from .wire import NONE, WireFormat
+
+NO_WIRE = (NONE, NONE)
 
 FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
 
@@ -76,10 +83,15 @@ class Workload:
     local_experts: int
     world_size: int
     element_size: int
+    wire_bytes_per_row: float | None = None  # mean of dispatch and combine; None: hidden x element
+    codec_s_per_row: float = 0.0  # kappa: encode + decode of all four transfers, per routed row
 
     def off_rank_bytes(self, rows: float) -> float:
         share = (self.world_size - 1) / self.world_size if self.world_size > 1 else 0.0
-        return rows * self.hidden * self.element_size * share
+        per_row = self.wire_bytes_per_row
+        if per_row is None:
+            per_row = self.hidden * self.element_size
+        return rows * per_row * share
 
 
 def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -> Prediction:
@@ -87,7 +99,7 @@ def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -
     rows = work.rows_per_rank / k
     per_expert = rows / work.local_experts
     compute_mb = (work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
-                  + cal.row_overhead_s * rows)
+                  + (cal.row_overhead_s + work.codec_s_per_row) * rows)
     transfer = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
     if work.world_size == 1:
         transfer = 0.0
@@ -127,6 +139,26 @@ def _median_time(fn: Any, repeats: int) -> float:
 def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
     slope = max((t1 - t0) / (x1 - x0), 0.0)
     return max(t0 - slope * x0, 0.0), slope
+
+
+class WireFormatWarning(UserWarning):
+    """The chosen wire format is predicted to cost more (encoding) than it saves (bytes)."""
+
+
+def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
+                   device: torch.device, repeats: int) -> float:
+    """Seconds per routed row to encode and decode the four transfers of a forward + backward."""
+    if all(f.kind is None for f in wire):
+        return 0.0
+    rows = 1024
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+
+    def round_trips() -> None:
+        for fmt in wire:
+            fmt.decode(fmt.encode(x), hidden, dtype)
+
+    round_trips()
+    return 2 * _median_time(round_trips, repeats) / rows
 
 
 def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
@@ -228,6 +260,7 @@ class Planner:
         self.explore = explore
         self.trials = trials
         self._cache: dict[tuple, Calibration] = {}
+        self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
 
     def calibration(self, weights: ExpertWeights, group: Any, strategy: str = "loop"
@@ -240,25 +273,27 @@ class Planner:
         return self._cache[key]
 
     def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
-             strategy: str = "loop") -> int:
+             strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> int:
         """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
         the group), without trials."""
         if group_size(group) == 1 or max_tokens <= 1:
             return 1  # nothing to hide, or nothing to split
         cal = self.calibration(weights, group, strategy)
-        return choose(cal, self.workload(max_tokens, topk, weights, group), self.candidates,
-                      self.min_gain, max_tokens)
+        return choose(cal, self.workload(max_tokens, topk, weights, group, wire),
+                      self.candidates, self.min_gain, max_tokens)
 
     def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
-               strategy: str = "loop") -> list[int]:
+               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE
+               ) -> list[int]:
         """The candidates the model allows, best predicted first."""
         cal = self.calibration(weights, group, strategy)
-        work = self.workload(max_tokens, topk, weights, group)
+        work = self.workload(max_tokens, topk, weights, group, wire)
         allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
         return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
-               strategy: str = "loop", needs_grad: bool = True) -> Choice:
+               strategy: str = "loop", needs_grad: bool = True,
+               wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
         A collective whenever it calibrates or decides; every rank calls it with the same
@@ -268,13 +303,15 @@ class Planner:
             return Choice(1)
         if self.explore == 1:
             return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
-                                    group=group, strategy=strategy))
+                                    group=group, strategy=strategy, wire=wire))
         key = (_bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
-               weights.dtype, weights.device.type, group_size(group), id(group), strategy)
+               weights.dtype, weights.device.type, group_size(group), id(group), strategy,
+               wire[0].code, wire[1].code)
         state = self._shapes.get(key)
         if state is None:
             ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                                 strategy=strategy)
+                                 strategy=strategy, wire=wire)
+            self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
             tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
             state = self._shapes[key] = _Trials(tuple(sorted(tried)), {k: [] for k in tried})
         if state.locked is None and state.explored(self.trials):
@@ -299,11 +336,59 @@ class Planner:
                       "times": {k: list(v) for k, v in s.samples.items()}}
                 for key, s in self._shapes.items()}
 
-    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any
-                 ) -> Workload:
-        return Workload(rows_per_rank=max_tokens * topk, hidden=weights.hidden,
+    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                 wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Workload:
+        hidden, dtype = weights.hidden, weights.dtype
+        per_row = None
+        if any(f.kind is not None for f in wire):
+            per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2
+        return Workload(rows_per_rank=max_tokens * topk, hidden=hidden,
                         local_experts=weights.local_experts, world_size=group_size(group),
-                        element_size=weights.down.element_size())
+                        element_size=weights.down.element_size(), wire_bytes_per_row=per_row,
+                        codec_s_per_row=self.codec_cost(wire, weights, group))
+
+    def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+                   group: Any) -> float:
+        """Measured seconds per routed row to encode + decode (the group's maximum; cached)."""
+        if all(f.kind is None for f in wire):
+            return 0.0
+        key = ("codec", wire[0].code, wire[1].code, weights.hidden, weights.dtype,
+               weights.device.type, id(group))
+        if key not in self._codec:
+            local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
+                                   self.repeats)
+            value = torch.tensor([local], dtype=torch.float64,
+                                 device=comm_device(group, weights.down))
+            self._codec[key] = all_reduce_max(value, group).item()
+        return self._codec[key]
+
+    def wire_verdict(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                     strategy: str, wire: tuple[WireFormat, WireFormat]) -> tuple[float, float]:
+        """Predicted best step (seconds) with ``wire`` and with rows in the compute dtype."""
+        cal = self.calibration(weights, group, strategy)
+        best = {}
+        for name, w in (("wire", wire), ("plain", NO_WIRE)):
+            work = self.workload(max_tokens, topk, weights, group, w)
+            best[name] = min(predict(cal, work, k).step_s for k in self.candidates
+                             if k <= max(1, max_tokens))
+        return best["wire"], best["plain"]
+
+    def _judge_wire(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                    strategy: str, wire: tuple[WireFormat, WireFormat]) -> None:
+        """Warn (once per shape) where the wire format is predicted to lose."""
+        if all(f.kind is None for f in wire):
+            return
+        with_wire, plain = self.wire_verdict(max_tokens=max_tokens, topk=topk, weights=weights,
+                                             group=group, strategy=strategy, wire=wire)
+        if with_wire > plain * (1 + self.min_gain):
+            import warnings
+
+            names = " / ".join(f.describe() for f in wire)
+            warnings.warn(
+                f"mc2: wire format {names} is predicted {with_wire / plain - 1:.0%} slower than "
+                f"rows in {weights.dtype} here ({1e3 * with_wire:.1f} vs {1e3 * plain:.1f} ms "
+                f"per call): encoding costs more than the bytes it saves on this link; "
+                f"consider wire_dtype=None", WireFormatWarning, stacklevel=4)
 
     def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
         hidden = weights.hidden

@@ -179,7 +179,7 @@ class Agreement:
 
 
 _SHARED = ("micro_batches", "hidden size", "ffn size", "local experts", "dtype", "overlap",
-           "gradient mode", "hierarchy")
+           "gradient mode", "hierarchy", "wire_dtype (dispatch)", "wire_dtype (combine)")
 _HIERARCHY_CODES = {"flat": 0, "2d": 1, "auto": 2}
 
 
@@ -194,6 +194,7 @@ def agree(
     needs_grad: bool,
     group: Any,
     hierarchy: str = "flat",
+    wire: tuple[int, int] = (0, 0),
 ) -> Agreement:
     """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
 
@@ -204,7 +205,7 @@ def agree(
         s = shapes_of(x, experts, expert_ids)
         shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
                   s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad),
-                  _HIERARCHY_CODES[hierarchy]]
+                  _HIERARCHY_CODES[hierarchy], *wire]
         facts = [0, s.tokens, s.topk, *shared]
     else:
         facts = [1, 0, 0] + [0] * len(_SHARED)

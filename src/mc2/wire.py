@@ -1,0 +1,152 @@
+"""Formats rows travel in: fewer bytes on the wire, compute in the compute dtype.
+
+Where communication is longer than the compute, overlap can at best bring a step down to the
+communication time; only fewer bytes help then. A :class:`WireFormat` turns the rows of one
+exchange into bytes before they leave and back into compute-dtype rows after they arrive:
+
+- ``None``: rows travel as they are (``x.dtype``), bit for bit; no conversion at all.
+- ``torch.bfloat16`` / ``torch.float16``: a plain cast (2 bytes per element).
+- ``torch.float8_e4m3fn`` / ``"int8"``: 1 byte per element, plus one float32 scale per row and
+  per block of ``block`` channels (128 by default, as DeepEP). The scale maps the block's
+  largest magnitude onto the format's largest value, so a row with a large dynamic range loses
+  precision only in its own blocks. A block of zeros gets scale 1 (never 0/0).
+
+Every encoded row is a row of bytes (``uint8 [n, bytes_per_row]``): the scales sit right after
+the values in the same row, so they travel in the same All-to-All, and any backend that moves
+bytes moves every format (Gloo has no float8 type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FP8 = torch.float8_e4m3fn
+_CASTS = (torch.bfloat16, torch.float16)
+_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp8": FP8, "float8_e4m3fn": FP8, "e4m3": FP8,
+          "int8": "int8", "none": None, "fp32": None, "float32": None}
+_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, FP8: 3, "int8": 4}
+_MAX = {FP8: 448.0, "int8": 127.0}
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How one direction's rows travel.
+
+    Attributes:
+        kind: ``None`` (as they are), a cast dtype, ``torch.float8_e4m3fn`` or ``"int8"``.
+        block: channels per scale for the quantised kinds.
+    """
+
+    kind: Any = None
+    block: int = 128
+
+    @property
+    def quantised(self) -> bool:
+        return self.kind in _MAX
+
+    @property
+    def code(self) -> int:
+        """A small integer that names the format, for the ranks' handshake."""
+        return _CODES[self.kind] * 100_000 + (self.block if self.quantised else 0)
+
+    def bytes_per_row(self, hidden: int, dtype: torch.dtype) -> int:
+        """Bytes one row of ``hidden`` channels takes on the wire."""
+        if self.kind is None:
+            return hidden * dtype.itemsize
+        if not self.quantised:
+            return hidden * self.kind.itemsize
+        return hidden + 4 * (hidden // self.block)
+
+    def describe(self) -> str:
+        if self.kind is None:
+            return "compute dtype"
+        if self.quantised:
+            name = "fp8 e4m3" if self.kind == FP8 else "int8"
+            return f"{name} + fp32 scale per {self.block} channels"
+        return str(self.kind).replace("torch.", "")
+
+    def encode(self, rows: Tensor) -> Tensor:
+        """``rows [n, H]`` (compute dtype) -> what travels (``rows`` itself for ``None``)."""
+        if self.kind is None:
+            return rows
+        if not self.quantised:
+            return rows.to(self.kind).view(torch.uint8)
+        n, hidden = rows.shape
+        blocks = rows.reshape(n, hidden // self.block, self.block).float()
+        amax = blocks.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / _MAX[self.kind], torch.ones_like(amax))
+        scaled = blocks / scale
+        if self.kind == "int8":
+            values = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        else:
+            values = scaled.clamp_(-448.0, 448.0).to(FP8)  # above 448 e4m3fn has only NaN
+        out = torch.empty((n, self.bytes_per_row(hidden, rows.dtype)), dtype=torch.uint8,
+                          device=rows.device)
+        out[:, :hidden] = values.reshape(n, hidden).view(torch.uint8)
+        out[:, hidden:] = scale.reshape(n, hidden // self.block).view(torch.uint8)
+        return out
+
+    def decode(self, data: Tensor, hidden: int, dtype: torch.dtype) -> Tensor:
+        """What arrived -> ``[n, hidden]`` rows in ``dtype``."""
+        if self.kind is None:
+            return data
+        if not self.quantised:
+            return data.view(self.kind).to(dtype)
+        n = data.shape[0]
+        values = data[:, :hidden].contiguous()
+        values = values.view(torch.int8 if self.kind == "int8" else FP8).float()
+        blocks = hidden // self.block
+        scale = data[:, hidden:].contiguous().view(torch.float32).view(n, blocks, 1)
+        rows = values.view(n, blocks, self.block) * scale
+        return rows.reshape(n, hidden).to(dtype)
+
+
+NONE = WireFormat()
+
+
+def parse_wire_dtype(value: Any) -> Any:
+    """A format name (``"bf16"``, ``"fp8"``, ``"int8"``, ``"none"``) or dtype -> the kind."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in _NAMES:
+            raise ValueError(f"unknown wire format {value!r}; use one of none, bf16, fp16, fp8, "
+                             "int8")
+        return _NAMES[key]
+    return value
+
+
+def wire_problem(wire_dtype: Any, block: int, hidden: int) -> str | None:
+    """What is wrong with a ``wire_dtype`` argument, or ``None``."""
+    kinds = wire_dtype if isinstance(wire_dtype, tuple) else (wire_dtype,)
+    if isinstance(wire_dtype, tuple) and len(wire_dtype) != 2:
+        return f"wire_dtype as a tuple must be (dispatch, combine), got {wire_dtype!r}"
+    for kind in kinds:
+        if not _known(kind):
+            return (f"wire_dtype must be None, torch.bfloat16, torch.float16, "
+                    f"torch.float8_e4m3fn or 'int8', got {kind!r}")
+        if kind in _MAX:
+            if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+                return f"wire_block must be a positive int, got {block!r}"
+            if hidden % block:
+                return (f"wire_block {block} must divide the hidden size {hidden} "
+                        f"(scales are per block of channels)")
+    return None
+
+
+def wire_pair(wire_dtype: Any, block: int = 128) -> tuple[WireFormat, WireFormat]:
+    """``(dispatch, combine)`` formats of a validated ``wire_dtype``."""
+    if isinstance(wire_dtype, tuple):
+        return WireFormat(wire_dtype[0], block), WireFormat(wire_dtype[1], block)
+    return WireFormat(wire_dtype, block), WireFormat(wire_dtype, block)
+
+
+def _known(kind: Any) -> bool:
+    try:
+        return kind in _CODES
+    except TypeError:  # unhashable
+        return False
