@@ -28,18 +28,23 @@ import torch
 import torch.distributed as dist
 
 import mc2
+from mc2.wire import parse_wire_dtype
 
 E, TOPK, H, FFN, WARMUP = 8, 2, 1024, 2048, 2
 
 
 def _options(mode: str) -> dict:
+    """``auto``, ``serial``, ``K=<n>``, each optionally ``@<wire format>`` (``auto@fp8``)."""
+    if "@" in mode:
+        base, wire = mode.split("@", 1)
+        return {**_options(base), "wire_dtype": parse_wire_dtype(wire)}
     if mode == "auto":
         return {"micro_batches": "auto", "overlap": True}
     if mode == "serial":
         return {"micro_batches": 1, "overlap": False}
     if mode.startswith("K="):
         return {"micro_batches": int(mode[2:]), "overlap": True}
-    raise ValueError(f"unknown mode {mode!r}: auto, serial or K=<n>")
+    raise ValueError(f"unknown mode {mode!r}: auto, serial or K=<n>, optionally @bf16/@fp8/...")
 
 
 def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
@@ -72,19 +77,26 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
         return time.perf_counter() - start, y.detach()
 
     modes = a.modes.split(",")
-    if "auto" in modes:
-        modes = ["auto"] + [m for m in modes if m != "auto"]
+    modes = [m for m in modes if m.startswith("auto")] + \
+        [m for m in modes if not m.startswith("auto")]
     explore_calls = 0
+    locked: dict[str, dict] = {}
     times: dict[str, list[float]] = {m: [] for m in modes}
     compute: list[float] = []
     outputs: dict[str, torch.Tensor] = {}
     rss_auto = 0.0
     for mode in modes:
         workspace = mc2.Workspace()
-        if mode == "auto":
-            while explore_calls == 0 or (explore_calls < 20 and not planner.settled()):
+        if mode.startswith("auto"):
+            known = set(planner.decisions())
+            calls = 0
+            while calls == 0 or (calls < 20 and not planner.settled()):
                 step(mode, workspace=workspace)
-                explore_calls += 1
+                calls += 1
+            explore_calls += calls
+            mine = [d for key, d in planner.decisions().items() if key not in known]
+            if mine:
+                locked[mode] = mine[0]
         for _ in range(WARMUP):
             step(mode, workspace=workspace)
         for _ in range(a.steps):
@@ -108,10 +120,11 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
               "tried": decisions[0]["tried"] if decisions else None}
     for i, mode in enumerate(modes):
         mine_t = slowest[i * a.steps:(i + 1) * a.steps]
-        k = decisions[0]["locked"] if mode == "auto" and decisions else \
-            _options(mode)["micro_batches"]
+        decision = locked.get(mode)
+        k = decision["locked"] if decision else _options(mode)["micro_batches"]
         result["modes"][mode] = {"median_s": statistics.median(mine_t), "min_s": min(mine_t),
-                                 "k": k}
+                                 "k": k, "plain_rows": bool(decision and decision["plain_rows"]),
+                                 "max_abs_diff": (outputs[mode] - ref).abs().max().item()}
     if compute:
         result["t_comp_s"] = statistics.median(slowest[len(modes) * a.steps:-1])
     return result

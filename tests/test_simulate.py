@@ -112,3 +112,15 @@ def test_cli_prints_the_article_table_in_seconds() -> None:
     for text in ("no fusion, 1 node", "MC2 one node", "MC2 across 2 nodes", "47%", "1,420",
                  "MORE than overlap alone allows"):
         assert text in proc.stdout
+
+
+def test_wire_bytes_shrink_mc2_transfers_and_cost_memory_traffic() -> None:
+    s = Scenario(HW, MODEL, nodes=1, ep=4, tokens_per_device=100, seq_len=1, dtype_bytes=2,
+                 mc2=True, micro_batches=1)
+    plain, fp8 = simulate(s), simulate(replace(s, wire_bytes=1 + 4 / 128))
+    assert fp8.comm_s == pytest.approx(plain.comm_s * (1 + 4 / 128) / 2)
+    # encode + decode read and write every element of the 4 transfers once
+    codec = 4 * 2 * 100 * 2 * 1000 * (2 + 1 + 4 / 128) / 1e12 / 1e9
+    assert fp8.compute_s == pytest.approx(plain.compute_s + codec, rel=1e-6)
+    serial = replace(s, mc2=False, wire_bytes=1.0)  # no fusion keeps the model's dtype
+    assert simulate(serial).comm_s == pytest.approx(simulate(replace(s, mc2=False)).comm_s)

@@ -67,3 +67,11 @@ def test_the_same_entry_point_runs_under_torchrun(tmp_path) -> None:
     assert "2 ranks as dp 2 x ep 1" in proc.stderr
     losses = json.loads((tmp_path / "losses.json").read_text())["runs"]["MC2 K=2"]["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_bf16_on_the_wire_trains_like_float32() -> None:
+    plain = run_training(replace(TINY, micro_batches=2))["losses"]
+    bf16 = run_training(replace(TINY, micro_batches=2, wire_dtype="bf16"))["losses"]
+    assert bf16 != plain  # the format was applied
+    for a, b in zip(plain, bf16):
+        assert b == pytest.approx(a, rel=1e-2)

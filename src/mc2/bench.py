@@ -27,6 +27,7 @@ from .ops import fused_expert_packed
 from .planner import planner_for, predict
 from .profiler import profile
 from .timeline import Span, Timeline
+from .wire import parse_wire_dtype
 from .workspace import Workspace
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -53,6 +54,7 @@ class BenchConfig:
     hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
     malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
+    wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.wire names)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -66,6 +68,10 @@ class BenchConfig:
             raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
         if not self.hierarchies or set(self.hierarchies) - {"flat", "2d", "auto"}:
             raise ValueError(f"hierarchies must be among flat, 2d, auto; got {self.hierarchies}")
+        if not self.wire_dtypes:
+            raise ValueError("wire_dtypes needs at least one format (none for plain rows)")
+        for name in self.wire_dtypes:
+            parse_wire_dtype(name)  # raises ValueError naming the bad one
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Mode:
     micro_batches: int | str
     overlap: bool
     hierarchy: str = "flat"
+    wire: str = "none"
 
 
 @dataclass
@@ -135,13 +142,15 @@ class BenchReport:
 
 def modes_of(cfg: BenchConfig) -> list[Mode]:
     modes = [Mode("serial", 1, False)]
-    for h in cfg.hierarchies:
-        tag = "" if h == "flat" else f" {h}"
-        modes += [Mode(f"mc2 K={k}{tag}", k, True, h) for k in cfg.micro_batches]
+    for wire in cfg.wire_dtypes:
+        wtag = "" if parse_wire_dtype(wire) is None else f" {wire}"
+        for h in cfg.hierarchies:
+            tag = ("" if h == "flat" else f" {h}") + wtag
+            modes += [Mode(f"mc2 K={k}{tag}", k, True, h, wire) for k in cfg.micro_batches]
+        if cfg.auto:
+            modes.append(Mode(f"mc2 auto{wtag}", "auto", True, wire=wire))
     if cfg.split_sync:
         modes += [Mode(f"split K={k} (sync)", k, False) for k in cfg.micro_batches if k > 1]
-    if cfg.auto:
-        modes.append(Mode("mc2 auto", "auto", True))
     return modes
 
 
@@ -169,7 +178,7 @@ def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Time
     wg = [w.detach().requires_grad_(True) for w in ws]
     out = fused_expert_packed(xg, *wg, ids, rw, micro_batches=mode.micro_batches,
                               overlap=mode.overlap, hierarchy=mode.hierarchy, gemm=cfg.gemm,
-                              timeline=timeline,
+                              timeline=timeline, wire_dtype=parse_wire_dtype(mode.wire),
                               workspace=_WORKSPACES.setdefault(mode.name, Workspace()))
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
@@ -201,10 +210,11 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                              for k in sorted(set(cfg.micro_batches) | {1})}
         plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
         # "auto" explores a few K on its first calls (bounded); let it lock before timing
-        auto = next(m for m in modes if m.micro_batches == "auto")
+        autos = [m for m in modes if m.micro_batches == "auto"]
         calls = 0
-        while calls == 0 or (calls < 20 and not planner.settled()):
-            _step(x, ws, ids, rw, grad_out, auto, cfg, None)
+        while calls == 0 or (calls < 20 * len(autos) and not planner.settled()):
+            for auto in autos:
+                _step(x, ws, ids, rw, grad_out, auto, cfg, None)
             calls += 1
         locked = [d["locked"] for d in planner.decisions().values()]
         plan["auto_k"] = locked[0] if locked else plan["auto_k"]

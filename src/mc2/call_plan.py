@@ -143,6 +143,8 @@ def plan_call(
                     max_tokens=agreement.max_tokens, topk=agreement.max_topk, weights=weights,
                     group=group, strategy=strategy, needs_grad=needs_grad, wire=wire)
             k, on_pass_done = choice.micro_batches, choice.on_pass_done
+            if choice.plain_rows:  # the format measured slower here; the planner said so
+                wire = (NONE, NONE)
             if timeline is not None and choice.trial:  # exploration is visible, and bounded
                 now = time.perf_counter()
                 timeline.add("compute", f"auto trial K={k}", "forward", -1, now, now)

@@ -64,6 +64,10 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                         " this kernel has no netem, so latency cannot be emulated)")
     p.add_argument("--hierarchy", type=lambda t: tuple(t.split(",")), default=base.hierarchies,
                    help="All-to-All layouts to time MC2 with: flat, 2d or flat,2d")
+    p.add_argument("--wire-dtype", type=lambda t: tuple(t.split(",")), default=base.wire_dtypes,
+                   help="formats MC2's rows travel in, comma-separated: none (the compute "
+                        "dtype), bf16, fp16, fp8 (e4m3 + fp32 scale per 128 channels), int8; "
+                        "each adds its own MC2 rows (default none)")
     p.add_argument("--auto", action="store_true", default=base.auto,
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
@@ -87,7 +91,8 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
                    gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
-                   auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned)
+                   auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
+                   wire_dtypes=args.wire_dtype)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
@@ -218,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--skew", type=float, default=1.0,
                      help="busiest device's routed traffic / average (1 = uniform)")
     sim.add_argument("--plot", type=Path, help="write the scale sweep as a PNG")
+    sim.add_argument("--wire-dtype", default="none",
+                     help="format MC2's rows travel in: none (the model's dtype), bf16, fp16, "
+                          "fp8 or int8 (1 byte + a 4-byte scale per --wire-block channels); "
+                          "the no-fusion rows keep the model's dtype")
+    sim.add_argument("--wire-block", type=int, default=128, help="channels per scale")
     sim.add_argument("--calibrate", action="store_true",
                      help="instead: measure this machine's Gloo world and compare the model's "
                           "predictions with mc2 bench's measured step times")
@@ -237,6 +247,21 @@ def _doctor() -> int:
     print("\nadvice:")
     print("\n".join(f"- {a}" for a in advice))
     return 0
+
+
+def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
+    """Bytes per element of a wire format for the simulator (``None``: the model's dtype)."""
+    import torch
+
+    from .wire import WireFormat, parse_wire_dtype, wire_problem
+
+    kind = parse_wire_dtype(name)
+    if kind is None:
+        return None
+    problem = wire_problem(kind, block, hidden)
+    if problem is not None:
+        raise ValueError(problem)
+    return WireFormat(kind, block).bytes_per_row(hidden, torch.float32) / hidden
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -261,10 +286,15 @@ def _simulate(args: argparse.Namespace) -> int:
         return 0
     try:
         hw, model = load_hardware(args.hardware), load_model(args.model)
+        wire_bytes = _wire_bytes(args.wire_dtype, args.wire_block, model.hidden)
+        if wire_bytes is not None:
+            print(f"MC2 rows on the wire: {args.wire_dtype}, {wire_bytes:.3f} bytes per element",
+                  file=sys.stderr)
         if len(args.nodes) <= 3:
-            rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew)
+            rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew,
+                                wire_bytes=wire_bytes)
             print(format_rows(rows, hw, model, args.tokens))
-            print(format_best(hw, model, args.nodes, args.tokens, args.seq))
+            print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes))
             print()
             print(article_check())
             if model.name == "mixtral-8x7b":
@@ -272,7 +302,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
                       f"All-to-All ran at {need:.1f} GB/s per device, against "
                       f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
-        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq) \
+        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes) \
             if len(args.nodes) > 3 or args.plot else []
     except (PresetError, ValueError) as exc:
         print(f"mc2: {exc}", file=sys.stderr)

@@ -58,6 +58,8 @@ class MoELayer(nn.Module):
         shared_ffn: their width (default ``ffn``).
         micro_batches, overlap: passed to :func:`mc2.fused_expert`.
         renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
+        wire_dtype, wire_block: the format routed rows travel in (:mod:`mc2.wire`; ``None``:
+            the compute dtype), passed to :func:`mc2.fused_expert`.
 
     The experts are kept packed, in the ``nn.Linear`` layout of Hugging Face and Megatron:
     ``w_gate_up [local_experts, 2 * ffn, hidden]`` (gate rows first) and
@@ -69,13 +71,15 @@ class MoELayer(nn.Module):
                  group: Any = None, mesh: Any = None, shared_experts: int = 0, shared_ffn: int | None = None,
                  micro_batches: MicroBatches = "auto", overlap: bool = True,
                  renormalize: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, wire_dtype: Any = None,
+                 wire_block: int = 128) -> None:
         super().__init__()
         self.layout = resolve_layout(group, mesh, num_experts=num_experts)
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.group, self.num_experts, self.topk = self.layout.ep_group, num_experts, topk
         self.micro_batches, self.overlap, self.renormalize = micro_batches, overlap, renormalize
+        self.wire_dtype, self.wire_block = wire_dtype, wire_block
         mine = self.layout.experts_of_this_rank(num_experts)
         local = len(mine)
         kw = {"dtype": dtype, "device": device}
@@ -134,7 +138,8 @@ class MoELayer(nn.Module):
         shared = dict(zip(("shared_up", "shared_gate", "shared_down"), self.shared or []))
         out = fused_expert_packed(x, self.w_gate_up, self.w_down, ids, weights,
                                   group=self.group, micro_batches=self.micro_batches,
-                                  overlap=self.overlap, **shared)
+                                  overlap=self.overlap, wire_dtype=self.wire_dtype,
+                                  wire_block=self.wire_block, **shared)
         if return_losses:
             return out, self.router_losses(logits, ids)
         return out

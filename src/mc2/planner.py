@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
-from .wire import NONE, WireFormat
+from .wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
 
@@ -191,11 +191,14 @@ class Choice:
         micro_batches: K.
         trial: this call is one of ``"auto"``'s bounded trials (see :class:`Planner`).
         on_pass_done: ``(phase, seconds)`` to report each pass's time to (trials only).
+        plain_rows: the requested wire format measured slower than rows in the compute dtype
+            for this shape, so this call sends plain rows (the planner warned once).
     """
 
     micro_batches: int
     trial: bool = False
     on_pass_done: Callable[[str, float], None] | None = None
+    plain_rows: bool = False  # send rows in the compute dtype, not the requested wire format
 
 
 @dataclass
@@ -239,6 +242,11 @@ class Planner:
     slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
     ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
     timeline marks them (``auto trial K=...``). ``explore=1`` trusts the model alone.
+
+    With a wire format (:mod:`mc2.wire`), one more candidate is tried: the model's best K with
+    rows in the compute dtype. Where it wins, encoding costs more than the bytes save on this
+    link; the shape then sends plain rows (exact, and faster) and a :class:`WireFormatWarning`
+    says so once. A fixed ``micro_batches`` always honours the format.
 
     Args:
         candidates: the K values considered.
@@ -302,6 +310,7 @@ class Planner:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
         if self.explore == 1:
+            self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
             return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, wire=wire))
         key = (_bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
@@ -311,28 +320,52 @@ class Planner:
         if state is None:
             ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                                  strategy=strategy, wire=wire)
-            self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
             tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
-            state = self._shapes[key] = _Trials(tuple(sorted(tried)), {k: [] for k in tried})
+            if any(f.kind is not None for f in wire):  # the same K with plain rows: -K
+                plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
+                                    group=group, strategy=strategy)
+                tried.append(-plain[0])
+            state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
+                                                {k: [] for k in tried})
         if state.locked is None and state.explored(self.trials):
             times = torch.tensor(state.scores(), dtype=torch.float64,
                                  device=comm_device(group, weights.down))
             slowest = all_reduce_max(times, group).cpu().tolist()
             state.locked = state.candidates[min(range(len(slowest)), key=slowest.__getitem__)]
+            if state.locked < 0:
+                self._say_plain_rows_won(wire, weights, slowest, state)
         if state.locked is not None:
-            return Choice(state.locked)
+            return Choice(abs(state.locked), plain_rows=state.locked < 0)
         k = state.next_candidate(self.trials)
         sample: dict[str, float] = {}
         state.samples[k].append(sample)
-        return Choice(k, trial=True, on_pass_done=sample.__setitem__)
+        return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
+
+    @staticmethod
+    def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+                            slowest: list[float], state: _Trials) -> None:
+        import warnings
+
+        best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
+        plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
+        names = describe_pair(wire)
+        warnings.warn(
+            f"mc2: micro_batches='auto' measured rows in {weights.dtype} "
+            f"{best_wire / plain - 1:.0%} faster than the wire format {names} on this shape "
+            f"({1e3 * plain:.1f} vs {1e3 * best_wire:.1f} ms): encoding costs more than the bytes "
+            f"it saves here, so this shape sends plain rows; pass a fixed micro_batches to "
+            f"force the format", WireFormatWarning, stacklevel=5)
 
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
         return all(s.locked is not None for s in self._shapes.values())
 
     def decisions(self) -> dict[tuple, dict[str, Any]]:
-        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "times"}}``."""
-        return {key: {"tried": s.candidates, "locked": s.locked,
+        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "plain_rows",
+        "times"}}`` (``times`` keys: K, negative for a trial of K with plain rows)."""
+        return {key: {"tried": tuple(abs(c) for c in s.candidates),
+                      "locked": None if s.locked is None else abs(s.locked),
+                      "plain_rows": s.locked is not None and s.locked < 0,
                       "times": {k: list(v) for k, v in s.samples.items()}}
                 for key, s in self._shapes.items()}
 
@@ -383,7 +416,7 @@ class Planner:
         if with_wire > plain * (1 + self.min_gain):
             import warnings
 
-            names = " / ".join(f.describe() for f in wire)
+            names = describe_pair(wire)
             warnings.warn(
                 f"mc2: wire format {names} is predicted {with_wire / plain - 1:.0%} slower than "
                 f"rows in {weights.dtype} here ({1e3 * with_wire:.1f} vs {1e3 * plain:.1f} ms "

@@ -50,6 +50,7 @@ class TrainConfig:
     micro_batches: int | str = 2
     overlap: bool = True
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
+    wire_dtype: str = "none"  # format routed rows travel in (mc2.wire names)
     grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -126,10 +127,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     from .gradient_buckets import GradientSync
     from .integrations.transformers import enable_mc2
     from .mesh import expert_parallel_mesh
+    from .wire import parse_wire_dtype
 
     mesh = expert_parallel_mesh(cfg.ep_size or world, num_experts=cfg.experts)
     model = _model(cfg)
-    enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap)
+    enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap,
+               wire_dtype=parse_wire_dtype(cfg.wire_dtype))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     # small buckets: this model's gradients are a few MB, and a bucket starts only when full
@@ -208,6 +211,9 @@ def run_launched(cfg: TrainConfig, backend: str = "gloo") -> dict[str, Any] | No
 
 
 def _check_ep_size(cfg: TrainConfig, world: int) -> None:
+    from .wire import parse_wire_dtype
+
+    parse_wire_dtype(cfg.wire_dtype)  # a ValueError naming the bad format, before any rank starts
     if cfg.grad_sync not in ("overlap", "after"):
         raise ValueError(f"grad_sync must be 'overlap' or 'after', got {cfg.grad_sync!r}")
     ep = cfg.ep_size or world

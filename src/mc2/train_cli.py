@@ -40,6 +40,8 @@ def add_train_parser(sub: Any) -> None:
                     help="ranks per expert-parallel group; must divide the world size and the "
                          "8 experts (default: the whole world, no DP)")
     tr.add_argument("--micro-batches", default="2", help="K, or 'auto'")
+    tr.add_argument("--wire-dtype", default="none",
+                    help="format routed rows travel in: none (float32), bf16, fp16, fp8, int8")
     tr.add_argument("--grad-sync", choices=["overlap", "after"], default="overlap",
                     help="overlap: mc2.GradientSync all-reduces buckets during the backward; "
                          "after: mc2.average_gradients once the backward is done")
@@ -63,7 +65,8 @@ def _options(args: argparse.Namespace) -> list[str]:
     """The options to hand to ``-m mc2.train`` on every node (all but the node layout)."""
     out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--micro-batches", str(args.micro_batches), "--out", str(args.out.resolve()),
-           "--checkpoint-every", str(args.checkpoint_every), "--grad-sync", args.grad_sync]
+           "--checkpoint-every", str(args.checkpoint_every), "--grad-sync", args.grad_sync,
+           "--wire-dtype", args.wire_dtype]
     if args.ep_size:
         out += ["--ep-size", str(args.ep_size)]
     for flag in ("serial", "compare", "resume"):
@@ -109,10 +112,12 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
     k = args.micro_batches if args.micro_batches == "auto" else int(args.micro_batches)
     base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, micro_batches=k,
                        ep_size=args.ep_size, grad_sync=args.grad_sync,
+                       wire_dtype=args.wire_dtype,
                        checkpoint_every=args.checkpoint_every,
                        resume=args.resume)
-    runs = [("serial", False), (f"MC2 K={k}", True)] if args.compare else \
-        [("serial" if args.serial else f"MC2 K={k}", not args.serial)]
+    mc2_label = f"MC2 K={k}" + ("" if args.wire_dtype == "none" else f" wire {args.wire_dtype}")
+    runs = [("serial", False), (mc2_label, True)] if args.compare else \
+        [("serial" if args.serial else mc2_label, not args.serial)]
     world = _world(args, under_torchrun)
     rank0 = not under_torchrun or _rank() == 0
     args.out.mkdir(parents=True, exist_ok=True)

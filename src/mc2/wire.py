@@ -150,3 +150,10 @@ def _known(kind: Any) -> bool:
         return kind in _CODES
     except TypeError:  # unhashable
         return False
+
+
+def describe_pair(wire: tuple[WireFormat, WireFormat]) -> str:
+    """``"fp8 ..."`` for one format both ways, ``"dispatch X, combine Y"`` for a pair."""
+    if wire[0] == wire[1]:
+        return wire[0].describe()
+    return f"dispatch {wire[0].describe()}, combine {wire[1].describe()}"

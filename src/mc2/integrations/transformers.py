@@ -54,7 +54,8 @@ class MC2SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, block: nn.Module, *, group: Any = None, mesh: Any = None,
-                 micro_batches: MicroBatches = "auto", overlap: bool = True) -> None:
+                 micro_batches: MicroBatches = "auto", overlap: bool = True,
+                 wire_dtype: Any = None, wire_block: int = 128) -> None:
         super().__init__()
         experts = block.experts
         self.num_experts = experts.gate_up_proj.shape[0]
@@ -68,6 +69,7 @@ class MC2SparseMoeBlock(nn.Module):
                              persistent=False)
         self.gate = block.gate
         self.group, self.micro_batches, self.overlap = self.layout.ep_group, micro_batches, overlap
+        self.wire_dtype, self.wire_block = wire_dtype, wire_block
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's expert shards (see :mod:`mc2.expert_shards`)."""
@@ -80,7 +82,8 @@ class MC2SparseMoeBlock(nn.Module):
         _, weights, ids = self.gate(x)
         out = fused_expert_packed(x, self.experts.gate_up_proj, self.experts.down_proj, ids,
                                   weights.to(x.dtype), group=self.group,
-                                  micro_batches=self.micro_batches, overlap=self.overlap)
+                                  micro_batches=self.micro_batches, overlap=self.overlap,
+                                  wire_dtype=self.wire_dtype, wire_block=self.wire_block)
         return out.reshape(shape)
 
 
@@ -100,13 +103,15 @@ def _is_sparse_moe_block(module: nn.Module) -> bool:
 
 
 def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
-               micro_batches: MicroBatches = "auto", overlap: bool = True) -> int:
+               micro_batches: MicroBatches = "auto", overlap: bool = True,
+               wire_dtype: Any = None, wire_block: int = 128) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
     Every rank must call it on an identical model (same weights): each keeps its own experts.
     ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh (expert parallel) or a
     ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts split over ``ep`` and
-    replicated over ``dp``, everything else replicated everywhere.
+    replicated over ``dp``, everything else replicated everywhere. ``wire_dtype`` /
+    ``wire_block``: the format routed rows travel in (:mod:`mc2.wire`).
 
     Raises:
         ValueError: the model has no block this adapter understands, or the mesh is bad
@@ -119,7 +124,8 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1],
                 MC2SparseMoeBlock(module, group=group, mesh=mesh, micro_batches=micro_batches,
-                                  overlap=overlap))
+                                  overlap=overlap, wire_dtype=wire_dtype,
+                                  wire_block=wire_block))
         replaced += 1
     if not replaced:
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "

@@ -46,6 +46,7 @@ class Scenario:
     hierarchy: Hierarchy = "flat"
     skew: float = 1.0  # busiest device's traffic / average (1 = uniform routing)
     spread: int | None = None  # nodes one EP group spans (None: as few as hold it)
+    wire_bytes: float | None = None  # MC2 rows on the wire, bytes per element (None: dtype)
 
     @property
     def devices(self) -> int:
@@ -147,13 +148,17 @@ def simulate(s: Scenario) -> StepPrediction:
     k = s.micro_batches if s.mc2 else 1
 
     rows = s.tokens_per_device * m.topk * s.skew
-    transfer, is_async = all_to_all_time(s, rows / k * m.hidden * s.dtype_bytes)
+    wire = s.wire_bytes if s.mc2 and s.wire_bytes is not None else s.dtype_bytes
+    transfer, is_async = all_to_all_time(s, rows / k * m.hidden * wire)
     if s.ep_size == 1:
         transfer = 0.0
     expert_s = 3 * f["experts"] * s.skew / flops
     shared_s = 3 * f["shared"] / flops
     weight_bytes = 3 * m.hidden * m.ffn * s.dtype_bytes * local_experts
     per_micro_batch = 3 * weight_bytes / (hw.memory_gbps * 1e9) + hw.chunk_overhead_us * 1e-6
+    if wire != s.dtype_bytes:  # encode + decode of 4 transfers: read and write each element
+        codec_bytes = 4 * 2 * rows / k * m.hidden * (s.dtype_bytes + wire)
+        per_micro_batch += codec_bytes / (hw.memory_gbps * 1e9)
 
     overlap = s.mc2 and is_async and k >= 1
     moe = exposed = 0.0

@@ -41,10 +41,12 @@ def best_ep(base: Scenario) -> StepPrediction:
                key=lambda p: p.step_s)
 
 
-def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int) -> str:
+def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
+                wire_bytes: float | None = None) -> str:
     lines = []
     for n in nodes:
-        p = best_ep(Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq))
+        p = best_ep(Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
+                             wire_bytes=wire_bytes))
         s = p.scenario
         lines.append(f"best MC2 on {n} node(s): EP {s.ep_size} ({s.hierarchy}), K {s.micro_batches}"
                      f": {p.tokens_per_s_per_device:,.0f} tokens/s/device, comm share "
@@ -53,10 +55,14 @@ def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, s
 
 
 def article_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-                 skew: float = 1.0) -> list[Row]:
-    """No fusion vs MC2 on one node, then MC2 across ``n`` nodes (flat and hierarchical)."""
+                 skew: float = 1.0, wire_bytes: float | None = None) -> list[Row]:
+    """No fusion vs MC2 on one node, then MC2 across ``n`` nodes (flat and hierarchical).
+
+    ``wire_bytes``: bytes per element MC2's rows travel in (the no-fusion rows keep the dtype).
+    """
     rows = []
-    one = Scenario(hw, model, nodes=1, tokens_per_device=tokens, seq_len=seq, skew=skew)
+    one = Scenario(hw, model, nodes=1, tokens_per_device=tokens, seq_len=seq, skew=skew,
+                   wire_bytes=wire_bytes)
     rows.append(Row("no fusion, 1 node", simulate(one), ARTICLE["no fusion"]))
     rows.append(Row("MC2 one node", best(one), ARTICLE["MC2 one node"]))
     for n in nodes:
@@ -116,12 +122,13 @@ def article_check() -> str:
     return "\n".join(lines)
 
 
-def scale_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int
-               ) -> list[dict[str, float]]:
+def scale_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
+               wire_bytes: float | None = None) -> list[dict[str, float]]:
     """Serial vs best-K MC2, flat vs 2d, for each node count (EP as large as allowed, packed)."""
     out = []
     for n in nodes:
-        base = Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq)
+        base = Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
+                        wire_bytes=wire_bytes)
         row: dict[str, float] = {"nodes": n, "devices": base.devices, "ep": base.ep_size}
         for hierarchy in ("flat", "2d"):
             s = replace(base, hierarchy=hierarchy)
