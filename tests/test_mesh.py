@@ -90,3 +90,14 @@ def test_a_bad_mesh_raises_on_every_rank() -> None:
 def test_expert_parallel_mesh_needs_a_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         mc2.expert_parallel_mesh(2)
+
+
+def test_gradient_sync_accumulates_under_no_sync_and_refuses_a_second_backward() -> None:
+    from tests.workers_mesh import accumulate_with_no_sync
+
+    results = mc2.run_local(accumulate_with_no_sync, 4, args=(batches(2),), timeout_s=60,
+                            deadline_s=180)
+    for r in results:
+        for name, grad in r["after"].items():
+            torch.testing.assert_close(r["overlapped"][name], grad, rtol=1e-5, atol=1e-7)
+        assert r["error"] is not None and "no_sync" in r["error"]

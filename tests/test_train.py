@@ -75,3 +75,55 @@ def test_bf16_on_the_wire_trains_like_float32() -> None:
     assert bf16 != plain  # the format was applied
     for a, b in zip(plain, bf16):
         assert b == pytest.approx(a, rel=1e-2)
+
+
+def _mc2_train(out, *extra: str, env: dict | None = None, wait: bool = True):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mc2.cli", "train", "--batch", "2", "--seq", "32",
+           "--out", str(out), *extra]
+    if not wait:
+        return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(out) -> list[float]:
+    import json
+
+    return json.loads((out / "losses.json").read_text())["runs"]["MC2 K=2"]["losses"]
+
+
+def test_kill_9_in_the_middle_of_a_save_then_resume(tmp_path) -> None:
+    """Saves write ``step-N.partial`` and publish by rename: a kill -9 between the two leaves
+    the last good checkpoint, and ``--resume`` continues as if nothing happened."""
+    import os
+    import signal
+    import time
+
+    _mc2_train(tmp_path / "straight", "--steps", "4")
+    run = tmp_path / "run"
+    _mc2_train(run, "--steps", "2", "--checkpoint-every", "1")
+    saves = run / "checkpoints" / "MC2_K=2"
+    proc = _mc2_train(run, "--steps", "4", "--checkpoint-every", "1", "--resume",
+                      env={"MC2_DEBUG_SAVE_DELAY_S": "60"}, wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (saves / "step-000003.partial" / ".metadata").is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, "the save never came"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)  # every rank, in the middle of the save
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(p.name for p in saves.iterdir()) == [
+        "step-000001", "step-000002", "step-000003.partial"]
+    _mc2_train(run, "--steps", "4", "--checkpoint-every", "1", "--resume")
+    assert _losses(run) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-6)
+    assert sorted(p.name for p in saves.iterdir()) == ["step-000003", "step-000004"]

@@ -147,3 +147,34 @@ def bad_meshes(rank: int, world: int) -> dict[str, str]:
         except ValueError as exc:
             errors[what] = str(exc)
     return errors
+
+
+def accumulate_with_no_sync(rank: int, world: int, data: torch.Tensor) -> dict[str, Any]:
+    """Two backwards, the first inside ``no_sync``; then a reference with average_gradients on
+    the sum; then a second backward without ``no_sync`` (must raise)."""
+    import mc2
+
+    model, mesh = _mesh_model(2)
+    sync = mc2.GradientSync(model, mesh=mesh, bucket_mb=0.01)
+    first, second = data[0, rank], data[1, rank]
+    with sync.no_sync():
+        model(first, labels=first).loss.backward()
+    model(second, labels=second).loss.backward()
+    sync.wait()
+    overlapped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync.remove()
+    model.zero_grad()
+    model(first, labels=first).loss.backward()
+    model(second, labels=second).loss.backward()
+    mc2.average_gradients(model, mesh=mesh)
+    after = {n: p.grad.clone() for n, p in model.named_parameters()}
+    again = mc2.GradientSync(model, mesh=mesh, bucket_mb=0.01)
+    model.zero_grad()
+    model(first, labels=first).loss.backward()
+    error = None
+    try:
+        model(second, labels=second).loss.backward()
+    except RuntimeError as exc:
+        error = str(exc)
+    again.wait()  # the buckets that did go out still pair up on every rank
+    return {"overlapped": overlapped, "after": after, "error": error}

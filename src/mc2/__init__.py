@@ -5,6 +5,7 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 """
 
 from . import env, planner, profiler, topology
+from .deadline import CommTimeout
 from .grad_sync import average_gradients
 from .gradient_buckets import GradientSync
 from .launch import run_local
@@ -18,7 +19,7 @@ from .timeline import Span, Timeline
 from .workspace import Workspace
 
 __all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
-           "expert_parallel_mesh", "ParallelLayout", "average_gradients",
+           "CommTimeout", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync",
            "load_full_state_dict", "profile", "Profiler", "Planner",
            "run_local", "Timeline", "Span",

@@ -32,7 +32,7 @@ from .profiler import active_timeline
 from .routing import build_handle, local_send_counts
 from .timeline import Timeline, maybe_span
 from .topology import topology_for
-from .validation import agree, local_problem, shared_problem
+from .validation import agree, local_problem, nonfinite_problem, shared_problem
 from .wire import NONE, wire_pair, wire_problem
 from .workspace import Workspace, default_workspace
 
@@ -90,6 +90,8 @@ def plan_call(
     workspace: Workspace | None,
     wire_dtype: Any = None,
     wire_block: int = 128,
+    timeout: float | None = None,
+    check_finite: bool = False,
 ) -> tuple[CallPlan, ExpertWeights, Tensor]:
     """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
     weights. Raises ``ValueError`` on every rank when any rank's input is bad."""
@@ -111,6 +113,8 @@ def plan_call(
         hierarchy=hierarchy,
     ) or shared_problem(x, *shared) or (
         wire_problem(wire_dtype, wire_block, x.shape[-1]) if isinstance(x, Tensor) else None)
+    if problem is None and check_finite:
+        problem = nonfinite_problem(x, routing_weights)
     wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)
     weights = None
     if problem is None:
@@ -170,5 +174,5 @@ def plan_call(
     )
     call = CallPlan(handle=handle, group=group, overlap=overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
-                    on_pass_done=on_pass_done, wire=wire)
+                    on_pass_done=on_pass_done, wire=wire, timeout=timeout)
     return call, weights, _combine_weights(routing_weights, ids2d, x)

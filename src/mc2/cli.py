@@ -318,6 +318,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .requirements import missing_for
+
+    if (problem := missing_for(args)) is not None:
+        print(f"mc2 {args.command}: {problem}", file=sys.stderr)
+        return 2
     if args.command == "doctor":
         return _doctor()
     if args.command == "train":

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .deadline import current, wait_future, wait_work
+from .env import sync_reason
 from .workspace import Workspace
 
 
@@ -63,13 +65,15 @@ class PendingTransfer:
     issued_at: float = 0.0
     keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)
     future: Any = None
+    operation: str = "exchange"
 
     def wait(self) -> Tensor:
+        """The received rows; :class:`~mc2.deadline.CommTimeout` past the call's deadline."""
         if self.work is not None:
-            self.work.wait()
+            wait_work(self.work, self.operation)
             self.work = None
         if self.future is not None:
-            self.output = self.future.result()
+            self.output = wait_future(self.future, self.operation)
             self.future = None
         self.keep_alive = ()
         assert self.output is not None
@@ -99,17 +103,17 @@ def all_to_all_rows(
     rows = rows.contiguous()
     shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
     output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
+    if not async_op:
+        collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,
+                                                     group=group, async_op=a),
+                   group, "exchange")
+        return PendingTransfer(output=output, issued_at=issued)
     work = dist.all_to_all_single(
-        output, rows, recv_splits, send_splits, group=group, async_op=async_op
+        output, rows, recv_splits, send_splits, group=group, async_op=True
     )
-    if async_op and on_complete is not None:
+    if on_complete is not None:
         work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
-    return PendingTransfer(
-        output=output,
-        work=work if async_op else None,
-        issued_at=issued,
-        keep_alive=(rows,) if async_op else (),
-    )
+    return PendingTransfer(output=output, work=work, issued_at=issued, keep_alive=(rows,))
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
         return send_counts.clone()
     send = send_counts.contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    collective(lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a), group,
+               "counts exchange")
     return recv
 
 
@@ -162,17 +167,40 @@ def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
     if group_size(group) == 1:
         return send_totals.unsqueeze(0).clone()
     parts = [torch.empty_like(send_totals) for _ in range(group_size(group))]
-    dist.all_gather(parts, send_totals.contiguous(), group=group)
+    send = send_totals.contiguous()
+    collective(lambda a: dist.all_gather(parts, send, group=group, async_op=a), group,
+               "counts gather")
     return torch.stack(parts)
 
 
-def all_reduce_max(values: Tensor, group: Any) -> Tensor:
+def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement") -> Tensor:
     """Element-wise maximum over the group (identity for one rank)."""
     if group_size(group) == 1:
         return values
     values = values.clone()
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group,
+                                         async_op=a), group, operation)
     return values
+
+
+def barrier(group: Any, operation: str = "barrier") -> None:
+    """``dist.barrier`` under the call's deadline."""
+    if group_size(group) > 1:
+        collective(lambda a: dist.barrier(group=group, async_op=a), group, operation)
+
+
+def collective(issue: Callable[[bool], Any], group: Any, operation: str) -> None:
+    """Run a collective to completion under the call's deadline (:mod:`mc2.deadline`).
+
+    ``issue(async_op)`` starts it. With a deadline and an asynchronous backend it is issued
+    asynchronously and waited for with the deadline; otherwise (no deadline, or
+    ``MC2_FORCE_SYNC`` / a backend without asynchronous collectives) it runs synchronously and
+    only the process group's own timeout applies.
+    """
+    if current() is None or sync_reason(dist.get_backend(group)) is not None:
+        issue(False)
+        return
+    wait_work(issue(True), operation)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:

@@ -35,6 +35,7 @@ from .experts import (
     swiglu_backward_input,
     swiglu_forward,
 )
+from .deadline import deadline
 from .pipeline import PipelineSteps, run_pipeline
 from .routing import DispatchHandle, MicroBatchRoute
 from .timeline import Timeline, maybe_span
@@ -69,6 +70,7 @@ class CallPlan:
     workspace: Workspace
     on_pass_done: Callable[[str, float], None] | None = None
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
+    timeout: float | None = None  # seconds per wait (mc2.deadline); the backward uses it too
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
@@ -145,6 +147,7 @@ class FusedExpertFunction(torch.autograd.Function):
                 local=shared_experts if shared_weights is not None else None,
             ),
             overlap=call.overlap, phase="forward", timeline=call.timeline, wire=call.wire,
+            workspace=ws,
         )
         with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
             out = ws.empty((tokens, 1, hidden), x.dtype, x.device)
@@ -167,6 +170,11 @@ class FusedExpertFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        with deadline(ctx.call.timeout):  # autograd runs this outside the call's context
+            return FusedExpertFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         started = time.perf_counter()
         if getattr(ctx, "consumed", False):
             raise RuntimeError("mc2.fused_expert: its backward consumes the saved activations and "
@@ -238,6 +246,7 @@ class FusedExpertFunction(torch.autograd.Function):
                 local=shared_experts if shared_weights is not None else None,
             ),
             overlap=call.overlap, phase="backward", timeline=call.timeline, wire=call.wire,
+            workspace=ws,
         )
         g_gate_up, g_gate, g_up, g_down = grads.finish()
         s_grads: tuple[Tensor | None, ...] = (None, None, None)

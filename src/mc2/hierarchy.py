@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import contextvars
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,7 +34,14 @@ from torch import Tensor
 
 import torch.distributed as dist
 
-from .comm import FlatExchange, PendingTransfer, all_reduce_max, all_to_all_rows, comm_device
+from .comm import (
+    FlatExchange,
+    PendingTransfer,
+    all_reduce_max,
+    all_to_all_rows,
+    barrier,
+    comm_device,
+)
 
 
 class CommWorker:
@@ -89,9 +97,10 @@ class TwoStageExchange:
         issued = time.perf_counter()
         if not async_op:
             return PendingTransfer(output=fn(), issued_at=issued)
+        context = contextvars.copy_context()  # the call's deadline holds on the thread too
 
         def job() -> Tensor:
-            out = fn()
+            out = context.run(fn)
             if on_complete is not None:
                 on_complete(issued, time.perf_counter())
             return out
@@ -180,7 +189,7 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
             exchange.dispatch(rows, async_op=False).wait()  # warm-up
             times = []
             for _ in range(repeats):
-                dist.barrier(group=group)
+                barrier(group, "hierarchy measurement")
                 start = time.perf_counter()
                 exchange.dispatch(rows, async_op=False).wait()
                 times.append(time.perf_counter() - start)

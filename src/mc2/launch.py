@@ -22,11 +22,14 @@ import multiprocessing as mp
 
 
 class LocalWorldError(RuntimeError):
-    """One or more ranks of a local world failed; ``failures`` maps rank -> traceback text."""
+    """One or more ranks of a local world failed; ``failures`` maps rank -> traceback text,
+    ``values`` rank -> result for the ranks that did finish."""
 
-    def __init__(self, message: str, failures: dict[int, str]):
+    def __init__(self, message: str, failures: dict[int, str],
+                 values: dict[int, Any] | None = None):
         super().__init__(message)
         self.failures = failures
+        self.values = values or {}
 
 
 def free_port() -> int:
@@ -91,13 +94,19 @@ def _worker(
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException:  # report everything, including KeyboardInterrupt, then exit
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # report everything, including KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    # reported before tearing down: after a timed-out collective the teardown may block (the
+    # parent then ends this process)
+    try:
+        dist.destroy_process_group()
+    except BaseException:
+        pass
 
 
 def run_local(
@@ -157,7 +166,7 @@ def run_local(
                 if time.monotonic() > deadline:
                     raise LocalWorldError(
                         f"local world of {world_size} ranks passed its {deadline_s:.0f}s deadline",
-                        failures) from None
+                        failures, values) from None
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None)
                         and r not in values and r not in failures]
@@ -171,7 +180,7 @@ def run_local(
         if failures:
             detail = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failures.items()))
             raise LocalWorldError(f"{len(failures)} of {world_size} ranks failed:\n{detail}",
-                                  failures)
+                                  failures, values)
         return [values[r] for r in range(world_size)]
     finally:
         for p in procs:

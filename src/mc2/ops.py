@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .call_plan import plan_call
+from .deadline import deadline, resolve_timeout
 from .experts import GemmStrategy
 from .function import FusedExpertFunction
 from .planner import Planner
@@ -29,8 +30,18 @@ Hierarchy = Literal["auto", "flat", "2d"]
 
 def _run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
          routing_weights: Tensor | None, shared: tuple, **options: Any) -> Tensor:
+    seconds = resolve_timeout(options.pop("timeout"))
+    with deadline(seconds):
+        return _planned_and_run(x, named, packed, expert_ids, routing_weights, shared, seconds,
+                                **options)
+
+
+def _planned_and_run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
+                     routing_weights: Tensor | None, shared: tuple, seconds: float | None,
+                     **options: Any) -> Tensor:
     call, weights, combine_weights = plan_call(x, named, expert_ids, routing_weights,
-                                               packed=packed, shared=shared, **options)
+                                               packed=packed, shared=shared, timeout=seconds,
+                                               **options)
     hidden = x.shape[-1]
     if shared[0] is not None:  # S shared experts = one expert of width S * shared_ffn
         s_up, s_gate, s_down = shared
@@ -65,6 +76,8 @@ def fused_expert(
     workspace: Workspace | None = None,
     wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
     wire_block: int = 128,
+    timeout: float | None = None,
+    check_finite: bool = False,
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -126,6 +139,10 @@ def fused_expert(
             (straight-through estimator). Compute always runs in ``x.dtype`` after decoding.
             Must be the same on every rank.
         wire_block: channels per scale of the quantised formats (must divide ``hidden``).
+        timeout: seconds any one wait of this call (handshake, counts, each dispatch and
+            combine, forward and backward, the 2-D stages, the planner's measurements) may
+            take before :class:`mc2.CommTimeout` is raised (``None``: ``MC2_TIMEOUT``, else 300;
+            ``0``: no deadline of mc2's own, only the process group's timeout).
 
     Returns:
         ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
@@ -140,13 +157,20 @@ def fused_expert(
         ValueError: on *every* rank of the group when any rank passes bad arguments (wrong
             shape/dtype/device, expert id out of range, weights that do not match the group), or
             when ranks disagree on values that must be shared; no rank is left in a collective.
+        CommTimeout: a peer did not answer within ``timeout`` (stalled or gone); the process
+            group is unusable afterwards (restart from a checkpoint).
+
+    Non-finite input: a NaN or Inf in a token stays in that token's output row in the forward,
+    but its backward poisons the weight gradients of every expert the token visited.
+    ``check_finite=True`` raises ``ValueError`` on every rank instead (one pass over ``x`` and
+    ``routing_weights``, folded into the call's handshake: no extra collective).
     """
     return _run(x, {"weights_up": weights_up, "weights_gate": weights_gate,
                     "weights_down": weights_down}, False, expert_ids, routing_weights,
                 (shared_up, shared_gate, shared_down), group=group, micro_batches=micro_batches,
                 overlap=overlap, num_experts=num_experts, gemm=gemm, timeline=timeline,
                 planner=planner, hierarchy=hierarchy, workspace=workspace, wire_dtype=wire_dtype,
-                wire_block=wire_block)
+                wire_block=wire_block, timeout=timeout, check_finite=check_finite)
 
 
 def fused_expert_packed(
@@ -170,6 +194,8 @@ def fused_expert_packed(
     workspace: Workspace | None = None,
     wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
     wire_block: int = 128,
+    timeout: float | None = None,
+    check_finite: bool = False,
 ) -> Tensor:
     """:func:`fused_expert` with the experts in the packed ``nn.Linear`` layout.
 
@@ -186,4 +212,5 @@ def fused_expert_packed(
                 expert_ids, routing_weights, (shared_up, shared_gate, shared_down), group=group,
                 micro_batches=micro_batches, overlap=overlap, num_experts=num_experts, gemm=gemm,
                 timeline=timeline, planner=planner, hierarchy=hierarchy, workspace=workspace,
-                wire_dtype=wire_dtype, wire_block=wire_block)
+                wire_dtype=wire_dtype, wire_block=wire_block, timeout=timeout,
+                check_finite=check_finite)

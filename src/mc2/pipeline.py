@@ -26,15 +26,18 @@ right after the wait, so the compute steps only ever see compute-dtype rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from .comm import PendingTransfer
+from .deadline import CommTimeout
 from .routing import DispatchHandle
 from .timeline import Timeline, maybe_span
 from .wire import NONE, WireFormat
+from .workspace import Workspace
 
 
 @dataclass
@@ -45,9 +48,10 @@ class _Encoded:
     fmt: WireFormat
     hidden: int
     dtype: torch.dtype
+    workspace: Workspace | None = None
 
     def wait(self) -> Tensor:
-        return self.fmt.decode(self.pending.wait(), self.hidden, self.dtype)
+        return self.fmt.decode(self.pending.wait(), self.hidden, self.dtype, self.workspace)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ def run_pipeline(
     phase: str,
     timeline: Timeline | None = None,
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
+    workspace: Workspace | None = None,
 ) -> None:
     """Run every micro-batch of ``handle`` through dispatch -> compute -> combine."""
     routes = handle.micro_batches
@@ -101,9 +106,9 @@ def run_pipeline(
         if fmt.kind is None:
             return start(rows, async_op=async_op, on_complete=in_flight(name, i))
         with maybe_span(timeline, "compute", "encode", phase, i):
-            data = fmt.encode(rows)
+            data = fmt.encode(rows, workspace)
         pending = start(data, async_op=async_op, on_complete=in_flight(name, i))
-        return _Encoded(pending, fmt, rows.shape[-1], rows.dtype)
+        return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, workspace)
 
     def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
         return transfer(i, rows, async_op, 0)
@@ -124,6 +129,13 @@ def run_pipeline(
             with maybe_span(timeline, "compute", "deferred", phase, i):
                 steps.deferred(i)
 
+    def waited(pending: Callable[[], PendingTransfer | _Encoded], name: str, i: int) -> Tensor:
+        """``pending().wait()``, a timeout told which micro-batch and phase it hit."""
+        try:
+            return pending().wait()
+        except CommTimeout as exc:
+            raise exc.at(operation=name, micro_batch=i, phase=phase) from exc.__cause__
+
     def local() -> None:
         if steps.local is not None:
             with maybe_span(timeline, "compute", "local", phase):
@@ -134,10 +146,10 @@ def run_pipeline(
         for i in range(len(routes)):
             rows = gather(i)
             with maybe_span(timeline, "comm", "dispatch", phase, i):
-                received = send(i, rows, async_op=False).wait()
+                received = waited(partial(send, i, rows, async_op=False), "dispatch", i)
             out = compute(i, received)
             with maybe_span(timeline, "comm", "combine", phase, i):
-                returned = combine(i, out, async_op=False).wait()
+                returned = waited(partial(combine, i, out, async_op=False), "combine", i)
             scatter(i, returned)
             deferred(i)
         return
@@ -150,14 +162,14 @@ def run_pipeline(
         if i == 0:
             local()
         with maybe_span(timeline, "wait", "dispatch", phase, i):
-            received = dispatches.pop(i).wait()
+            received = waited(partial(dispatches.pop, i), "dispatch", i)
         combines[i] = combine(i, compute(i, received), async_op=True)
         deferred(i)
         if i >= 1:
             with maybe_span(timeline, "wait", "combine", phase, i - 1):
-                returned = combines.pop(i - 1).wait()
+                returned = waited(partial(combines.pop, i - 1), "combine", i - 1)
             scatter(i - 1, returned)
     last = len(routes) - 1
     with maybe_span(timeline, "wait", "combine", phase, last):
-        returned = combines.pop(last).wait()
+        returned = waited(partial(combines.pop, last), "combine", last)
     scatter(last, returned)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max, all_to_all_rows, comm_device, group_size
+from .comm import all_reduce_max, all_to_all_rows, barrier, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
 from .wire import NONE, WireFormat, describe_pair
 
@@ -453,7 +453,7 @@ class Planner:
                     return all_to_all_rows(rows, splits, splits, group, async_op=async_op)
 
                 def timed_a2a(rows_per_peer: int) -> float:
-                    dist.barrier(group=group)
+                    barrier(group, "planner measurement")
                     return _median_time(lambda: a2a(rows_per_peer).wait(), self.repeats)
 
                 a2a(row_small).wait()
@@ -467,7 +467,7 @@ class Planner:
                 rows = max(large, int(4 * t_big / max(per_row, 1e-9)))
                 rows = min(rows, 4096)
                 alone = _median_time(lambda: expert_step(rows), self.repeats)
-                dist.barrier(group=group)
+                barrier(group, "planner measurement")
 
                 def with_transfer() -> None:
                     pending = a2a(row_large * 4, async_op=True)

@@ -100,24 +100,43 @@ def _model(cfg: TrainConfig):
 
 
 def _checkpoints(cfg: TrainConfig) -> list[Path]:
-    """Complete checkpoint folders, oldest first (DCP writes ``.metadata`` last)."""
+    """Published checkpoint folders, oldest first. A save writes ``step-N.partial`` and renames
+    it only when every rank's shard and DCP's ``.metadata`` are on disk."""
     assert cfg.checkpoint_dir is not None
     root = Path(cfg.checkpoint_dir)
-    return sorted(p for p in root.glob("step-*") if (p / ".metadata").is_file())
+    return sorted(p for p in root.glob("step-*")
+                  if p.name[5:].isdigit() and (p / ".metadata").is_file())
 
 
 def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, list]) -> None:
+    """Write, then publish by rename; the last good checkpoint stays until the new one is.
+
+    A kill at any moment leaves either the previous published checkpoints alone or the new one
+    complete: ``--resume`` never sees half a checkpoint.
+    """
     import shutil
 
     from . import checkpoint
+    from .env import debug_save_delay
 
     assert cfg.checkpoint_dir is not None
-    checkpoint.save(model, Path(cfg.checkpoint_dir) / f"step-{step:06d}", optimizer=opt,
+    root = Path(cfg.checkpoint_dir)
+    final, partial = root / f"step-{step:06d}", root / f"step-{step:06d}.partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a killed save
+    dist.barrier()
+    checkpoint.save(model, partial, optimizer=opt,
                     extra={"step": step, **history, "config": asdict(cfg)})
     dist.barrier()
+    if delay := debug_save_delay():
+        time.sleep(delay)
     if dist.get_rank() == 0:
+        if final.exists():  # a step saved before a resume that went back further
+            shutil.rmtree(final)
+        os.replace(partial, final)
         for old in _checkpoints(cfg)[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:

@@ -139,6 +139,25 @@ def local_problem(
     return None
 
 
+def nonfinite_problem(x: Tensor, routing_weights: Tensor | None) -> str | None:
+    """``check_finite=True``: where this rank's tokens hold NaN or Inf, or ``None``.
+
+    Without the check a NaN token stays in its own output row in the forward, but in the
+    backward it poisons the weight gradients of every expert it visited (a gradient is a sum
+    over rows). The check costs one pass over ``x`` and rides on the call's handshake, so every
+    rank raises together and no collective is added.
+    """
+    for name, t in (("x", x), ("routing_weights", routing_weights)):
+        if t is None or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(-1)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten()
+            return (f"{name} holds NaN or Inf in {rows.numel()} token row(s), the first is "
+                    f"{int(rows[0])} (check_finite=True)")
+    return None
+
+
 def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
     """What is wrong with the optional shared-expert weights, or ``None``."""
     given = [t is not None for t in (s_up, s_gate, s_down)]
@@ -211,7 +230,7 @@ def agree(
         facts = [1, 0, 0] + [0] * len(_SHARED)
     device = comm_device(group, x) if isinstance(x, Tensor) else torch.device("cpu")
     local = torch.tensor(facts, dtype=torch.int64, device=device)
-    reduced = all_reduce_max(torch.cat([local, -local]), group).cpu()
+    reduced = all_reduce_max(torch.cat([local, -local]), group, "handshake").cpu()
     n = len(facts)
     highest, lowest = reduced[:n].tolist(), [-v for v in reduced[n:].tolist()]
     if highest[0]:

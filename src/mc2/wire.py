@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .workspace import Workspace
+
 FP8 = torch.float8_e4m3fn
 _CASTS = (torch.bfloat16, torch.float16)
 _NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -70,40 +72,72 @@ class WireFormat:
             return f"{name} + fp32 scale per {self.block} channels"
         return str(self.kind).replace("torch.", "")
 
-    def encode(self, rows: Tensor) -> Tensor:
-        """``rows [n, H]`` (compute dtype) -> what travels (``rows`` itself for ``None``)."""
+    def encode(self, rows: Tensor, workspace: Workspace | None = None) -> Tensor:
+        """``rows [n, H]`` (compute dtype) -> what travels (``rows`` itself for ``None``).
+
+        Every buffer, temporaries included, comes from ``workspace``: on a CPU the page faults
+        of fresh allocations cost more than the arithmetic.
+        """
         if self.kind is None:
             return rows
-        if not self.quantised:
-            return rows.to(self.kind).view(torch.uint8)
+        ws = workspace or Workspace.transient()
         n, hidden = rows.shape
-        blocks = rows.reshape(n, hidden // self.block, self.block).float()
-        amax = blocks.abs().amax(-1, keepdim=True)
+        out = ws.empty((n, self.bytes_per_row(hidden, rows.dtype)), torch.uint8, rows.device)
+        if not self.quantised:
+            out.view(self.kind).copy_(rows)
+            return out
+        nb = hidden // self.block
+        blocks = rows.reshape(n, nb, self.block)
+        work = ws.empty((n, nb, self.block), rows.dtype, rows.device)
+        amax = torch.amax(torch.abs(blocks, out=work), -1, keepdim=True).float()
+        # a block of zeros gets scale 1, never 0/0; scales travel as float32
         scale = torch.where(amax > 0, amax / _MAX[self.kind], torch.ones_like(amax))
-        scaled = blocks / scale
+        torch.mul(blocks, scale.reciprocal().to(rows.dtype), out=work)
+        values = out[:, :hidden].view(torch.int8 if self.kind == "int8" else FP8)
         if self.kind == "int8":
-            values = scaled.round_().clamp_(-127, 127).to(torch.int8)
-        else:
-            values = scaled.clamp_(-448.0, 448.0).to(FP8)  # above 448 e4m3fn has only NaN
-        out = torch.empty((n, self.bytes_per_row(hidden, rows.dtype)), dtype=torch.uint8,
-                          device=rows.device)
-        out[:, :hidden] = values.reshape(n, hidden).view(torch.uint8)
-        out[:, hidden:] = scale.reshape(n, hidden // self.block).view(torch.uint8)
+            work.round_()
+        work.clamp_(-_MAX[self.kind], _MAX[self.kind])  # above 448 e4m3fn has only NaN
+        values.view(n, nb, self.block).copy_(work)
+        out[:, hidden:].view(torch.float32).copy_(scale.view(n, nb))
         return out
 
-    def decode(self, data: Tensor, hidden: int, dtype: torch.dtype) -> Tensor:
+    def decode(self, data: Tensor, hidden: int, dtype: torch.dtype,
+               workspace: Workspace | None = None) -> Tensor:
         """What arrived -> ``[n, hidden]`` rows in ``dtype``."""
         if self.kind is None:
             return data
-        if not self.quantised:
-            return data.view(self.kind).to(dtype)
+        ws = workspace or Workspace.transient()
         n = data.shape[0]
-        values = data[:, :hidden].contiguous()
-        values = values.view(torch.int8 if self.kind == "int8" else FP8).float()
-        blocks = hidden // self.block
-        scale = data[:, hidden:].contiguous().view(torch.float32).view(n, blocks, 1)
-        rows = values.view(n, blocks, self.block) * scale
-        return rows.reshape(n, hidden).to(dtype)
+        rows = ws.empty((n, hidden), dtype, data.device)
+        if not self.quantised:
+            return rows.copy_(data.view(self.kind))
+        nb = hidden // self.block
+        values = data[:, :hidden]
+        scale = data[:, hidden:].contiguous().view(torch.float32).view(n, nb, 1)
+        if self.kind == "int8":
+            rows.copy_(values.view(torch.int8))
+        else:
+            _fp8_to(rows, values, ws)
+            scale = scale * 2.0 ** 120  # see _fp8_to
+        rows.view(n, nb, self.block).mul_(scale)
+        return rows
+
+
+def _fp8_to(rows: Tensor, values: Tensor, ws: Workspace) -> None:
+    """Write e4m3fn bytes ``values`` into ``rows`` as their values times 2^-120.
+
+    The 7 bits below the sign (4 exponent, 3 mantissa) placed as the top exponent and mantissa
+    bits of a bfloat16 make a number that is exactly the e4m3 value times 2^-120, subnormals
+    included (the bfloat16 is then subnormal the same way); the caller's scale multiplies by
+    2^120. Integer shifts plus one widening copy: about 3x faster here than PyTorch's own
+    float8 -> float conversion on a CPU. NaN encodings never occur (encode clamps).
+    """
+    bits = ws.empty(tuple(values.shape), torch.int16, values.device)
+    sign = ws.empty(tuple(values.shape), torch.int16, values.device)
+    bits.copy_(values)
+    torch.bitwise_and(bits, 0x80, out=sign).bitwise_left_shift_(8)
+    bits.bitwise_and_(0x7F).bitwise_left_shift_(4).bitwise_or_(sign)
+    rows.copy_(bits.view(torch.bfloat16))
 
 
 NONE = WireFormat()

@@ -1,0 +1,73 @@
+"""Rank functions for the fault matrix: peers that stall or die, and what the others see."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import mc2
+from tests.problems import make_problem
+
+TIMEOUT_S = 3.0
+
+
+def _call(p, rank: int, **options: Any):
+    x = p.xs[rank].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
+    return mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], timeout=TIMEOUT_S, **options)
+
+
+def _fault(kind: str) -> None:
+    if kind == "stalled":
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent, until someone ends it
+    else:
+        os._exit(17)  # gone, without a goodbye
+
+
+def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
+    """The last rank stalls or dies ``where`` (forward, backward, calibration); the survivors
+    report what they raised and how long after the fault's moment."""
+    p = make_problem(world, "uniform", tokens=64)
+    _call(p, rank, micro_batches=2).sum().backward()  # a good step first
+    culprit = rank == world - 1
+    planner = mc2.Planner()  # fresh: "auto" calibrates on its first call
+    options: dict[str, Any] = {"micro_batches": "auto", "planner": planner} \
+        if where == "calibration" else {"micro_batches": 2}
+    start = time.monotonic()
+    try:
+        if culprit and where in ("forward", "calibration"):
+            _fault(kind)
+        out = _call(p, rank, **options)
+        if culprit and where == "backward":
+            _fault(kind)
+        out.sum().backward()
+        return {"raised": None, "after_s": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        return {"raised": type(exc).__name__, "message": str(exc),
+                "after_s": time.monotonic() - start, "pid": os.getpid()}
+
+
+def nonfinite_token(rank: int, world: int, value: float, check: bool) -> dict[str, Any]:
+    """One token of rank 0 holds ``value`` (nan or inf): where does it end up?"""
+    p = make_problem(world, "uniform", tokens=16)
+    if rank == 0:
+        p.xs[0][3, 5] = value
+    x = p.xs[rank].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
+    try:
+        out = mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], micro_batches=2,
+                               check_finite=check)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    out.backward(p.grad_outs[rank])
+    bad_rows = (~torch.isfinite(out)).any(-1).nonzero().flatten().tolist()
+    bad_x_rows = (~torch.isfinite(x.grad)).any(-1).nonzero().flatten().tolist()
+    experts_poisoned = [int(e) for e in range(ws[0].shape[0])
+                        if not all(torch.isfinite(w.grad[e]).all() for w in ws)]
+    return {"error": None, "bad_rows": bad_rows, "bad_grad_rows": bad_x_rows,
+            "poisoned_local_experts": experts_poisoned,
+            "token_experts": p.ids[0][3].tolist() if rank == 0 else None}
