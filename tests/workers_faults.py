@@ -31,8 +31,12 @@ def _fault(kind: str) -> None:
 def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
     """The last rank stalls or dies ``where`` (forward, backward, calibration); the survivors
     report what they raised and how long after the fault's moment."""
+    import torch.distributed as dist
+
     p = make_problem(world, "uniform", tokens=64)
     _call(p, rank, micro_batches=2).sum().backward()  # a good step first
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
     culprit = rank == world - 1
     planner = mc2.Planner()  # fresh: "auto" calibrates on its first call
     options: dict[str, Any] = {"micro_batches": "auto", "planner": planner} \
@@ -47,8 +51,10 @@ def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
         out.sum().backward()
         return {"raised": None, "after_s": time.monotonic() - start}
     except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return {"raised": type(exc).__name__, "message": str(exc),
-                "after_s": time.monotonic() - start, "pid": os.getpid()}
+        after = time.monotonic() - start
+        if rank == 0 and kind == "stalled":  # what a launcher does with a stuck worker
+            os.kill(pids[-1], signal.SIGKILL)
+        return {"raised": type(exc).__name__, "message": str(exc), "after_s": after}
 
 
 def nonfinite_token(rank: int, world: int, value: float, check: bool) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .call_plan import plan_call
-from .deadline import deadline, resolve_timeout
+from .deadline import CommTimeout, deadline, resolve_timeout
 from .experts import GemmStrategy
 from .function import FusedExpertFunction
 from .planner import Planner
@@ -32,8 +32,13 @@ def _run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
          routing_weights: Tensor | None, shared: tuple, **options: Any) -> Tensor:
     seconds = resolve_timeout(options.pop("timeout"))
     with deadline(seconds):
-        return _planned_and_run(x, named, packed, expert_ids, routing_weights, shared, seconds,
-                                **options)
+        try:
+            return _planned_and_run(x, named, packed, expert_ids, routing_weights, shared,
+                                    seconds, **options)
+        except CommTimeout as exc:
+            if exc.phase is not None:
+                raise
+            raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
 
 
 def _planned_and_run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
