@@ -28,6 +28,18 @@ def _fault(kind: str) -> None:
         os._exit(17)  # gone, without a goodbye
 
 
+class _FaultyPlanner(mc2.Planner):
+    """A planner whose calibration is where the fault strikes (after the call's handshake)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def _measure(self, *args: Any, **kwargs: Any) -> Any:
+        _fault(self.kind)
+        return super()._measure(*args, **kwargs)
+
+
 def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
     """The last rank stalls or dies ``where`` (forward, backward, calibration); the survivors
     report what they raised and how long after the fault's moment."""
@@ -38,12 +50,13 @@ def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     culprit = rank == world - 1
-    planner = mc2.Planner()  # fresh: "auto" calibrates on its first call
+    # fresh: "auto" calibrates on its first call; on the culprit the calibration is the fault
+    planner = _FaultyPlanner(kind) if culprit else mc2.Planner()
     options: dict[str, Any] = {"micro_batches": "auto", "planner": planner} \
         if where == "calibration" else {"micro_batches": 2}
     start = time.monotonic()
     try:
-        if culprit and where in ("forward", "calibration"):
+        if culprit and where == "forward":
             _fault(kind)
         out = _call(p, rank, **options)
         if culprit and where == "backward":

@@ -89,6 +89,7 @@ def all_to_all_rows(
     async_op: bool,
     on_complete: Callable[[float, float], None] | None = None,
     workspace: Workspace | None = None,
+    operation: str = "exchange",
 ) -> PendingTransfer:
     """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
 
@@ -106,14 +107,15 @@ def all_to_all_rows(
     if not async_op:
         collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,
                                                      group=group, async_op=a),
-                   group, "exchange")
-        return PendingTransfer(output=output, issued_at=issued)
+                   group, operation)
+        return PendingTransfer(output=output, issued_at=issued, operation=operation)
     work = dist.all_to_all_single(
         output, rows, recv_splits, send_splits, group=group, async_op=True
     )
     if on_complete is not None:
         work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
-    return PendingTransfer(output=output, work=work, issued_at=issued, keep_alive=(rows,))
+    return PendingTransfer(output=output, work=work, issued_at=issued, keep_alive=(rows,),
+                           operation=operation)
 
 
 @dataclass(frozen=True)

@@ -450,7 +450,8 @@ class Planner:
                 def a2a(rows_per_peer: int, async_op: bool = False):
                     rows = torch.zeros(rows_per_peer * world, hidden, dtype=dtype, device=device)
                     splits = [rows_per_peer] * world
-                    return all_to_all_rows(rows, splits, splits, group, async_op=async_op)
+                    return all_to_all_rows(rows, splits, splits, group, async_op=async_op,
+                                           operation="planner measurement")
 
                 def timed_a2a(rows_per_peer: int) -> float:
                     barrier(group, "planner measurement")
