@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mc2.cli import main
 
 
@@ -53,3 +55,29 @@ def test_bench_marks_a_sync_fallback() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "mc2 K=2 [SYNC FALLBACK]" in proc.stdout
     assert "ran synchronously (MC2_FORCE_SYNC is set)" in proc.stdout
+
+
+def test_bench_times_each_wire_format(tmp_path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+         "--ffn", "48", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
+         "--warmup", "0", "--wire-dtype", "none,bf16,fp8", "--wire-block", "16", "--json",
+         str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["serial", "mc2 K=2", "mc2 K=2 bf16", "mc2 K=2 fp8"]
+    assert results["mc2 K=2"]["max_diff"] < 1e-5  # plain rows: exact
+    assert 0 < results["mc2 K=2 bf16"]["max_diff"] < results["mc2 K=2 fp8"]["max_diff"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--wire-dtype", "fp4"], "unknown wire format 'fp4'"),
+    (["--wire-dtype", "fp8", "--hidden", "96"], "wire_block 128 must divide the hidden size 96"),
+])
+def test_bench_refuses_a_bad_wire_format_in_one_line(args, message) -> None:
+    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

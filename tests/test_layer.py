@@ -79,3 +79,14 @@ def test_a_split_layout_state_loads_into_the_packed_layer() -> None:
     mc2.load_full_state_dict(dst, old)
     x = torch.randn(10, 16, dtype=torch.float64)
     torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+
+
+def test_moe_layer_sends_its_rows_in_the_wire_format() -> None:
+    torch.manual_seed(0)
+    plain = mc2.MoELayer(32, 24, 4, topk=2, micro_batches=2)
+    wired = mc2.MoELayer(32, 24, 4, topk=2, micro_batches=2, wire_dtype=torch.bfloat16)
+    wired.load_state_dict(plain.state_dict())
+    x = torch.randn(10, 32)
+    a, b = plain(x), wired(x)
+    assert not torch.equal(a, b)  # the rows really went through bf16
+    torch.testing.assert_close(b, a, rtol=0, atol=2 ** -7 * a.abs().max().item())

@@ -27,7 +27,7 @@ from .ops import fused_expert_packed
 from .planner import planner_for, predict
 from .profiler import profile
 from .timeline import Span, Timeline
-from .wire import parse_wire_dtype
+from .wire import parse_wire_dtype, wire_problem
 from .workspace import Workspace
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -55,6 +55,7 @@ class BenchConfig:
     quiet: bool = False
     malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
     wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.wire names)
+    wire_block: int = 128  # channels per scale of the quantised formats
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -71,7 +72,9 @@ class BenchConfig:
         if not self.wire_dtypes:
             raise ValueError("wire_dtypes needs at least one format (none for plain rows)")
         for name in self.wire_dtypes:
-            parse_wire_dtype(name)  # raises ValueError naming the bad one
+            problem = wire_problem(parse_wire_dtype(name), self.wire_block, self.hidden)
+            if problem is not None:
+                raise ValueError(f"--wire-dtype {name}: {problem} (see --wire-block)")
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Time
     out = fused_expert_packed(xg, *wg, ids, rw, micro_batches=mode.micro_batches,
                               overlap=mode.overlap, hierarchy=mode.hierarchy, gemm=cfg.gemm,
                               timeline=timeline, wire_dtype=parse_wire_dtype(mode.wire),
+                              wire_block=cfg.wire_block,
                               workspace=_WORKSPACES.setdefault(mode.name, Workspace()))
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]

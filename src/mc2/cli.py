@@ -68,6 +68,8 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="formats MC2's rows travel in, comma-separated: none (the compute "
                         "dtype), bf16, fp16, fp8 (e4m3 + fp32 scale per 128 channels), int8; "
                         "each adds its own MC2 rows (default none)")
+    p.add_argument("--wire-block", type=int, default=base.wire_block,
+                   help="channels per scale for fp8/int8 (must divide --hidden; default 128)")
     p.add_argument("--auto", action="store_true", default=base.auto,
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
@@ -92,7 +94,7 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
                    gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
                    auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
-                   wire_dtypes=args.wire_dtype)
+                   wire_dtypes=args.wire_dtype, wire_block=args.wire_block)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
