@@ -27,23 +27,16 @@ def test_mc2_loss_curve_equals_serial_and_falls() -> None:
     assert mc2[-1] < mc2[0] - 0.3, mc2
 
 
-def test_checkpoint_resume_continues_the_same_run(tmp_path) -> None:
-    straight = run_training(replace(TINY, steps=4))["losses"]
-    ckpt = replace(TINY, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    run_training(ckpt)
-    resumed = run_training(replace(ckpt, steps=4, resume=True))["losses"]
-    assert resumed == pytest.approx(straight, rel=1e-6)
-
-
 def test_resume_on_another_ep_size_continues_the_run(tmp_path) -> None:
-    """4 ranks: two steps as dp 2 x ep 2, then resumed as ep 4 from the DCP checkpoint."""
-    cfg = replace(TINY, steps=4, ep_size=2)
+    """4 ranks: two steps as dp 2 x ep 2, then resumed as ep 4 from the DCP checkpoint (a
+    same-size resume is in the kill -9 test below)."""
+    cfg = replace(TINY, steps=3, ep_size=2)
     straight = run_training(cfg, world_size=4)["losses"]
     first = replace(cfg, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     run_training(first, world_size=4)
-    resumed = run_training(replace(first, steps=4, ep_size=4, resume=True), world_size=4)
+    resumed = run_training(replace(first, steps=3, ep_size=4, resume=True), world_size=4)
     assert resumed["losses"] == pytest.approx(straight, rel=1e-5)
-    assert len(resumed["sync_s"]) == 4
+    assert len(resumed["sync_s"]) == 3
 
 
 def test_ep_size_must_divide_the_world() -> None:
@@ -70,8 +63,8 @@ def test_the_same_entry_point_runs_under_torchrun(tmp_path) -> None:
 
 
 def test_bf16_on_the_wire_trains_like_float32() -> None:
-    plain = run_training(replace(TINY, micro_batches=2))["losses"]
-    bf16 = run_training(replace(TINY, micro_batches=2, wire_dtype="bf16"))["losses"]
+    plain = run_training(replace(TINY, steps=4, micro_batches=2))["losses"]
+    bf16 = run_training(replace(TINY, steps=4, micro_batches=2, wire_dtype="bf16"))["losses"]
     assert bf16 != plain  # the format was applied
     for a, b in zip(plain, bf16):
         assert b == pytest.approx(a, rel=1e-2)
