@@ -85,9 +85,7 @@ def average_gradients(model: nn.Module, group: Any = None, *, mesh: Any = None) 
         if cls.summed:
             _all_reduce_mean(cls.params, cls.group, cls.divide_by)
         else:
-            for p in cls.params:
-                if p.grad is not None:
-                    p.grad.div_(cls.divide_by)
+            divide_grads(cls.params, cls.divide_by)
 
 
 def _all_reduce_mean(params: list[nn.Parameter], group: Any, divide_by: int) -> None:
@@ -100,8 +98,19 @@ def _all_reduce_mean(params: list[nn.Parameter], group: Any, divide_by: int) -> 
 
 
 def _all_reduce_flat(params: list[nn.Parameter], group: Any, divide_by: int) -> None:
-    flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params])
+    flat = flat_grads(params)
     dist.all_reduce(flat, group=group)
+    write_back(params, flat, divide_by)
+
+
+def flat_grads(params: list[nn.Parameter]) -> Tensor:
+    """The parameters' gradients in one flat tensor (a missing gradient counts as zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+
+
+def write_back(params: list[nn.Parameter], flat: Tensor, divide_by: int) -> None:
+    """Divide the summed ``flat`` and make it the parameters' gradients again."""
     flat /= divide_by
     offset = 0
     for p in params:
@@ -113,5 +122,8 @@ def _all_reduce_flat(params: list[nn.Parameter], group: Any, divide_by: int) -> 
         offset += p.numel()
 
 
-def _grad_or_zeros(p: nn.Parameter) -> Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+def divide_grads(params: list[nn.Parameter], divide_by: int) -> None:
+    """Experts without DP replicas: nothing to sum, only the mean to take."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(divide_by)

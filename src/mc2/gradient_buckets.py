@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .grad_sync import SyncClass, sync_classes
+from .grad_sync import SyncClass, divide_grads, flat_grads, sync_classes, write_back
 
 
 @dataclass
@@ -131,8 +131,7 @@ class GradientSync:
             bucket = self._buckets[self._next]
             if not (force or bucket.complete):
                 return
-            bucket.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                     .reshape(-1) for p in bucket.params])
+            bucket.flat = flat_grads(bucket.params)
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
             self._next += 1
 
@@ -141,23 +140,12 @@ class GradientSync:
         self._start_ready(force=True)
         for bucket in self._buckets:
             bucket.work.wait()
-            flat = bucket.flat
-            flat /= bucket.divide_by
-            offset = 0
-            for p in bucket.params:
-                chunk = flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += p.numel()
+            write_back(bucket.params, bucket.flat, bucket.divide_by)
             bucket.flat, bucket.work = None, None
             bucket.ready.clear()
         self._next = 0
         for c in self._divide_only:
-            for p in c.params:
-                if p.grad is not None:
-                    p.grad.div_(c.divide_by)
+            divide_grads(c.params, c.divide_by)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
