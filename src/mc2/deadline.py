@@ -15,9 +15,11 @@ function growing a parameter. It is not global state: each call sets and restore
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -98,8 +100,6 @@ def current() -> float | None:
 
 def wait_work(work: Any, operation: str) -> None:
     """``work.wait()`` with the current deadline; a :class:`CommTimeout` on expiry."""
-    import time
-
     seconds = current()
     if seconds is None:
         work.wait()
@@ -118,9 +118,6 @@ def wait_work(work: Any, operation: str) -> None:
 
 def wait_future(future: Any, operation: str) -> Any:
     """``future.result()`` with the current deadline (the 2-D exchange's thread)."""
-    import concurrent.futures
-    import time
-
     seconds = current()
     start = time.monotonic()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -149,12 +150,8 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
 
 
 def _world(args: argparse.Namespace, under_torchrun: bool) -> int:
-    import os
-
     return int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
 
 
 def _rank() -> int:
-    import os
-
     return int(os.environ["RANK"])
