@@ -85,8 +85,12 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
     compute: list[float] = []
     outputs: dict[str, torch.Tensor] = {}
     rss_auto = 0.0
-    for mode in modes:
-        workspace = mc2.Workspace()
+    workspaces: dict[str, mc2.Workspace] = {}
+
+    def settle(mode: str) -> None:
+        """Let "auto" lock its K for this mode (its trials), then warm up."""
+        nonlocal explore_calls
+        workspace = workspaces.setdefault(mode, mc2.Workspace())
         if mode.startswith("auto"):
             known = set(planner.decisions())
             calls = 0
@@ -99,15 +103,28 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
                 locked[mode] = mine[0]
         for _ in range(WARMUP):
             step(mode, workspace=workspace)
+
+    def timed(mode: str) -> None:
+        tl = mc2.Timeline() if mode == "serial" else None
+        seconds, outputs[mode] = step(mode, tl, workspace=workspaces[mode])
+        times[mode].append(seconds)
+        if tl is not None:
+            compute.append(seconds - tl.exposed_comm)
+
+    if a.interleave:  # every mode settled first, then the steps take turns
+        for mode in modes:
+            settle(mode)
         for _ in range(a.steps):
-            tl = mc2.Timeline() if mode == "serial" else None
-            seconds, outputs[mode] = step(mode, tl, workspace=workspace)
-            times[mode].append(seconds)
-            if tl is not None:
-                compute.append(seconds - tl.exposed_comm)
-        if mode == "auto":
-            rss_auto = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        del workspace
+            for mode in modes:
+                timed(mode)
+    else:  # one block per mode; auto's peak memory is read right after its block
+        for mode in modes:
+            settle(mode)
+            for _ in range(a.steps):
+                timed(mode)
+            if mode == "auto":
+                rss_auto = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            del workspaces[mode]
     flat = torch.tensor([t for m in modes for t in times[m]] + compute + [rss_auto],
                         dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # the slowest rank, step by step
@@ -136,6 +153,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after warm-ups)")
     p.add_argument("--modes", default="auto,serial", help="auto, serial, K=<n>, comma-separated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interleave", action="store_true",
+                   help="settle every mode first, then let their steps take turns (so slow "
+                        "spells of a shared machine hit every mode alike); no peak-memory figure")
     p.add_argument("--peers-dir", required=True, help="the folder holding peers.py")
     a = p.parse_args()
     for mode in a.modes.split(","):

@@ -3,8 +3,9 @@
 
 The work of ``benchmarks/compare_peers.py`` (the peers' own weights and inputs, 4096 tokens per
 rank, hidden 1024, ffn 2048, 8 experts, top-2, 2 Gloo ranks with one thread each, plain
-processes), run by ``benchmarks/peer_work_mc2.py`` with modes ``auto``, ``auto@bf16``,
-``auto@fp8`` and the serial baseline, in three regimes: plain loopback, and loopback shaped with
+processes), run by ``benchmarks/peer_work_mc2.py --interleave`` with modes ``auto``,
+``auto@bf16``, ``auto@fp8`` and the serial baseline (each settled first, then their steps take
+turns, so a slow spell hits every format alike), in three regimes: plain loopback, and loopback shaped with
 ``tc tbf`` to 500 Mbit and 200 Mbit (root; the qdisc is always removed). Each regime runs
 ``--rounds`` times; the table takes each mode's median round. Reported per format: the step
 time, the speedup over float32 rows, the K ``"auto"`` locked, and whether it fell back to plain
@@ -31,7 +32,7 @@ MODES = ("auto", "auto@bf16", "auto@fp8", "serial")
 
 def run_regime(regime: str, steps: int, timeout: float) -> dict:
     cmd = [sys.executable, str(HERE / "peer_work_mc2.py"), "--tokens", "4096", "--steps",
-           str(steps), "--modes", ",".join(MODES), "--peers-dir", str(PEERS_DIR)]
+           str(steps), "--modes", ",".join(MODES), "--peers-dir", str(PEERS_DIR), "--interleave"]
     if regime == "plain":
         result, tail, _ = measured(cmd, timeout)
     else:
