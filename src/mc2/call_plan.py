@@ -111,8 +111,7 @@ def plan_call(
         x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
         num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
         hierarchy=hierarchy,
-    ) or shared_problem(x, *shared) or (
-        wire_problem(wire_dtype, wire_block, x.shape[-1]) if isinstance(x, Tensor) else None)
+    ) or shared_problem(x, *shared) or wire_problem(wire_dtype, wire_block, x.shape[-1])
     if problem is None and check_finite:
         problem = nonfinite_problem(x, routing_weights)
     wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)

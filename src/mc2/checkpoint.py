@@ -29,15 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .comm import initialized
 from .expert_shards import ExpertShard, expert_shards
 
 EXTRA_KEY = "mc2.extra"
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _device_mesh(shard: ExpertShard) -> tuple[Any, list[Any]]:
@@ -79,7 +76,7 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     Without ``torch.distributed`` (one process) the shards already are the full tensors.
     """
     state = dict(model.state_dict())
-    if not _distributed():
+    if not initialized():
         return state
     meshes: dict[int, Any] = {}
     for shard in expert_shards(model):
@@ -99,7 +96,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     state = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    if not _distributed():
+    if not initialized():
         return state
     meshes: dict[int, Any] = {}
     for shard in expert_shards(model):
@@ -175,7 +172,7 @@ def _dcp(what: str, state: dict[str, Any], path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
 
     fn = dcp.save if what == "save" else dcp.load
-    if _distributed():
+    if initialized():
         fn(state, checkpoint_id=os.fspath(path))
         return
     with warnings.catch_warnings():  # one process is the point here, not a mistake

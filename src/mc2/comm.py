@@ -26,16 +26,21 @@ from .env import sync_reason
 from .workspace import Workspace
 
 
+def initialized() -> bool:
+    """Whether ``torch.distributed`` is available and a process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def group_size(group: Any) -> int:
     """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group: Any) -> int:
     """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return 0
     return dist.get_rank(group)
 

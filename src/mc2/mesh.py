@@ -20,13 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .comm import group_rank, group_size
+from .comm import group_rank, group_size, initialized
 
 MESH_DIMS = ("dp", "ep")
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def expert_parallel_mesh(ep_size: int, device_type: str = "cpu", *,
@@ -42,7 +38,7 @@ def expert_parallel_mesh(ep_size: int, device_type: str = "cpu", *,
             given) is not.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
-    if not _initialized():
+    if not initialized():
         raise RuntimeError("expert_parallel_mesh needs torch.distributed: call "
                            "init_process_group first (or use torchrun / mc2.run_local)")
     world = dist.get_world_size()
@@ -99,7 +95,7 @@ def resolve_layout(group: Any = None, mesh: Any = None, *,
         raise ValueError("pass group= or mesh=, not both")
     names = getattr(mesh, "mesh_dim_names", None)
     shape = tuple(mesh.shape)
-    world = dist.get_world_size() if _initialized() else 1
+    world = dist.get_world_size() if initialized() else 1
     if len(shape) == 2 and (names is None or set(names) != set(MESH_DIMS)):
         raise ValueError(f"a 2-D mesh needs dimensions named ('dp', 'ep'); got {names}")
     if len(shape) not in (1, 2):

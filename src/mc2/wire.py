@@ -27,7 +27,6 @@ from torch import Tensor
 from .workspace import Workspace
 
 FP8 = torch.float8_e4m3fn
-_CASTS = (torch.bfloat16, torch.float16)
 _NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp8": FP8, "float8_e4m3fn": FP8, "e4m3": FP8,
           "int8": "int8", "none": None, "fp32": None, "float32": None}
