@@ -11,8 +11,19 @@ from tests.problems import make_problem
 from tests.reference import dense_moe
 
 
-def test_micro_batch_bounds_cover_tokens_evenly() -> None:
-    assert micro_batch_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+def test_micro_batch_bounds_taper_the_ends() -> None:
+    # first and last half the others: the fill and the drain are the exposed transfers
+    assert micro_batch_bounds(10, 3) == [(0, 2), (2, 7), (7, 10)]
+    assert micro_batch_bounds(4096, 4) == [(0, 682), (682, 2048), (2048, 3413), (3413, 4096)]
+    assert micro_batch_bounds(9, 2) == [(0, 4), (4, 9)]
+    for tokens in range(0, 40):
+        for k in range(1, 9):
+            bounds = micro_batch_bounds(tokens, k)
+            assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == tokens
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_micro_batch_bounds_near_equal_when_tokens_are_few() -> None:
     assert micro_batch_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
     assert micro_batch_bounds(0, 2) == [(0, 0), (0, 0)]
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import mc2
+from mc2.pipeline_cost import overlapped_pass
 from mc2.planner import Calibration, Workload, choose, predict
+from mc2.routing import micro_batch_fractions
 from tests.workers import auto_choice, auto_trials
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
@@ -29,26 +31,39 @@ def test_comm_only_step() -> None:
     assert predict(cal, WORK, 3).step_s == pytest.approx(2 * (2 * 0.5 + 2 * 2 * 0.5))
 
 
-def test_pipeline_of_equal_stages() -> None:
-    # bytes per transfer at K: 120/K rows * 10 * 4 B * 1/2 off-rank; 1 us per byte
+def _transfer_s(rows: float) -> float:
+    return rows * 10 * 4 * 0.5 * 1e-6  # 10 channels x 4 B, half off-rank, 1 us per byte
+
+
+def test_pipeline_of_tapered_stages() -> None:
+    # K = 4 splits 120 rows as 20, 40, 40, 20 (tapered ends); compute >> transfers: all hidden
+    # but the fill (first dispatch) and the drain (last combine) of each pass
     cal = Calibration(0.0, 1e-3, link_latency_s=0.0, link_s_per_byte=1e-6, interference=0.0)
-    k = 4
-    x = 120 / k * 10 * 4 * 0.5 * 1e-6  # 0.6 ms per transfer
-    c = 120 / k * 1e-3  # 30 ms per micro-batch, both passes; compute >> 2x: all hidden
-    want = sum(2 * x + k * c * share for share in (1 / 3, 2 / 3))
-    assert predict(cal, WORK, k).step_s == pytest.approx(want)
+    assert micro_batch_fractions(4) == pytest.approx([1 / 6, 2 / 6, 2 / 6, 1 / 6])
+    fill = drain = _transfer_s(20)
+    assert predict(cal, WORK, 4).step_s == pytest.approx(0.120 + 2 * (fill + drain))
+    assert predict(cal, WORK, 4).exposed_comm_s == pytest.approx(2 * (fill + drain))
     serial = predict(cal, WORK, 1)
-    assert serial.step_s == pytest.approx(0.120 + 4 * 120 * 10 * 4 * 0.5 * 1e-6)
+    assert serial.step_s == pytest.approx(0.120 + 4 * _transfer_s(120))
     assert serial.exposed_comm_s == pytest.approx(serial.comm_s)
 
 
 def test_interference_charges_hidden_transfers() -> None:
     cal = Calibration(0.0, 1e-3, 0.0, 1e-6, interference=0.5)
     free = Calibration(0.0, 1e-3, 0.0, 1e-6, interference=0.0)
-    k = 4
-    x = 120 / k * 10 * 4 * 0.5 * 1e-6
-    extra = predict(cal, WORK, k).step_s - predict(free, WORK, k).step_s
-    assert extra == pytest.approx(2 * 0.5 * (k - 1) * 2 * x)
+    x = [_transfer_s(r) for r in (20, 40, 40, 20)]
+    under = x[1] + (x[0] + x[2]) + (x[1] + x[3]) + x[2]  # dispatch i+1 and combine i-1 under c_i
+    extra = predict(cal, WORK, 4).step_s - predict(free, WORK, 4).step_s
+    assert extra == pytest.approx(2 * 0.5 * under)
+
+
+def test_tapered_ends_beat_equal_ones_when_transfers_hide() -> None:
+    # the same pass with equal micro-batches exposes a quarter of the rows twice, not a sixth
+    c, x = [0.3] * 4, [0.1] * 4
+    equal = overlapped_pass(c, x)
+    tapered = overlapped_pass([0.2, 0.4, 0.4, 0.2], [1 / 15, 2 / 15, 2 / 15, 1 / 15])
+    assert equal == pytest.approx((1.4, 0.2))
+    assert tapered[1] == pytest.approx(2 / 15) and tapered[0] < equal[0]
 
 
 def test_fixed_cost_per_micro_batch_makes_splitting_lose() -> None:

@@ -57,6 +57,20 @@ def test_a_round_trip_stays_within_eps_of_the_block_maximum(kind) -> None:
     assert tiny <= EPS[kind] * 1.01
 
 
+@pytest.mark.parametrize("kind", [FP8, "int8"], ids=str)
+@pytest.mark.parametrize("magnitude", [1e5, 1e30])
+def test_huge_blocks_stay_finite(kind, magnitude) -> None:
+    # fp8's fast decode multiplies each scale by 2^120: blocks past ~57,000 must not overflow
+    rows = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)) * magnitude
+    rows[1] /= magnitude  # a normal row beside the huge ones
+    fmt = WireFormat(kind, block=128)
+    back = fmt.decode(fmt.encode(rows), 256, torch.float32)
+    assert torch.isfinite(back).all()
+    block_max = rows.abs().view(16, 2, 128).amax(-1, keepdim=True).expand(16, 2, 128)
+    err = ((back - rows).abs().view(16, 2, 128) / block_max).max().item()
+    assert err <= EPS[kind] * 1.01, err
+
+
 def test_bytes_per_row() -> None:
     assert WireFormat(None).bytes_per_row(1024, torch.float32) == 4096
     assert WireFormat(torch.bfloat16).bytes_per_row(1024, torch.float32) == 2048

@@ -8,13 +8,20 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
 
     dispatch(0)
     for i in 0..K-1:
-        dispatch(i+1)            # in flight while i computes
+        dispatch(i+1)            # in flight while i computes (i == 0 without local work:
+                                 #   issued after dispatch(0) has arrived, see below)
         local()                  # once, i == 0: shared experts under the first dispatch
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
         deferred(i)              # e.g. weight gradients, while combine(i) travels
         wait combine(i-1); receive(i-1)
     wait combine(K-1); receive(K-1)
+
+The first dispatch is the pipeline's fill: nothing computes until it arrives. On a backend that
+runs two collectives at once (Gloo's worker threads) a second dispatch issued right away would
+share the link with it and make the fill last twice as long. So when there is no local work to
+run under it, the second dispatch is prepared (gathered, encoded) while the first travels and
+issued as soon as the first has arrived, to travel under micro-batch 0's compute.
 
 Serial schedule (``overlap=False``): each collective is synchronous, nothing overlaps.
 
@@ -98,23 +105,27 @@ def run_pipeline(
             return None
         return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
 
-    def transfer(i: int, rows: Tensor, async_op: bool, direction: int
-                 ) -> PendingTransfer | _Encoded:
+    def prepare(i: int, rows: Tensor, direction: int
+                ) -> Callable[[bool], PendingTransfer | _Encoded]:
+        """Encode ``rows`` now; the returned function issues their transfer."""
         fmt = wire[direction]
         name = ("dispatch", "combine")[direction]
         start = (routes[i].exchange.dispatch, routes[i].exchange.combine)[direction]
         if fmt.kind is None:
-            return start(rows, async_op=async_op, on_complete=in_flight(name, i))
+            return lambda async_op: start(rows, async_op=async_op, on_complete=in_flight(name, i))
         with maybe_span(timeline, "compute", "encode", phase, i):
             data = fmt.encode(rows, workspace)
-        pending = start(data, async_op=async_op, on_complete=in_flight(name, i))
-        return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, workspace)
+
+        def issue(async_op: bool) -> _Encoded:
+            pending = start(data, async_op=async_op, on_complete=in_flight(name, i))
+            return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, workspace)
+        return issue
 
     def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
-        return transfer(i, rows, async_op, 0)
+        return prepare(i, rows, 0)(async_op)
 
     def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
-        return transfer(i, rows, async_op, 1)
+        return prepare(i, rows, 1)(async_op)
 
     def compute(i: int, received: Tensor) -> Tensor:
         with maybe_span(timeline, "compute", "experts", phase, i):
@@ -156,13 +167,21 @@ def run_pipeline(
 
     dispatches = {0: send(0, gather(0), async_op=True)}
     combines: dict[int, PendingTransfer | _Encoded] = {}
+    # without local work the fill gets the link to itself (module docstring)
+    first_alone = steps.local is None and len(routes) > 1
     for i in range(len(routes)):
-        if i + 1 < len(routes):
-            dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)
-        if i == 0:
-            local()
-        with maybe_span(timeline, "wait", "dispatch", phase, i):
-            received = waited(partial(dispatches.pop, i), "dispatch", i)
+        if i == 0 and first_alone:
+            issue_next = prepare(1, gather(1), 0)
+            with maybe_span(timeline, "wait", "dispatch", phase, 0):
+                received = waited(partial(dispatches.pop, 0), "dispatch", 0)
+            dispatches[1] = issue_next(True)
+        else:
+            if i + 1 < len(routes):
+                dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)
+            if i == 0:
+                local()
+            with maybe_span(timeline, "wait", "dispatch", phase, i):
+                received = waited(partial(dispatches.pop, i), "dispatch", i)
         combines[i] = combine(i, compute(i, received), async_op=True)
         deferred(i)
         if i >= 1:

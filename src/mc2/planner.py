@@ -19,15 +19,16 @@ each measured once per (hidden, ffn, local experts, dtype, group) and cached in 
   per format and width, never assumed: on a small CPU it can eat what the fewer bytes save,
   and then the planner says so (:class:`WireFormatWarning`).
 
-For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts, one pass
-(forward: 1/3 of the expert math, backward: 2/3) with per-micro-batch compute ``c`` and
-per-transfer time ``x`` takes::
+For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts (tapered ends,
+:func:`mc2.routing.micro_batch_fractions`), one pass (forward: 1/3 of the expert math, backward:
+2/3) with compute ``c_i`` and per-transfer time ``x_i`` for micro-batch ``i`` takes::
 
-    serial (K = 1, synchronous):  2x + c
-    overlapped:                   2x + K c + (K - 1) max(0, 2x - c) + gamma (K - 1) min(2x, c)
+    serial (K = 1, synchronous):  sum(c_i + 2 x_i)
+    overlapped:                   x_0 + sum(c_i + max(0, l_i - c_i) + gamma min(l_i, c_i)) + x_K-1
+                                  with l_i = x_i+1 + x_i-1, the transfers under c_i
 
-(the first dispatch and the last combine cannot hide; in between, two transfers run under each
-micro-batch's compute). K = 1 is kept unless the best K is predicted to gain at least
+(:func:`mc2.pipeline_cost.overlapped_pass`: the first dispatch and the last combine cannot
+hide; in between, two transfers run under each micro-batch's compute). K = 1 is kept unless the best K is predicted to gain at least
 ``min_gain``. All ranks agree: the measurements are reduced to the group's maximum before use,
 and the token count is the group-wide maximum the call's handshake already agreed on.
 """
@@ -44,6 +45,8 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, all_to_all_rows, barrier, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from .pipeline_cost import overlapped_pass, serial_pass
+from .routing import micro_batch_fractions
 from .wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
@@ -96,26 +99,24 @@ class Workload:
 
 def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -> Prediction:
     """The model's step time for ``k`` micro-batches (see the module docstring)."""
-    rows = work.rows_per_rank / k
-    per_expert = rows / work.local_experts
-    compute_mb = (work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
-                  + (cal.row_overhead_s + work.codec_s_per_row) * rows)
-    transfer = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
-    if work.world_size == 1:
-        transfer = 0.0
+    compute, transfer = [], []
+    for fraction in micro_batch_fractions(k):
+        rows = work.rows_per_rank * fraction
+        per_expert = rows / work.local_experts
+        compute.append(work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
+                       + (cal.row_overhead_s + work.codec_s_per_row) * rows)
+        moved = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
+        transfer.append(moved if work.world_size > 1 else 0.0)
     step = exposed = 0.0
     for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
-        c = compute_mb * share
+        c = [share * t for t in compute]
         if not overlap or k == 1:
-            pass_time, pass_exposed = k * (c + 2 * transfer), k * 2 * transfer
+            pass_time, pass_exposed = serial_pass(c, transfer)
         else:
-            stall = (k - 1) * max(0.0, 2 * transfer - c)
-            slowdown = cal.interference * (k - 1) * min(2 * transfer, c)
-            pass_time = 2 * transfer + k * c + stall + slowdown
-            pass_exposed = 2 * transfer + stall
+            pass_time, pass_exposed = overlapped_pass(c, transfer, interference=cal.interference)
         step += pass_time
         exposed += pass_exposed
-    return Prediction(k, step, k * compute_mb, 4 * k * transfer, exposed)
+    return Prediction(k, step, sum(compute), 4 * sum(transfer), exposed)
 
 
 def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain: float,

@@ -68,20 +68,44 @@ class DispatchHandle:
         return len(self.micro_batches)
 
 
-def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[int, int]]:
-    """Contiguous token ranges of ``num_micro_batches`` near-equal micro-batches.
+def micro_batch_weights(num_micro_batches: int) -> list[int]:
+    """Relative sizes of the micro-batches: the first and the last are half the others.
 
-    Sizes differ by at most one (``torch.tensor_split`` semantics); when there are fewer tokens
-    than micro-batches the trailing ranges are empty, which keeps the micro-batch count equal on
-    every rank (collectives must match) even on a rank with no tokens at all.
+    Why: the first dispatch and the last combine of each pass cannot hide behind any compute,
+    so their size is the pipeline's fill and drain. Halving them shortens both while the
+    micro-batches in between, where transfers do hide, stay big enough to use the GEMMs well.
+    A growth of 2 from the first to the second stays hideable as long as a transfer takes less
+    than half its micro-batch's compute, the regime where overlap pays. ``K <= 2``: equal sizes.
     """
-    base, extra = divmod(num_tokens, num_micro_batches)
-    bounds, start = [], 0
-    for i in range(num_micro_batches):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    if num_micro_batches <= 2:
+        return [1] * num_micro_batches
+    return [1] + [2] * (num_micro_batches - 2) + [1]
+
+
+def micro_batch_fractions(num_micro_batches: int) -> list[float]:
+    """Each micro-batch's share of the tokens (the cost models use the same split)."""
+    weights = micro_batch_weights(num_micro_batches)
+    return [w / sum(weights) for w in weights]
+
+
+def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[int, int]]:
+    """Contiguous token ranges of the ``num_micro_batches`` micro-batches.
+
+    Sizes follow :func:`micro_batch_weights` (tapered ends). With fewer tokens than the weights
+    add up to, the split is near-equal instead (sizes differ by at most one,
+    ``torch.tensor_split`` semantics) and the trailing ranges are empty, which keeps the
+    micro-batch count equal on every rank (collectives must match) even on a rank with no
+    tokens at all.
+    """
+    weights = micro_batch_weights(num_micro_batches)
+    total = sum(weights)
+    if num_tokens < total:
+        base, extra = divmod(num_tokens, num_micro_batches)
+        stops = [(i + 1) * base + min(i + 1, extra) for i in range(num_micro_batches)]
+    else:
+        cumulative = [sum(weights[:i + 1]) for i in range(num_micro_batches)]
+        stops = [num_tokens * c // total for c in cumulative]
+    return list(zip([0] + stops[:-1], stops))
 
 
 def local_send_counts(

@@ -32,6 +32,9 @@ _NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "int8": "int8", "none": None, "fp32": None, "float32": None}
 _CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, FP8: 3, "int8": 4}
 _MAX = {FP8: 448.0, "int8": 127.0}
+# _fp8_to's fast decode multiplies the scale by 2^120; float32 ends at 2^128, so blocks whose
+# largest magnitude passes 448 x 2^7 (about 57,000) take PyTorch's own conversion instead
+_FAST_FP8_SCALE_LIMIT = 2.0 ** 7
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class WireFormat:
         scale = data[:, hidden:].contiguous().view(torch.float32).view(n, nb, 1)
         if self.kind == "int8":
             rows.copy_(values.view(torch.int8))
+        elif n and float(scale.max()) >= _FAST_FP8_SCALE_LIMIT:
+            rows.copy_(values.view(FP8))  # scale x 2^120 would overflow float32
         else:
             _fp8_to(rows, values, ws)
             scale = scale * 2.0 ** 120  # see _fp8_to

@@ -12,8 +12,9 @@ Per device and MoE layer:
   traffic in parallel; the hierarchical (``"2d"``) one sends one message per other node between
   same-local-rank peers, then redistributes inside the node (both stages in sequence).
 * the MC2 pipeline with K micro-batches, per pass (forward 1/3 of the expert math, backward
-  2/3): the first dispatch and last combine are exposed; in between two transfers run under each
-  micro-batch's compute; each micro-batch pays a launch overhead and re-reads every local expert's
+  2/3), micro-batches with tapered ends (:func:`mc2.routing.micro_batch_fractions`), costed by
+  :func:`mc2.pipeline_cost.overlapped_pass`: the first dispatch and last combine are exposed;
+  in between two transfers run under each micro-batch's compute; each micro-batch pays a launch overhead and re-reads every local expert's
   weights (forward reads, backward reads and gradient read-modify-writes). Shared experts run
   while the first dispatch is in flight.
 * without asynchronous communication on a link class the pipeline falls back to synchronous
@@ -26,6 +27,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ..pipeline_cost import overlapped_pass, serial_pass
+from ..routing import micro_batch_fractions
 from .presets import Hardware, Model
 
 Hierarchy = Literal["flat", "2d"]
@@ -149,30 +152,30 @@ def simulate(s: Scenario) -> StepPrediction:
 
     rows = s.tokens_per_device * m.topk * s.skew
     wire = s.wire_bytes if s.mc2 and s.wire_bytes is not None else s.dtype_bytes
-    transfer, is_async = all_to_all_time(s, rows / k * m.hidden * wire)
-    if s.ep_size == 1:
-        transfer = 0.0
+    fractions = micro_batch_fractions(k)
+    transfers = []
+    for fraction in fractions:
+        t, is_async = all_to_all_time(s, rows * fraction * m.hidden * wire)
+        transfers.append(0.0 if s.ep_size == 1 else t)
     expert_s = 3 * f["experts"] * s.skew / flops
     shared_s = 3 * f["shared"] / flops
     weight_bytes = 3 * m.hidden * m.ffn * s.dtype_bytes * local_experts
     per_micro_batch = 3 * weight_bytes / (hw.memory_gbps * 1e9) + hw.chunk_overhead_us * 1e-6
+    per_row = expert_s / rows if rows else 0.0
     if wire != s.dtype_bytes:  # encode + decode of 4 transfers: read and write each element
-        codec_bytes = 4 * 2 * rows / k * m.hidden * (s.dtype_bytes + wire)
-        per_micro_batch += codec_bytes / (hw.memory_gbps * 1e9)
+        per_row += 4 * 2 * m.hidden * (s.dtype_bytes + wire) / (hw.memory_gbps * 1e9)
 
     overlap = s.mc2 and is_async and k >= 1
     moe = exposed = 0.0
     for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
-        c = expert_s * share / k + per_micro_batch * share
+        c = [(per_row * rows * fraction + per_micro_batch) * share for fraction in fractions]
         shared = shared_s * share
-        if not overlap:
-            moe += k * (c + 2 * transfer) + shared
-            exposed += k * 2 * transfer
-            continue
-        head = max(0.0, transfer - shared)  # first dispatch, partly under the shared experts
-        stall = (k - 1) * max(0.0, 2 * transfer - c)
-        moe += head + shared + k * c + stall + transfer
-        exposed += head + stall + transfer
+        if overlap:
+            pass_s, pass_exposed = overlapped_pass(c, transfers, local=shared)
+        else:
+            pass_s, pass_exposed = serial_pass(c, transfers, local=shared)
+        moe += pass_s
+        exposed += pass_exposed
     other = 3 * (f["attention"] + f["router"]) / flops
     per_layer = moe + other
     dense = m.dense_layers * 3 * (f["attention"] + f["dense_ffn"]) / flops
@@ -181,7 +184,7 @@ def simulate(s: Scenario) -> StepPrediction:
     compute = step - m.moe_layers * exposed
     return StepPrediction(
         scenario=s, step_s=step, compute_s=compute,
-        comm_s=m.moe_layers * 4 * k * transfer, exposed_comm_s=m.moe_layers * exposed,
+        comm_s=m.moe_layers * 4 * sum(transfers), exposed_comm_s=m.moe_layers * exposed,
         sync_fallback=s.mc2 and not is_async,
     )
 
