@@ -28,9 +28,10 @@ For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts 
                                   with l_i = x_i+1 + x_i-1, the transfers under c_i
 
 (:func:`mc2.pipeline_cost.overlapped_pass`: the first dispatch and the last combine cannot
-hide; in between, two transfers run under each micro-batch's compute). K = 1 is kept unless the best K is predicted to gain at least
-``min_gain``. All ranks agree: the measurements are reduced to the group's maximum before use,
-and the token count is the group-wide maximum the call's handshake already agreed on.
+hide; in between, two transfers run under each micro-batch's compute). K = 1 is kept unless
+the best K is predicted to gain at least ``min_gain``. All ranks agree: the measurements are
+reduced to the group's maximum before use, and the token count is the group-wide maximum the
+call's handshake already agreed on.
 """
 
 from __future__ import annotations

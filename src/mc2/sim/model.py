@@ -14,9 +14,9 @@ Per device and MoE layer:
 * the MC2 pipeline with K micro-batches, per pass (forward 1/3 of the expert math, backward
   2/3), micro-batches with tapered ends (:func:`mc2.routing.micro_batch_fractions`), costed by
   :func:`mc2.pipeline_cost.overlapped_pass`: the first dispatch and last combine are exposed;
-  in between two transfers run under each micro-batch's compute; each micro-batch pays a launch overhead and re-reads every local expert's
-  weights (forward reads, backward reads and gradient read-modify-writes). Shared experts run
-  while the first dispatch is in flight.
+  in between two transfers run under each micro-batch's compute; each micro-batch pays a
+  launch overhead and re-reads every local expert's weights (forward reads, backward reads and
+  gradient read-modify-writes). Shared experts run while the first dispatch is in flight.
 * without asynchronous communication on a link class the pipeline falls back to synchronous
   communication: nothing is hidden (the article's "RDMA off" case), and the result says so.
 """
