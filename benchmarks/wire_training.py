@@ -1,19 +1,29 @@
 #!/usr/bin/env python
-"""Training with rows on the wire in float32, bf16 and fp8: do the loss curves agree?
+"""Training with rows on the wire in float32, bf16 and fp8: do the losses agree?
 
-``mc2 train``'s tiny Mixtral (4 layers, 8 experts, top-2, hidden 128) on 2 local Gloo ranks,
-the same seed and batches, K = 2 fixed (so every step really sends the format; ``"auto"`` may
-send plain rows where they are faster). Reports each run's final loss (mean of the last 10
-steps, to look past one batch's noise) against the float32 run, and draws the three curves in
-one picture.
+``mc2 train``'s tiny Mixtral (4 layers, 8 experts, top-2, hidden 128) on 2 local Gloo ranks, the
+same seed and batches in every run of a seed, K = 2 fixed (so every step really sends the
+format; ``"auto"`` may send plain rows where they are faster). A run's end loss is the mean of
+its last 10 steps, to look past one batch's noise.
 
-    .venv/bin/python benchmarks/wire_training.py --steps 200 --plot docs/img/wire_loss_curves.png
+Why seeds and a control: a perturbation of the rounding alone moves a 200-step run's end loss
+by a few percent here (top-2 routing flips on tiny differences, and the runs part after some
+50 steps). So one run per format cannot resolve 1%. Each format runs over ``--seeds`` (other
+initialisations and batches); ``--control`` adds float32 rows at K = 1 per seed, which changes
+nothing but the GEMMs' summation order. Reported: each run's end loss, each format's mean over
+the seeds against float32's, and the control's spread, the noise floor of the comparison.
+
+    .venv/bin/python benchmarks/wire_training.py --steps 200 --seeds 0,1,2 --control \\
+        --runs docs/wire_training_runs --plot docs/img/wire_loss_curves.png
+
+Finished runs are kept in ``--runs`` (one JSON per run) and not repeated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,34 +31,68 @@ from pathlib import Path
 from mc2.train import TrainConfig, plot_losses, run_training
 
 FORMATS = ("none", "bf16", "fp8")
+LABELS = {"none": "float32", "bf16": "bf16", "fp8": "fp8 e4m3 + scales", "int8": "int8 + scales",
+          "fp16": "fp16", "control": "float32, K=1"}
+
+
+def end_loss(losses: list[float]) -> float:
+    return statistics.fmean(losses[-10:])
+
+
+def run(fmt: str, k: int, seed: int, steps: int, runs: Path) -> list[float]:
+    """One training run's losses, from ``runs`` when it was done before."""
+    path = runs / f"{fmt}-K{k}-seed{seed}-steps{steps}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    print(f"== wire {fmt}, K={k}, seed {seed}", file=sys.stderr, flush=True)
+    cfg = TrainConfig(steps=steps, micro_batches=k, progress=True, seed=seed)
+    losses = run_training(replace(cfg, wire_dtype=fmt), world_size=2)["losses"]
+    runs.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(losses))
+    return losses
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="wire formats, the first is the reference (default none,bf16,fp8)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--control", action="store_true",
+                        help="also run float32 rows at K=1: the rounding-only noise floor")
+    parser.add_argument("--runs", type=Path, default=Path("wire_training_runs"),
+                        help="folder keeping each finished run's losses")
     parser.add_argument("--plot", type=Path, default=Path("wire_loss_curves.png"))
-    parser.add_argument("--json", type=Path, help="also write the curves as JSON")
     args = parser.parse_args()
-    base = TrainConfig(steps=args.steps, micro_batches=2, progress=True)
-    curves = {}
-    for fmt in args.formats.split(","):
-        print(f"== wire {fmt}", file=sys.stderr, flush=True)
-        curves[fmt] = run_training(replace(base, wire_dtype=fmt), world_size=2)["losses"]
-    tail = {fmt: sum(c[-10:]) / len(c[-10:]) for fmt, c in curves.items()}
-    ref = tail[args.formats.split(",")[0]]
-    print(f"{'wire':6} {'final loss':>10} {'vs first':>9}")
-    for fmt, value in tail.items():
-        print(f"{fmt:6} {value:10.4f} {100 * (value / ref - 1):+8.2f}%")
-    labels = {"none": "float32 on the wire", "bf16": "bf16 on the wire",
-              "fp8": "fp8 e4m3 + scales on the wire", "int8": "int8 + scales on the wire",
-              "fp16": "fp16 on the wire"}
-    path = plot_losses({labels.get(f, f): c for f, c in curves.items()}, args.plot,
-                       title=f"tiny Mixtral, 2 ranks, K=2: wire formats over {args.steps} steps")
+    formats = args.formats.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = [(fmt, fmt, 2) for fmt in formats] + ([("control", formats[0], 1)]
+                                                 if args.control else [])
+    ends: dict[str, list[float]] = {}
+    first_seed: dict[str, list[float]] = {}
+    for seed in seeds:
+        for label, fmt, k in rows:
+            losses = run(fmt, k, seed, args.steps, args.runs)
+            ends.setdefault(label, []).append(end_loss(losses))
+            if seed == seeds[0]:
+                first_seed[label] = losses
+    ref = statistics.fmean(ends[formats[0]])
+    print(f"end loss (mean of the last 10 of {args.steps} steps), seeds {seeds}")
+    print(f"{'wire':20} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
+          + f" {'mean':>9} {'vs ' + LABELS.get(formats[0], formats[0]):>12}")
+    for label, values in ends.items():
+        mean = statistics.fmean(values)
+        print(f"{LABELS.get(label, label):20} " + " ".join(f"{v:9.4f}" for v in values)
+              + f" {mean:9.4f} {100 * (mean / ref - 1):+11.2f}%")
+    if args.control:
+        per_seed = [100 * (c / r - 1) for c, r in zip(ends["control"], ends[formats[0]])]
+        print("rounding-only noise floor (float32 K=1 vs K=2, per seed): "
+              + ", ".join(f"{d:+.2f}%" for d in per_seed))
+    path = plot_losses({LABELS.get(label, label): c for label, c in first_seed.items()},
+                       args.plot, title=f"tiny Mixtral, 2 ranks: wire formats over {args.steps}"
+                                        f" steps (seed {seeds[0]})")
     print(f"wrote {path}")
-    if args.json:
-        args.json.write_text(json.dumps(curves))
     return 0
 
 
