@@ -11,7 +11,7 @@ import torch
 import mc2
 from tests.problems import make_problem
 from tests.test_fused_expert_distributed import assert_close, reference
-from tests.workers import run_cases_as_nodes
+from tests.workers import auto_hierarchy_row_bytes, run_cases_as_nodes
 
 CASES = [(routing, k, overlap) for routing, k, overlap in itertools.product(
     ("uniform", "one_expert", "rank_receives_nothing", "zero_tokens", "uneven"), (1, 3),
@@ -53,3 +53,16 @@ def test_auto_measures_and_agrees() -> None:
     for r in results:
         assert torch.equal(r[0]["out"], r[1]["out"]) and torch.equal(r[0]["out"], r[2]["out"])
         assert torch.equal(r[0]["x"], r[1]["x"])
+
+
+def test_auto_measures_rows_as_wide_as_the_wire_format() -> None:
+    """fp8 rows are 1 byte per channel plus a float32 scale per block: 'auto' times those."""
+    p = make_problem(4, "uniform", seed=9)
+    hidden = p.xs[0].shape[-1]
+    plain = hidden * p.xs[0].dtype.itemsize
+    fp8 = hidden + 4 * hidden // 8
+    results = mc2.run_local(auto_hierarchy_row_bytes, 4,
+                            args=(2, p, [None, torch.float8_e4m3fn, torch.bfloat16]),
+                            deadline_s=120)
+    for seen in results:
+        assert seen == [[plain], [fp8], [2 * hidden]]

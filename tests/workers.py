@@ -290,3 +290,21 @@ def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
         outs.append(out.detach())
     (decision,) = planner.decisions().values()
     return {"used": used, "trials": trial_marks, "decision": decision, "outs": outs}
+
+
+def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: Problem,
+                             wires: list[Any]) -> list[list[int]]:
+    """For each wire format in turn, ``hierarchy="auto"``: the row widths (bytes) it measured."""
+    import os
+
+    import mc2.hierarchy
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    seen = []
+    for wire in wires:
+        mc2.hierarchy._CHOICES.clear()
+        mc2.fused_expert(problem.xs[rank], *problem.local_weights(rank), problem.ids[rank],
+                         problem.rws[rank], micro_batches=2, hierarchy="auto", wire_dtype=wire,
+                         wire_block=8)
+        seen.append(sorted({key[-1] for key in mc2.hierarchy._CHOICES}))
+    return seen

@@ -29,20 +29,23 @@ from .function import CallPlan
 from .hierarchy import two_stage_pays, two_stage_plan
 from .planner import Planner, planner_for
 from .profiler import active_timeline
-from .routing import build_handle, local_send_counts
+from .routing import build_handle, local_send_counts, micro_batch_fractions
 from .timeline import Timeline, maybe_span
 from .topology import topology_for
 from .validation import agree, local_problem, nonfinite_problem, shared_problem
-from .wire import NONE, wire_pair, wire_problem
+from .wire import NONE, WireFormat, wire_pair, wire_problem
 from .workspace import Workspace, default_workspace
 
 
 def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeline | None,
-               rows_per_rank: int, like: Tensor) -> Callable[[int], tuple[Any, list[int]]] | None:
+               rows_per_rank: int, like: Tensor, wire: tuple[WireFormat, WireFormat]
+               ) -> Callable[[int], tuple[Any, list[int]]] | None:
     """The per-micro-batch two-stage exchanges, or ``None`` where a flat one is right.
 
     ``"auto"`` takes the 2-D exchange only on several nodes of several ranks each, and only
-    where it measured faster than the flat one for this size (:func:`two_stage_pays`).
+    where it measured faster than the flat one for this size (:func:`two_stage_pays`), with
+    rows as wide as the wire format makes them: fewer bytes can make the 2-D exchange's extra
+    stage cost more than it saves.
     """
     topo = topology_for(group)
     per_node = len(topo.ranks_of_node(0))
@@ -55,8 +58,10 @@ def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeli
         with maybe_span(timeline, "comm", "choose_hierarchy", "forward"):
             pays = two_stage_pays(group, rank=topo.rank, nodes=topo.nodes, per_node=per_node,
                                   intra_group=intra, inter_group=inter,
-                                  rows_per_rank=rows_per_rank, hidden=like.shape[-1],
-                                  dtype=like.dtype, device=like.device)
+                                  rows_per_rank=rows_per_rank,
+                                  row_bytes=max(f.bytes_per_row(like.shape[-1], like.dtype)
+                                                for f in wire),
+                                  device=like.device)
         if not pays:
             return None
     with maybe_span(timeline, "comm", "counts", "forward"):
@@ -163,9 +168,9 @@ def plan_call(
         )
     two_stage = None
     if hierarchy != "flat" and world > 1:
+        largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
         two_stage = _two_stage(hierarchy, send_counts.view(k, world, local_experts).sum(-1),
-                               group, timeline, agreement.max_tokens * agreement.max_topk // k,
-                               x)
+                               group, timeline, largest, x, wire)
     pool = workspace or default_workspace()
     handle = build_handle(
         ids2d, order, send_counts, recv_counts, world_size=world, local_experts=local_experts,

@@ -167,23 +167,24 @@ _CHOICES: dict[tuple, bool] = {}
 
 
 def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_group: Any,
-                   inter_group: Any, rows_per_rank: int, hidden: int, dtype: torch.dtype,
+                   inter_group: Any, rows_per_rank: int, row_bytes: int,
                    device: torch.device, repeats: int = 3) -> bool:
     """Whether the 2-D exchange beats the flat one for this size here (measured once).
 
     A collective: every rank of ``group`` calls it together. Both exchanges move the same
-    uniform traffic, synchronously, ``repeats`` times; the group's slowest times decide, so all
-    ranks decide alike. Cached per (group, size rounded to a power of two, hidden, dtype).
+    uniform traffic, rows of ``row_bytes`` bytes (what a row takes on the wire, in the call's
+    wire format), synchronously, ``repeats`` times; the group's slowest times decide, so all
+    ranks decide alike. Cached per (group, size rounded to a power of two, row bytes).
     """
     world = nodes * per_node
     per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
-    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), per, hidden, dtype)
+    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), per, row_bytes)
     if key not in _CHOICES:
         totals = torch.full((world, 1, world), per, dtype=torch.int64)
         two_d, _ = two_stage_plan(totals, 0, rank=rank, nodes=nodes, per_node=per_node,
                                   intra_group=intra_group, inter_group=inter_group)
         flat = FlatExchange([per] * world, [per] * world, group)
-        rows = torch.zeros(per * world, hidden, dtype=dtype, device=device)
+        rows = torch.zeros(per * world, row_bytes, dtype=torch.uint8, device=device)
 
         def timed(exchange: Any) -> float:
             exchange.dispatch(rows, async_op=False).wait()  # warm-up
