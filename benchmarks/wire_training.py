@@ -11,7 +11,8 @@ by a few percent here (top-2 routing flips on tiny differences, and the runs par
 50 steps). So one run per format cannot resolve 1%. Each format runs over ``--seeds`` (other
 initialisations and batches); ``--control`` adds float32 rows at K = 1 per seed, which changes
 nothing but the GEMMs' summation order. Reported: each run's end loss, each format's mean over
-the seeds against float32's, and the control's spread, the noise floor of the comparison.
+the seeds against float32's, and the control's spread, the noise floor of the comparison. The
+picture draws each format's loss curve averaged over the seeds.
 
     .venv/bin/python benchmarks/wire_training.py --steps 200 --seeds 0,1,2 --control \\
         --runs docs/wire_training_runs --plot docs/img/wire_loss_curves.png
@@ -70,13 +71,12 @@ def main() -> int:
     rows = [(fmt, fmt, 2) for fmt in formats] + ([("control", formats[0], 1)]
                                                  if args.control else [])
     ends: dict[str, list[float]] = {}
-    first_seed: dict[str, list[float]] = {}
+    curves: dict[str, list[list[float]]] = {}
     for seed in seeds:
         for label, fmt, k in rows:
             losses = run(fmt, k, seed, args.steps, args.runs)
             ends.setdefault(label, []).append(end_loss(losses))
-            if seed == seeds[0]:
-                first_seed[label] = losses
+            curves.setdefault(label, []).append(losses)
     ref = statistics.fmean(ends[formats[0]])
     print(f"end loss (mean of the last 10 of {args.steps} steps), seeds {seeds}")
     print(f"{'wire':20} " + " ".join(f"{'seed ' + str(s):>9}" for s in seeds)
@@ -89,9 +89,11 @@ def main() -> int:
         per_seed = [100 * (c / r - 1) for c, r in zip(ends["control"], ends[formats[0]])]
         print("rounding-only noise floor (float32 K=1 vs K=2, per seed): "
               + ", ".join(f"{d:+.2f}%" for d in per_seed))
-    path = plot_losses({LABELS.get(label, label): c for label, c in first_seed.items()},
-                       args.plot, title=f"tiny Mixtral, 2 ranks: wire formats over {args.steps}"
-                                        f" steps (seed {seeds[0]})")
+    mean_curves = {LABELS.get(label, label): [statistics.fmean(step) for step in zip(*runs)]
+                   for label, runs in curves.items()}
+    path = plot_losses(mean_curves, args.plot,
+                       title=f"tiny Mixtral, 2 ranks: wire formats, {args.steps} steps, "
+                             f"mean of {len(seeds)} seed(s)")
     print(f"wrote {path}")
     return 0
 
