@@ -15,9 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mc2  # noqa: E402
-from mc2.launch import LocalWorldError  # noqa: E402
 from tests.workers_faults import TIMEOUT_S, faulty_peer  # noqa: E402
+
+import mc2  # noqa: E402
+from mc2.tools.launch import LocalWorldError  # noqa: E402
 
 
 def main() -> int:

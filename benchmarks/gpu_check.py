@@ -15,10 +15,10 @@ import statistics
 import sys
 
 import torch
-
-import mc2
 from tests.problems import make_problem
 from tests.reference import dense_moe
+
+import mc2
 
 
 def check_correctness(device: str) -> bool:
@@ -54,7 +54,8 @@ def time_gemms(device: str) -> None:
     import argparse
 
     from benchmarks.gemm_strategies import make, step
-    from mc2.workspace import Workspace
+
+    from mc2.engine.workspace import Workspace
 
     args = argparse.Namespace(rows=32768, hidden=4096, ffn=14336 // 4, experts=8)
     flops = 2 * args.rows * args.hidden * args.ffn * 9  # 3 forward GEMMs + 6 backward

@@ -34,7 +34,7 @@ LAYOUTS = {"ep4": 4, "dp2xep2": 2, "dp4": 1}
 
 
 def run(regime: str, ep: int, sync: str, steps: int, bandwidth: str, out: Path) -> dict:
-    from mc2.cli import main
+    from mc2.tools.cli import main
 
     args = ["train", "--ep-size", str(ep), "--grad-sync", sync, "--steps", str(steps),
             "--out", str(out)]

@@ -20,9 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mc2.bench import BenchConfig, format_plan, run_bench
-from mc2.cli import parse_ints
-
+from mc2.tools.bench import BenchConfig, format_plan, run_bench
+from mc2.tools.cli import parse_ints
 
 
 def main() -> int:

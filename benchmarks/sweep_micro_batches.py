@@ -17,9 +17,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from mc2.bench import BenchConfig, format_report, run_bench
-from mc2.cli import parse_ints
-
+from mc2.tools.bench import BenchConfig, format_report, run_bench
+from mc2.tools.cli import parse_ints
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ turns, so a slow spell hits every format alike), in three regimes: plain loopbac
 ``tc tbf`` to 500 Mbit and 200 Mbit (root; the qdisc is always removed). Each regime runs
 ``--rounds`` times; the table takes each mode's median round. Reported per format: the step
 time, the speedup over float32 rows, the K ``"auto"`` locked, and whether it fell back to plain
-rows (the format measured slower than float32 rows there; it then warns).
+rows (the format measured slower than float32 rows there; it then warns). Each regime ends with
+its physical limit: float32 ``"auto"`` over T_comp, the serial step's compute (its time less its
+communication), since no format makes the compute shorter.
 
     sudo .venv/bin/python benchmarks/wire_formats.py --regimes plain,tbf-500mbit,tbf-200mbit
 """
@@ -72,6 +74,9 @@ def main() -> int:
                 mode.split("@")[1]
             print(f"{regime:12} {mode:10} {med[mode]:7.2f} {med['auto'] / med[mode]:6.2f}x "
                   f"{last['k']:>3} {sent:>11} {last['max_abs_diff']:9.1e}")
+        t_comp = statistics.median(r["t_comp_s"] for r in rounds)
+        print(f"{regime:12} T_comp {t_comp:.2f} s (the serial step less its communication): no "
+              f"format can beat float32 rows by more than {med['auto'] / t_comp:.2f}x here")
     if args.json:
         args.json.write_text(json.dumps(table, indent=2))
     return 0

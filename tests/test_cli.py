@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mc2.cli import main
+from mc2.tools.cli import main
 
 
 def test_help_explains_commands(capsys) -> None:
@@ -23,7 +23,7 @@ def test_help_explains_commands(capsys) -> None:
 def test_tiny_bench_prints_the_table(tmp_path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
          "--ffn", "48", "--experts", "4", "--micro-batches", "2,4", "--repeats", "2",
          "--warmup", "0", "--split-sync", "--json", str(out)],
         capture_output=True, text=True, timeout=120,
@@ -39,7 +39,7 @@ def test_tiny_bench_prints_the_table(tmp_path) -> None:
 
 
 def test_bad_arguments_exit_cleanly() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "bench", "--topk", "9"],
+    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "bench", "--topk", "9"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "topk" in proc.stderr
 
@@ -49,7 +49,7 @@ def test_bench_marks_a_sync_fallback() -> None:
 
     env = dict(os.environ, MC2_FORCE_SYNC="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "32", "--hidden", "16",
+        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "32", "--hidden", "16",
          "--ffn", "16", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
          "--warmup", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -60,7 +60,7 @@ def test_bench_marks_a_sync_fallback() -> None:
 def test_bench_times_each_wire_format(tmp_path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mc2.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
          "--ffn", "48", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
          "--warmup", "0", "--wire-dtype", "none,bf16,fp8", "--wire-block", "16", "--json",
          str(out)],
@@ -78,6 +78,6 @@ def test_bench_times_each_wire_format(tmp_path) -> None:
     (["--wire-dtype", "fp8", "--hidden", "96"], "wire_block 128 must divide the hidden size 96"),
 ])
 def test_bench_refuses_a_bad_wire_format_in_one_line(args, message) -> None:
-    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "bench", *args],
+    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "bench", *args],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

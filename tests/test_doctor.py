@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from mc2.doctor import interfaces, rdma_devices
+from mc2.tools.doctor import interfaces, rdma_devices
 
 
 def test_reads_sysfs_layouts(tmp_path) -> None:
@@ -31,7 +31,7 @@ def test_doctor_command_prints_facts_and_advice() -> None:
     import os
 
     env = dict(os.environ, MC2_FORCE_SYNC="1")
-    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "doctor"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "doctor"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "backend gloo: available (asynchronous collectives)" in proc.stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.netns import EmulatedCluster, NetnsError, leftover_namespaces, parse_rate
+from mc2.tools.netns import EmulatedCluster, NetnsError, leftover_namespaces, parse_rate
 from tests.problems import make_problem
 from tests.test_fused_expert_distributed import assert_close, reference
 from tests.workers import hierarchy_pair
@@ -63,7 +63,7 @@ def test_torchrun_across_two_emulated_nodes(tmp_path) -> None:
     """A real ``torchrun --nnodes 2`` rendezvous between namespaces: dp across, ep inside."""
     import json
 
-    from mc2.cli import main
+    from mc2.tools.cli import main
 
     before = leftover_namespaces()
     out = tmp_path / "run"
@@ -75,7 +75,7 @@ def test_torchrun_across_two_emulated_nodes(tmp_path) -> None:
     runs = json.loads((out / "losses.json").read_text())["runs"]
     losses = runs["MC2 K=2"]["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
-    from mc2.train import TrainConfig, run_training
+    from mc2.tools.train import TrainConfig, run_training
 
     local = run_training(TrainConfig(steps=3, batch=2, seq=32, ep_size=2, progress=False), 4)
     assert losses == pytest.approx(local["losses"], rel=1e-5)  # the same run, on loopback

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.launch import LocalWorldError
+from mc2.tools.launch import LocalWorldError
 from tests.workers_faults import TIMEOUT_S, faulty_peer, nonfinite_token
 
 SLACK_S = 5.0  # "within the deadline plus a few seconds"
@@ -98,7 +98,7 @@ def test_zero_tokens_everywhere_and_k_above_the_tokens() -> None:
 
 
 def test_a_timeout_names_its_setting_and_env(monkeypatch) -> None:
-    from mc2.deadline import CommTimeout, resolve_timeout
+    from mc2.engine.deadline import CommTimeout, resolve_timeout
 
     monkeypatch.setenv("MC2_TIMEOUT", "7.5")
     assert resolve_timeout(None) == 7.5 and resolve_timeout(2) == 2.0
@@ -148,8 +148,8 @@ def _no_processes_left(session: int) -> list[str]:
     ["train", "--steps", "500", "--batch", "2", "--seq", "32"],
 ], ids=["bench", "train"])
 def test_ctrl_c_leaves_no_process_behind(command: list[str], tmp_path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "mc2.cli", *command, "--out", str(tmp_path)]
-                            if command[0] == "train" else [sys.executable, "-m", "mc2.cli",
+    proc = subprocess.Popen([sys.executable, "-m", "mc2.tools.cli", *command, "--out", str(tmp_path)]
+                            if command[0] == "train" else [sys.executable, "-m", "mc2.tools.cli",
                                                            *command],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -178,11 +178,11 @@ def test_ctrl_c_leaves_no_process_behind(command: list[str], tmp_path) -> None:
 ])
 def test_a_missing_optional_dependency_is_one_line_before_any_work(argv, missing, expected,
                                                                    monkeypatch, capsys) -> None:
-    import mc2.requirements
-    from mc2.cli import main
+    import mc2.tools.requirements
+    from mc2.tools.cli import main
 
-    real = mc2.requirements._has
-    monkeypatch.setattr(mc2.requirements, "_has", lambda m: m != missing and real(m))
+    real = mc2.tools.requirements._has
+    monkeypatch.setattr(mc2.tools.requirements, "_has", lambda m: m != missing and real(m))
     start = time.monotonic()
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -191,7 +191,7 @@ def test_a_missing_optional_dependency_is_one_line_before_any_work(argv, missing
 
 
 def test_nodes_without_root_says_so(monkeypatch, capsys) -> None:
-    from mc2.cli import main
+    from mc2.tools.cli import main
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["bench", "--nodes", "2", "--ranks-per-node", "1"]) == 2
@@ -201,10 +201,10 @@ def test_nodes_without_root_says_so(monkeypatch, capsys) -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("tc"),
                     reason="emulated nodes need root and iproute2 (CI runs as root)")
 def test_ctrl_c_during_bench_across_nodes_leaves_nothing_behind() -> None:
-    from mc2.netns import leftover_namespaces
+    from mc2.tools.netns import leftover_namespaces
 
     before = leftover_namespaces()
-    proc = subprocess.Popen([sys.executable, "-m", "mc2.cli", "bench", "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "mc2.tools.cli", "bench", "--nodes", "2",
                              "--ranks-per-node", "1", "--inter-node-bandwidth", "100mbit",
                              "--tokens-per-rank", "2048", "--hidden", "256", "--repeats", "50"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mc2
-import mc2.checkpoint
+import mc2.parallel.checkpoint
 from tests.workers import layer_roundtrip
 
 
@@ -42,7 +42,7 @@ def test_checkpoint_moves_between_ep_sizes(shared: int, tmp_path) -> None:
                                atol=1e-10)
     assert ep4[0]["local_keys"] == sorted(full)
     back = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64)
-    mc2.checkpoint.load(back, path)  # and back into one process
+    mc2.parallel.checkpoint.load(back, path)  # and back into one process
     for key, value in full.items():
         torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import mc2
-import mc2.checkpoint
+import mc2.parallel.checkpoint
 from tests.workers_mesh import (
-    RESUMED_STEPS,
     BAD_MESHES,
+    RESUMED_STEPS,
     bad_meshes,
     batches,
     load_on_mesh,
@@ -56,7 +56,7 @@ def test_a_checkpoint_moves_between_meshes_and_back_to_hugging_face(tmp_path) ->
             # resuming (momentum included) continues the uninterrupted run
             assert r["next_losses"] == pytest.approx(saved[rank]["next_losses"], rel=RTOL)
     model = unpatched_model(seed=1)  # different weights until the checkpoint lands
-    assert mc2.checkpoint.load(model, path) == {"step": 2}
+    assert mc2.parallel.checkpoint.load(model, path) == {"step": 2}
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
     with torch.no_grad():
         for rank in range(4):
@@ -66,12 +66,12 @@ def test_a_checkpoint_moves_between_meshes_and_back_to_hugging_face(tmp_path) ->
 
 def test_a_checkpoint_without_optimizer_state_says_so(tmp_path) -> None:
     model = unpatched_model()
-    mc2.checkpoint.save(model, tmp_path / "m")
+    mc2.parallel.checkpoint.save(model, tmp_path / "m")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(KeyError, match="no optimizer state"):
-        mc2.checkpoint.load(model, tmp_path / "m", optimizer=opt)
+        mc2.parallel.checkpoint.load(model, tmp_path / "m", optimizer=opt)
     with pytest.raises(FileNotFoundError, match="no mc2 checkpoint"):
-        mc2.checkpoint.load(model, tmp_path / "missing")
+        mc2.parallel.checkpoint.load(model, tmp_path / "missing")
 
 
 def test_a_bad_mesh_raises_on_every_rank() -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import mc2
-from mc2.pipeline_cost import overlapped_pass
-from mc2.planner import Calibration, Workload, choose, predict
-from mc2.routing import micro_batch_fractions
+from mc2.engine.pipeline_cost import overlapped_pass
+from mc2.engine.planner import Calibration, Workload, choose, predict
+from mc2.engine.routing import micro_batch_fractions
 from tests.workers import auto_choice, auto_trials
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost

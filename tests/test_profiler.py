@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 import mc2
-from mc2.profiler import aggregate, chrome_trace, metrics_of
+from mc2.observation.profiler import aggregate, chrome_trace, metrics_of
 from tests.workers import profiled_step
 
 # The subset of the Trace Event Format (the Chrome/Perfetto JSON) that we emit: complete ("X")
@@ -89,12 +89,12 @@ def test_chrome_trace_validates(runs, tmp_path) -> None:
     pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert pids == {0, 1, 1000, 1001}, "one process row per (run, rank)"
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
-    path = mc2.profiler.write_chrome_trace(tmp_path / "t.json", runs)
+    path = mc2.observation.profiler.write_chrome_trace(tmp_path / "t.json", runs)
     assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
 
 
 def test_gantt_png_is_written(runs, tmp_path) -> None:
-    from mc2.plot import plot_gantt
+    from mc2.observation.plot import plot_gantt
 
     path = plot_gantt(runs, tmp_path / "g.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -106,7 +106,7 @@ def test_presets_load_and_validate(tmp_path) -> None:
 
 
 def test_cli_prints_the_article_table_in_seconds() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mc2.cli", "simulate", "--hardware",
+    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "simulate", "--hardware",
                            "atlas-800i-a2", "--model", "mixtral-8x7b", "--nodes", "1,2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import mc2
-from mc2.launch import LocalWorldError
+from mc2.tools.launch import LocalWorldError
 from tests.workers import gradient_mode_differs, peer_leaves_early, raise_on_rank, timeline_spans
 
 

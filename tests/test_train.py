@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mc2.train import TrainConfig, load_corpus, run_training
+from mc2.tools.train import TrainConfig, load_corpus, run_training
 
 TINY = TrainConfig(steps=6, batch=2, seq=32, hidden=32, ffn=48, layers=2, heads=4, kv_heads=2,
                    experts=4, topk=2, lr=1e-2, corpus_bytes=200_000, progress=False)
@@ -54,7 +54,7 @@ def test_the_same_entry_point_runs_under_torchrun(tmp_path) -> None:
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "-m", "mc2.train", "--ep-size", "1", *_train_args(tmp_path)],
+                           "2", "-m", "mc2.tools.train", "--ep-size", "1", *_train_args(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks as dp 2 x ep 1" in proc.stderr
@@ -75,7 +75,7 @@ def _mc2_train(out, *extra: str, env: dict | None = None, wait: bool = True):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "mc2.cli", "train", "--batch", "2", "--seq", "32",
+    cmd = [sys.executable, "-m", "mc2.tools.cli", "train", "--batch", "2", "--seq", "32",
            "--out", str(out), *extra]
     if not wait:
         return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,

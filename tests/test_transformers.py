@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # noqa: E402  (a dev dependency: make test installs it)
 
 import mc2
 from tests.workers_hf import build, patched_step
-
-import transformers  # noqa: E402  (a dev dependency: make test installs it)
 
 CONFIGS = {
     "Mixtral": dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,

@@ -169,9 +169,9 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
     out.sum().backward()
     used = 1 + max((s.micro_batch for s in tl.spans), default=0)
     cal = next(iter(planner._cache.values()))
-    work = planner.workload(max(tokens), 2, mc2.experts.ExpertWeights.split_of(*ws), None)
+    work = planner.workload(max(tokens), 2, mc2.engine.experts.ExpertWeights.split_of(*ws), None)
     return {"used": used, "calibration": cal,
-            "predicted": {k: mc2.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
+            "predicted": {k: mc2.engine.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
 
 
 def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int,
@@ -192,7 +192,7 @@ def layer_roundtrip(rank: int, world: int, source: dict | str, x: torch.Tensor, 
     """Load a MoELayer at this EP size (an unsharded state in memory, or a checkpoint folder),
     run it on this rank's tokens, and save it again if asked. ``on_mesh``: the layer takes a
     ``("dp", "ep")`` mesh with ``ep`` = the world instead of the default group."""
-    import mc2.checkpoint
+    import mc2.parallel.checkpoint
 
     mesh = mc2.expert_parallel_mesh(world) if on_mesh else None
     layer = mc2.MoELayer(16, 24, 8, topk=2, shared_experts=shared, dtype=torch.float64,
@@ -200,9 +200,9 @@ def layer_roundtrip(rank: int, world: int, source: dict | str, x: torch.Tensor, 
     if isinstance(source, dict):
         mc2.load_full_state_dict(layer, source)
     else:
-        mc2.checkpoint.load(layer, source)
+        mc2.parallel.checkpoint.load(layer, source)
     if save_to is not None:
-        mc2.checkpoint.save(layer, save_to)
+        mc2.parallel.checkpoint.save(layer, save_to)
     mine = x.chunk(world)[rank]
     out, losses = layer(mine, return_losses=True)
     (out.pow(2).sum() + losses.load_balancing + losses.z_loss).backward()
@@ -229,7 +229,7 @@ def forced_sync(rank: int, world: int) -> dict:
     del os.environ["MC2_FORCE_SYNC"]
     kinds = {s.kind for s in prof.spans}
     return {"out": out, "warned": [str(w.message) for w in caught
-                                   if issubclass(w.category, mc2.env.SyncFallbackWarning)],
+                                   if issubclass(w.category, mc2.engine.env.SyncFallbackWarning)],
             "fallback": prof.sync_fallback, "kinds": kinds}
 
 
@@ -238,7 +238,7 @@ def topology_of(rank: int, world: int, local_world: int) -> dict:
     import os
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
-    topo = mc2.topology.discover()
+    topo = mc2.engine.topology.discover()
     intra, inter = topo.subgroups()
     a = torch.tensor([float(rank)])
     b = torch.tensor([float(rank)])
@@ -297,14 +297,14 @@ def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: P
     """For each wire format in turn, ``hierarchy="auto"``: the row widths (bytes) it measured."""
     import os
 
-    import mc2.hierarchy
+    import mc2.engine.hierarchy
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     seen = []
     for wire in wires:
-        mc2.hierarchy._CHOICES.clear()
+        mc2.engine.hierarchy._CHOICES.clear()
         mc2.fused_expert(problem.xs[rank], *problem.local_weights(rank), problem.ids[rank],
                          problem.rws[rank], micro_batches=2, hierarchy="auto", wire_dtype=wire,
                          wire_block=8)
-        seen.append(sorted({key[-1] for key in mc2.hierarchy._CHOICES}))
+        seen.append(sorted({key[-1] for key in mc2.engine.hierarchy._CHOICES}))
     return seen

@@ -91,13 +91,13 @@ RESUMED_STEPS = 2  # the second step after a resume reads the restored momentum
 def save_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor, path: str
                  ) -> dict[str, Any]:
     """Train, save (with momentum state) two steps before the end, then finish the run."""
-    import mc2.checkpoint
+    import mc2.parallel.checkpoint
 
     model, mesh = _mesh_model(ep_size)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     done = len(data) - RESUMED_STEPS
     _train(model, mesh, opt, data[:done], rank)
-    mc2.checkpoint.save(model, path, optimizer=opt, extra={"step": done})
+    mc2.parallel.checkpoint.save(model, path, optimizer=opt, extra={"step": done})
     with torch.no_grad():
         logits = model(data[0, rank]).logits
     next_losses = _train(model, mesh, opt, data[done:], rank)
@@ -107,11 +107,11 @@ def save_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor, path: 
 def load_on_mesh(rank: int, world: int, ep_size: int, data: torch.Tensor, path: str
                  ) -> dict[str, Any]:
     """Load the checkpoint on another mesh: logits on a probe, then the remaining steps."""
-    import mc2.checkpoint
+    import mc2.parallel.checkpoint
 
     model, mesh = _mesh_model(ep_size)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    extra = mc2.checkpoint.load(model, path, optimizer=opt)
+    extra = mc2.parallel.checkpoint.load(model, path, optimizer=opt)
     with torch.no_grad():
         logits = model(data[0, rank]).logits
     next_losses = _train(model, mesh, opt, data[extra["step"]:], rank)
@@ -124,8 +124,9 @@ BAD_MESHES = ("unnamed", "ep-does-not-divide-experts", "helper-experts", "helper
 
 def bad_meshes(rank: int, world: int) -> dict[str, str]:
     """Build each bad mesh or layer in turn; the error text of each (every rank must get one)."""
-    import mc2
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import mc2
 
     def attempt(what: str) -> None:
         if what == "unnamed":

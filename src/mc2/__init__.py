@@ -4,19 +4,20 @@
 micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
 """
 
-from . import env, planner, profiler, topology
-from .deadline import CommTimeout
-from .grad_sync import average_gradients
-from .gradient_buckets import GradientSync
-from .launch import run_local
+from .engine import env, planner, topology
+from .engine.deadline import CommTimeout
+from .engine.ops import fused_expert, fused_expert_packed
+from .engine.planner import Planner
+from .engine.routing import DispatchHandle, MicroBatchRoute
+from .engine.workspace import Workspace
 from .layer import MoELayer, RouterLosses, load_full_state_dict
-from .mesh import ParallelLayout, expert_parallel_mesh
-from .ops import fused_expert, fused_expert_packed
-from .planner import Planner
-from .profiler import Profiler, profile
-from .routing import DispatchHandle, MicroBatchRoute
-from .timeline import Span, Timeline
-from .workspace import Workspace
+from .observation import profiler
+from .observation.profiler import Profiler, profile
+from .observation.timeline import Span, Timeline
+from .parallel.grad_sync import average_gradients
+from .parallel.gradient_buckets import GradientSync
+from .parallel.mesh import ParallelLayout, expert_parallel_mesh
+from .tools.launch import run_local
 
 __all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
            "CommTimeout", "expert_parallel_mesh", "ParallelLayout", "average_gradients",

@@ -6,7 +6,7 @@ router (and the shared experts) are replicated, so their gradients must be avera
 data-parallel ranks like any other replicated parameter.
 
 Checkpoints: ``state_dict()`` holds only this rank's experts (their global indices are in the
-non-persistent ``expert_index`` buffer). :mod:`mc2.checkpoint` saves and reshards them with
+non-persistent ``expert_index`` buffer). :mod:`mc2.parallel.checkpoint` saves and reshards them with
 ``torch.distributed.checkpoint``, between any EP x DP meshes and one process.
 :func:`load_full_state_dict` stays for one job DCP does not do: taking an unsharded state held in
 memory (a single-process ``state_dict()``, or a file in the earlier split layout) onto this
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .mesh import resolve_layout
-from .ops import MicroBatches, fused_expert_packed
+from .engine.ops import MicroBatches, fused_expert_packed
+from .parallel.mesh import resolve_layout
 
 EXPERT_KEYS = ("w_gate_up", "w_down")
 
@@ -58,7 +58,7 @@ class MoELayer(nn.Module):
         shared_ffn: their width (default ``ffn``).
         micro_batches, overlap: passed to :func:`mc2.fused_expert`.
         renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
-        wire_dtype, wire_block: the format routed rows travel in (:mod:`mc2.wire`; ``None``:
+        wire_dtype, wire_block: the format routed rows travel in (:mod:`mc2.engine.wire`; ``None``:
             the compute dtype), passed to :func:`mc2.fused_expert`.
 
     The experts are kept packed, in the ``nn.Linear`` layout of Hugging Face and Megatron:
@@ -103,7 +103,7 @@ class MoELayer(nn.Module):
             nn.init.normal_(p, std=std)
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's expert shards (see :mod:`mc2.expert_shards`)."""
+        """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
         return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
     @property

@@ -9,7 +9,7 @@ router-logit outputs and the auxiliary loss keep working) and holds only this ra
 The rest of the model stays as it is on every rank: its parameters are replicated, so train it
 data-parallel: :func:`mc2.average_gradients` turns per-rank gradients into those of the mean
 loss. With ``mesh=`` the experts are split over the mesh's ``"ep"`` dimension and replicated
-over ``"dp"``; :mod:`mc2.checkpoint` saves and reshards such a model with
+over ``"dp"``; :mod:`mc2.parallel.checkpoint` saves and reshards such a model with
 ``torch.distributed.checkpoint``.
 No hub access is needed: the function works on any model object, including one built from a
 local config.
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..expert_shards import expert_shards
-from ..grad_sync import average_gradients
-from ..mesh import resolve_layout
-from ..ops import MicroBatches, fused_expert_packed
+from ..engine.ops import MicroBatches, fused_expert_packed
+from ..parallel.expert_shards import expert_shards
+from ..parallel.grad_sync import average_gradients
+from ..parallel.mesh import resolve_layout
 
 __all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
            "LocalExperts"]
@@ -36,7 +36,7 @@ class LocalExperts(nn.Module):
 
     ``gate_up_proj [L, 2F, H]`` (gate rows first) and ``down_proj [L, H, F]``, held at
     ``<block>.experts`` as in the unpatched model: the state dict keeps Hugging Face's keys, and
-    :mod:`mc2.checkpoint` writes files the unpatched model loads.
+    :mod:`mc2.parallel.checkpoint` writes files the unpatched model loads.
     """
 
     def __init__(self, gate_up_proj: Tensor, down_proj: Tensor) -> None:
@@ -72,7 +72,7 @@ class MC2SparseMoeBlock(nn.Module):
         self.wire_dtype, self.wire_block = wire_dtype, wire_block
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's expert shards (see :mod:`mc2.expert_shards`)."""
+        """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
         return {"experts.gate_up_proj": self.experts.gate_up_proj,
                 "experts.down_proj": self.experts.down_proj}
 
@@ -111,11 +111,11 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
     ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh (expert parallel) or a
     ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts split over ``ep`` and
     replicated over ``dp``, everything else replicated everywhere. ``wire_dtype`` /
-    ``wire_block``: the format routed rows travel in (:mod:`mc2.wire`).
+    ``wire_block``: the format routed rows travel in (:mod:`mc2.engine.wire`).
 
     Raises:
         ValueError: the model has no block this adapter understands, or the mesh is bad
-            (see :func:`mc2.mesh.resolve_layout`); raised on every rank alike.
+            (see :func:`mc2.parallel.mesh.resolve_layout`); raised on every rank alike.
     """
     replaced = 0
     for name, module in list(model.named_modules()):

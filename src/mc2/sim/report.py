@@ -158,7 +158,7 @@ def format_scale(rows: Sequence[dict[str, float]]) -> str:
 
 
 def plot_scale(rows: Sequence[dict[str, float]], path: str | Path, title: str) -> Path:
-    from ..plot import pyplot
+    from ..observation.plot import pyplot
 
     plt = pyplot()
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from .train_cli import add_train_parser, run_train_command
 from .bench import (
     BenchConfig,
     BenchReport,
@@ -18,6 +17,7 @@ from .bench import (
     run_bench,
     write_csv,
 )
+from .train_cli import add_train_parser, run_train_command
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
 DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
 
 
 def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
-    from .breakdown import BreakdownConfig, format_breakdown, run_breakdown
+    from ..observation.breakdown import BreakdownConfig, format_breakdown, run_breakdown
 
     seq = min(128, max(cfg.tokens_per_rank, 1))
     bcfg = BreakdownConfig(batch=max(1, cfg.tokens_per_rank // seq), seq=seq, hidden=cfg.hidden,
@@ -158,8 +158,8 @@ def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
 
 def write_traces(report: BenchReport, folder: Path) -> list[Path]:
     """Chrome trace of every mode, Gantt of serial vs best MC2, per-rank metrics."""
-    from .plot import plot_gantt
-    from .profiler import metrics_dict, metrics_of, write_chrome_trace
+    from ..observation.plot import plot_gantt
+    from ..observation.profiler import metrics_dict, metrics_of, write_chrome_trace
 
     folder.mkdir(parents=True, exist_ok=True)
     tokens = report.config.tokens_per_rank
@@ -255,7 +255,7 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
     """Bytes per element of a wire format for the simulator (``None``: the model's dtype)."""
     import torch
 
-    from .wire import WireFormat, parse_wire_dtype, wire_problem
+    from ..engine.wire import WireFormat, parse_wire_dtype, wire_problem
 
     kind = parse_wire_dtype(name)
     if kind is None:
@@ -267,8 +267,8 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim.presets import PresetError, load_hardware, load_model
-    from .sim.report import (
+    from ..sim.presets import PresetError, load_hardware, load_model
+    from ..sim.report import (
         article_check,
         article_rows,
         format_best,
@@ -280,7 +280,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
 
     if args.calibrate:
-        from .sim.validate import format_checks, validate
+        from ..sim.validate import format_checks, validate
 
         print("mc2 simulate --calibrate: measuring this machine's Gloo worlds "
               "(2 and 4 ranks; a few minutes)", file=sys.stderr, flush=True)

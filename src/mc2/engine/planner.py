@@ -14,20 +14,20 @@ each measured once per (hidden, ffn, local experts, dtype, group) and cached in 
   transfer time;
 * bookkeeping: the gathers, scatters and permutations of each routed row, ``rho`` seconds per
   row, whatever K.
-* wire format (:mod:`mc2.wire`): a transfer moves the format's bytes per row, and encoding and
+* wire format (:mod:`mc2.engine.wire`): a transfer moves the format's bytes per row, and encoding and
   decoding cost ``kappa`` seconds per routed row, on the compute thread. ``kappa`` is measured
   per format and width, never assumed: on a small CPU it can eat what the fewer bytes save,
   and then the planner says so (:class:`WireFormatWarning`).
 
 For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts (tapered ends,
-:func:`mc2.routing.micro_batch_fractions`), one pass (forward: 1/3 of the expert math, backward:
+:func:`mc2.engine.routing.micro_batch_fractions`), one pass (forward: 1/3 of the expert math, backward:
 2/3) with compute ``c_i`` and per-transfer time ``x_i`` for micro-batch ``i`` takes::
 
     serial (K = 1, synchronous):  sum(c_i + 2 x_i)
     overlapped:                   x_0 + sum(c_i + max(0, l_i - c_i) + gamma min(l_i, c_i)) + x_K-1
                                   with l_i = x_i+1 + x_i-1, the transfers under c_i
 
-(:func:`mc2.pipeline_cost.overlapped_pass`: the first dispatch and the last combine cannot
+(:func:`mc2.engine.pipeline_cost.overlapped_pass`: the first dispatch and the last combine cannot
 hide; in between, two transfers run under each micro-batch's compute). K = 1 is kept unless
 the best K is predicted to gain at least ``min_gain``. All ranks agree: the measurements are
 reduced to the group's maximum before use, and the token count is the group-wide maximum the
@@ -245,7 +245,7 @@ class Planner:
     ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
     timeline marks them (``auto trial K=...``). ``explore=1`` trusts the model alone.
 
-    With a wire format (:mod:`mc2.wire`), one more candidate is tried: the model's best K with
+    With a wire format (:mod:`mc2.engine.wire`), one more candidate is tried: the model's best K with
     rows in the compute dtype. Where it wins, encoding costs more than the bytes save on this
     link; the shape then sends plain rows (exact, and faster) and a :class:`WireFormatWarning`
     says so once. A fixed ``micro_batches`` always honours the format.

@@ -23,7 +23,7 @@ with ``loop`` ahead on small experts, and on an H200 (bf16, 8 experts of 4096x35
 Weight gradients are *written*, not zero-filled and accumulated: the first micro-batch that
 touches an expert writes its gradient with ``mm(out=...)``, later ones add to it, and only the
 experts that received no row at all are zeroed (:class:`WeightGrads`). Every large buffer comes
-from a :class:`~mc2.workspace.Workspace`, so steady-state calls do not allocate.
+from a :class:`~mc2.engine.workspace.Workspace`, so steady-state calls do not allocate.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def torchrun_on_nodes(cluster: EmulatedCluster, program: list[str], *, port: int
     killed with its workers.
 
     Args:
-        program: what follows the torchrun options, e.g. ``["-m", "mc2.train", "--steps", "5"]``.
+        program: what follows the torchrun options, e.g. ``["-m", "mc2.tools.train", "--steps", "5"]``.
 
     Raises:
         NetnsError: an agent failed or the run timed out.

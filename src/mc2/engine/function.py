@@ -15,7 +15,7 @@ Row moves per routed row and pass (counted, each one needed):
   input gradient (4).
 
 Moves 2 and 3 are skipped where arrival order already is expert order (one local expert, or one
-rank). Every buffer comes from the call's :class:`~mc2.workspace.Workspace`.
+rank). Every buffer comes from the call's :class:`~mc2.engine.workspace.Workspace`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..observation.timeline import Timeline, maybe_span
+from .deadline import deadline
 from .experts import (
     ExpertActivations,
     ExpertWeights,
@@ -35,10 +37,8 @@ from .experts import (
     swiglu_backward_input,
     swiglu_forward,
 )
-from .deadline import deadline
 from .pipeline import PipelineSteps, run_pipeline
 from .routing import DispatchHandle, MicroBatchRoute
-from .timeline import Timeline, maybe_span
 from .wire import NONE, WireFormat
 from .workspace import Workspace
 
@@ -56,7 +56,7 @@ class CallPlan:
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
         on_pass_done: ``(phase, seconds)`` called after each pass, for ``"auto"``'s trials.
-        wire: ``(dispatch, combine)`` formats of each pass's two exchanges (:mod:`mc2.wire`).
+        wire: ``(dispatch, combine)`` formats of each pass's two exchanges (:mod:`mc2.engine.wire`).
             The backward's exchanges use the same pair, and treat the rounding as the identity
             (straight-through): the gradient of a quantised transfer is taken to be 1.
     """
@@ -70,7 +70,7 @@ class CallPlan:
     workspace: Workspace
     on_pass_done: Callable[[str, float], None] | None = None
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
-    timeout: float | None = None  # seconds per wait (mc2.deadline); the backward uses it too
+    timeout: float | None = None  # seconds per wait (mc2.engine.deadline); the backward uses it too
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:

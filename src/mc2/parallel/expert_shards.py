@@ -2,7 +2,7 @@
 
 An MC2 module (:class:`mc2.MoELayer`, the Hugging Face adapter's block) holds a contiguous
 block of the experts of this rank's EP group. It reports them through
-``mc2_expert_parameters()``, and its ``layout`` (:class:`~mc2.mesh.ParallelLayout`) says which
+``mc2_expert_parameters()``, and its ``layout`` (:class:`~mc2.parallel.mesh.ParallelLayout`) says which
 ranks share the block. Gradient sync and checkpoints read that, so neither has to know one
 module class from another.
 """

@@ -2,7 +2,7 @@
 
 The same loop serves the forward (tokens out, expert outputs back) and the backward (output
 gradients out, input gradients back): the backward's traffic follows the forward's routes, so a
-:class:`~mc2.routing.DispatchHandle` plus three callbacks describe either pass.
+:class:`~mc2.engine.routing.DispatchHandle` plus three callbacks describe either pass.
 
 Overlapped schedule (``overlap=True``), as issued on every rank in the same order::
 
@@ -25,7 +25,7 @@ issued as soon as the first has arrived, to travel under micro-batch 0's compute
 
 Serial schedule (``overlap=False``): each collective is synchronous, nothing overlaps.
 
-Wire formats (:mod:`mc2.wire`): each pass's first exchange (dispatch) encodes its rows with
+Wire formats (:mod:`mc2.engine.wire`): each pass's first exchange (dispatch) encodes its rows with
 ``wire[0]``, its second (combine) with ``wire[1]``; rows are encoded on the way out and decoded
 right after the wait, so the compute steps only ever see compute-dtype rows.
 """
@@ -39,10 +39,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..observation.timeline import Timeline, maybe_span
 from .comm import PendingTransfer
 from .deadline import CommTimeout
 from .routing import DispatchHandle
-from .timeline import Timeline, maybe_span
 from .wire import NONE, WireFormat
 from .workspace import Workspace
 

@@ -4,8 +4,8 @@ Two entry points, one pipeline: :func:`fused_expert` takes the article's separat
 ``weights_up/weights_gate/weights_down`` (``[L, H, F]``, ``[L, F, H]``);
 :func:`fused_expert_packed` takes the packed ``nn.Linear`` layout of Hugging Face, Megatron and
 DeepSpeed experts (``gate_up [L, 2F, H]``, ``down [L, H, F]``), which runs gate and up as one
-GEMM and measured faster (:mod:`mc2.experts`). :mod:`mc2.call_plan` plans a call,
-:mod:`mc2.function` runs it.
+GEMM and measured faster (:mod:`mc2.engine.experts`). :mod:`mc2.engine.call_plan` plans a call,
+:mod:`mc2.engine.function` runs it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..observation.timeline import Timeline
 from .call_plan import plan_call
 from .deadline import CommTimeout, deadline, resolve_timeout
 from .experts import GemmStrategy
 from .function import FusedExpertFunction
 from .planner import Planner
-from .timeline import Timeline
 from .workspace import Workspace
 
 MicroBatches = int | Literal["auto"]
@@ -105,19 +105,19 @@ def fused_expert(
             initialised ``torch.distributed`` or with one rank, runs locally without collectives.
         micro_batches: K, the number of micro-batches the local tokens are split into; ``1`` does
             not split; ``"auto"`` lets the planner choose from a cost model measured on this
-            group (:mod:`mc2.planner`; K = 1 where splitting cannot pay). Must be the same on
+            group (:mod:`mc2.engine.planner`; K = 1 where splitting cannot pay). Must be the same on
             every rank; with ``"auto"`` all ranks derive the same K.
         overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
             and ``i-1`` combined while ``i`` computes (where the backend cannot, or
             ``MC2_FORCE_SYNC=1`` is set, it falls back to synchronous collectives, warns with
-            :class:`~mc2.env.SyncFallbackWarning` and marks the timeline); ``False`` is the
+            :class:`~mc2.engine.env.SyncFallbackWarning` and marks the timeline); ``False`` is the
             plain serial path (with ``"auto"``: K = 1, one synchronous dispatch, compute, one
             synchronous combine).
         num_experts: optional check that the group holds exactly this many experts.
         gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
             expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
-            :mod:`mc2.experts`).
-        planner: the :class:`~mc2.planner.Planner` for ``"auto"`` (default: one shared per
+            :mod:`mc2.engine.experts`).
+        planner: the :class:`~mc2.engine.planner.Planner` for ``"auto"`` (default: one shared per
             group, measuring on first use: a collective all ranks enter together).
         shared_up, shared_gate: ``[shared, hidden, shared_ffn]`` optional shared experts
             (DeepSeek/Qwen style) that every token passes through; computed while the first
@@ -125,17 +125,17 @@ def fused_expert(
         shared_down: ``[shared, shared_ffn, hidden]``.
         hierarchy: ``"flat"``: one All-to-All over the group; ``"2d"``: across nodes only
             between ranks of the same local rank, one message per node, then inside the node
-            (:mod:`mc2.hierarchy`; needs the same number of ranks on every node); ``"auto"``:
+            (:mod:`mc2.engine.hierarchy`; needs the same number of ranks on every node); ``"auto"``:
             ``"2d"`` when the group spans several nodes with several ranks each and the 2-D
             exchange measured faster than the flat one for this size (once, then cached),
             else flat.
             Results are identical; only the traffic differs.
-        timeline: a :class:`~mc2.timeline.Timeline` that receives compute/comm/wait/transfer
+        timeline: a :class:`~mc2.observation.timeline.Timeline` that receives compute/comm/wait/transfer
             spans (default: the one of the active :func:`mc2.profile`, if any).
-        workspace: the :class:`~mc2.workspace.Workspace` large buffers come from (default: the
+        workspace: the :class:`~mc2.engine.workspace.Workspace` large buffers come from (default: the
             process's shared one), so steady-state calls allocate nothing. Returned tensors
             (output, gradients) share its memory until you drop them.
-        wire_dtype: the format rows travel in (:mod:`mc2.wire`). ``None``: ``x.dtype``, bit
+        wire_dtype: the format rows travel in (:mod:`mc2.engine.wire`). ``None``: ``x.dtype``, bit
             for bit. ``torch.bfloat16`` / ``torch.float16``: a cast. ``torch.float8_e4m3fn`` /
             ``"int8"``: 1 byte per element plus a float32 scale per row and per ``wire_block``
             channels, in the same exchange. A pair ``(dispatch, combine)`` gives each exchange

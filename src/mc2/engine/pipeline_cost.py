@@ -1,8 +1,8 @@
 """The time of one overlapped pass, from each micro-batch's compute and transfer times.
 
-One formula for both cost models, the planner's (:mod:`mc2.planner`, measured constants) and the
+One formula for both cost models, the planner's (:mod:`mc2.engine.planner`, measured constants) and the
 simulator's (:mod:`mc2.sim.model`, hardware presets), so that what they predict follows the
-schedule :mod:`mc2.pipeline` really runs:
+schedule :mod:`mc2.engine.pipeline` really runs:
 
 * the first dispatch is the fill: nothing computes before it arrives, except local work (shared
   experts), which runs under it;
@@ -11,7 +11,7 @@ schedule :mod:`mc2.pipeline` really runs:
 * while a transfer runs under compute, compute slows by ``interference`` times the overlap;
 * the last combine is the drain.
 
-The micro-batches need not be equal (:func:`mc2.routing.micro_batch_weights` tapers the ends).
+The micro-batches need not be equal (:func:`mc2.engine.routing.micro_batch_weights` tapers the ends).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Validate (an error on every rank, never a hang), fall back to synchronous communication where
 asynchronous is impossible, agree on the shared values in one collective, choose K, sort the
 local (token, slot) pairs into micro-batches, exchange the per-micro-batch counts, and choose
-the All-to-All layout. The result is a :class:`~mc2.function.CallPlan` that the autograd
+the All-to-All layout. The result is a :class:`~mc2.engine.function.CallPlan` that the autograd
 Function runs.
 
 Collectives and host synchronisations per call (counted, flat layout): one ``all_reduce`` (the
 handshake: errors, shared values, the group's largest token count), one ``all_to_all`` of
 counts, then ``2K`` All-to-Alls of rows forward and ``2K`` backward. ``"auto"`` adds one
-``all_reduce`` per shape once its trials are done (see :mod:`mc2.planner`), and its calibration
+``all_reduce`` per shape once its trials are done (see :mod:`mc2.engine.planner`), and its calibration
 once per group and weight shape.
 """
 
@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..observation.profiler import active_timeline
+from ..observation.timeline import Timeline, maybe_span
 from .comm import exchange_counts, gather_counts, group_size
 from .env import sync_reason, warn_sync_fallback
 from .experts import ExpertWeights, resolve_strategy
 from .function import CallPlan
 from .hierarchy import two_stage_pays, two_stage_plan
 from .planner import Planner, planner_for
-from .profiler import active_timeline
 from .routing import build_handle, local_send_counts, micro_batch_fractions
-from .timeline import Timeline, maybe_span
 from .topology import topology_for
 from .validation import agree, local_problem, nonfinite_problem, shared_problem
 from .wire import NONE, WireFormat, wire_pair, wire_problem

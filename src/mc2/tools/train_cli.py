@@ -17,7 +17,7 @@ world / ep-size DP groups.
 
 Where it runs:
   mc2 train --world-size 4 --ep-size 2          a local Gloo world of 4 processes
-  torchrun --nproc-per-node 4 -m mc2.train --ep-size 2
+  torchrun --nproc-per-node 4 -m mc2.tools.train --ep-size 2
                                                 as it is under torchrun (any launcher that sets
                                                 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
   sudo mc2 train --nodes 2 --ranks-per-node 2 --ep-size 2 --inter-node-bandwidth 1gbit
@@ -51,7 +51,7 @@ def add_train_parser(sub: Any) -> None:
     tr.add_argument("--out", type=Path, default=Path("train_out"),
                     help="folder for loss_curve.png and losses.json (default %(default)s)")
     tr.add_argument("--checkpoint-every", type=int, default=0,
-                    help="steps between checkpoints (mc2.checkpoint folders under "
+                    help="steps between checkpoints (mc2.parallel.checkpoint folders under "
                          "--out/checkpoints; a resume may use another --ep-size)")
     tr.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     tr.add_argument("--nodes", type=int, default=None,
@@ -63,7 +63,7 @@ def add_train_parser(sub: Any) -> None:
 
 
 def _options(args: argparse.Namespace) -> list[str]:
-    """The options to hand to ``-m mc2.train`` on every node (all but the node layout)."""
+    """The options to hand to ``-m mc2.tools.train`` on every node (all but the node layout)."""
     out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--micro-batches", str(args.micro_batches), "--out", str(args.out.resolve()),
            "--checkpoint-every", str(args.checkpoint_every), "--grad-sync", args.grad_sync,
@@ -93,7 +93,7 @@ def _on_emulated_nodes(args: argparse.Namespace) -> int:
             print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "
                   f"{args.ranks_per_node} across emulated nodes, links shaped to {c.bandwidth}",
                   file=sys.stderr, flush=True)
-            torchrun_on_nodes(c, ["-m", "mc2.train", *_options(args)])
+            torchrun_on_nodes(c, ["-m", "mc2.tools.train", *_options(args)])
     except (NetnsError, ValueError) as exc:
         print(f"mc2: {exc}", file=sys.stderr)
         return 2

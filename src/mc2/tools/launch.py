@@ -9,6 +9,7 @@ world never hangs the caller. For real clusters launch with ``torchrun`` instead
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -17,8 +18,6 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
-
-import multiprocessing as mp
 
 
 class LocalWorldError(RuntimeError):
@@ -135,7 +134,7 @@ def run_local(
             what a user's ``torchrun`` process gets; mc2's own workspace keeps memory put).
         ranks_per_node: present the ranks as nodes of this many ranks (``LOCAL_WORLD_SIZE``),
             so topology-aware code sees several nodes; the links stay loopback.
-        rank_env: extra environment per rank, e.g. :meth:`mc2.netns.EmulatedCluster.
+        rank_env: extra environment per rank, e.g. :meth:`mc2.tools.netns.EmulatedCluster.
             rank_environment` to run each rank inside its emulated node's namespace.
     """
     if world_size < 1:

@@ -73,7 +73,7 @@ class PendingTransfer:
     operation: str = "exchange"
 
     def wait(self) -> Tensor:
-        """The received rows; :class:`~mc2.deadline.CommTimeout` past the call's deadline."""
+        """The received rows; :class:`~mc2.engine.deadline.CommTimeout` past the call's deadline."""
         if self.work is not None:
             wait_work(self.work, self.operation)
             self.work = None
@@ -197,7 +197,7 @@ def barrier(group: Any, operation: str = "barrier") -> None:
 
 
 def collective(issue: Callable[[bool], Any], group: Any, operation: str) -> None:
-    """Run a collective to completion under the call's deadline (:mod:`mc2.deadline`).
+    """Run a collective to completion under the call's deadline (:mod:`mc2.engine.deadline`).
 
     ``issue(async_op)`` starts it. With a deadline and an asynchronous backend it is issued
     asynchronously and waited for with the deadline; otherwise (no deadline, or

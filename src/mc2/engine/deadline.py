@@ -9,7 +9,7 @@ it raises :class:`CommTimeout`, which names the operation, the micro-batch and t
 says what to do next.
 
 The deadline is carried in a context variable for the duration of one call (and set again for
-its backward from the call's plan), so the helpers in :mod:`mc2.comm` read it without every
+its backward from the call's plan), so the helpers in :mod:`mc2.engine.comm` read it without every
 function growing a parameter. It is not global state: each call sets and restores it.
 """
 
@@ -30,7 +30,7 @@ _CURRENT: contextvars.ContextVar[float | None] = contextvars.ContextVar("mc2_dea
 
 RECOVERY = ("the process group is not usable after a timed-out collective (Gloo and NCCL "
             "alike): end this process, and let the launcher restart the job from its last "
-            "checkpoint (torchrun --max-restarts N with mc2.checkpoint / mc2 train --resume)")
+            "checkpoint (torchrun --max-restarts N with mc2.parallel.checkpoint / mc2 train --resume)")
 
 
 class CommTimeout(RuntimeError):

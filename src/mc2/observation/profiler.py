@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .comm import gather_objects
+from ..engine.comm import gather_objects
 from .timeline import Span, Timeline
 
 _ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar(

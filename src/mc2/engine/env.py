@@ -6,7 +6,7 @@
   then plain synchronous collectives, bounded only by the process group's timeout.
 * ``MC2_TIMEOUT=<seconds>``: the deadline of every wait of ``fused_expert`` when its
   ``timeout=`` is not given (default 300; ``0``: none of mc2's own). Read by
-  :func:`mc2.deadline.resolve_timeout`.
+  :func:`mc2.engine.deadline.resolve_timeout`.
 * ``MC2_DEBUG_SAVE_DELAY_S=<seconds>``: ``mc2 train`` waits this long between writing a
   checkpoint and publishing it (the rename), so that a test, or a user rehearsing recovery, can
   kill the job in the middle of a save. Never needed otherwise.

@@ -9,7 +9,7 @@ With ``N`` nodes of ``G`` ranks, rank ``(n, l)`` (node ``n``, local rank ``l``):
    destination's local rank over the fast link.
 
 The combine runs the two stages backwards. Rows arrive ordered by (forwarding local rank,
-source node, expert); :func:`mc2.routing.expert_grouping_index` takes that arrival order, so the
+source node, expert); :func:`mc2.engine.routing.expert_grouping_index` takes that arrival order, so the
 experts see exactly the rows, in exactly the order, of the flat exchange: the results are
 bitwise the flat ones.
 
@@ -21,18 +21,17 @@ group sees its collectives in the same order on all its members.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
-import contextvars
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
-
 import torch.distributed as dist
+from torch import Tensor
 
 from .comm import (
     FlatExchange,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .comm import group_size
+from ..engine.comm import group_size
 from .expert_shards import expert_shards
 from .mesh import resolve_layout
 
@@ -48,7 +48,7 @@ def sync_classes(model: nn.Module, group: Any = None, *, mesh: Any = None) -> li
     """The rule above, as lists of parameters; the same on every rank (empty for one rank).
 
     Raises:
-        ValueError: a bad mesh (see :func:`mc2.mesh.resolve_layout`).
+        ValueError: a bad mesh (see :func:`mc2.parallel.mesh.resolve_layout`).
     """
     if mesh is not None:
         resolve_layout(mesh=mesh)  # the same checks, on every rank

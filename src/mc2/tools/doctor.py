@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .env import ASYNC_BACKENDS, force_sync
+from ..engine.env import ASYNC_BACKENDS, force_sync
 
 
 def _read(path: Path) -> str:

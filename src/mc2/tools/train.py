@@ -8,8 +8,8 @@ and replicated over DP; the rest of the model is replicated everywhere (gradient
 sources, read as bytes (vocabulary 256), so nothing is downloaded.
 
 Runs on a local Gloo world (:func:`run_training`), or as it is under ``torchrun``
-(:func:`run_launched`; ``torchrun --nproc-per-node 2 -m mc2.train --ep-size 2``). Checkpoints
-are :mod:`mc2.checkpoint` folders, one per saved step, so a run resumes on any EP size.
+(:func:`run_launched`; ``torchrun --nproc-per-node 2 -m mc2.tools.train --ep-size 2``). Checkpoints
+are :mod:`mc2.parallel.checkpoint` folders, one per saved step, so a run resumes on any EP size.
 
 ``--compare`` trains the same model twice from the same seed, serial (``overlap=False``) and
 MC2, and reports how far the two loss curves ever are apart.
@@ -50,7 +50,7 @@ class TrainConfig:
     micro_batches: int | str = 2
     overlap: bool = True
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
-    wire_dtype: str = "none"  # format routed rows travel in (mc2.wire names)
+    wire_dtype: str = "none"  # format routed rows travel in (mc2.engine.wire names)
     grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -116,8 +116,8 @@ def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, 
     """
     import shutil
 
-    from . import checkpoint
-    from .env import debug_save_delay
+    from ..engine.env import debug_save_delay
+    from ..parallel import checkpoint
 
     assert cfg.checkpoint_dir is not None
     root = Path(cfg.checkpoint_dir)
@@ -141,12 +141,12 @@ def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """One rank's training loop; the global loss, tokens/s and gradient-sync time of each step."""
-    from . import checkpoint
-    from .grad_sync import average_gradients
-    from .gradient_buckets import GradientSync
-    from .integrations.transformers import enable_mc2
-    from .mesh import expert_parallel_mesh
-    from .wire import parse_wire_dtype
+    from ..engine.wire import parse_wire_dtype
+    from ..integrations.transformers import enable_mc2
+    from ..parallel import checkpoint
+    from ..parallel.grad_sync import average_gradients
+    from ..parallel.gradient_buckets import GradientSync
+    from ..parallel.mesh import expert_parallel_mesh
 
     mesh = expert_parallel_mesh(cfg.ep_size or world, num_experts=cfg.experts)
     model = _model(cfg)
@@ -230,7 +230,7 @@ def run_launched(cfg: TrainConfig, backend: str = "gloo") -> dict[str, Any] | No
 
 
 def _check_ep_size(cfg: TrainConfig, world: int) -> None:
-    from .wire import parse_wire_dtype
+    from ..engine.wire import parse_wire_dtype
 
     parse_wire_dtype(cfg.wire_dtype)  # a ValueError naming the bad format, before any rank starts
     if cfg.grad_sync not in ("overlap", "after"):
@@ -244,7 +244,7 @@ def _check_ep_size(cfg: TrainConfig, world: int) -> None:
 
 def plot_losses(curves: dict[str, list[float]], path: str | Path,
                 title: str = "tiny Mixtral on Python's standard library") -> Path:
-    from .plot import pyplot
+    from ..observation.plot import pyplot
 
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, losses in curves.items():
@@ -284,7 +284,7 @@ def write_json(path: str | Path, curves: dict[str, Any], cfg: TrainConfig) -> No
     Path(path).write_text(json.dumps({"config": asdict(cfg), "runs": curves}, indent=2))
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node N -m mc2.train [mc2 train options]
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m mc2.tools.train [mc2 train options]
     from .cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

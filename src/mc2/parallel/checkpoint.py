@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .comm import initialized
+from ..engine.comm import initialized
 from .expert_shards import ExpertShard, expert_shards
 
 EXTRA_KEY = "mc2.extra"

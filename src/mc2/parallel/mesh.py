@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .comm import group_rank, group_size, initialized
+from ..engine.comm import group_rank, group_size, initialized
 
 MESH_DIMS = ("dp", "ep")
 

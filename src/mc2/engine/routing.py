@@ -3,7 +3,7 @@
 Everything here is local bookkeeping on integer tensors, computed once per call and reused by
 the backward pass (the gradient travels the same routes in the same micro-batches). The only
 communication is the single up-front exchange of per-micro-batch counts (see
-:func:`mc2.comm.exchange_counts`), so the pipeline never stops for a small message per chunk.
+:func:`mc2.engine.comm.exchange_counts`), so the pipeline never stops for a small message per chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class MicroBatchRoute:
             for a two-stage one; then local expert) into expert-grouped order (local expert,
             then source rank); ``None`` when no reordering is needed.
         exchange: moves this micro-batch's rows (``dispatch``) and back (``combine``): a
-            :class:`~mc2.comm.FlatExchange` or a :class:`~mc2.hierarchy.TwoStageExchange`.
+            :class:`~mc2.engine.comm.FlatExchange` or a :class:`~mc2.engine.hierarchy.TwoStageExchange`.
     """
 
     pair_order: Tensor
@@ -179,11 +179,11 @@ def build_handle(
         order: ``[T * topk]`` from :func:`local_send_counts`.
         send_counts: ``[K, E]`` from :func:`local_send_counts`.
         recv_counts: ``[world, K, local_experts]`` rows each source rank sends to this rank's
-            experts, per micro-batch (from :func:`mc2.comm.exchange_counts`).
+            experts, per micro-batch (from :func:`mc2.engine.comm.exchange_counts`).
         group: the group the flat exchanges run on.
         two_stage: ``i -> (exchange, arrival order)`` for a hierarchical exchange; ``None``:
             flat.
-        workspace: the :class:`~mc2.workspace.Workspace` flat exchanges receive into.
+        workspace: the :class:`~mc2.engine.workspace.Workspace` flat exchanges receive into.
     """
     num_tokens, topk = expert_ids.shape
     num_micro = send_counts.shape[0]

@@ -2,10 +2,10 @@
 ``benchmarks/`` print.
 
 Every repeat runs every mode once, in a rotating order, so that machine noise hits all modes
-alike; each mode keeps its own :class:`~mc2.workspace.Workspace`, so each is measured with its
+alike; each mode keeps its own :class:`~mc2.engine.workspace.Workspace`, so each is measured with its
 buffers warm, as a job running only that mode would be; each step is forward + backward of
 :func:`mc2.fused_expert_packed`, timed from a barrier to the slowest rank's end. Where the time
-went comes from the :class:`~mc2.timeline.Timeline` spans:
+went comes from the :class:`~mc2.observation.timeline.Timeline` spans:
 ``compute`` (expert math and permutes), exposed communication (synchronous collectives plus
 waits on asynchronous ones), and the rest (autograd, allocation, the weighted sum).
 """
@@ -20,15 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import metrics
+from ..engine.experts import ExpertWeights
+from ..engine.ops import fused_expert_packed
+from ..engine.planner import planner_for, predict
+from ..engine.wire import parse_wire_dtype, wire_problem
+from ..engine.workspace import Workspace
+from ..observation import metrics
+from ..observation.profiler import profile
+from ..observation.timeline import Span, Timeline
 from .launch import run_local
-from .experts import ExpertWeights
-from .ops import fused_expert_packed
-from .planner import planner_for, predict
-from .profiler import profile
-from .timeline import Span, Timeline
-from .wire import parse_wire_dtype, wire_problem
-from .workspace import Workspace
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -54,7 +54,7 @@ class BenchConfig:
     hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
     malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
-    wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.wire names)
+    wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.engine.wire names)
     wire_block: int = 128  # channels per scale of the quantised formats
 
     def __post_init__(self) -> None:

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine.ops import fused_expert
+from ..tools.launch import run_local
 from . import metrics
-from .launch import run_local
-from .ops import fused_expert
 from .timeline import Timeline
 
 PARTS = ("embedding + gate", "dispatch", "experts", "combine", "attention + residual + norm")
