@@ -20,6 +20,22 @@ def test_help_explains_commands(capsys) -> None:
     assert "demo" in text and "bench" in text
 
 
+def test_python_dash_m_mc2_is_the_command_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "mc2", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "simulate" in proc.stdout
+
+
+def test_public_names_survive_the_package_layout() -> None:
+    import mc2
+    from mc2.parallel import checkpoint
+
+    assert mc2.checkpoint is checkpoint and callable(mc2.checkpoint.save)
+    assert issubclass(mc2.WireFormatWarning, UserWarning)
+    with pytest.raises(AttributeError):
+        mc2.no_such_name  # noqa: B018
+
+
 def test_tiny_bench_prints_the_table(tmp_path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(

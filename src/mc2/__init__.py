@@ -2,12 +2,19 @@
 
 ``mc2.fused_expert`` runs dispatch All-to-All -> SwiGLU experts -> combine All-to-All as a
 micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
+
+The package has four parts: ``mc2.engine`` (the call), ``mc2.observation`` (timelines, traces,
+metrics), ``mc2.parallel`` (meshes, gradient sync, checkpoints) and ``mc2.tools`` (the command
+line). What a user calls is exported here; ``mc2.checkpoint`` is :mod:`mc2.parallel.checkpoint`,
+imported on first use (it pulls in torch.distributed.checkpoint).
 """
+
+from typing import Any
 
 from .engine import env, planner, topology
 from .engine.deadline import CommTimeout
 from .engine.ops import fused_expert, fused_expert_packed
-from .engine.planner import Planner
+from .engine.planner import Planner, WireFormatWarning
 from .engine.routing import DispatchHandle, MicroBatchRoute
 from .engine.workspace import Workspace
 from .layer import MoELayer, RouterLosses, load_full_state_dict
@@ -22,7 +29,15 @@ from .tools.launch import run_local
 __all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
            "CommTimeout", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync",
-           "load_full_state_dict", "profile", "Profiler", "Planner",
+           "load_full_state_dict", "profile", "Profiler", "Planner", "WireFormatWarning",
            "run_local", "Timeline", "Span",
            "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "checkpoint":
+        from .parallel import checkpoint
+
+        return checkpoint
+    raise AttributeError(f"module 'mc2' has no attribute {name!r}")
