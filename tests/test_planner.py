@@ -108,3 +108,13 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     # every call, trial or not, computes the same function
     for out in a["outs"][1:]:
         torch.testing.assert_close(out, a["outs"][0], rtol=0, atol=1e-5)
+
+
+def test_trials_keep_k1_unless_a_split_gains_min_gain() -> None:
+    from mc2.engine.planner import trial_winner
+
+    assert trial_winner((1, 2, 4), [1.00, 0.99, 1.20], 0.02) == 1  # 1% is within trial noise
+    assert trial_winner((1, 2, 4), [1.00, 0.97, 1.20], 0.02) == 2
+    assert trial_winner((1, 2, 4), [1.00, 1.10, 1.20], 0.02) == 1
+    assert trial_winner((2, 4), [1.00, 0.99], 0.02) == 4  # no K = 1 tried: the fastest
+    assert trial_winner((1, 4, -4), [1.00, 0.90, 0.89], 0.02) == -4  # plain rows: on time alone

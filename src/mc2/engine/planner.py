@@ -228,6 +228,22 @@ class _Trials:
                     if all(p in t for p in phases)) for k in self.candidates]
 
 
+def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
+    """The candidate to lock from its trial times (the group's slowest rank's).
+
+    The fastest, except that K = 1 stays unless a split measured at least ``min_gain`` faster:
+    K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within what two
+    trial calls on a busy host can tell apart. (A negative candidate, plain rows instead of the
+    wire format, wins on time alone.)
+    """
+    best = min(range(len(seconds)), key=seconds.__getitem__)
+    if candidates[best] > 1 and 1 in candidates:
+        serial = seconds[list(candidates).index(1)]
+        if seconds[best] > serial * (1 - min_gain):
+            return 1
+    return candidates[best]
+
+
 def _bucket(n: int) -> int:
     """Token counts within 1/16 of a power of two share their decisions."""
     step = max(1, 1 << max(0, n.bit_length() - 5))
@@ -252,7 +268,8 @@ class Planner:
 
     Args:
         candidates: the K values considered.
-        min_gain: with ``explore=1``, keep K = 1 unless the model predicts this relative gain.
+        min_gain: keep K = 1 unless another K gains this much: as the model predicts it with
+            ``explore=1``, as the trial calls measured it otherwise (:func:`trial_winner`).
         repeats: timing repeats per calibration measurement (medians are used).
         explore: how many of the model's best K the real calls try (K = 1 always among them).
         trials: calls per tried K (the best of them counts, so a cold first call does not).
@@ -333,7 +350,7 @@ class Planner:
             times = torch.tensor(state.scores(), dtype=torch.float64,
                                  device=comm_device(group, weights.down))
             slowest = all_reduce_max(times, group).cpu().tolist()
-            state.locked = state.candidates[min(range(len(slowest)), key=slowest.__getitem__)]
+            state.locked = trial_winner(state.candidates, slowest, self.min_gain)
             if state.locked < 0:
                 self._say_plain_rows_won(wire, weights, slowest, state)
         if state.locked is not None:
