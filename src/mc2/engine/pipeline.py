@@ -168,20 +168,17 @@ def run_pipeline(
     dispatches = {0: send(0, gather(0), async_op=True)}
     combines: dict[int, PendingTransfer | _Encoded] = {}
     # without local work the fill gets the link to itself (module docstring)
-    first_alone = steps.local is None and len(routes) > 1
+    first_alone = steps.local is None
     for i in range(len(routes)):
-        if i == 0 and first_alone:
-            issue_next = prepare(1, gather(1), 0)
-            with maybe_span(timeline, "wait", "dispatch", phase, 0):
-                received = waited(partial(dispatches.pop, 0), "dispatch", 0)
-            dispatches[1] = issue_next(True)
-        else:
-            if i + 1 < len(routes):
-                dispatches[i + 1] = send(i + 1, gather(i + 1), async_op=True)
-            if i == 0:
-                local()
-            with maybe_span(timeline, "wait", "dispatch", phase, i):
-                received = waited(partial(dispatches.pop, i), "dispatch", i)
+        issue_next = prepare(i + 1, gather(i + 1), 0) if i + 1 < len(routes) else None
+        if issue_next is not None and not (i == 0 and first_alone):
+            dispatches[i + 1], issue_next = issue_next(True), None
+        if i == 0:
+            local()
+        with maybe_span(timeline, "wait", "dispatch", phase, i):
+            received = waited(partial(dispatches.pop, i), "dispatch", i)
+        if issue_next is not None:
+            dispatches[i + 1] = issue_next(True)
         combines[i] = combine(i, compute(i, received), async_op=True)
         deferred(i)
         if i >= 1:
