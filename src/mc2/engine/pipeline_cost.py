@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
+
 
 def overlapped_pass(compute: Sequence[float], transfer: Sequence[float], *, local: float = 0.0,
                     interference: float = 0.0) -> tuple[float, float]:
@@ -45,3 +47,23 @@ def serial_pass(compute: Sequence[float], transfer: Sequence[float], *, local: f
     """``(pass seconds, exposed communication seconds)`` when nothing overlaps."""
     comm = 2 * sum(transfer)
     return local + sum(compute) + comm, comm
+
+
+def training_step(compute: Sequence[float], transfer: Sequence[float], *, overlap: bool,
+                  local: float = 0.0, interference: float = 0.0) -> tuple[float, float]:
+    """``(seconds, exposed communication seconds)`` of a forward plus a backward pass.
+
+    ``compute`` and ``local`` are forward + backward totals; the forward takes
+    :data:`FORWARD_SHARE` of them. Each pass moves every micro-batch's rows twice.
+    """
+    total = exposed = 0.0
+    for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
+        c = [share * t for t in compute]
+        if overlap:
+            pass_s, pass_exposed = overlapped_pass(c, transfer, local=share * local,
+                                                   interference=interference)
+        else:
+            pass_s, pass_exposed = serial_pass(c, transfer, local=share * local)
+        total += pass_s
+        exposed += pass_exposed
+    return total, exposed

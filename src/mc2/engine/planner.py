@@ -46,14 +46,11 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, all_to_all_rows, barrier, comm_device, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
-from .pipeline_cost import overlapped_pass, serial_pass
+from .pipeline_cost import training_step
 from .routing import micro_batch_fractions
 from .wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
-
-FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
-
 
 @dataclass(frozen=True)
 class Calibration:
@@ -108,15 +105,8 @@ def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -
                        + (cal.row_overhead_s + work.codec_s_per_row) * rows)
         moved = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
         transfer.append(moved if work.world_size > 1 else 0.0)
-    step = exposed = 0.0
-    for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
-        c = [share * t for t in compute]
-        if not overlap or k == 1:
-            pass_time, pass_exposed = serial_pass(c, transfer)
-        else:
-            pass_time, pass_exposed = overlapped_pass(c, transfer, interference=cal.interference)
-        step += pass_time
-        exposed += pass_exposed
+    step, exposed = training_step(compute, transfer, overlap=overlap,
+                                  interference=cal.interference)
     return Prediction(k, step, sum(compute), 4 * sum(transfer), exposed)
 
 

@@ -27,12 +27,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..engine.pipeline_cost import overlapped_pass, serial_pass
+from ..engine.pipeline_cost import training_step
 from ..engine.routing import micro_batch_fractions
 from .presets import Hardware, Model
 
 Hierarchy = Literal["flat", "2d"]
-FORWARD_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -166,16 +165,8 @@ def simulate(s: Scenario) -> StepPrediction:
         per_row += 4 * 2 * m.hidden * (s.dtype_bytes + wire) / (hw.memory_gbps * 1e9)
 
     overlap = s.mc2 and is_async and k >= 1
-    moe = exposed = 0.0
-    for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
-        c = [(per_row * rows * fraction + per_micro_batch) * share for fraction in fractions]
-        shared = shared_s * share
-        if overlap:
-            pass_s, pass_exposed = overlapped_pass(c, transfers, local=shared)
-        else:
-            pass_s, pass_exposed = serial_pass(c, transfers, local=shared)
-        moe += pass_s
-        exposed += pass_exposed
+    c = [per_row * rows * fraction + per_micro_batch for fraction in fractions]
+    moe, exposed = training_step(c, transfers, overlap=overlap, local=shared_s)
     other = 3 * (f["attention"] + f["router"]) / flops
     per_layer = moe + other
     dense = m.dense_layers * 3 * (f["attention"] + f["dense_ffn"]) / flops
