@@ -57,6 +57,30 @@ def test_a_round_trip_stays_within_eps_of_the_block_maximum(kind) -> None:
     assert tiny <= EPS[kind] * 1.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", [FP8, "int8"], ids=str)
+def test_half_precision_rows_decode_finite_at_every_block_scale(kind, dtype) -> None:
+    """Scales stay float32 whatever the compute dtype: with float16 rows a small block's
+    reciprocal scale would overflow to inf and its zeros decode to NaN."""
+    g = torch.Generator().manual_seed(1)
+    fmt = WireFormat(kind, block=16)
+    for block_max in (1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4):
+        rows = torch.rand(16, 64, generator=g, dtype=torch.float64) * 2 - 1
+        rows = (rows / rows.abs().view(16, 4, 16).amax(-1, keepdim=True).repeat_interleave(
+            16, -1).view(16, 64) * block_max)
+        rows[0] = 0.0
+        rows[1, :16] = 0.0  # a zero block beside non-zero ones
+        x = rows.to(dtype)
+        back = fmt.decode(fmt.encode(x), 64, dtype)
+        assert back.dtype == dtype and torch.isfinite(back).all(), (block_max, back)
+        assert torch.equal(back[0], x[0]) and torch.equal(back[1, :16], x[1, :16])
+        # the format's rounding, plus the half type's own spacing at this magnitude
+        spacing = max(torch.finfo(dtype).eps * block_max, torch.finfo(dtype).smallest_normal
+                      * torch.finfo(dtype).eps)
+        err = (back.double() - x.double()).abs().max().item()
+        assert err <= EPS[kind] * 1.01 * block_max + 2 * spacing, (block_max, err)
+
+
 @pytest.mark.parametrize("kind", [FP8, "int8"], ids=str)
 @pytest.mark.parametrize("magnitude", [1e5, 1e30])
 def test_huge_blocks_stay_finite(kind, magnitude) -> None:

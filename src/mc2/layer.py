@@ -125,7 +125,11 @@ class MoELayer(nn.Module):
         if flat.shape[0] == 0:
             zero = flat.sum()
             return RouterLosses(zero, zero)
-        share = torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+        # a scatter-add on the device: bincount would read its range back to the host
+        flat_ids = ids.reshape(-1)
+        share = torch.zeros(self.num_experts, dtype=torch.float32, device=flat.device)
+        share.index_add_(0, flat_ids, torch.ones(flat_ids.shape, dtype=torch.float32,
+                                                 device=flat.device))
         share = share / ids.numel()
         balance = self.num_experts * (share * probs.mean(0)).sum()
         z = torch.logsumexp(flat, -1).pow(2).mean()

@@ -7,40 +7,54 @@ the All-to-All layout. The result is a :class:`~mc2.engine.function.CallPlan` th
 Function runs.
 
 Collectives and host synchronisations per call (counted, flat layout): one ``all_reduce`` (the
-handshake: errors, shared values, the group's largest token count), one ``all_to_all`` of
-counts, then ``2K`` All-to-Alls of rows forward and ``2K`` backward. ``"auto"`` adds one
-``all_reduce`` per shape once its trials are done (see :mod:`mc2.engine.planner`), and its calibration
-once per group and weight shape.
+handshake: errors, shared values, the group's largest token count, the expert-id range) and one
+``all_to_all`` of counts, each followed by one device-to-host read, with one upload of host
+integers before the first; then ``2K`` All-to-Alls of rows forward and ``2K`` backward, which
+read nothing back (:mod:`mc2.engine.host`). The 2-D layout adds one ``all_gather`` of counts, read
+in the same copy as the others. ``"auto"`` adds one ``all_reduce`` and one read per shape once its
+trials are done (see :mod:`mc2.engine.planner`), and its calibration once per group and weight
+shape.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..observation.profiler import active_timeline
 from ..observation.timeline import Timeline, maybe_span
-from .comm import exchange_counts, gather_counts, group_size
-from .env import sync_reason, warn_sync_fallback
-from .experts import ExpertWeights, resolve_strategy
+from .comm import exchange_counts, gather_counts, group_size, is_local, style_of
+from .env import warn_sync_fallback
+from .experts import ExpertWeights
 from .function import CallPlan
-from .hierarchy import two_stage_pays, two_stage_plan
+from .gemm_strategy import resolve_strategy, strategy_problem
+from .hierarchy import TwoStagePlan, two_stage_pays
 from .planner import Planner, planner_for
-from .routing import build_handle, local_send_counts, micro_batch_fractions
+from .routing import (
+    CountsExchange,
+    build_handle,
+    local_send_counts,
+    micro_batch_fractions,
+    read_counts,
+)
 from .topology import topology_for
-from .validation import agree, local_problem, nonfinite_problem, shared_problem
+from .validation import HIERARCHY_CODES, agree, local_problem, shared_problem
 from .wire import NONE, WireFormat, wire_pair, wire_problem
 from .workspace import Workspace, default_workspace
 
+_DTYPES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+# what every rank must pass alike, agreed in the handshake (0 means 'auto' for micro_batches)
+SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hidden size",
+                "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
+                "wire_dtype (dispatch)", "wire_dtype (combine)")
 
-def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeline | None,
-               rows_per_rank: int, like: Tensor, wire: tuple[WireFormat, WireFormat]
-               ) -> Callable[[int], tuple[Any, list[int]]] | None:
-    """The per-micro-batch two-stage exchanges, or ``None`` where a flat one is right.
+
+def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
+                     rows_per_rank: int, like: Tensor, wire: tuple[WireFormat, WireFormat]
+                     ) -> tuple[Any, Any] | None:
+    """``(topology, (intra, inter) groups)`` where the 2-D exchange is right, else ``None``.
 
     ``"auto"`` takes the 2-D exchange only on several nodes of several ranks each, and only
     where it measured faster than the flat one for this size (:func:`two_stage_pays`), with
@@ -64,10 +78,7 @@ def _two_stage(hierarchy: str, send_totals: Tensor, group: Any, timeline: Timeli
                                   device=like.device)
         if not pays:
             return None
-    with maybe_span(timeline, "comm", "counts", "forward"):
-        totals = gather_counts(send_totals, group)  # [world(src), K, world(dst)]
-    return lambda i: two_stage_plan(totals, i, rank=topo.rank, nodes=topo.nodes,
-                                    per_node=per_node, intra_group=intra, inter_group=inter)
+    return topo, (intra, inter)
 
 
 def _combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor) -> Tensor:
@@ -103,8 +114,11 @@ def plan_call(
     if timeline is None:
         timeline = active_timeline()
     world = group_size(group)
-    if overlap is True and world > 1:
-        reason = sync_reason(dist.get_backend(group))
+    device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+    if timeline is not None:
+        timeline.bind(device)
+    if overlap is True and not is_local(group):
+        reason = style_of(group, device).sync_reason
         if reason is not None:
             warn_sync_fallback(reason)
             overlap = False
@@ -116,9 +130,8 @@ def plan_call(
         x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
         num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
         hierarchy=hierarchy,
-    ) or shared_problem(x, *shared) or wire_problem(wire_dtype, wire_block, x.shape[-1])
-    if problem is None and check_finite:
-        problem = nonfinite_problem(x, routing_weights)
+    ) or shared_problem(x, *shared) or wire_problem(wire_dtype, wire_block, x.shape[-1]) \
+        or strategy_problem(gemm, x.dtype)
     wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)
     weights = None
     if problem is None:
@@ -130,51 +143,67 @@ def plan_call(
     tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
                if isinstance(t, Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    auto = micro_batches == "auto"
+    plan_with = (planner or planner_for(group)) if auto and overlap else None
+    capacity = max(plan_with.candidates) if plan_with is not None else \
+        (1 if auto else micro_batches)
+    facts = dict.fromkeys(SHARED_FACTS, 0)  # the same keys on every rank, valid or not
+    if weights is not None:
+        facts.update(zip(SHARED_FACTS, (
+            0 if auto else micro_batches, capacity, x.shape[-1], weights.ffn,
+            weights.local_experts, _DTYPES[x.dtype], int(overlap), int(needs_grad),
+            HIERARCHY_CODES[hierarchy], wire[0].code, wire[1].code)))
     with maybe_span(timeline, "comm", "handshake", "forward"):
-        agreement = agree(
-            problem, x=x,
-            experts=None if weights is None else (weights.local_experts, weights.ffn),
-            expert_ids=expert_ids, micro_batches=micro_batches, overlap=overlap,
-            needs_grad=needs_grad, group=group, hierarchy=hierarchy,
-            wire=(wire[0].code, wire[1].code),
-        )
+        agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
+                          shared=facts, group=group,
+                          total_experts=world * (weights.local_experts if weights else 0),
+                          check_finite=check_finite)
     assert weights is not None
-    strategy = resolve_strategy(gemm, x.dtype, x.device)
+    strategy = resolve_strategy(gemm, weights, x.device)
     local_experts, hidden = weights.local_experts, x.shape[-1]
 
     on_pass_done = None
-    if micro_batches == "auto":
+    if auto:
         k = 1
-        if overlap:
+        if plan_with is not None:
             with maybe_span(timeline, "compute", "plan", "forward"):
-                choice = (planner or planner_for(group)).choose(
+                choice = plan_with.choose(
                     max_tokens=agreement.max_tokens, topk=agreement.max_topk, weights=weights,
                     group=group, strategy=strategy, needs_grad=needs_grad, wire=wire)
             k, on_pass_done = choice.micro_batches, choice.on_pass_done
             if choice.plain_rows:  # the format measured slower here; the planner said so
                 wire = (NONE, NONE)
             if timeline is not None and choice.trial:  # exploration is visible, and bounded
-                now = time.perf_counter()
-                timeline.add("compute", f"auto trial K={k}", "forward", -1, now, now)
+                timeline.mark("compute", f"auto trial K={k}", "forward")
     else:
         k = int(micro_batches)
 
     x2d = x.reshape(-1, hidden)
     ids2d = expert_ids.reshape(x2d.shape[0], expert_ids.shape[-1])
     order, send_counts = local_send_counts(ids2d, world * local_experts, k)
+    counts = CountsExchange(k, capacity, world, local_experts)
     with maybe_span(timeline, "comm", "counts", "forward"):
-        recv_counts = exchange_counts(
-            send_counts.view(k, world, local_experts).transpose(0, 1).contiguous(), group
-        )
-    two_stage = None
+        payload = exchange_counts(counts.payload(send_counts), group)
+    two_d, totals = None, None
     if hierarchy != "flat" and world > 1:
         largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
-        two_stage = _two_stage(hierarchy, send_counts.view(k, world, local_experts).sum(-1),
-                               group, timeline, largest, x, wire)
+        two_d = _wants_two_stage(hierarchy, group, timeline, largest, x, wire)
+        if two_d is not None:
+            with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
+                totals = gather_counts(send_counts.view(k, world, local_experts).sum(-1), group)
+    host = read_counts(counts, send_counts, payload, totals)
+    two_stage = None
+    if two_d is not None:
+        topo, (intra, inter) = two_d
+        flat = host.extra
+        nested = [[flat[(src * k + i) * world:(src * k + i + 1) * world] for i in range(k)]
+                  for src in range(world)]
+        two_stage = TwoStagePlan(nested, totals, topo.rank, topo.nodes,
+                                 len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
     pool = workspace or default_workspace()
     handle = build_handle(
-        ids2d, order, send_counts, recv_counts, world_size=world, local_experts=local_experts,
-        group=group, two_stage=two_stage, workspace=pool,
+        ids2d, order, host, counts.received(payload), world_size=world,
+        local_experts=local_experts, group=group, two_stage=two_stage, workspace=pool,
     )
     call = CallPlan(handle=handle, group=group, overlap=overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,

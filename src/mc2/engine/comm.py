@@ -2,13 +2,16 @@
 
 Every function takes the group explicitly and never falls back to another communicator. A group
 of one rank (or no initialised ``torch.distributed``) is served locally without collectives, so
-the same code runs in a single process.
+the same code runs in a single process. Small control tensors (the handshake, the counts) live
+on the device of the call's data: the backend serving that device moves them (Gloo stages CUDA
+tensors through the host; NCCL moves them on the device).
 
-Device notes: with NCCL/HCCL, ``async_op=True`` enqueues the All-to-All on the backend's own
-communication stream after the current stream's pending work, and ``Work.wait()`` makes the
-current stream wait for it; the backend keeps the tensors alive while in flight and
-:class:`PendingTransfer` holds references until ``wait()`` returns, so no memory is reused
-under a running transfer. With Gloo the transfer runs on Gloo's worker threads.
+How a transfer is waited for depends on the backend serving the device
+(:mod:`mc2.engine.backend`): on a host backend (Gloo) ``wait`` blocks the caller, with the call's
+deadline; on a stream backend (NCCL, HCCL) it makes the current stream wait and returns at once,
+and the deadline is kept by :mod:`mc2.engine.watchdog`. Either way :class:`PendingTransfer` holds
+the send and receive buffers until its ``wait`` has been issued, and the backend keeps them
+alive on its stream until the transfer is done, so no memory is reused under a running transfer.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .backend import LOCAL, CommStyle, comm_style
+from .clock import clock_for
 from .deadline import current, wait_future, wait_work
-from .env import sync_reason
+from .env import force_collectives
+from .streams import side_stream
+from .watchdog import stream_wait
 from .workspace import Workspace
+
+# (issued, done) stamps of an asynchronous transfer: host seconds or device events
+OnComplete = Callable[[Any, Any], None]
 
 
 def initialized() -> bool:
@@ -45,11 +55,18 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def comm_device(group: Any, like: Tensor) -> torch.device:
-    """Device for small control tensors: CPU for Gloo, the data's device otherwise."""
-    if group_size(group) > 1 and dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return like.device
+def is_local(group: Any) -> bool:
+    """Whether ``group`` is served without collectives: one rank, unless
+    ``MC2_DEBUG_FORCE_COLLECTIVES`` asks for the distributed path anyway (a device check on a
+    world of one)."""
+    return group_size(group) == 1 and not (initialized() and force_collectives())
+
+
+def style_of(group: Any, device: torch.device) -> CommStyle:
+    """How ``group``'s collectives on ``device`` run (:func:`mc2.engine.backend.comm_style`)."""
+    if is_local(group):
+        return LOCAL
+    return comm_style(group, device)
 
 
 @dataclass
@@ -59,23 +76,37 @@ class PendingTransfer:
     Attributes:
         output: ``[sum(recv_splits), hidden]`` the receive buffer (valid after ``wait``).
         work: the backend's work handle, ``None`` when the transfer already completed.
-        issued_at: ``time.perf_counter()`` when the transfer was issued.
         keep_alive: tensors that must not be freed while the transfer runs (the send buffer).
         future: a ``concurrent.futures.Future`` whose result is the output (an exchange run on
             the communication thread), instead of ``work``.
+        operation: what moves, for error messages.
+        stream: the work completes on a device stream (its wait is stream-ordered).
+        issued_at: ``time.monotonic()`` at issue: a stream backend's deadline counts from it.
+        group: the group the transfer runs on (what a timed-out stream wait aborts).
     """
 
     output: Tensor | None
     work: Any = None
-    issued_at: float = 0.0
     keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)
     future: Any = None
     operation: str = "exchange"
+    stream: bool = False
+    issued_at: float = 0.0
+    group: Any = None
 
-    def wait(self) -> Tensor:
-        """The received rows; :class:`~mc2.engine.deadline.CommTimeout` past the call's deadline."""
+    def wait(self, *, micro_batch: int | None = None, phase: str | None = None) -> Tensor:
+        """The received rows; :class:`~mc2.engine.deadline.CommTimeout` past the call's deadline.
+
+        On a stream backend the rows are ready for work queued on the current stream after this
+        returns; the host does not wait for them.
+        """
         if self.work is not None:
-            wait_work(self.work, self.operation)
+            if self.stream:
+                stream_wait(self.work, self.operation, deadline_s=current(),
+                            issued_at=self.issued_at, micro_batch=micro_batch, phase=phase,
+                            group=self.group)
+            else:
+                wait_work(self.work, self.operation)
             self.work = None
         if self.future is not None:
             self.output = wait_future(self.future, self.operation)
@@ -85,6 +116,21 @@ class PendingTransfer:
         return self.output
 
 
+def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete) -> None:
+    """Report when an asynchronous transfer completes: from the backend's future on a host
+    backend, from an event behind the transfer on a side stream on a stream backend."""
+    if not style.stream:
+        issued = time.perf_counter()
+        work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
+        return
+    clock = clock_for(rows.device)
+    start = clock.stamp()  # the collective starts after the work queued before it
+    observer = side_stream(rows.device, "observer")
+    with observer:
+        work.wait()  # the observer stream, not the caller's, waits for the transfer
+        on_complete(start, clock.stamp(observer))
+
+
 def all_to_all_rows(
     rows: Tensor,
     send_splits: list[int],
@@ -92,35 +138,39 @@ def all_to_all_rows(
     group: Any,
     *,
     async_op: bool,
-    on_complete: Callable[[float, float], None] | None = None,
+    on_complete: OnComplete | None = None,
     workspace: Workspace | None = None,
     operation: str = "exchange",
+    output: Tensor | None = None,
 ) -> PendingTransfer:
     """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
 
     Rows ``[sum(send_splits[:j]), sum(send_splits[:j+1]))`` go to rank ``j``; the result holds
     the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``. ``on_complete(issued,
-    done)`` is called with ``perf_counter`` times when an asynchronous transfer completes (from
-    the backend's thread); used for profiling only.
+    done)`` receives the transfer's stamps (host seconds or device events, see
+    :mod:`mc2.engine.clock`) when it is asynchronous; used for profiling only. ``output``:
+    the receive buffer, when the caller already has one.
     """
-    issued = time.perf_counter()
-    if group_size(group) == 1:
-        return PendingTransfer(output=rows, issued_at=issued)
+    if is_local(group):
+        return PendingTransfer(output=rows)
     rows = rows.contiguous()
-    shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
-    output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
+    if output is None:
+        shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
+        output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
+    style = style_of(group, rows.device)
     if not async_op:
         collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,
                                                      group=group, async_op=a),
-                   group, operation)
-        return PendingTransfer(output=output, issued_at=issued, operation=operation)
+                   group, operation, rows.device)
+        return PendingTransfer(output=output, operation=operation)
+    issued = time.monotonic()
     work = dist.all_to_all_single(
         output, rows, recv_splits, send_splits, group=group, async_op=True
     )
     if on_complete is not None:
-        work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
-    return PendingTransfer(output=output, work=work, issued_at=issued, keep_alive=(rows,),
-                           operation=operation)
+        _observe(work, style, rows, on_complete)
+    return PendingTransfer(output=output, work=work, keep_alive=(rows,), operation=operation,
+                           stream=style.stream, issued_at=issued, group=group)
 
 
 @dataclass(frozen=True)
@@ -133,86 +183,94 @@ class FlatExchange:
     workspace: Workspace | None = None  # where receive buffers come from
 
     def dispatch(self, rows: Tensor, *, async_op: bool,
-                 on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+                 on_complete: OnComplete | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.send_splits, self.recv_splits, self.group,
                                async_op=async_op, on_complete=on_complete,
-                               workspace=self.workspace)
+                               workspace=self.workspace, operation="dispatch")
 
     def combine(self, rows: Tensor, *, async_op: bool,
-                on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+                on_complete: OnComplete | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group,
                                async_op=async_op, on_complete=on_complete,
-                               workspace=self.workspace)
+                               workspace=self.workspace, operation="combine")
 
 
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     """The one up-front exchange of per-micro-batch, per-expert row counts.
 
     Args:
-        send_counts: ``[world, K, local_experts] int64``: rows this rank sends to each rank's
-            local experts in each micro-batch (destination-major).
+        send_counts: ``[world, n] int64``: what this rank tells each rank (destination-major).
 
     Returns:
-        ``[world, K, local_experts] int64``: rows each source rank sends to *this* rank's
-        experts (source-major).
+        ``[world, n] int64``: what each rank told this one (source-major).
     """
-    if group_size(group) == 1:
+    if is_local(group):
         return send_counts.clone()
     send = send_counts.contiguous()
     recv = torch.empty_like(send)
     collective(lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a), group,
-               "counts exchange")
+               "counts exchange", send.device)
     return recv
 
 
 def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
-    """Every rank's per-micro-batch row counts to every rank: ``[world(src), K, world(dst)]``.
+    """Every rank's tensor to every rank: ``[world, *send_totals.shape]``.
 
     Args:
-        send_totals: ``[K, world] int64`` rows this rank sends to each rank per micro-batch.
+        send_totals: e.g. ``[K, world] int64`` rows this rank sends to each rank per
+            micro-batch.
     """
-    if group_size(group) == 1:
+    if is_local(group):
         return send_totals.unsqueeze(0).clone()
-    parts = [torch.empty_like(send_totals) for _ in range(group_size(group))]
     send = send_totals.contiguous()
+    parts = [torch.empty_like(send) for _ in range(group_size(group))]
     collective(lambda a: dist.all_gather(parts, send, group=group, async_op=a), group,
-               "counts gather")
+               "counts gather", send.device)
     return torch.stack(parts)
 
 
 def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement") -> Tensor:
     """Element-wise maximum over the group (identity for one rank)."""
-    if group_size(group) == 1:
+    if is_local(group):
         return values
     values = values.clone()
     collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group,
-                                         async_op=a), group, operation)
+                                         async_op=a), group, operation, values.device)
     return values
 
 
-def barrier(group: Any, operation: str = "barrier") -> None:
-    """``dist.barrier`` under the call's deadline."""
-    if group_size(group) > 1:
-        collective(lambda a: dist.barrier(group=group, async_op=a), group, operation)
+def barrier(group: Any, operation: str = "barrier", device: torch.device | None = None) -> None:
+    """A barrier under the call's deadline: a one-element ``all_reduce`` on ``device`` (a
+    ``dist.barrier`` on NCCL guesses a device and may pick the wrong one)."""
+    if not is_local(group):
+        all_reduce_max(torch.zeros(1, device=device or "cpu"), group, operation)
 
 
-def collective(issue: Callable[[bool], Any], group: Any, operation: str) -> None:
+def collective(issue: Callable[[bool], Any], group: Any, operation: str,
+               device: torch.device | str | None = None) -> None:
     """Run a collective to completion under the call's deadline (:mod:`mc2.engine.deadline`).
 
-    ``issue(async_op)`` starts it. With a deadline and an asynchronous backend it is issued
-    asynchronously and waited for with the deadline; otherwise (no deadline, or
-    ``MC2_FORCE_SYNC`` / a backend without asynchronous collectives) it runs synchronously and
-    only the process group's own timeout applies.
+    ``issue(async_op)`` starts it. Without a deadline, or on a backend without asynchronous
+    collectives (or ``MC2_FORCE_SYNC``), it runs synchronously and only the process group's own
+    timeout applies. Otherwise it is issued asynchronously and waited for: on a host backend
+    with the deadline; on a stream backend stream-ordered, watched by the watchdog ("to
+    completion" then means: for every later use on the current stream).
     """
-    if current() is None or sync_reason(dist.get_backend(group)) is not None:
+    style = style_of(group, torch.device(device or "cpu"))
+    if current() is None or not style.asynchronous:
         issue(False)
         return
-    wait_work(issue(True), operation)
+    issued = time.monotonic()
+    work = issue(True)
+    if style.stream:
+        stream_wait(work, operation, deadline_s=current(), issued_at=issued, group=group)
+    else:
+        wait_work(work, operation)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:
     """Every rank's ``obj`` (used only on the error path, where cost does not matter)."""
-    if group_size(group) == 1:
+    if is_local(group):
         return [obj]
     out: list[Any] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)

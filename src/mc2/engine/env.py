@@ -7,6 +7,10 @@
 * ``MC2_TIMEOUT=<seconds>``: the deadline of every wait of ``fused_expert`` when its
   ``timeout=`` is not given (default 300; ``0``: none of mc2's own). Read by
   :func:`mc2.engine.deadline.resolve_timeout`.
+* ``MC2_DEBUG_FORCE_COLLECTIVES=1``: a group of one rank runs the distributed path anyway
+  (handshake, counts exchange, All-to-Alls to itself) instead of computing locally; for a
+  device check on a machine with one accelerator (an NCCL world of one exercises the streams,
+  the waits and the host reads of the real path). Never needed otherwise.
 * ``MC2_DEBUG_SAVE_DELAY_S=<seconds>``: ``mc2 train`` waits this long between writing a
   checkpoint and publishing it (the rename), so that a test, or a user rehearsing recovery, can
   kill the job in the middle of a save. Never needed otherwise.
@@ -17,10 +21,6 @@ from __future__ import annotations
 import os
 import warnings
 
-# backends whose collectives accept async_op=True and progress on their own threads/streams
-ASYNC_BACKENDS = frozenset({"gloo", "nccl", "hccl", "mpi", "ucc", "xccl", "fake"})
-
-
 class SyncFallbackWarning(UserWarning):
     """Overlap was requested but communication runs synchronously."""
 
@@ -29,13 +29,9 @@ def force_sync() -> bool:
     return os.environ.get("MC2_FORCE_SYNC", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def sync_reason(backend: str | None) -> str | None:
-    """Why asynchronous communication cannot be used, or ``None`` when it can."""
-    if force_sync():
-        return "MC2_FORCE_SYNC is set"
-    if backend is not None and backend not in ASYNC_BACKENDS:
-        return f"backend {backend!r} is not known to support asynchronous collectives"
-    return None
+def force_collectives() -> bool:
+    return os.environ.get("MC2_DEBUG_FORCE_COLLECTIVES", "").strip().lower() in (
+        "1", "true", "yes", "on")
 
 
 def warn_sync_fallback(reason: str) -> None:

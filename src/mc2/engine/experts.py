@@ -15,10 +15,9 @@ in memory by a call:
   ``weights_up/weights_gate/weights_down`` signature; two GEMMs where packed runs one.
 
 Two GEMM strategies compute the same thing: ``"loop"`` (one ``torch.mm`` per non-empty expert,
-writing into preallocated slices) and ``"grouped"`` (``torch.nn.functional.grouped_mm``).
-``"auto"`` takes ``loop``: on CPU (torch 2.13, one thread) the two are within a few percent
-with ``loop`` ahead on small experts, and on an H200 (bf16, 8 experts of 4096x3584, 32768 rows)
-``loop`` took 13.6 ms against 15.1 ms.
+writing into preallocated slices) and ``"grouped"`` (``torch.nn.functional.grouped_mm``: one
+launch for all experts, its offsets built on the device). ``"auto"`` measures both once per
+weight shape, dtype and device (:mod:`mc2.engine.gemm_strategy`).
 
 Weight gradients are *written*, not zero-filled and accumulated: the first micro-batch that
 touches an expert writes its gradient with ``mm(out=...)``, later ones add to it, and only the
@@ -29,16 +28,12 @@ from a :class:`~mc2.engine.workspace.Workspace`, so steady-state calls do not al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .workspace import Workspace
 
-GemmStrategy = Literal["auto", "grouped", "loop"]
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -103,16 +98,6 @@ class ExpertWeights:
                              pick(self.up))
 
 
-def resolve_strategy(strategy: GemmStrategy, dtype: torch.dtype, device: torch.device) -> str:
-    """Turn ``"auto"`` into a concrete strategy; reject ``"grouped"`` where it cannot run."""
-    if strategy not in ("auto", "grouped", "loop"):
-        raise ValueError(f"gemm must be 'auto', 'grouped' or 'loop', got {strategy!r}")
-    grouped_ok = hasattr(F, "grouped_mm") and dtype in _GROUPED_DTYPES
-    if strategy == "grouped" and not grouped_ok:
-        raise ValueError(f"gemm='grouped' needs float32/bfloat16/float16, got {dtype}; use 'loop'")
-    return "loop" if strategy == "auto" else strategy
-
-
 def _ranges(counts: list[int]) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` for every expert with at least one row."""
     out, start = [], 0
@@ -124,17 +109,24 @@ def _ranges(counts: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _offsets(counts: list[int], device: torch.device) -> Tensor:
+    """``grouped_mm``'s ``offs`` from host counts. The pipeline passes offsets built on the
+    device instead (:attr:`mc2.engine.routing.MicroBatchRoute.expert_offsets`); one group needs
+    no upload either."""
+    if len(counts) == 1:
+        return torch.full((1,), counts[0], dtype=torch.int32, device=device)
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
 def _per_expert(a: Tensor, w: Tensor, counts: list[int], strategy: str, out: Tensor,
-                accumulate: bool = False) -> Tensor:
+                accumulate: bool = False, offsets: Tensor | None = None) -> Tensor:
     """``out[rows of l] (+)= a[rows of l] @ w[l]`` for every local expert ``l``.
 
     ``w`` may be a transposed view (``[L, in, out]`` with any strides): BLAS reads it in place.
+    ``offsets``: the running ends of ``counts`` on the device, for ``"grouped"``.
     """
     if strategy == "grouped":
-        result = F.grouped_mm(a, w, offs=_offsets(counts, a.device))
+        offs = offsets if offsets is not None else _offsets(counts, a.device)
+        result = F.grouped_mm(a, w, offs=offs)
         return out.add_(result) if accumulate else out.copy_(result)
     for expert, start, stop in _ranges(counts):
         if accumulate:
@@ -163,6 +155,7 @@ def swiglu_forward(
     strategy: str,
     keep_activations: bool,
     workspace: Workspace | None = None,
+    offsets: Tensor | None = None,
 ) -> tuple[Tensor, ExpertActivations | None]:
     """Expert outputs ``[R, H]`` for expert-grouped rows ``x [R, H]``.
 
@@ -170,23 +163,25 @@ def swiglu_forward(
         counts: rows per local expert, ``sum(counts) == R``.
         strategy: ``"grouped"`` or ``"loop"`` (see :func:`resolve_strategy`).
         keep_activations: return what :func:`swiglu_backward_input` needs.
+        offsets: ``counts``' running ends on the device (``"grouped"`` needs them).
     """
     ws = workspace or Workspace.transient()
     rows, ffn = x.shape[0], weights.ffn
     gate_up = ws.empty((rows, 2 * ffn), x.dtype, x.device)
     if rows:
         if weights.packed:
-            _per_expert(x, weights.gate_up.transpose(1, 2), counts, strategy, gate_up)
+            _per_expert(x, weights.gate_up.transpose(1, 2), counts, strategy, gate_up,
+                        offsets=offsets)
         else:
-            _per_expert(x, weights.gate, counts, strategy, gate_up[:, :ffn])
-            _per_expert(x, weights.up, counts, strategy, gate_up[:, ffn:])
+            _per_expert(x, weights.gate, counts, strategy, gate_up[:, :ffn], offsets=offsets)
+            _per_expert(x, weights.up, counts, strategy, gate_up[:, ffn:], offsets=offsets)
     act = ws.empty((rows, ffn), x.dtype, x.device)
     torch.ops.aten.silu.out(gate_up[:, :ffn], out=act)
     act.mul_(gate_up[:, ffn:])
     y = ws.empty((rows, weights.hidden), x.dtype, x.device)
     down = weights.down.transpose(1, 2) if weights.packed else weights.down
     if rows:
-        _per_expert(act, down, counts, strategy, y)
+        _per_expert(act, down, counts, strategy, y, offsets=offsets)
     return y, (ExpertActivations(x, gate_up) if keep_activations else None)
 
 
@@ -205,6 +200,7 @@ class WeightGradInputs:
     grad_y: Tensor  # [R, H]
     grad_gate_up: Tensor  # [R, 2F]
     counts: list[int]
+    offsets: Tensor | None = None  # counts' running ends on the device
 
 
 def swiglu_backward_input(
@@ -215,6 +211,7 @@ def swiglu_backward_input(
     *,
     strategy: str,
     workspace: Workspace | None = None,
+    offsets: Tensor | None = None,
 ) -> tuple[Tensor, WeightGradInputs | None]:
     """Gradient w.r.t. the expert inputs ``[R, H]``, plus what the weight gradients need.
 
@@ -235,7 +232,7 @@ def swiglu_backward_input(
     gate, up = grad_gate_up[:, :ffn], grad_gate_up[:, ffn:]
     grad_act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
     _per_expert(grad_y, weights.down if weights.packed else weights.down.transpose(1, 2), counts,
-                strategy, grad_act)
+                strategy, grad_act, offsets=offsets)
     act = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
     torch.ops.aten.silu.out(gate, out=act)  # silu(gate); act = silu(gate) * up below
     grad_silu = ws.empty((rows, ffn), grad_y.dtype, grad_y.device)
@@ -247,12 +244,13 @@ def swiglu_backward_input(
     up.copy_(grad_act)
     del grad_act
     if weights.packed:
-        _per_expert(grad_gate_up, weights.gate_up, counts, strategy, grad_x)
+        _per_expert(grad_gate_up, weights.gate_up, counts, strategy, grad_x, offsets=offsets)
     else:
-        _per_expert(grad_gate_up[:, :ffn], weights.gate.transpose(1, 2), counts, strategy, grad_x)
+        _per_expert(grad_gate_up[:, :ffn], weights.gate.transpose(1, 2), counts, strategy, grad_x,
+                    offsets=offsets)
         _per_expert(grad_gate_up[:, ffn:], weights.up.transpose(1, 2), counts, strategy, grad_x,
-                    accumulate=True)
-    return grad_x, WeightGradInputs(saved.x, act, grad_y, grad_gate_up, counts)
+                    accumulate=True, offsets=offsets)
+    return grad_x, WeightGradInputs(saved.x, act, grad_y, grad_gate_up, counts, offsets)
 
 
 class WeightGrads:
@@ -307,7 +305,8 @@ class WeightGrads:
 
     def _add_grouped(self, work: WeightGradInputs) -> None:
         g_gate_up, g_gate, g_up, g_down = self.grads
-        ffn, offs = self.weights.ffn, _offsets(work.counts, work.x.device)
+        ffn = self.weights.ffn
+        offs = work.offsets if work.offsets is not None else _offsets(work.counts, work.x.device)
         first = not any(self.touched)
         parts = ((g_gate_up, work.grad_gate_up.t(), work.x), (g_down, work.grad_y.t(), work.act)) \
             if self.weights.packed else \

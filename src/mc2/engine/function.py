@@ -20,7 +20,6 @@ rank). Every buffer comes from the call's :class:`~mc2.engine.workspace.Workspac
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..observation.timeline import Timeline, maybe_span
+from .clock import Interval, clock_for
 from .deadline import deadline
 from .experts import (
     ExpertActivations,
@@ -55,7 +55,8 @@ class CallPlan:
         keep_activations: whether a backward will follow (save what it needs).
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
-        on_pass_done: ``(phase, seconds)`` called after each pass, for ``"auto"``'s trials.
+        on_pass_done: ``(phase, interval)`` called after each pass, for ``"auto"``'s trials
+            (an :class:`~mc2.engine.clock.Interval`, read only when the planner decides).
         wire: ``(dispatch, combine)`` formats of each pass's two exchanges (:mod:`mc2.engine.wire`).
             The backward's exchanges use the same pair, and treat the rounding as the identity
             (straight-through): the gradient of a quantised transfer is taken to be 1.
@@ -68,7 +69,7 @@ class CallPlan:
     keep_activations: bool
     timeline: Timeline | None
     workspace: Workspace
-    on_pass_done: Callable[[str, float], None] | None = None
+    on_pass_done: Callable[[str, Interval], None] | None = None
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
     timeout: float | None = None  # seconds per wait (mc2.engine.deadline); the backward uses it too
 
@@ -114,7 +115,8 @@ class FusedExpertFunction(torch.autograd.Function):
         s_gate: Tensor | None,
         s_down: Tensor | None,
     ) -> Tensor:
-        started = time.perf_counter()
+        clock = clock_for(x.device)
+        started = clock.stamp() if call.on_pass_done is not None else None
         ws = call.workspace
         weights = ExpertWeights(down=down, gate_up=gate_up, gate=gate, up=up)
         shared_weights = _shared_weights(s_up, s_gate, s_down)
@@ -135,6 +137,7 @@ class FusedExpertFunction(torch.autograd.Function):
             y, activations[i] = swiglu_forward(
                 _to_expert_order(ws, route, received), route.expert_counts, weights,
                 strategy=call.strategy, keep_activations=call.keep_activations, workspace=ws,
+                offsets=route.expert_offsets,
             )
             return _to_receive_order(ws, route, y)
 
@@ -165,17 +168,20 @@ class FusedExpertFunction(torch.autograd.Function):
         if not call.keep_activations:
             ws.tick()
         if call.on_pass_done is not None:
-            call.on_pass_done("forward", time.perf_counter() - started)
+            call.on_pass_done("forward", Interval(clock, started, clock.stamp()))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        with deadline(ctx.call.timeout):  # autograd runs this outside the call's context
+        # autograd runs this outside the call's context: its deadline, and no autocast (the
+        # forward ran in one dtype; its GEMMs write into buffers of that dtype)
+        with deadline(ctx.call.timeout), torch.autocast(grad_out.device.type, enabled=False):
             return FusedExpertFunction._backward(ctx, grad_out)
 
     @staticmethod
     def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        started = time.perf_counter()
+        clock = clock_for(grad_out.device)
+        started = clock.stamp() if ctx.call.on_pass_done is not None else None
         if getattr(ctx, "consumed", False):
             raise RuntimeError("mc2.fused_expert: its backward consumes the saved activations and "
                                "runs once per forward; a second backward through the same graph "
@@ -213,7 +219,7 @@ class FusedExpertFunction(torch.autograd.Function):
             route = routes[i]
             grad_in, pending[i] = swiglu_backward_input(
                 _to_expert_order(ws, route, received), activations[i], route.expert_counts,
-                weights, strategy=call.strategy, workspace=ws,
+                weights, strategy=call.strategy, workspace=ws, offsets=route.expert_offsets,
             )
             activations[i] = None  # type: ignore[call-overload]  # free as we go
             return _to_receive_order(ws, route, grad_in)
@@ -255,5 +261,5 @@ class FusedExpertFunction(torch.autograd.Function):
             s_grads = (sg_up, sg_gate, sg_down)
         ws.tick()
         if call.on_pass_done is not None:
-            call.on_pass_done("backward", time.perf_counter() - started)
+            call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
         return (grad_x, g_gate_up, g_gate, g_up, g_down, grad_weights, None, *s_grads)

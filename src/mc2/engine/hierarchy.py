@@ -9,14 +9,22 @@ With ``N`` nodes of ``G`` ranks, rank ``(n, l)`` (node ``n``, local rank ``l``):
    destination's local rank over the fast link.
 
 The combine runs the two stages backwards. Rows arrive ordered by (forwarding local rank,
-source node, expert); :func:`mc2.engine.routing.expert_grouping_index` takes that arrival order, so the
-experts see exactly the rows, in exactly the order, of the flat exchange: the results are
-bitwise the flat ones.
+source node, expert); :func:`mc2.engine.routing.expert_grouping_indices` takes that arrival
+order, so the experts see exactly the rows, in exactly the order, of the flat exchange: the
+results are bitwise the flat ones.
 
-Both stages depend on each other, so an asynchronous two-stage exchange runs on a
-:class:`CommWorker`: one thread per process that executes exchanges one after another, in the
-order they were submitted. Every rank submits the same exchanges in the same order, so every
-group sees its collectives in the same order on all its members.
+The second stage needs the first's rows, permuted. How an asynchronous exchange chains them
+depends on the backend (:mod:`mc2.engine.backend`):
+
+* **stream backends** (NCCL, HCCL): everything is issued at once from the caller's thread, in
+  stream order. A side stream waits for stage 1, permutes, and issues stage 2; the caller's
+  ``wait`` makes its own stream wait for stage 2. The host never blocks and the compute stream
+  never waits for stage 1. Collectives of both sub-groups are issued from the one thread, in
+  the same order on every rank.
+* **host backends** (Gloo): a wait blocks its thread, so the chain runs on a
+  :class:`CommWorker`, one thread per process that executes exchanges one after another in the
+  order they were submitted (every rank submits the same exchanges in the same order, so every
+  sub-group sees its collectives in one order on all its members).
 """
 
 from __future__ import annotations
@@ -33,14 +41,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .clock import clock_for
 from .comm import (
     FlatExchange,
+    OnComplete,
     PendingTransfer,
     all_reduce_max,
     all_to_all_rows,
     barrier,
-    comm_device,
+    style_of,
 )
+from .routing import regroup_index
+from .streams import side_stream, wait_for_current
 
 
 class CommWorker:
@@ -72,7 +84,7 @@ _WORKER_LOCK = threading.Lock()
 
 
 def comm_worker() -> CommWorker:
-    """The process's communication thread, started on first use."""
+    """The process's communication thread, started on first use (host backends only)."""
     with _WORKER_LOCK:
         if not _WORKER:
             _WORKER.append(CommWorker())
@@ -91,11 +103,9 @@ class TwoStageExchange:
     intra_group: Any
     inter_group: Any
 
-    def _run(self, fn: Callable[[], Tensor], async_op: bool,
-             on_complete: Callable[[float, float], None] | None) -> PendingTransfer:
+    def _on_thread(self, fn: Callable[[], Tensor], on_complete: OnComplete | None
+                   ) -> PendingTransfer:
         issued = time.perf_counter()
-        if not async_op:
-            return PendingTransfer(output=fn(), issued_at=issued)
         context = contextvars.copy_context()  # the call's deadline holds on the thread too
 
         def job() -> Tensor:
@@ -104,62 +114,117 @@ class TwoStageExchange:
                 on_complete(issued, time.perf_counter())
             return out
 
-        return PendingTransfer(output=None, future=comm_worker().submit(job), issued_at=issued)
+        return PendingTransfer(output=None, future=comm_worker().submit(job),
+                               operation="two-stage exchange")
+
+    def _chained(self, rows: Tensor, first: tuple[list[int], list[int], Any],
+                 second: tuple[list[int], list[int], Any], between: Callable[[Tensor, Tensor], Any],
+                 name: str, on_complete: OnComplete | None) -> PendingTransfer:
+        """Stream backends: stage 1, ``between(stage-1 rows, out)``, stage 2, all queued now.
+
+        Every buffer is allocated on the caller's stream before the side stream touches it and
+        is held until the caller's wait: the caller's stream is then ordered after stage 2,
+        which starts after the side stream's permutation, so none is reused in flight.
+        """
+        (send1, recv1, group1), (send2, recv2, group2) = first, second
+        hidden = tuple(rows.shape[1:])
+        middle = torch.empty((sum(recv1),) + hidden, dtype=rows.dtype, device=rows.device)
+        staged = torch.empty((sum(send2),) + hidden, dtype=rows.dtype, device=rows.device)
+        output = torch.empty((sum(recv2),) + hidden, dtype=rows.dtype, device=rows.device)
+        side = side_stream(rows.device, f"two-stage {name}")
+        wait_for_current(side, rows.device)
+        with side:
+            all_to_all_rows(rows, send1, recv1, group1, async_op=True, output=middle,
+                            operation=f"{name} (first stage)").wait()
+            between(middle, staged)
+            last = all_to_all_rows(staged, send2, recv2, group2, async_op=True, output=output,
+                                   on_complete=on_complete, operation=f"{name} (second stage)")
+        last.keep_alive = (rows, middle, staged)
+        return last
 
     def dispatch(self, rows: Tensor, *, async_op: bool,
-                 on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+                 on_complete: OnComplete | None = None) -> PendingTransfer:
+        def permute(across: Tensor, out: Tensor) -> Tensor:
+            return torch.index_select(across, 0, self.intra_gather, out=out)
+
+        inter = (self.inter_send, self.inter_recv, self.inter_group)
+        intra = (self.intra_send, self.intra_recv, self.intra_group)
+        if async_op and style_of(self.inter_group, rows.device).stream:
+            return self._chained(rows, inter, intra, permute, "dispatch", on_complete)
+
         def run() -> Tensor:
-            across = all_to_all_rows(rows, self.inter_send, self.inter_recv, self.inter_group,
-                                     async_op=False).wait()
-            gather = self.intra_gather.to(across.device)
-            return all_to_all_rows(across.index_select(0, gather), self.intra_send,
-                                   self.intra_recv, self.intra_group, async_op=False).wait()
-        return self._run(run, async_op, on_complete)
+            across = all_to_all_rows(rows, *inter, async_op=False).wait()
+            return all_to_all_rows(across.index_select(0, self.intra_gather), *intra,
+                                   async_op=False).wait()
+        return self._on_thread(run, on_complete) if async_op else PendingTransfer(output=run())
 
     def combine(self, rows: Tensor, *, async_op: bool,
-                on_complete: Callable[[float, float], None] | None = None) -> PendingTransfer:
+                on_complete: OnComplete | None = None) -> PendingTransfer:
+        def unpermute(inside: Tensor, out: Tensor) -> Tensor:
+            return out.index_copy_(0, self.intra_gather, inside)
+
+        intra = (self.intra_recv, self.intra_send, self.intra_group)
+        inter = (self.inter_recv, self.inter_send, self.inter_group)
+        if async_op and style_of(self.inter_group, rows.device).stream:
+            return self._chained(rows, intra, inter, unpermute, "combine", on_complete)
+
         def run() -> Tensor:
-            inside = all_to_all_rows(rows, self.intra_recv, self.intra_send, self.intra_group,
-                                     async_op=False).wait()
-            staged = torch.empty_like(inside)
-            staged.index_copy_(0, self.intra_gather.to(inside.device), inside)
-            return all_to_all_rows(staged, self.inter_recv, self.inter_send, self.inter_group,
+            inside = all_to_all_rows(rows, *intra, async_op=False).wait()
+            return all_to_all_rows(unpermute(inside, torch.empty_like(inside)), *inter,
                                    async_op=False).wait()
-        return self._run(run, async_op, on_complete)
+        return self._on_thread(run, on_complete) if async_op else PendingTransfer(output=run())
 
 
-def two_stage_plan(totals: Tensor, micro_batch: int, *, rank: int, nodes: int, per_node: int,
-                   intra_group: Any, inter_group: Any) -> tuple[TwoStageExchange, list[int]]:
-    """This rank's exchange for one micro-batch, and the arrival order of source ranks.
+@dataclass(frozen=True)
+class TwoStagePlan:
+    """The two-stage exchanges of every micro-batch of one call.
 
     Args:
-        totals: ``[world(src), K, world(dst)]`` rows each rank sends each rank, per micro-batch
-            (every rank's send counts, gathered).
+        totals: ``[world(src)][K][world(dst)]`` rows each rank sends each rank (host, read with
+            the call's counts).
+        totals_device: the same on the device, where the stage-2 gathers are built.
     """
-    t = totals[:, micro_batch, :].tolist()
-    g = per_node
-    node, local = divmod(rank, g)
 
-    def rows(src_node: int, src_local: int, dst_local: int, dst_node: int = node) -> int:
-        return t[src_node * g + src_local][dst_node * g + dst_local]
+    totals: list[list[list[int]]]
+    totals_device: Tensor
+    rank: int
+    nodes: int
+    per_node: int
+    intra_group: Any
+    inter_group: Any
 
-    inter_send = [sum(rows(node, local, d, n) for d in range(g)) for n in range(nodes)]
-    inter_recv = [sum(rows(n, local, d) for d in range(g)) for n in range(nodes)]
-    # stage-1 receive buffer: per source node n, the rows of (n, local) for (node, d), d = 0..g-1
-    block_start, offset = {}, 0
-    for n in range(nodes):
-        for d in range(g):
-            block_start[n, d] = offset
-            offset += rows(n, local, d)
-    pieces = [torch.arange(block_start[n, d], block_start[n, d] + rows(n, local, d))
-              for d in range(g) for n in range(nodes) if rows(n, local, d)]
-    gather = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-    intra_send = [sum(rows(n, local, d) for n in range(nodes)) for d in range(g)]
-    intra_recv = [sum(rows(n, src, local) for n in range(nodes)) for src in range(g)]
-    arrival = [n * g + src for src in range(g) for n in range(nodes)]
-    exchange = TwoStageExchange(inter_send, inter_recv, gather, intra_send, intra_recv,
-                                intra_group, inter_group)
-    return exchange, arrival
+    def gathers(self) -> list[Tensor]:
+        """Per micro-batch, stage-1 arrival order (source node, destination local rank) ->
+        stage-2 send order (destination local rank, source node); built on the device."""
+        g, (node, local) = self.per_node, divmod(self.rank, self.per_node)
+        world, k, _ = self.totals_device.shape
+        mine = self.totals_device.view(self.nodes, g, k, self.nodes, g)[:, local, :, node, :]
+        lengths = mine.permute(1, 0, 2)  # [K, source node, destination local rank]
+        sizes = [sum(self.totals[n * g + local][i][node * g + d] for n in range(self.nodes)
+                     for d in range(g)) for i in range(k)]
+        return list(torch.split(regroup_index(lengths, (2, 1), sum(sizes)), sizes))
+
+    def exchange(self, micro_batch: int, gather: Tensor) -> TwoStageExchange:
+        """This rank's exchange for one micro-batch."""
+        t = [self.totals[src][micro_batch] for src in range(len(self.totals))]
+        g, nodes = self.per_node, self.nodes
+        node, local = divmod(self.rank, g)
+
+        def rows(src_node: int, src_local: int, dst_local: int, dst_node: int = node) -> int:
+            return t[src_node * g + src_local][dst_node * g + dst_local]
+
+        return TwoStageExchange(
+            inter_send=[sum(rows(node, local, d, n) for d in range(g)) for n in range(nodes)],
+            inter_recv=[sum(rows(n, local, d) for d in range(g)) for n in range(nodes)],
+            intra_gather=gather,
+            intra_send=[sum(rows(n, local, d) for n in range(nodes)) for d in range(g)],
+            intra_recv=[sum(rows(n, src, local) for n in range(nodes)) for src in range(g)],
+            intra_group=self.intra_group, inter_group=self.inter_group)
+
+    def per_micro_batch(self) -> Callable[[int], tuple[TwoStageExchange, tuple[int, int]]]:
+        """``i -> (exchange, arrival)`` as :func:`mc2.engine.routing.build_handle` takes it."""
+        gathers = self.gathers()
+        return lambda i: (self.exchange(i, gathers[i]), (self.nodes, self.per_node))
 
 
 _CHOICES: dict[tuple, bool] = {}
@@ -172,30 +237,32 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
 
     A collective: every rank of ``group`` calls it together. Both exchanges move the same
     uniform traffic, rows of ``row_bytes`` bytes (what a row takes on the wire, in the call's
-    wire format), synchronously, ``repeats`` times; the group's slowest times decide, so all
-    ranks decide alike. Cached per (group, size rounded to a power of two, row bytes).
+    wire format), synchronously, ``repeats`` times, timed with the device's clock; the group's
+    slowest times decide, so all ranks decide alike. Cached per (group, size rounded to a power
+    of two, row bytes).
     """
     world = nodes * per_node
     per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
     key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), per, row_bytes)
     if key not in _CHOICES:
-        totals = torch.full((world, 1, world), per, dtype=torch.int64)
-        two_d, _ = two_stage_plan(totals, 0, rank=rank, nodes=nodes, per_node=per_node,
-                                  intra_group=intra_group, inter_group=inter_group)
+        uniform = [[[per] * world] for _ in range(world)]
+        plan = TwoStagePlan(uniform, torch.full((world, 1, world), per, dtype=torch.int64,
+                                                device=device),
+                            rank, nodes, per_node, intra_group, inter_group)
+        two_d = plan.exchange(0, plan.gathers()[0])
         flat = FlatExchange([per] * world, [per] * world, group)
         rows = torch.zeros(per * world, row_bytes, dtype=torch.uint8, device=device)
+        clock = clock_for(device)
 
         def timed(exchange: Any) -> float:
             exchange.dispatch(rows, async_op=False).wait()  # warm-up
             times = []
             for _ in range(repeats):
-                barrier(group, "hierarchy measurement")
-                start = time.perf_counter()
-                exchange.dispatch(rows, async_op=False).wait()
-                times.append(time.perf_counter() - start)
+                barrier(group, "hierarchy measurement", device)
+                times.append(clock.time(lambda: exchange.dispatch(rows, async_op=False).wait()))
             return sorted(times)[len(times) // 2]
 
         measured = torch.tensor([timed(flat), timed(two_d)], dtype=torch.float64)
-        slowest = all_reduce_max(measured.to(comm_device(group, rows)), group).cpu().tolist()
+        slowest = all_reduce_max(measured.to(device), group).tolist()
         _CHOICES[key] = slowest[1] < 0.95 * slowest[0]
     return _CHOICES[key]

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..observation.timeline import Timeline
 from .call_plan import plan_call
 from .deadline import CommTimeout, deadline, resolve_timeout
-from .experts import GemmStrategy
+from .gemm_strategy import GemmStrategy
 from .function import FusedExpertFunction
 from .planner import Planner
 from .workspace import Workspace
@@ -28,10 +28,28 @@ WireDtype = torch.dtype | Literal["int8"] | None
 Hierarchy = Literal["auto", "flat", "2d"]
 
 
+def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
+              ) -> tuple[Any, dict[str, Any], Any, tuple]:
+    """Under ``torch.autocast``, the call computes in the autocast dtype, as a matmul would:
+    floating inputs are cast (differentiably: gradients reach the parameters in their own
+    dtype) and the call itself runs with autocast off (its GEMMs write into buffers)."""
+    if not isinstance(x, Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return x, named, routing_weights, shared
+    dtype = torch.get_autocast_dtype(x.device.type)
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+    return (cast(x), {k: cast(v) for k, v in named.items()}, cast(routing_weights),
+            tuple(cast(t) for t in shared))
+
+
 def _run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
          routing_weights: Tensor | None, shared: tuple, **options: Any) -> Tensor:
     seconds = resolve_timeout(options.pop("timeout"))
-    with deadline(seconds):
+    x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    with deadline(seconds), torch.autocast(device_type, enabled=False):
         try:
             return _planned_and_run(x, named, packed, expert_ids, routing_weights, shared,
                                     seconds, **options)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ from torch import Tensor
 from ..observation.timeline import Timeline, maybe_span
 from .comm import PendingTransfer
 from .deadline import CommTimeout
+from .watchdog import check as check_deadlines
 from .routing import DispatchHandle
 from .wire import NONE, WireFormat
 from .workspace import Workspace
@@ -57,8 +58,28 @@ class _Encoded:
     dtype: torch.dtype
     workspace: Workspace | None = None
 
-    def wait(self) -> Tensor:
-        return self.fmt.decode(self.pending.wait(), self.hidden, self.dtype, self.workspace)
+    def wait(self, *, micro_batch: int | None = None, phase: str | None = None) -> Tensor:
+        data = self.pending.wait(micro_batch=micro_batch, phase=phase)
+        return self.fmt.decode(data, self.hidden, self.dtype, self.workspace)
+
+
+Pending = PendingTransfer | _Encoded
+# transfers abandoned after a timeout: held forever, so their buffers are never handed out
+# again while a backend thread may still write into them (the process must end anyway)
+_ABANDONED: list[Pending] = []
+
+
+def _release(pending: list[Pending], *, wait: bool) -> None:
+    """Transfers left in flight when a pass raises: wait for them before their buffers go
+    back to the workspace (or, after a timeout, keep them alive for good)."""
+    for transfer in pending:
+        if not wait:
+            _ABANDONED.append(transfer)
+            continue
+        try:
+            transfer.wait()
+        except BaseException:  # noqa: BLE001 - the original error is the one to raise
+            _ABANDONED.append(transfer)
 
 
 @dataclass(frozen=True)
@@ -100,13 +121,12 @@ def run_pipeline(
         with maybe_span(timeline, "compute", "gather", phase, i):
             return steps.gather(i)
 
-    def in_flight(name: str, i: int) -> Callable[[float, float], None] | None:
+    def in_flight(name: str, i: int) -> Callable[[Any, Any], None] | None:
         if timeline is None:
             return None
         return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
 
-    def prepare(i: int, rows: Tensor, direction: int
-                ) -> Callable[[bool], PendingTransfer | _Encoded]:
+    def prepare(i: int, rows: Tensor, direction: int) -> Callable[[bool], Pending]:
         """Encode ``rows`` now; the returned function issues their transfer."""
         fmt = wire[direction]
         name = ("dispatch", "combine")[direction]
@@ -121,10 +141,10 @@ def run_pipeline(
             return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, workspace)
         return issue
 
-    def send(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
+    def send(i: int, rows: Tensor, async_op: bool) -> Pending:
         return prepare(i, rows, 0)(async_op)
 
-    def combine(i: int, rows: Tensor, async_op: bool) -> PendingTransfer | _Encoded:
+    def combine(i: int, rows: Tensor, async_op: bool) -> Pending:
         return prepare(i, rows, 1)(async_op)
 
     def compute(i: int, received: Tensor) -> Tensor:
@@ -140,12 +160,18 @@ def run_pipeline(
             with maybe_span(timeline, "compute", "deferred", phase, i):
                 steps.deferred(i)
 
-    def waited(pending: Callable[[], PendingTransfer | _Encoded], name: str, i: int) -> Tensor:
-        """``pending().wait()``, a timeout told which micro-batch and phase it hit."""
+    def waited(pending: Callable[[], Pending], name: str, i: int) -> Tensor:
+        """``pending().wait()``, a timeout told which micro-batch and phase it hit; a transfer
+        whose wait failed is kept alive (its buffers may still be in use)."""
+        transfer = pending()
         try:
-            return pending().wait()
+            return transfer.wait(micro_batch=i, phase=phase)
         except CommTimeout as exc:
+            _ABANDONED.append(transfer)
             raise exc.at(operation=name, micro_batch=i, phase=phase) from exc.__cause__
+        except BaseException:
+            _ABANDONED.append(transfer)
+            raise
 
     def local() -> None:
         if steps.local is not None:
@@ -163,14 +189,34 @@ def run_pipeline(
                 returned = waited(partial(combine, i, out, async_op=False), "combine", i)
             scatter(i, returned)
             deferred(i)
+        check_deadlines()
         return
 
-    dispatches = {0: send(0, gather(0), async_op=True)}
-    combines: dict[int, PendingTransfer | _Encoded] = {}
+    dispatches: dict[int, Pending] = {}
+    combines: dict[int, Pending] = {}
+    try:
+        _overlapped(len(routes), dispatches, combines, gather=gather, prepare=prepare, send=send,
+                    combine=combine, compute=compute, scatter=scatter, deferred=deferred,
+                    local=local, waited=waited, first_alone=steps.local is None,
+                    timeline=timeline, phase=phase)
+    except BaseException as exc:
+        _release([*dispatches.values(), *combines.values()],
+                 wait=not isinstance(exc, CommTimeout))
+        raise
+    check_deadlines()
+
+
+def _overlapped(k: int, dispatches: dict[int, Pending], combines: dict[int, Pending], *,
+                gather: Callable, prepare: Callable, send: Callable, combine: Callable,
+                compute: Callable, scatter: Callable, deferred: Callable, local: Callable,
+                waited: Callable, first_alone: bool, timeline: Timeline | None,
+                phase: str) -> None:
+    """The overlapped schedule of the module docstring; in-flight transfers stay in
+    ``dispatches`` and ``combines`` until waited, so a caller can release them on an error."""
+    dispatches[0] = send(0, gather(0), async_op=True)
     # without local work the fill gets the link to itself (module docstring)
-    first_alone = steps.local is None
-    for i in range(len(routes)):
-        issue_next = prepare(i + 1, gather(i + 1), 0) if i + 1 < len(routes) else None
+    for i in range(k):
+        issue_next = prepare(i + 1, gather(i + 1), 0) if i + 1 < k else None
         if issue_next is not None and not (i == 0 and first_alone):
             dispatches[i + 1], issue_next = issue_next(True), None
         if i == 0:
@@ -185,7 +231,7 @@ def run_pipeline(
             with maybe_span(timeline, "wait", "combine", phase, i - 1):
                 returned = waited(partial(combines.pop, i - 1), "combine", i - 1)
             scatter(i - 1, returned)
-    last = len(routes) - 1
+    last = k - 1
     with maybe_span(timeline, "wait", "combine", phase, last):
         returned = waited(partial(combines.pop, last), "combine", last)
     scatter(last, returned)

@@ -37,15 +37,16 @@ call's handshake already agreed on.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max, all_to_all_rows, barrier, comm_device, group_size
+from .clock import HostClock, Interval, clock_for
+from .comm import all_reduce_max, all_to_all_rows, barrier, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from .host import read
 from .pipeline_cost import training_step
 from .routing import micro_batch_fractions
 from .wire import NONE, WireFormat, describe_pair
@@ -119,13 +120,10 @@ def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain
     return best if preds[best] < preds[1] * (1 - min_gain) else 1
 
 
-def _median_time(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _median_time(fn: Any, repeats: int, clock: HostClock) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, on ``clock`` (device events on an
+    accelerator, where the host only queues the work)."""
+    return statistics.median(clock.time(fn) for _ in range(repeats))
 
 
 def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
@@ -150,7 +148,7 @@ def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torc
             fmt.decode(fmt.encode(x), hidden, dtype)
 
     round_trips()
-    return 2 * _median_time(round_trips, repeats) / rows
+    return 2 * _median_time(round_trips, repeats, clock_for(device)) / rows
 
 
 def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
@@ -172,7 +170,7 @@ def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
         out.index_add_(0, index, y)
 
     moves()
-    return 2 * _median_time(moves, repeats) / rows
+    return 2 * _median_time(moves, repeats, clock_for(device)) / rows
 
 
 @dataclass(frozen=True)
@@ -182,14 +180,14 @@ class Choice:
     Attributes:
         micro_batches: K.
         trial: this call is one of ``"auto"``'s bounded trials (see :class:`Planner`).
-        on_pass_done: ``(phase, seconds)`` to report each pass's time to (trials only).
+        on_pass_done: ``(phase, interval)`` to report each pass's time to (trials only).
         plain_rows: the requested wire format measured slower than rows in the compute dtype
             for this shape, so this call sends plain rows (the planner warned once).
     """
 
     micro_batches: int
     trial: bool = False
-    on_pass_done: Callable[[str, float], None] | None = None
+    on_pass_done: Callable[[str, Interval], None] | None = None
     plain_rows: bool = False  # send rows in the compute dtype, not the requested wire format
 
 
@@ -198,7 +196,7 @@ class _Trials:
     """``"auto"``'s measurements of the candidate K of one shape, then its decision."""
 
     candidates: tuple[int, ...]
-    samples: dict[int, list[dict[str, float]]]  # K -> one {phase: seconds} per trial call
+    samples: dict[int, list[dict[str, Interval]]]  # K -> one {phase: time} per trial call
     locked: int | None = None
 
     def next_candidate(self, trials: int) -> int:
@@ -214,7 +212,7 @@ class _Trials:
         complete trial, else forward only (the same rule on every rank)."""
         complete = all(any("backward" in t for t in self.samples[k]) for k in self.candidates)
         phases = ("forward", "backward") if complete else ("forward",)
-        return [min(sum(t.get(p, 0.0) for p in phases) for t in self.samples[k]
+        return [min(sum(t[p].seconds for p in phases) for t in self.samples[k]
                     if all(p in t for p in phases)) for k in self.candidates]
 
 
@@ -337,16 +335,15 @@ class Planner:
             state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
                                                 {k: [] for k in tried})
         if state.locked is None and state.explored(self.trials):
-            times = torch.tensor(state.scores(), dtype=torch.float64,
-                                 device=comm_device(group, weights.down))
-            slowest = all_reduce_max(times, group).cpu().tolist()
+            times = torch.tensor(state.scores(), dtype=torch.float64).to(weights.device)
+            slowest = read(all_reduce_max(times, group))
             state.locked = trial_winner(state.candidates, slowest, self.min_gain)
             if state.locked < 0:
                 self._say_plain_rows_won(wire, weights, slowest, state)
         if state.locked is not None:
             return Choice(abs(state.locked), plain_rows=state.locked < 0)
         k = state.next_candidate(self.trials)
-        sample: dict[str, float] = {}
+        sample: dict[str, Interval] = {}
         state.samples[k].append(sample)
         return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
 
@@ -375,7 +372,8 @@ class Planner:
         return {key: {"tried": tuple(abs(c) for c in s.candidates),
                       "locked": None if s.locked is None else abs(s.locked),
                       "plain_rows": s.locked is not None and s.locked < 0,
-                      "times": {k: list(v) for k, v in s.samples.items()}}
+                      "times": {k: [{p: i.seconds for p, i in t.items()} for t in v]
+                                for k, v in s.samples.items()}}
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
@@ -399,9 +397,8 @@ class Planner:
         if key not in self._codec:
             local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
                                    self.repeats)
-            value = torch.tensor([local], dtype=torch.float64,
-                                 device=comm_device(group, weights.down))
-            self._codec[key] = all_reduce_max(value, group).item()
+            value = torch.tensor([local], dtype=torch.float64).to(weights.device)
+            self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
 
     def wire_verdict(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
@@ -436,6 +433,7 @@ class Planner:
         hidden = weights.hidden
         one = weights.detached().first(1)
         dtype, device = weights.dtype, weights.device
+        clock = clock_for(device)
 
         def expert_step(rows: int) -> None:
             x = torch.randn(rows, hidden, dtype=dtype, device=device)
@@ -448,8 +446,8 @@ class Planner:
         with torch.no_grad():
             small, large = 4, 256  # large enough to see cache effects of big micro-batches
             expert_step(small)  # warm-up
-            t_small = _median_time(lambda: expert_step(small), self.repeats)
-            t_large = _median_time(lambda: expert_step(large), self.repeats)
+            t_small = _median_time(lambda: expert_step(small), self.repeats, clock)
+            t_large = _median_time(lambda: expert_step(large), self.repeats, clock)
             fixed, per_row = _fit_line(small, t_small, large, t_large)
 
             world = group_size(group)
@@ -463,8 +461,8 @@ class Planner:
                                            operation="planner measurement")
 
                 def timed_a2a(rows_per_peer: int) -> float:
-                    barrier(group, "planner measurement")
-                    return _median_time(lambda: a2a(rows_per_peer).wait(), self.repeats)
+                    barrier(group, "planner measurement", device)
+                    return _median_time(lambda: a2a(rows_per_peer).wait(), self.repeats, clock)
 
                 a2a(row_small).wait()
                 t_lat = timed_a2a(row_small)
@@ -476,23 +474,23 @@ class Planner:
                 # compute alone vs with a transfer in flight
                 rows = max(large, int(4 * t_big / max(per_row, 1e-9)))
                 rows = min(rows, 4096)
-                alone = _median_time(lambda: expert_step(rows), self.repeats)
-                barrier(group, "planner measurement")
+                alone = _median_time(lambda: expert_step(rows), self.repeats, clock)
+                barrier(group, "planner measurement", device)
 
                 def with_transfer() -> None:
                     pending = a2a(row_large * 4, async_op=True)
                     expert_step(rows)
                     pending.wait()
 
-                together = _median_time(with_transfer, self.repeats)
+                together = _median_time(with_transfer, self.repeats, clock)
                 moved = latency + per_byte * bytes_per(row_large * 4)
                 interference = min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
             row_overhead = _measure_row_overhead(hidden, dtype, device, self.repeats)
 
         values = torch.tensor([fixed, per_row, latency, per_byte, interference, row_overhead],
-                              dtype=torch.float64, device=comm_device(group, weights.down))
-        agreed = all_reduce_max(values, group).cpu().tolist()
+                              dtype=torch.float64).to(device)
+        agreed = read(all_reduce_max(values, group))
         return Calibration(*agreed)
 
 

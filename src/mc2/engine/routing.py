@@ -3,18 +3,26 @@
 Everything here is local bookkeeping on integer tensors, computed once per call and reused by
 the backward pass (the gradient travels the same routes in the same micro-batches). The only
 communication is the single up-front exchange of per-micro-batch counts (see
-:func:`mc2.engine.comm.exchange_counts`), so the pipeline never stops for a small message per chunk.
+:func:`mc2.engine.comm.exchange_counts`), so the pipeline never stops for a small message per
+chunk.
+
+Device and host: the sort, the counts and every index live on the device of the call and are
+built there; the host needs only the split sizes (``all_to_all_single`` takes Python lists),
+and reads them once per call, after the counts exchange (:func:`read_counts`). Nothing here
+calls ``bincount``, ``nonzero`` or a boolean mask, which read back on accelerators, and no index
+is uploaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from .comm import FlatExchange
+from .host import read
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class MicroBatchRoute:
             then source rank); ``None`` when no reordering is needed.
         exchange: moves this micro-batch's rows (``dispatch``) and back (``combine``): a
             :class:`~mc2.engine.comm.FlatExchange` or a :class:`~mc2.engine.hierarchy.TwoStageExchange`.
+        expert_offsets: ``[local_experts] int32`` on the device, the running end of each
+            expert's rows (what ``grouped_mm`` takes as ``offs``).
     """
 
     pair_order: Tensor
@@ -43,6 +53,7 @@ class MicroBatchRoute:
     expert_counts: list[int]
     expert_gather: Tensor | None
     exchange: Any = None
+    expert_offsets: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[in
 def local_send_counts(
     expert_ids: Tensor, num_experts: int, num_micro_batches: int
 ) -> tuple[Tensor, Tensor]:
-    """Sort the pairs by (micro-batch, expert) and count them.
+    """Sort the pairs by (micro-batch, expert) and count them, on the ids' device.
 
     Args:
         expert_ids: ``[T, topk]`` integer global expert ids, already validated.
@@ -120,56 +131,176 @@ def local_send_counts(
 
     Returns:
         ``(order, counts)``: ``order`` ``[T * topk] int64`` pair indices sorted by micro-batch
-        then expert (stable, so equal experts keep token order); ``counts`` ``[K, E] int64``.
+        then expert (stable, so equal experts keep token order); ``counts`` ``[K, E] int64``
+        (a scatter-add: ``bincount`` would read its range back to the host).
     """
     num_tokens, topk = expert_ids.shape
     flat = expert_ids.reshape(-1).to(torch.int64)
     chunk_of_token = torch.empty(num_tokens, dtype=torch.int64, device=flat.device)
     for i, (start, stop) in enumerate(micro_batch_bounds(num_tokens, num_micro_batches)):
         chunk_of_token[start:stop] = i
-    key = chunk_of_token.repeat_interleave(topk) * num_experts + flat
+    key = chunk_of_token.unsqueeze(1).expand(num_tokens, topk).reshape(-1) * num_experts + flat
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_micro_batches * num_experts)
+    counts = torch.zeros(num_micro_batches * num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, key, torch.ones_like(key))
     return order, counts.view(num_micro_batches, num_experts)
 
 
-def expert_grouping_index(recv_counts: Tensor, arrival: list[int] | None = None
-                          ) -> Tensor | None:
-    """Gather index from arrival order to expert-grouped order (expert, then source rank).
+def regroup_index(lengths: Tensor, perm: Sequence[int], total: int) -> Tensor:
+    """Gather index that reorders blocks of rows, for every micro-batch at once, on the device.
 
     Args:
-        recv_counts: ``[world, local_experts] int64`` rows received per (source rank, local
-            expert) for one micro-batch.
-        arrival: the source ranks in the order their blocks arrive (default: 0, 1, ...).
+        lengths: ``[K, *grid]`` rows per block, the blocks of each micro-batch laid out in
+            arrival order (row-major over ``grid``).
+        perm: the target order of the grid's axes (as ``lengths.permute(0, *perm)``, axes
+            numbered from 1).
+        total: ``lengths.sum()``, known on the host (so nothing is read back).
+
+    Returns:
+        ``[total] int64``: micro-batch after micro-batch, for each position of the target order
+        the position (within its micro-batch) of the row it takes in arrival order.
     """
-    world, local = recv_counts.shape
-    identity = arrival is None or arrival == list(range(world))
-    if local == 1 or (identity and world == 1):
+    k = lengths.shape[0]
+    flat = lengths.reshape(k, -1)
+    starts = (torch.cumsum(flat, 1) - flat).view(lengths.shape)  # arrival position of blocks
+    target_lengths = lengths.permute(0, *perm).reshape(k, -1)
+    target_starts = starts.permute(0, *perm).reshape(k, -1)
+    dest = torch.cumsum(target_lengths, 1) - target_lengths
+    per_micro = target_lengths.sum(1, keepdim=True)
+    base = torch.cumsum(per_micro, 0) - per_micro  # where each micro-batch starts
+    delta = (target_starts - dest - base).reshape(-1)
+    offset = torch.repeat_interleave(delta, target_lengths.reshape(-1), output_size=total)
+    return offset + torch.arange(total, dtype=torch.int64, device=lengths.device)
+
+
+def expert_grouping_index(recv_counts: Tensor, arrival: tuple[int, int] | None = None
+                          ) -> Tensor | None:
+    """Gather index from arrival order to expert-grouped order (expert, then source rank), for
+    one micro-batch (see :func:`expert_grouping_indices`)."""
+    indices = expert_grouping_indices(recv_counts.unsqueeze(1), [int(recv_counts.sum())],
+                                      arrival)
+    return None if indices is None else indices[0]
+
+
+def expert_grouping_indices(recv_counts: Tensor, totals: list[int],
+                            arrival: tuple[int, int] | None = None) -> list[Tensor] | None:
+    """Per micro-batch, the gather index from arrival order to expert-grouped order.
+
+    Args:
+        recv_counts: ``[world, K, local_experts] int64`` rows received per (source rank,
+            micro-batch, local expert), on the device.
+        totals: rows received per micro-batch (host).
+        arrival: ``None`` when blocks arrive by source rank (a flat exchange); ``(nodes,
+            per_node)`` when they arrive by forwarding local rank, then source node (a
+            two-stage exchange, :mod:`mc2.engine.hierarchy`).
+
+    Returns:
+        One ``[r_i] int64`` index per micro-batch, or ``None`` where arrival order is already
+        expert order (one local expert, or one rank).
+    """
+    world, k, local = recv_counts.shape
+    if local == 1 or (arrival is None and world == 1):
         return None
-    order = torch.tensor(arrival if arrival is not None else range(world), dtype=torch.int64)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(world)
-    arranged = recv_counts[order]  # blocks in arrival order
-    lengths = arranged.reshape(-1)
-    starts = (torch.cumsum(lengths, 0) - lengths).view(world, local)[position]  # by source
-    lengths_t = recv_counts.t().reshape(-1)  # blocks in expert-grouped order (l, source)
-    starts_t = starts.t().reshape(-1)
-    total = int(lengths.sum())
-    dest_starts = torch.cumsum(lengths_t, 0) - lengths_t
-    offset = torch.repeat_interleave(starts_t - dest_starts, lengths_t, output_size=total)
-    return offset + torch.arange(total, dtype=torch.int64, device=recv_counts.device)
+    lengths = recv_counts.permute(1, 0, 2)  # [K, source, expert]
+    if arrival is None:
+        index = regroup_index(lengths, (2, 1), sum(totals))
+    else:
+        nodes, per_node = arrival  # source = node * per_node + local rank
+        arriving = lengths.reshape(k, nodes, per_node, local).transpose(1, 2)  # [K, l, n, e]
+        index = regroup_index(arriving, (3, 2, 1), sum(totals))  # -> [K, e, n, l]
+    return list(torch.split(index, totals))
+
+
+@dataclass(frozen=True)
+class CountsExchange:
+    """What the counts exchange sends: per destination rank, a header with this rank's K, then
+    ``K x local_experts`` counts, padded to the call's agreed largest K.
+
+    Why the header: the K of ``micro_batches="auto"`` comes from each rank's planner. Carried in
+    the exchange every call makes anyway, a rank that chose another K (its own planner, one
+    call more than the others) is an error on every rank, not All-to-Alls of mismatched sizes.
+    """
+
+    k: int
+    capacity: int
+    world: int
+    local_experts: int
+
+    def payload(self, counts: Tensor) -> Tensor:
+        """``counts [K, E]`` -> ``[world, 1 + capacity * local_experts]`` (destination-major)."""
+        per_dest = counts.view(self.k, self.world, self.local_experts).transpose(0, 1)
+        out = torch.zeros(self.world, 1 + self.capacity * self.local_experts,
+                          dtype=torch.int64, device=counts.device)
+        out[:, 0] = self.k
+        out[:, 1:1 + self.k * self.local_experts] = per_dest.reshape(self.world, -1)
+        return out
+
+    def received(self, payload: Tensor) -> Tensor:
+        """The exchanged payload -> ``[world(src), K, local_experts]`` received counts."""
+        body = payload[:, 1:1 + self.k * self.local_experts]
+        return body.reshape(self.world, self.k, self.local_experts)
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """The split sizes of every micro-batch, read to the host once per call.
+
+    Attributes:
+        send: ``[K][world]`` rows sent to each rank.
+        recv: ``[K][world]`` rows received from each rank.
+        experts: ``[K][local_experts]`` rows each local expert processes.
+        extra: what else was read in the same copy (the 2-D exchange's gathered totals).
+    """
+
+    send: list[list[int]]
+    recv: list[list[int]]
+    experts: list[list[int]]
+    extra: list[int]
+
+
+def read_counts(exchange: CountsExchange, counts: Tensor, payload: Tensor,
+                extra: Tensor | None = None) -> HostCounts:
+    """The call's second and last device-to-host read: every split, plus ``extra``.
+
+    Raises:
+        ValueError: another rank runs a different K (every rank sees every header, so every
+            rank raises).
+    """
+    k, world, local = exchange.k, exchange.world, exchange.local_experts
+    received = exchange.received(payload)
+    parts = [payload[:, 0], counts.view(k, world, local).sum(-1).reshape(-1),
+             received.sum(-1).t().reshape(-1), received.sum(0).reshape(-1)]
+    if extra is not None:
+        parts.append(extra.reshape(-1))
+    values = read(torch.cat(parts))
+    headers, values = values[:world], values[world:]
+    others = {rank: h for rank, h in enumerate(headers) if h != k}
+    if others:
+        theirs = ", ".join(f"rank {r}: K={h}" for r, h in sorted(others.items()))
+        raise ValueError(
+            f"fused_expert: ranks disagree on the number of micro-batches (this rank runs K={k}; "
+            f"{theirs}): with micro_batches='auto' every rank must make the same calls through "
+            "planners of the same settings (or pass a fixed K)")
+
+    def rows(flat: list[int], width: int) -> list[list[int]]:
+        return [flat[i * width:(i + 1) * width] for i in range(k)]
+
+    send, values = rows(values[:k * world], world), values[k * world:]
+    recv, values = rows(values[:k * world], world), values[k * world:]
+    experts, values = rows(values[:k * local], local), values[k * local:]
+    return HostCounts(send, recv, experts, values)
 
 
 def build_handle(
     expert_ids: Tensor,
     order: Tensor,
-    send_counts: Tensor,
+    counts: HostCounts,
     recv_counts: Tensor,
     *,
     world_size: int,
     local_experts: int,
     group: Any = None,
-    two_stage: Callable[[int], tuple[Any, list[int]]] | None = None,
+    two_stage: Callable[[int], tuple[Any, tuple[int, int]]] | None = None,
     workspace: Any = None,
 ) -> DispatchHandle:
     """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
@@ -177,37 +308,38 @@ def build_handle(
     Args:
         expert_ids: ``[T, topk]`` the validated expert ids.
         order: ``[T * topk]`` from :func:`local_send_counts`.
-        send_counts: ``[K, E]`` from :func:`local_send_counts`.
+        counts: the host split sizes (:func:`read_counts`).
         recv_counts: ``[world, K, local_experts]`` rows each source rank sends to this rank's
-            experts, per micro-batch (from :func:`mc2.engine.comm.exchange_counts`).
+            experts, per micro-batch, on the device.
         group: the group the flat exchanges run on.
-        two_stage: ``i -> (exchange, arrival order)`` for a hierarchical exchange; ``None``:
-            flat.
+        two_stage: ``i -> (exchange, (nodes, per_node))`` for a hierarchical exchange;
+            ``None``: flat.
         workspace: the :class:`~mc2.engine.workspace.Workspace` flat exchanges receive into.
     """
     num_tokens, topk = expert_ids.shape
-    num_micro = send_counts.shape[0]
-    send_cpu = send_counts.view(num_micro, world_size, local_experts).sum(-1).cpu()
-    recv_cpu = recv_counts.cpu()
-    sizes = send_cpu.sum(-1).tolist()
-    routes = []
-    for i, pairs in enumerate(torch.split(order, sizes)):
-        per_expert = recv_cpu[:, i, :]
-        send_splits, recv_splits = send_cpu[i].tolist(), per_expert.sum(-1).tolist()
+    num_micro = len(counts.send)
+    exchanges, arrival = [], None
+    for i in range(num_micro):
         if two_stage is None:
-            exchange, arrival = FlatExchange(send_splits, recv_splits, group, workspace), None
+            exchanges.append(FlatExchange(counts.send[i], counts.recv[i], group, workspace))
         else:
             exchange, arrival = two_stage(i)
-        gather = expert_grouping_index(per_expert, arrival)
+            exchanges.append(exchange)
+    totals = [sum(r) for r in counts.recv]
+    gathers = expert_grouping_indices(recv_counts, totals, arrival)
+    ends = torch.cumsum(recv_counts.sum(0), 1).to(torch.int32)  # [K, local] grouped_mm offs
+    routes = []
+    for i, pairs in enumerate(torch.split(order, [sum(s) for s in counts.send])):
         routes.append(
             MicroBatchRoute(
                 pair_order=pairs,
                 token_index=pairs // topk,
-                send_splits=send_splits,
-                recv_splits=recv_splits,
-                expert_counts=per_expert.sum(0).tolist(),
-                expert_gather=None if gather is None else gather.to(order.device),
-                exchange=exchange,
+                send_splits=counts.send[i],
+                recv_splits=counts.recv[i],
+                expert_counts=counts.experts[i],
+                expert_gather=None if gathers is None else gathers[i],
+                exchange=exchanges[i],
+                expert_offsets=ends[i],
             )
         )
     return DispatchHandle(

@@ -1,12 +1,18 @@
 """Input checks that fail on every rank together, never leaving a peer inside a collective.
 
-Each rank first checks its own arguments locally (:func:`local_problem`), then all ranks take part
-in one small ``all_reduce`` (:func:`agree`) that carries an error flag together with the values
-every rank must share (micro-batch request, hidden size, expert count, dtype, overlap flag,
-whether gradients are needed). If any rank found a problem, or the ranks disagree, *every* rank
+Each rank first checks its own arguments locally (:func:`local_problem`: types, shapes, dtypes,
+devices, options; nothing that reads a tensor's values), then all ranks take part in one small
+``all_reduce`` (:func:`agree`, the handshake) that carries an error flag together with the values
+every rank must share (micro-batch request, hidden size, expert count, dtype, device type,
+overlap flag, whether gradients are needed, ...) and the checks that need the data itself,
+computed on the device: the range of the expert ids and, with ``check_finite=True``, whether
+any token holds NaN or Inf. If any rank found a problem, or the ranks disagree, *every* rank
 raises ``ValueError`` before the first data collective is issued. The same reduction also yields
 the global maximum token count and top-k that ``micro_batches="auto"`` plans with, so all ranks
 agree on K without a second message.
+
+The handshake costs the call one upload of host integers and one device-to-host read
+(:mod:`mc2.engine.host`); only its error path reads more, to say which rank and which row.
 """
 
 from __future__ import annotations
@@ -17,20 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .comm import all_reduce_max, comm_device, gather_objects, group_rank
+from .comm import all_reduce_max, gather_objects, group_rank, group_size
+from .host import read, upload
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The local facts of a validated call."""
-
-    tokens: int
-    hidden: int
-    ffn: int
-    local_experts: int
-    topk: int
 
 
 def _is_tensor(name: str, t: Any) -> str | None:
@@ -93,6 +89,7 @@ def local_problem(
 
     ``weights`` maps argument names to the expert weights: ``weights_up``, ``weights_gate``,
     ``weights_down`` (split layout) or ``weights_gate_up``, ``weights_down`` (``packed``).
+    Reads no tensor's values (the expert-id range is checked in the handshake, on the device).
     """
     if (msg := _is_tensor("x", x)) is not None or (msg := _is_tensor("expert_ids", expert_ids)):
         return msg
@@ -109,22 +106,20 @@ def local_problem(
                 f"{local} local experts = {total_experts}")
     if expert_ids.dtype in (torch.bool,) or expert_ids.is_floating_point() or expert_ids.is_complex():
         return f"expert_ids must be an integer tensor, got {expert_ids.dtype}"
+    if expert_ids.device != x.device:
+        return f"expert_ids must be on x's device {x.device}, got {expert_ids.device}"
     if expert_ids.dim() != x.dim() or tuple(expert_ids.shape[:-1]) != tuple(x.shape[:-1]):
         return (f"expert_ids must be {tuple(x.shape[:-1])} + (topk,) to match x, "
                 f"got {tuple(expert_ids.shape)}")
     if expert_ids.shape[-1] < 1:
         return "expert_ids has topk == 0; every token needs at least one expert"
-    if expert_ids.numel():
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= total_experts:
-            bad = lo if lo < 0 else hi
-            return (f"expert id {bad} out of range [0, {total_experts}) "
-                    f"({world_size} ranks x {local} local experts)")
     if routing_weights is not None:
         if (msg := _is_tensor("routing_weights", routing_weights)) is not None:
             return msg
         if not routing_weights.is_floating_point():
             return f"routing_weights must be floating point, got {routing_weights.dtype}"
+        if routing_weights.device != x.device:
+            return f"routing_weights must be on x's device {x.device}, got {routing_weights.device}"
         if tuple(routing_weights.shape) != tuple(expert_ids.shape):
             return (f"routing_weights must have expert_ids' shape {tuple(expert_ids.shape)}, "
                     f"got {tuple(routing_weights.shape)}")
@@ -134,8 +129,21 @@ def local_problem(
         return f"micro_batches must be a positive int or 'auto', got {micro_batches!r}"
     if not isinstance(overlap, bool):
         return f"overlap must be a bool, got {overlap!r}"
-    if hierarchy not in _HIERARCHY_CODES:
+    if hierarchy not in HIERARCHY_CODES:
         return f"hierarchy must be 'auto', 'flat' or '2d', got {hierarchy!r}"
+    return None
+
+
+def range_problem(expert_ids: Tensor, total_experts: int, world_size: int) -> str | None:
+    """Where this rank's expert ids leave ``[0, total_experts)`` (the handshake's error path:
+    it reads the ids)."""
+    if expert_ids.numel() == 0:
+        return None
+    lo, hi = int(expert_ids.min()), int(expert_ids.max())
+    if lo < 0 or hi >= total_experts:
+        bad = lo if lo < 0 else hi
+        return (f"expert id {bad} out of range [0, {total_experts}) "
+                f"({world_size} ranks x {total_experts // world_size} local experts)")
     return None
 
 
@@ -144,8 +152,9 @@ def nonfinite_problem(x: Tensor, routing_weights: Tensor | None) -> str | None:
 
     Without the check a NaN token stays in its own output row in the forward, but in the
     backward it poisons the weight gradients of every expert it visited (a gradient is a sum
-    over rows). The check costs one pass over ``x`` and rides on the call's handshake, so every
-    rank raises together and no collective is added.
+    over rows). The check costs one pass over ``x`` on the device and rides on the call's
+    handshake (:func:`agree`), so every rank raises together and no collective or read is
+    added; this function only words the error, reading the rows.
     """
     for name, t in (("x", x), ("routing_weights", routing_weights)):
         if t is None or t.numel() == 0:
@@ -180,15 +189,6 @@ def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
     return None
 
 
-def shapes_of(x: Tensor, experts: tuple[int, int], expert_ids: Tensor) -> Shapes:
-    """``experts``: ``(local_experts, ffn)`` of the validated weights."""
-    local, ffn = experts
-    return Shapes(
-        tokens=x.numel() // x.shape[-1], hidden=x.shape[-1], ffn=ffn, local_experts=local,
-        topk=expert_ids.shape[-1],
-    )
-
-
 @dataclass(frozen=True)
 class Agreement:
     """What the group agreed on: the largest local token count and top-k (for ``"auto"``)."""
@@ -197,55 +197,84 @@ class Agreement:
     max_topk: int
 
 
-_SHARED = ("micro_batches", "hidden size", "ffn size", "local experts", "dtype", "overlap",
-           "gradient mode", "hierarchy", "wire_dtype (dispatch)", "wire_dtype (combine)")
-_HIERARCHY_CODES = {"flat": 0, "2d": 1, "auto": 2}
+HIERARCHY_CODES = {"flat": 0, "2d": 1, "auto": 2}
+_DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
+_NONE = -(2 ** 62)  # "nothing here" for a maximum
+
+
+def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+                 check_finite: bool) -> Tensor:
+    """``[max id, -min id, non-finite]`` computed on the device, nothing read back."""
+    device = x.device
+    if expert_ids.numel():
+        ids = expert_ids.reshape(-1).to(torch.int64)
+        stats = [ids.max(), ids.min().neg()]
+    else:
+        stats = [torch.full((), _NONE, dtype=torch.int64, device=device)] * 2
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    if check_finite:
+        for t in (x, routing_weights):
+            if t is not None and t.numel():
+                bad = bad + (~torch.isfinite(t)).any().to(torch.int64)
+    return torch.stack([*stats, bad])
 
 
 def agree(
     problem: str | None,
     *,
     x: Any,
-    experts: tuple[int, int] | None,
     expert_ids: Any,
-    micro_batches: Any,
-    overlap: Any,
-    needs_grad: bool,
+    routing_weights: Any,
+    shared: dict[str, int],
     group: Any,
-    hierarchy: str = "flat",
-    wire: tuple[int, int] = (0, 0),
+    total_experts: int = 0,
+    check_finite: bool = False,
 ) -> Agreement:
     """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
 
-    ``experts`` is ``(local_experts, ffn)`` when this rank's input is valid.
+    Args:
+        problem: what :func:`local_problem` (and friends) found wrong here, or ``None``.
+        shared: values every rank must pass alike, by name (only looked at when valid).
+        total_experts: the group's expert count, for the id range check.
+        check_finite: also reject NaN or Inf in ``x`` and ``routing_weights``.
     """
+    names = list(shared)
     if problem is None:
-        assert experts is not None
-        s = shapes_of(x, experts, expert_ids)
-        shared = [0 if micro_batches == "auto" else micro_batches, s.hidden, s.ffn,
-                  s.local_experts, _DTYPE_CODES[x.dtype], int(overlap), int(needs_grad),
-                  _HIERARCHY_CODES[hierarchy], *wire]
-        facts = [0, s.tokens, s.topk, *shared]
+        facts = [0, x.numel() // x.shape[-1], expert_ids.shape[-1],
+                 _DEVICE_CODES.get(x.device.type, 9), *shared.values()]
+        checks = _data_checks(x, expert_ids, routing_weights, check_finite)
+        device = x.device
     else:
-        facts = [1, 0, 0] + [0] * len(_SHARED)
-    device = comm_device(group, x) if isinstance(x, Tensor) else torch.device("cpu")
-    local = torch.tensor(facts, dtype=torch.int64, device=device)
-    reduced = all_reduce_max(torch.cat([local, -local]), group, "handshake").cpu()
+        facts = [1, 0, 0, 0] + [0] * len(names)
+        device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+        checks = torch.full((3,), _NONE, dtype=torch.int64, device=device)
+    local = upload(facts + [-v for v in facts], device)
+    reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
     n = len(facts)
-    highest, lowest = reduced[:n].tolist(), [-v for v in reduced[n:].tolist()]
+    highest, lowest = reduced[:n], [-v for v in reduced[n:2 * n]]
+    max_id, min_id, nonfinite = reduced[2 * n], -reduced[2 * n + 1], reduced[2 * n + 2]
     if highest[0]:
-        messages = gather_objects(problem, group)
-        if problem is not None:
-            raise ValueError(f"fused_expert: {problem}")
-        culprits = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-        raise ValueError(
-            f"fused_expert: another rank of the group rejected its input ({culprits}); "
-            f"rank {group_rank(group)} stops too so that no rank waits in a collective"
-        )
-    for name, hi, lo in zip(_SHARED, highest[3:], lowest[3:]):
+        _raise_for(problem, group)
+    for name, hi, lo in zip(["device type"] + names, highest[3:], lowest[3:]):
         if hi != lo:
             raise ValueError(
                 f"fused_expert: ranks disagree on {name} (values between {lo} and {hi}); every "
                 "rank of the group must pass the same value (0 means 'auto' for micro_batches)"
             )
+    if max_id != _NONE and (min_id < 0 or max_id >= total_experts):
+        _raise_for(range_problem(expert_ids, total_experts, group_size(group)), group)
+    if nonfinite > 0:
+        _raise_for(nonfinite_problem(x, routing_weights), group)
     return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]))
+
+
+def _raise_for(problem: str | None, group: Any) -> None:
+    """The error path: every rank learns every rank's problem and raises."""
+    messages = gather_objects(problem, group)
+    if problem is not None:
+        raise ValueError(f"fused_expert: {problem}")
+    culprits = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise ValueError(
+        f"fused_expert: another rank of the group rejected its input ({culprits}); "
+        f"rank {group_rank(group)} stops too so that no rank waits in a collective"
+    )

@@ -87,11 +87,17 @@ class WireFormat:
             return out
         nb = hidden // self.block
         blocks = rows.reshape(n, nb, self.block)
-        work = ws.empty((n, nb, self.block), rows.dtype, rows.device)
-        amax = torch.amax(torch.abs(blocks, out=work), -1, keepdim=True).float()
+        # scales and the division in float32 whatever the compute dtype: in float16 the
+        # reciprocal of a small block's scale overflows, and zeros would become NaN
+        work = ws.empty((n, nb, self.block), _codec_dtype(rows.dtype), rows.device)
+        if work.dtype == rows.dtype:
+            torch.abs(blocks, out=work)
+        else:
+            work.copy_(blocks).abs_()
+        amax = torch.amax(work, -1, keepdim=True).float()
         # a block of zeros gets scale 1, never 0/0; scales travel as float32
         scale = torch.where(amax > 0, amax / _MAX[self.kind], torch.ones_like(amax))
-        torch.mul(blocks, scale.reciprocal().to(rows.dtype), out=work)
+        torch.mul(blocks, scale.reciprocal(), out=work)
         values = out[:, :hidden].view(torch.int8 if self.kind == "int8" else FP8)
         if self.kind == "int8":
             work.round_()
@@ -113,12 +119,21 @@ class WireFormat:
         nb = hidden // self.block
         values = data[:, :hidden]
         scale = data[:, hidden:].contiguous().view(torch.float32).view(n, nb, 1)
+        wide = _codec_dtype(dtype)  # rescale in float32 (a float16 product can underflow)
+        work = rows if wide == dtype else ws.empty((n, hidden), wide, data.device)
         if self.kind == "int8":
-            rows.copy_(values.view(torch.int8))
+            work.copy_(values.view(torch.int8))
         else:
-            _fp8_to(rows, values, ws)
-        rows.view(n, nb, self.block).mul_(scale)
+            _fp8_to(work, values, ws)
+        work.view(n, nb, self.block).mul_(scale)
+        if work is not rows:
+            rows.copy_(work)
         return rows
+
+
+def _codec_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What quantised rows are scaled in: float32 for the 2-byte types, else the dtype."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
 
 
 _FP8_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}

@@ -4,8 +4,13 @@ Why: a forward + backward of :func:`mc2.fused_expert` needs tens of large tempor
 receive rows, gate/up projections, weight gradients). With the CPU's default allocator (glibc),
 blocks above its mmap threshold are returned to the kernel when freed and page-faulted back in,
 zeroed, on the next call: measured here that costs more than 10% of a step, and it depends on
-the process's malloc settings. Accelerator caching allocators avoid it; this pool does the same
-for every device, so speed does not depend on how the process was started.
+the process's malloc settings. This pool avoids it on the CPU, so speed does not depend on how
+the process was started.
+
+On accelerators the pool is off and every request goes to the device's caching allocator,
+which already keeps freed blocks and, unlike a pool that reuses a buffer as soon as Python holds
+no reference to it, knows which stream last used a block: a buffer read by a collective on a
+communication stream, or by a side stream, is not handed out again until that stream is past it.
 
 How a buffer comes back: the pool hands out tensors that share the storage of a pooled flat
 buffer (not views of it, so autograd treats them as ordinary tensors and may keep a returned
@@ -75,7 +80,7 @@ class Workspace:
         for n in shape:
             numel *= n
         device = torch.device(device)
-        if not self.enabled or numel < _SMALL:
+        if not self.enabled or numel < _SMALL or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         slots = self._slots.setdefault((dtype, device), [])
         best = None
@@ -108,10 +113,6 @@ class Workspace:
         for key, slots in self._slots.items():
             self._slots[key] = [s for s in slots if self._calls - s.last_call <= limit
                                 or not _only_pool_holds(s.buffer)]
-
-    def pooled_bytes(self) -> int:
-        return sum(s.buffer.numel() * s.buffer.element_size() for slots in self._slots.values()
-                   for s in slots)
 
     def clear(self) -> None:
         """Drop every pooled buffer (tensors still in use stay valid)."""

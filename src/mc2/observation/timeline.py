@@ -1,33 +1,36 @@
 """A minimal, caller-owned recorder of where a call's time goes.
 
 The pipeline reports spans to a :class:`Timeline` when one is passed (``fused_expert(...,
-timeline=tl)``); nothing is recorded otherwise and there is no global state. Spans are host
-wall-clock (``time.perf_counter``) seen from the calling thread:
+timeline=tl)``); nothing is recorded otherwise and there is no global state. Spans are taken with
+the clock of the call's device (:mod:`mc2.engine.clock`): the host's ``perf_counter`` on CPU,
+timing events in the device stream on an accelerator (the host only queues work there, so a
+host clock would time the queueing). Device spans are resolved onto the host's time axis when
+:attr:`Timeline.spans` is read, which waits for the device once.
 
 * ``compute``: expert math of one micro-batch (plus local permutes);
 * ``comm``: a synchronous collective, blocking the caller for its whole duration;
 * ``wait``: the caller blocked in ``wait()`` on an asynchronous collective: communication that
-  was *not* hidden;
-* ``transfer``: an asynchronous collective in flight, from its issue to its completion as the
-  backend reports it (recorded from the backend's thread; on accelerators this is when the
-  host learns of completion).
+  was *not* hidden (on a stream backend: the compute stream stalled on the transfer);
+* ``transfer``: an asynchronous collective in flight, from its issue to its completion (on a
+  host backend as the backend reports it; on a stream backend from device events).
 
-Exposed communication (DESIGN.md §6) is the sum of ``comm`` and ``wait`` spans.
+Exposed communication (``docs/profiling.md``) is the sum of ``comm`` and ``wait`` spans.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
+
+from ..engine.clock import HOST, HostClock, clock_for
 
 SpanKind = Literal["compute", "comm", "wait", "transfer", "step"]
 
 
 @dataclass(frozen=True)
 class Span:
-    """One recorded interval (seconds, ``perf_counter`` clock)."""
+    """One recorded interval (seconds on the host's ``perf_counter`` axis)."""
 
     kind: SpanKind
     name: str  # e.g. "dispatch", "combine", "experts", "counts"
@@ -41,29 +44,62 @@ class Span:
         return self.end - self.start
 
 
+def _seconds(stamp: Any) -> float:
+    """A host stamp as it is, a device event through its device's clock."""
+    if isinstance(stamp, (int, float)):
+        return float(stamp)
+    return clock_for(stamp.device).seconds(stamp)
+
+
 @dataclass
 class Timeline:
-    """Spans recorded by the pipeline; ``clear()`` between steps, or keep accumulating."""
+    """Spans recorded by the pipeline; ``clear()`` between steps, or keep accumulating.
 
-    spans: list[Span] = field(default_factory=list)
-    sync_fallback: str | None = None  # why overlap was requested but ran synchronously
+    Attributes:
+        clock: what spans are timed with; a call on an accelerator binds its device's clock
+            (:meth:`bind`).
+        sync_fallback: why overlap was requested but ran synchronously, if it did.
+    """
+
+    _records: list[tuple] = field(default_factory=list)
+    sync_fallback: str | None = None
+    clock: HostClock = HOST
+
+    def bind(self, device: Any) -> None:
+        """Time the following spans with ``device``'s clock."""
+        self.clock = clock_for(device)
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every span so far, in host seconds (waits for the device where spans came from it)."""
+        resolved = [r if isinstance(r, Span) else Span(*r[:4], _seconds(r[4]), _seconds(r[5]))
+                    for r in self._records]
+        self._records[:] = resolved
+        return list(resolved)
 
     def clear(self) -> None:
-        self.spans.clear()
+        self._records.clear()
         self.sync_fallback = None
 
     @contextmanager
     def span(self, kind: SpanKind, name: str, phase: str, micro_batch: int = -1) -> Iterator[None]:
-        start = time.perf_counter()
+        clock = self.clock
+        start = clock.stamp()
         try:
             yield
         finally:
-            self.spans.append(Span(kind, name, phase, micro_batch, start, time.perf_counter()))
+            self._records.append((kind, name, phase, micro_batch, start, clock.stamp()))
 
-    def add(self, kind: SpanKind, name: str, phase: str, micro_batch: int, start: float,
-            end: float) -> None:
-        """Record a span measured elsewhere (e.g. a transfer completed on a backend thread)."""
-        self.spans.append(Span(kind, name, phase, micro_batch, start, end))
+    def add(self, kind: SpanKind, name: str, phase: str, micro_batch: int, start: Any,
+            end: Any) -> None:
+        """Record a span measured elsewhere (e.g. a transfer completed on a backend thread);
+        ``start`` and ``end`` are host seconds or device events."""
+        self._records.append((kind, name, phase, micro_batch, start, end))
+
+    def mark(self, kind: SpanKind, name: str, phase: str, micro_batch: int = -1) -> None:
+        """A zero-length span at "now" (e.g. ``auto trial K=...``)."""
+        now = self.clock.stamp()
+        self.add(kind, name, phase, micro_batch, now, now)
 
     def total(self, *kinds: SpanKind) -> float:
         """Summed duration of the spans of the given kinds (seconds)."""

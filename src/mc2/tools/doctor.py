@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..engine.env import ASYNC_BACKENDS, force_sync
+from ..engine.backend import ASYNC_BACKENDS, STREAM_BACKENDS
+from ..engine.env import force_sync
 
 
 def _read(path: Path) -> str:
@@ -61,6 +62,8 @@ def report() -> tuple[list[str], list[str]]:
     avail = backends()
     for name, ok in avail.items():
         asynchronous = "asynchronous collectives" if name in ASYNC_BACKENDS else "synchronous only"
+        if name in STREAM_BACKENDS:
+            asynchronous += ", stream-ordered waits"
         facts.append(f"backend {name}: {'available' if ok else 'not available'}"
                      + (f" ({asynchronous})" if ok else ""))
     facts.append(f"CUDA devices: {torch.cuda.device_count() if torch.cuda.is_available() else 0}")

@@ -67,10 +67,32 @@ def steady_allocator() -> bool:
     return bool(ok_mmap and ok_trim)
 
 
+def use_device(device: str | None, local_rank: int) -> str:
+    """Make ``device`` this process's device: ``"cuda"`` (or another accelerator type) picks
+    ``local_rank``'s device, several ranks sharing one device when there are fewer devices
+    than ranks (Gloo moves CUDA tensors through the host, so that works). Returns the device
+    string the rank computes on (``"cpu"`` for ``None``)."""
+    import torch
+
+    if device is None or device == "cpu":
+        return "cpu"
+    kind = torch.device(device).type
+    if not torch.accelerator.is_available() or \
+            torch.accelerator.current_accelerator().type != kind:
+        raise RuntimeError(f"device {device!r} requested but this process has no {kind} "
+                           "accelerator")
+    index = torch.device(device).index
+    if index is None:
+        index = local_rank % torch.accelerator.device_count()
+    torch.accelerator.set_device_index(index)
+    return f"{kind}:{index}"
+
+
 def _worker(
     rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
     steady: bool, per_node: int, extra_env: dict[str, str], fn: Callable[..., Any],
-    args: tuple[Any, ...], results: Any,
+    args: tuple[Any, ...], results: Any, device: str | None = None,
+    before_init: Callable[[], None] | None = None,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
@@ -91,6 +113,9 @@ def _worker(
     if steady:
         steady_allocator()
     try:
+        use_device(device, rank % per_node)
+        if before_init is not None:
+            before_init()
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException:
@@ -120,6 +145,8 @@ def run_local(
     steady_memory: bool = False,
     ranks_per_node: int | None = None,
     rank_env: Callable[[int], dict[str, str]] | None = None,
+    device: str | None = None,
+    before_init: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return their results.
 
@@ -136,6 +163,11 @@ def run_local(
             so topology-aware code sees several nodes; the links stay loopback.
         rank_env: extra environment per rank, e.g. :meth:`mc2.tools.netns.EmulatedCluster.
             rank_environment` to run each rank inside its emulated node's namespace.
+        device: ``None``/``"cpu"``, or an accelerator (``"cuda"``): each rank's current
+            device is set before the group is made (:func:`use_device`; ranks share devices
+            when there are fewer than ranks). ``fn`` then puts its tensors there.
+        before_init: a module-level function each rank calls before ``init_process_group``,
+            e.g. to register a third-party backend.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -149,7 +181,7 @@ def run_local(
         ctx.Process(target=_worker, daemon=True,
                     args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node,
                           rank_env(r) if rank_env else {}, fn,
-                          args, results))
+                          args, results, device, before_init))
         for r in range(world_size)
     ]
     for p in procs:

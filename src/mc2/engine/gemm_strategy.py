@@ -1,0 +1,91 @@
+"""Which expert GEMM strategy a call runs: ``"loop"`` or ``"grouped"``, chosen by measurement.
+
+``"loop"`` launches one GEMM per non-empty expert and pass (about ``6 * L * K`` small GEMMs per
+layer for a forward and backward of ``K`` micro-batches over ``L`` local experts); ``"grouped"``
+launches one ``torch.nn.functional.grouped_mm`` per GEMM of the SwiGLU for all experts at once.
+Which is faster depends on the device, the dtype and the expert size: on a GPU launches are
+expensive and grouped kernels are tuned for bf16; on a CPU, one thread, the two were within a
+few percent with the loop ahead on small experts. So ``gemm="auto"`` does not assume: it times a
+forward and backward of both on this rank's own weight shape, once per (layout, shape, dtype,
+device), with the device's clock (:mod:`mc2.engine.clock`), and takes ``"grouped"`` only where it
+measured at least :data:`MIN_GAIN` faster. The strategy is local arithmetic: ranks need not
+agree on it, and the choice never changes what crosses the wire.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .clock import clock_for
+from .experts import ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
+
+GemmStrategy = Literal["auto", "grouped", "loop"]
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_GAIN = 0.05  # what one-time timing of a few repeats can tell apart
+_CHOSEN: dict[tuple, str] = {}
+
+
+def grouped_available(dtype: torch.dtype) -> bool:
+    return hasattr(F, "grouped_mm") and dtype in GROUPED_DTYPES
+
+
+def strategy_problem(strategy: object, dtype: torch.dtype) -> str | None:
+    """What is wrong with a ``gemm=`` argument for this dtype, or ``None`` (checked before the
+    call's handshake, so a bad value is an error on every rank)."""
+    if strategy not in ("auto", "grouped", "loop"):
+        return f"gemm must be 'auto', 'grouped' or 'loop', got {strategy!r}"
+    if strategy == "grouped" and not grouped_available(dtype):
+        return f"gemm='grouped' needs float32/bfloat16/float16, got {dtype}; use 'loop'"
+    return None
+
+
+def _time_step(weights: ExpertWeights, strategy: str, rows: int, repeats: int) -> float:
+    """Median seconds of a forward and backward of ``rows`` rows split evenly over the local
+    experts (weight gradients included)."""
+    local = weights.local_experts
+    counts = [rows // local] * local
+    ends = torch.tensor(counts).cumsum(0).to(device=weights.device, dtype=torch.int32)
+    x = torch.randn(sum(counts), weights.hidden, dtype=weights.dtype, device=weights.device)
+    clock = clock_for(weights.device)
+
+    def step() -> None:
+        y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
+                                  offsets=ends)
+        assert saved is not None
+        _, work = swiglu_backward_input(y, saved, counts, weights, strategy=strategy,
+                                        offsets=ends)
+        grads = WeightGrads(weights, (True, True, True, True))
+        grads.add(work, strategy=strategy)
+        grads.finish()
+
+    with torch.no_grad():
+        step()  # warm-up (and kernel selection)
+        return statistics.median(clock.time(step) for _ in range(repeats))
+
+
+def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights,
+                     device: torch.device | None = None, *, rows_per_expert: int = 64,
+                     repeats: int = 3) -> str:
+    """A concrete strategy for ``strategy`` (validated by :func:`strategy_problem`)."""
+    if strategy != "auto":
+        return strategy
+    if not grouped_available(weights.dtype):
+        return "loop"
+    key = (weights.packed, tuple(weights.down.shape), weights.dtype,
+           str(device or weights.device))
+    if key not in _CHOSEN:
+        plain = weights.detached()
+        rows = rows_per_expert * weights.local_experts
+        loop = _time_step(plain, "loop", rows, repeats)
+        grouped = _time_step(plain, "grouped", rows, repeats)
+        _CHOSEN[key] = "grouped" if grouped < loop * (1 - MIN_GAIN) else "loop"
+    return _CHOSEN[key]
+
+
+def chosen_strategies() -> dict[tuple, str]:
+    """What ``"auto"`` chose so far in this process, by (packed, shape, dtype, device)."""
+    return dict(_CHOSEN)

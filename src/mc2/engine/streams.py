@@ -1,0 +1,50 @@
+"""Side streams of an accelerator, made once per device and purpose.
+
+The pipeline's compute runs on the caller's current stream. Work that must wait for a transfer
+without making the compute wait with it runs on a side stream: the middle step of a 2-D
+exchange (a permutation between its two stages) and the observer that times transfers. On CPU
+there are no streams: :func:`side_stream` returns a do-nothing context, so the same code runs
+there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+_STREAMS: dict[tuple[torch.device, str], Any] = {}
+
+
+def _full(device: torch.device) -> torch.device:
+    if device.index is None and device.type != "cpu":
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
+def side_stream(device: torch.device | str, purpose: str) -> Any:
+    """The stream for ``purpose`` on ``device`` (a ``torch.Stream``, usable as a context that
+    makes it current), or a null context on CPU."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    key = (_full(device), purpose)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.Stream(device=key[0])
+    return _STREAMS[key]
+
+
+def current_stream(device: torch.device | str) -> Any:
+    """The caller's current stream on ``device`` (``None`` on CPU)."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.accelerator.current_stream(_full(device))
+
+
+def wait_for_current(stream: Any, device: torch.device | str) -> None:
+    """``stream`` waits for the work queued so far on the current stream (no-op on CPU)."""
+    current = current_stream(device)
+    if current is not None and hasattr(stream, "wait_stream"):
+        stream.wait_stream(current)

@@ -1,0 +1,142 @@
+"""Count the host synchronisations a piece of code would make on an accelerator, on any device.
+
+On a GPU each device-to-host read (``.item()``, ``.tolist()``, ``.cpu()``, ``int(t)``, ``nonzero``,
+``bincount``, ...) waits for every kernel queued before it, and each upload of host data is a
+copy the stream must order. On a CPU neither costs anything, so a CPU test cannot *time* them,
+but it can *count* them: :class:`HostSyncCounter` is a ``TorchFunctionMode`` that sees every
+tensor operation and counts the ones that read back or upload, whatever the device. The count
+is what the same code does on a GPU, so mc2's budget (two reads and one upload per forward and
+backward of :func:`mc2.fused_expert`, none in the backward) is checked in CI without one.
+
+Usage::
+
+    with HostSyncCounter() as syncs:
+        out = mc2.fused_expert(...)
+    print(syncs.reads, syncs.uploads, syncs.where)
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# operations that copy device data to the host, or need its values there to run
+READS = frozenset({
+    "item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__",
+    "__complex__", "nonzero", "argwhere", "bincount", "unique", "unique_consecutive",
+    "masked_select", "equal", "allclose", "is_nonzero",
+})
+# factories that turn host data (Python lists, numbers, numpy arrays) into a tensor
+FACTORIES = frozenset({"tensor", "as_tensor", "from_numpy", "asarray"})
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def _is_host_data(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor)
+
+
+def _boolean_index(args: tuple) -> bool:
+    """``t[mask]``: a boolean index's size is only known on the host."""
+    if len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts device-to-host reads and host-to-device uploads of the code run inside it.
+
+    Attributes:
+        reads: device-to-host reads (operations in :data:`READS`, boolean-mask indexing,
+            ``repeat_interleave`` without ``output_size``, copies to the CPU).
+        uploads: tensors made from host data (:data:`FACTORIES` with non-tensor data) and
+            copies of CPU tensors to another device.
+        by_op: counts per operation name (``"read:tolist"``, ``"upload:tensor"``, ...).
+        where: the first mc2 (or caller) frame of each counted operation, for diagnostics.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+        self.where: list[str] = []
+        self._depth = 0
+
+    @property
+    def reads(self) -> int:
+        return sum(n for op, n in self.by_op.items() if op.startswith("read:"))
+
+    @property
+    def uploads(self) -> int:
+        return sum(n for op, n in self.by_op.items() if op.startswith("upload:"))
+
+    def _kind(self, func: Any, args: tuple, kwargs: dict) -> str | None:
+        name = _name(func)
+        if name in READS:
+            return "read"
+        if name == "__getitem__" and _boolean_index(args):
+            return "read"
+        if name == "repeat_interleave":
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+                return "read"
+        if name in FACTORIES and args and _is_host_data(args[0]):
+            return "upload"
+        if name in ("to", "cuda", "copy_"):
+            return self._copy_kind(name, args, kwargs)
+        return None
+
+    @staticmethod
+    def _copy_kind(name: str, args: tuple, kwargs: dict) -> str | None:
+        source = args[0] if args else None
+        if not isinstance(source, torch.Tensor):
+            return None
+        if name == "copy_":
+            other = args[1] if len(args) > 1 else kwargs.get("src")
+            if isinstance(other, torch.Tensor) and other.device != source.device:
+                return "read" if source.device.type == "cpu" else "upload"
+            return None
+        target = kwargs.get("device")
+        for a in args[1:]:
+            if isinstance(a, (str, torch.device)):
+                target = a
+            elif isinstance(a, torch.Tensor):
+                target = a.device
+        if name == "cuda":
+            target = "cuda"
+        if target is None:
+            return None
+        target = torch.device(target)
+        if target.type == source.device.type:
+            return None
+        return "read" if target.type == "cpu" else "upload"
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self._depth == 0:  # count what the code asks for, not what torch does inside
+            kind = self._kind(func, args, kwargs)
+            if kind is not None:
+                self.by_op[f"{kind}:{_name(func)}"] += 1
+                self.where.append(f"{kind}:{_name(func)} at {_caller()}")
+        self._depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename
+        if "/torch/" in path or path.endswith("host_syncs.py"):
+            continue
+        return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+    return "?"

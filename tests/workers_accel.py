@@ -1,0 +1,123 @@
+"""Rank functions of the accelerator-path tests (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import mc2
+from mc2.observation.host_syncs import HostSyncCounter
+from tests.problems import make_problem
+
+
+def _counted(fn: Any) -> tuple[Any, dict[str, int]]:
+    with HostSyncCounter() as syncs:
+        result = fn()
+    return result, {"reads": syncs.reads, "uploads": syncs.uploads, "where": syncs.where}
+
+
+def _fused_step(p: Any, rank: int, **options: Any) -> dict[str, Any]:
+    """A forward (counted) and a backward (counted) of one fused_expert call."""
+    x = p.xs[rank].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
+    out, fwd = _counted(lambda: mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], **options))
+    _, bwd = _counted(lambda: out.backward(p.grad_outs[rank]))
+    return {"forward": fwd, "backward": bwd, "out": out.detach(), "x": x.grad}
+
+
+def host_syncs(rank: int, world: int) -> dict[str, Any]:
+    """The second of two identical calls per case (the first makes groups, calibrates)."""
+    p = make_problem(world, "uneven", tokens=40, hidden=32, ffn=16)
+    cases: dict[str, dict[str, Any]] = {
+        f"K{k}": {"micro_batches": k} for k in (1, 4, 8)}
+    cases["K4 serial"] = {"micro_batches": 4, "overlap": False}
+    cases["K4 fp8 wire"] = {"micro_batches": 4, "wire_dtype": torch.float8_e4m3fn,
+                            "wire_block": 16}
+    cases["K4 int8/bf16 wire"] = {"micro_batches": 4, "wire_dtype": ("int8", torch.bfloat16),
+                                  "wire_block": 16}
+    cases["K4 check_finite"] = {"micro_batches": 4, "check_finite": True}
+    shared = make_problem(1, "uniform", hidden=32, ffn=8, local_experts=1, seed=5)
+    cases["K4 shared experts"] = {"micro_batches": 4, "shared_up": shared.w_up,
+                                  "shared_gate": shared.w_gate, "shared_down": shared.w_down}
+    if world == 4:
+        cases = {"K4 2d": {"micro_batches": 4, "hierarchy": "2d"},
+                 "K1 2d": {"micro_batches": 1, "hierarchy": "2d"}}
+    counted: dict[str, Any] = {}
+    for name, options in cases.items():
+        for _ in range(2):
+            step = _fused_step(p, rank, **options)
+        counted[name] = {"forward": step["forward"], "backward": step["backward"]}
+    if world == 2:
+        torch.manual_seed(0)
+        layer = mc2.MoELayer(32, 16, 4, 2, micro_batches=4).double()
+        x = torch.randn(3, 10, 32, dtype=torch.float64, requires_grad=True)
+        for _ in range(2):
+            (out, losses), fwd = _counted(lambda: layer(x, return_losses=True))
+            _, bwd = _counted(
+                lambda: (out.sum() + losses.load_balancing + losses.z_loss).backward())
+        counted["MoELayer(return_losses=True)"] = {"forward": fwd, "backward": bwd}
+    return counted
+
+
+def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]:
+    """fused_expert over the emulated stream backend: results and every wait's timeout."""
+    from tests import fake_stream_backend as fake
+
+    p = make_problem(world, "uneven", seed=1)
+    fake.WAITS.clear()
+    results = []
+    for k in (1, 3):
+        step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30)
+        results.append({"out": step["out"], "x": step["x"]})
+    return {"results": results, "waits": list(fake.WAITS),
+            "backend": mc2.engine.backend.backend_for(None, "cpu"),
+            "style": mc2.engine.backend.comm_style(None, "cpu").stream,
+            "watched_now": mc2.engine.watchdog.watchdog().in_flight}
+
+
+def fake_stream_stall(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 stalls one All-to-All for longer than the deadline: a CommTimeout naming it."""
+    from tests import fake_stream_backend as fake
+
+    p = make_problem(world, "uniform", tokens=20)
+    error: dict[str, Any] = {}
+    try:
+        _fused_step(p, rank, micro_batches=3, timeout=1.0)
+    except mc2.CommTimeout as exc:
+        error = {"operation": exc.operation, "micro_batch": exc.micro_batch,
+                 "phase": exc.phase, "waited": exc.waited_s, "message": str(exc)}
+    return {"error": error, "aborted": fake.STATE["aborted"], "waits": list(fake.WAITS)}
+
+
+def backend_by_device(rank: int, world: int) -> dict[str, Any]:
+    """A mixed backend string and a backend-less default group: asynchronous, no fallback."""
+    p = make_problem(world, "uniform")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tl = mc2.Timeline()
+        x = p.xs[rank].clone().requires_grad_(True)
+        out = mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                               micro_batches=2, timeline=tl)
+        out.backward(p.grad_outs[rank])
+    return {"get_backend": str(dist.get_backend()),
+            "serving_cpu": mc2.engine.backend.backend_for(None, "cpu"),
+            "fallback": tl.sync_fallback, "kinds": sorted({s.kind for s in tl.spans}),
+            "warnings": [str(w.message) for w in caught
+                         if issubclass(w.category, mc2.engine.env.SyncFallbackWarning)],
+            "out": out.detach()}
+
+
+def autocast_bf16(rank: int, world: int) -> dict[str, Any]:
+    """fused_expert under CPU bf16 autocast with float32 inputs and weights."""
+    p = make_problem(world, "uneven", dtype=torch.float32, hidden=32, ffn=16, seed=2)
+    x = p.xs[rank].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
+    rw = p.rws[rank].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mc2.fused_expert(x, *ws, p.ids[rank], rw, micro_batches=3)
+    out.float().backward(p.grad_outs[rank])
+    return {"dtype": out.dtype, "out": out.detach().float(), "x": x.grad,
+            "w_dtypes": [w.grad.dtype for w in ws], "rw": rw.grad}
