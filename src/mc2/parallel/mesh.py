@@ -20,18 +20,21 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..engine.backend import mesh_device_type
 from ..engine.comm import group_rank, group_size, initialized
 
 MESH_DIMS = ("dp", "ep")
 
 
-def expert_parallel_mesh(ep_size: int, device_type: str = "cpu", *,
+def expert_parallel_mesh(ep_size: int, device_type: str | None = None, *,
                          num_experts: int | None = None) -> Any:
     """A ``("dp", "ep")`` :class:`DeviceMesh` over the whole world, with EP groups of ``ep_size``.
 
     Call after ``torch.distributed.init_process_group`` on every rank (it creates the sub-groups,
     a collective). Ranks are numbered node by node under ``torchrun``, so an ``ep_size`` that
-    divides the ranks per node keeps every EP group inside one node.
+    divides the ranks per node keeps every EP group inside one node. ``device_type``: what the
+    mesh's tensors live on; by default the current accelerator when the process group has a
+    backend for it (``"cuda"`` under NCCL), else ``"cpu"``.
 
     Raises:
         ValueError: the world size is not a multiple of ``ep_size``, or ``num_experts`` (when
@@ -48,7 +51,8 @@ def expert_parallel_mesh(ep_size: int, device_type: str = "cpu", *,
         raise ValueError(f"ep_size ({ep_size}) must divide the number of experts ({num_experts})")
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type or mesh_device_type(), (world // ep_size, ep_size),
+                            mesh_dim_names=MESH_DIMS)
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ waits on asynchronous ones), and the rest (autograd, allocation, the weighted su
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..engine.clock import clock_for
 from ..engine.experts import ExpertWeights
 from ..engine.ops import fused_expert_packed
 from ..engine.planner import planner_for, predict
@@ -56,6 +56,7 @@ class BenchConfig:
     malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
     wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.engine.wire names)
     wire_block: int = 128  # channels per scale of the quantised formats
+    device: str = "cpu"  # "cuda": each rank on its local device (shared when fewer than ranks)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -170,7 +171,19 @@ def _problem(rank: int, cfg: BenchConfig):
     ws = [torch.randn(local, 2 * cfg.ffn, cfg.hidden, generator=g) * cfg.hidden ** -0.5,
           torch.randn(local, cfg.hidden, cfg.ffn, generator=g) * cfg.ffn ** -0.5]
     grad_out = torch.randn(cfg.tokens_per_rank, cfg.hidden, generator=g).to(dtype)
-    return x, [w.to(dtype) for w in ws], ids, rw, grad_out
+    device = _device()
+    return (x.to(device), [w.to(device, dtype) for w in ws], ids.to(device), rw.to(device),
+            grad_out.to(device))
+
+
+def _device() -> torch.device:
+    """The rank's device: the accelerator :func:`~mc2.tools.launch.use_device` set, else CPU."""
+    from ..engine.backend import default_device_type
+
+    kind = default_device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
 
 
 _WORKSPACES: dict[str, Workspace] = {}
@@ -189,7 +202,7 @@ def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Time
 
 
 def _slowest(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64).to(_device())
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -225,15 +238,16 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
         plan["explore_calls"] = calls
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
+    clock = clock_for(x.device)  # device events on an accelerator: the host only queues
     fallbacks: dict[str, str] = {}
     for rep in range(cfg.warmup + cfg.repeats):
         for j in range(len(modes)):
             mode = modes[(j + rep) % len(modes)]
             tl = Timeline()
             dist.barrier()
-            start = time.perf_counter()
+            start = clock.stamp()
             got = _step(x, ws, ids, rw, grad_out, mode, cfg, tl)
-            step = time.perf_counter() - start
+            step = clock.elapsed(start, clock.stamp())
             if tl.sync_fallback:
                 fallbacks[mode.name] = tl.sync_fallback
             diffs[mode.name] = max(diffs[mode.name], max(
@@ -264,12 +278,13 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
 def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) -> float:
     """Median step with a Timeline over median step without, minus 1 (alternating runs)."""
     timed: dict[bool, list[float]] = {True: [], False: []}
+    clock = clock_for(x.device)
     for rep in range(2 * max(cfg.repeats, 3)):
         record = rep % 2 == 0
         dist.barrier()
-        start = time.perf_counter()
+        start = clock.stamp()
         _step(x, ws, ids, rw, grad_out, mode, cfg, Timeline() if record else None)
-        timed[record].append(_slowest([time.perf_counter() - start])[0])
+        timed[record].append(_slowest([clock.elapsed(start, clock.stamp())])[0])
     return metrics.median(timed[True]) / metrics.median(timed[False]) - 1
 
 
@@ -305,7 +320,7 @@ def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
     """Start a local Gloo world, measure every mode, return the report (rank 0's view)."""
     raw = run_local(bench_rank, world_size, args=(cfg,), threads=threads, timeout_s=300,
                     deadline_s=3600, ranks_per_node=ranks_per_node, rank_env=rank_env,
-                    steady_memory=cfg.malloc_tuned)
+                    steady_memory=cfg.malloc_tuned, device=cfg.device)
     report = summarize(cfg, world_size, raw[0])
     report.nodes = world_size // ranks_per_node if ranks_per_node else 1
     return report

@@ -81,6 +81,10 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--malloc-tuned", action="store_true",
                    help="tell glibc to keep freed memory in every rank (mallopt); off by default, "
                         "so the numbers are those of a plain process; labelled in the report")
+    p.add_argument("--device", default=base.device,
+                   help="cpu (default) or an accelerator type such as cuda: each rank computes on "
+                        "its local device (ranks share one when there are fewer devices; Gloo "
+                        "stages device tensors through the host)")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
@@ -94,7 +98,8 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
                    gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
                    auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
-                   wire_dtypes=args.wire_dtype, wire_block=args.wire_block)
+                   wire_dtypes=args.wire_dtype, wire_block=args.wire_block,
+                   device=args.device)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,

@@ -56,6 +56,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     progress: bool = True
+    device: str = "cpu"  # "cuda": each rank trains on its local device
 
 
 def load_corpus(limit: int) -> torch.Tensor:
@@ -148,8 +149,12 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     from ..parallel.gradient_buckets import GradientSync
     from ..parallel.mesh import expert_parallel_mesh
 
-    mesh = expert_parallel_mesh(cfg.ep_size or world, num_experts=cfg.experts)
-    model = _model(cfg)
+    from ..engine.clock import clock_for
+    from .launch import use_device
+
+    device = torch.device(use_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank))))
+    mesh = expert_parallel_mesh(cfg.ep_size or world, device.type, num_experts=cfg.experts)
+    model = _model(cfg).to(device)
     enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap,
                wire_dtype=parse_wire_dtype(cfg.wire_dtype))
     model.train()
@@ -163,6 +168,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         start_step = extra["step"]
         history = {k: extra[k] for k in history}
     corpus = load_corpus(cfg.corpus_bytes)
+    clock = clock_for(device)  # device events on an accelerator
     bar = None
     if rank == 0 and cfg.progress:
         try:
@@ -172,20 +178,21 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         except ImportError:  # pragma: no cover
             bar = None
     for step in range(start_step, cfg.steps):
-        ids = _batch(corpus, step, rank, world, cfg)
+        ids = _batch(corpus, step, rank, world, cfg).to(device)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock.stamp()
         loss = model(ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        t_sync = time.perf_counter()
+        t_sync = clock.stamp()
         if sync is not None:
             sync.wait()  # what is left of a sync that ran during the backward
         else:
             average_gradients(model, mesh=mesh)
-        t_sync = time.perf_counter() - t_sync
+        t_synced = clock.stamp()
         opt.step()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock.elapsed(t0, clock.stamp())
+        t_sync = clock.elapsed(t_sync, t_synced)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         history["losses"].append(global_loss.item() / world)
@@ -206,7 +213,7 @@ def run_training(cfg: TrainConfig, world_size: int = 2, threads: int = 1) -> dic
     """Train on a local Gloo world of ``world_size`` processes; rank 0's history."""
     _check_ep_size(cfg, world_size)
     return run_local(train_rank, world_size, args=(cfg,), threads=threads, timeout_s=600,
-                     deadline_s=24 * 3600)[0]
+                     deadline_s=24 * 3600, device=cfg.device)[0]
 
 
 def launched() -> bool:
@@ -214,12 +221,15 @@ def launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_launched(cfg: TrainConfig, backend: str = "gloo") -> dict[str, Any] | None:
+def run_launched(cfg: TrainConfig, backend: str | None = "gloo") -> dict[str, Any] | None:
     """Train as this rank of a ``torchrun`` job; rank 0 gets the history, the others ``None``."""
     world = int(os.environ["WORLD_SIZE"])
     _check_ep_size(cfg, world)
     own = not dist.is_initialized()
     if own:
+        from .launch import use_device
+
+        use_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     try:
         result = train_rank(dist.get_rank(), world, cfg)

@@ -57,6 +57,12 @@ def add_train_parser(sub: Any) -> None:
     tr.add_argument("--nodes", type=int, default=None,
                     help="run torchrun --nnodes across this many emulated nodes (network "
                          "namespaces; needs root and iproute2)")
+    tr.add_argument("--device", default="cpu",
+                    help="cpu (default) or an accelerator type such as cuda: each rank trains on "
+                         "its local device (under torchrun, LOCAL_RANK's)")
+    tr.add_argument("--backend", default=None,
+                    help="process-group backend under torchrun (default: gloo on cpu; PyTorch's "
+                         "default, gloo for CPU and nccl for CUDA tensors, on a device)")
     tr.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes (default 2)")
     tr.add_argument("--inter-node-bandwidth", default="1gbit",
                     help="with --nodes: tc rate of each node's link (default %(default)s)")
@@ -67,7 +73,7 @@ def _options(args: argparse.Namespace) -> list[str]:
     out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--micro-batches", str(args.micro_batches), "--out", str(args.out.resolve()),
            "--checkpoint-every", str(args.checkpoint_every), "--grad-sync", args.grad_sync,
-           "--wire-dtype", args.wire_dtype]
+           "--wire-dtype", args.wire_dtype, "--device", args.device]
     if args.ep_size:
         out += ["--ep-size", str(args.ep_size)]
     for flag in ("serial", "compare", "resume"):
@@ -115,7 +121,7 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
                        ep_size=args.ep_size, grad_sync=args.grad_sync,
                        wire_dtype=args.wire_dtype,
                        checkpoint_every=args.checkpoint_every,
-                       resume=args.resume)
+                       resume=args.resume, device=args.device)
     mc2_label = f"MC2 K={k}" + ("" if args.wire_dtype == "none" else f" wire {args.wire_dtype}")
     runs = [("serial", False), (mc2_label, True)] if args.compare else \
         [("serial" if args.serial else mc2_label, not args.serial)]
@@ -131,7 +137,8 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
                 print(f"mc2 train: {label}, {world} ranks as dp {world // (cfg.ep_size or world)}"
                       f" x ep {cfg.ep_size or world}, {cfg.steps} steps of {cfg.batch} x "
                       f"{cfg.seq} bytes per rank", file=sys.stderr, flush=True)
-            curves[label] = run_launched(cfg) if under_torchrun else \
+            backend = args.backend or ("gloo" if args.device == "cpu" else None)
+            curves[label] = run_launched(cfg, backend) if under_torchrun else \
                 run_training(cfg, world_size=world)
     except ValueError as exc:
         print(f"mc2: {exc}", file=sys.stderr)

@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""The accelerator check: what one GPU can show of mc2's device path, in one short run.
+
+NCCL refuses two ranks on one GPU, so the multi-rank NCCL path cannot run on one device. What
+one device can show, this script runs, in under five minutes:
+
+(a) **correctness with device tensors**: 2 and 4 Gloo ranks sharing the GPU (Gloo stages CUDA
+    tensors through the host), ``fused_expert`` forward and backward against a float64 dense
+    reference, flat and 2-D (4 ranks as 2 nodes of 2), float32 and bf16, each wire format;
+(b) **no hidden host synchronisation**: an NCCL world of one with the distributed path forced
+    (``MC2_DEBUG_FORCE_COLLECTIVES=1``: handshake, counts exchange and All-to-Alls to itself),
+    under ``torch.cuda.set_sync_debug_mode("error")``: any synchronisation but mc2's two
+    whitelisted reads raises; the reads and uploads are counted as well, and a timeline taken
+    with device events must show transfers of non-zero length;
+(c) **a hardware preset for** ``mc2 simulate``: bf16 expert GEMMs and ``grouped_mm`` timed with
+    device events at the simulator's model shapes, and the device's copy bandwidth.
+
+``--dry-run`` runs the same three parts on CPU in seconds (Gloo worlds with CPU tensors, a Gloo
+world of one with the host-sync counter instead of CUDA's sync debug mode, tiny GEMMs), so CI
+keeps the script working without a GPU.
+
+    PYTHONPATH=src:. python benchmarks/device_check.py               # on a GPU machine
+    PYTHONPATH=src:. python benchmarks/device_check.py --dry-run     # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import mc2
+from tests.problems import make_problem
+from tests.reference import dense_moe
+
+FP8 = torch.float8_e4m3fn
+# a format's rounding relative to its block maximum, times the gain of a SwiGLU pass (as the
+# wire tests): bounds that a wrong route (an O(1) error) cannot meet
+WIRE_BOUND = {None: 0.0, torch.bfloat16: 6 * 2 ** -8, FP8: 2 * 2 ** -4, "int8": 24 * 2 ** -8}
+DTYPE_BOUND = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    hierarchy: str
+    k: int
+    dtype: torch.dtype
+    wire: Any
+
+    @property
+    def name(self) -> str:
+        wire = "none" if self.wire is None else str(self.wire).replace("torch.", "")
+        return (f"{self.world} ranks {self.hierarchy:<4} K={self.k} {str(self.dtype)[6:]:<8} "
+                f"wire {wire}")
+
+    @property
+    def bound(self) -> float:
+        return DTYPE_BOUND[self.dtype] + WIRE_BOUND[self.wire]
+
+
+def cases(world: int, dry_run: bool) -> list[Case]:
+    hierarchy = "2d" if world == 4 else "flat"
+    if dry_run:
+        return [Case(world, hierarchy, 3, torch.float32, w) for w in (None, FP8)]
+    out = [Case(world, hierarchy, k, d, None) for k in (1, 3) for d in DTYPE_BOUND]
+    out += [Case(world, hierarchy, 3, torch.bfloat16, w) for w in (torch.bfloat16, FP8, "int8")]
+    return out
+
+
+def _problem(world: int):
+    return make_problem(world, "uneven", hidden=64, ffn=32, tokens=48, seed=7)
+
+
+def correctness_rank(rank: int, world: int, dry_run: bool, device: str) -> list[dict]:
+    """(a) on each rank: every case's output and input gradient, back on the host."""
+    p = _problem(world)
+    results = []
+    for case in cases(world, dry_run):
+        x = p.xs[rank].to(device, case.dtype).requires_grad_(True)
+        ws = [w.to(device, case.dtype).requires_grad_(True) for w in p.local_weights(rank)]
+        out = mc2.fused_expert(x, *ws, p.ids[rank].to(device), p.rws[rank].to(device, case.dtype),
+                               micro_batches=case.k, hierarchy=case.hierarchy,
+                               wire_dtype=case.wire, wire_block=16)
+        out.backward(p.grad_outs[rank].to(device, case.dtype))
+        results.append({"out": out.detach().double().cpu(), "x": x.grad.double().cpu(),
+                        "device": str(out.device)})
+    return results
+
+
+def check_correctness(dry_run: bool, device: str) -> bool:
+    ok = True
+    for world in (2, 4):
+        p = _problem(world)
+        xs = [x.clone().requires_grad_(True) for x in p.xs]
+        want = dense_moe(torch.cat(xs), p.w_up, p.w_gate, p.w_down, torch.cat(p.ids),
+                         torch.cat(p.rws))
+        want.backward(torch.cat(p.grad_outs))
+        want_out, want_x = want.detach(), torch.cat([x.grad for x in xs])
+        start = time.perf_counter()
+        per_rank = mc2.run_local(correctness_rank, world, args=(dry_run, device),
+                                 device=None if device == "cpu" else device,
+                                 ranks_per_node=2 if world == 4 else None, deadline_s=240)
+        for i, case in enumerate(cases(world, dry_run)):
+            got_out = torch.cat([r[i]["out"] for r in per_rank])
+            got_x = torch.cat([r[i]["x"] for r in per_rank])
+            err = max(((got_out - want_out).abs().max() / want_out.abs().max()).item(),
+                      ((got_x - want_x).abs().max() / want_x.abs().max()).item())
+            good = err <= case.bound
+            ok &= good
+            print(f"  {case.name}: max rel err {err:.2e} (bound {case.bound:.1e}) on "
+                  f"{per_rank[0][i]['device']} {'ok' if good else 'FAIL'}", flush=True)
+        print(f"  ({world} ranks: {time.perf_counter() - start:.1f} s)", flush=True)
+    return ok
+
+
+def sync_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, Any]:
+    """(b) in a world of one with the distributed path forced."""
+    from mc2.observation.host_syncs import HostSyncCounter
+
+    p = make_problem(1, "uneven", hidden=64, ffn=32, tokens=200, local_experts=4, seed=3)
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    x = p.xs[0].to(device, dtype)
+    ws = [w.to(device, dtype).requires_grad_(True) for w in p.local_weights(0)]
+    ids, rw, grad = p.ids[0].to(device), p.rws[0].to(device, dtype), p.grad_outs[0].to(device, dtype)
+
+    def step(**options: Any) -> Any:
+        xg = x.detach().requires_grad_(True)
+        out = mc2.fused_expert(xg, *ws, ids, rw, micro_batches=4, **options)
+        out.backward(grad)
+        return out
+
+    step(wire_dtype=FP8, wire_block=16)  # warm-up: first-use allocations, fp8 tables
+    step()
+    on_cuda = torch.device(device).type == "cuda"
+    report: dict[str, Any] = {}
+    for name, options in (("plain", {}), ("fp8 wire", {"wire_dtype": FP8, "wire_block": 16})):
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with HostSyncCounter() as syncs:
+                step(**options)
+            report[name] = {"reads": syncs.reads, "uploads": syncs.uploads, "error": None}
+        except RuntimeError as exc:
+            report[name] = {"reads": -1, "uploads": -1, "error": str(exc).splitlines()[0]}
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    tl = mc2.Timeline()
+    xg = x.detach().requires_grad_(True)
+    mc2.fused_expert(xg, *ws, ids, rw, micro_batches=4, timeline=tl).backward(grad)
+    transfers = [s.duration for s in tl.spans if s.kind == "transfer"]
+    report["transfers"] = len(transfers)
+    report["transfer_ms"] = 1e3 * statistics.median(transfers) if transfers else 0.0
+    report["clock"] = type(tl.clock).__name__
+    report["backend"] = mc2.engine.backend.backend_for(None, device)
+    report["stream"] = mc2.engine.backend.comm_style(None, device).stream
+    return report
+
+
+def check_syncs(dry_run: bool, device: str) -> bool:
+    backend = "gloo" if dry_run else "nccl"
+    r = mc2.run_local(sync_rank, 1, args=(dry_run, device), backend=backend,
+                      device=None if device == "cpu" else device, deadline_s=120,
+                      rank_env=lambda _: {"MC2_DEBUG_FORCE_COLLECTIVES": "1"})[0]
+    ok = True
+    for name in ("plain", "fp8 wire"):
+        c = r[name]
+        good = c["error"] is None and 0 <= c["reads"] <= 2 and 0 <= c["uploads"] <= 1
+        ok &= good
+        mode = "sync debug mode 'error'" if not dry_run else "host-sync counter"
+        print(f"  {backend} world of one, K=4, {name}, under {mode}: {c['reads']} reads, "
+              f"{c['uploads']} uploads per forward+backward"
+              + (f"; raised: {c['error']}" if c["error"] else "") + (" ok" if good else " FAIL"),
+              flush=True)
+    print(f"  backend {r['backend']} (stream-ordered waits: {r['stream']}); timeline clock "
+          f"{r['clock']}: {r['transfers']} transfers, median {r['transfer_ms']:.3f} ms", flush=True)
+    if r["transfers"] == 0 or (not dry_run and r["transfer_ms"] <= 0):
+        ok = False
+        print("  FAIL: transfers were not timed", flush=True)
+    return ok
+
+
+def _time(fn: Any, device: str, repeats: int = 5) -> float:
+    from mc2.engine.clock import clock_for
+
+    clock = clock_for(device)
+    fn()
+    return statistics.median(clock.time(fn) for _ in range(repeats))
+
+
+def time_gemms(dry_run: bool, device: str) -> dict[str, float]:
+    """(c) expert GEMMs at the simulator's shapes: dense and grouped, TFLOP/s."""
+    import torch.nn.functional as F
+
+    from mc2.sim.presets import load_model
+
+    names = ["mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-30b-a3b"]
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    rates: list[float] = []
+    grouped_rates: list[float] = []
+    for name in names:
+        m = load_model(name)
+        hidden, ffn, groups = (64, 128, 4) if dry_run else (m.hidden, m.ffn, 8)
+        rows = 256 if dry_run else 8192
+        a = torch.randn(rows, hidden, dtype=dtype, device=device)
+        w = torch.randn(groups, hidden, ffn, dtype=dtype, device=device) * hidden ** -0.5
+        offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+        flops = 2 * rows * hidden * ffn
+        dense = flops / _time(lambda: a @ w[0], device)
+        line = f"  {name:<14} [{rows} x {hidden}] x [{hidden} x {ffn}] {str(dtype)[6:]}: " \
+               f"dense {dense / 1e12:7.2f} TFLOP/s"
+        rates.append(dense)
+        if hasattr(F, "grouped_mm") and (dtype != torch.float32 or device == "cpu"):
+            try:
+                grouped = flops / _time(lambda: F.grouped_mm(a, w, offs=offs), device)
+                grouped_rates.append(grouped)
+                line += f", grouped_mm over {groups} experts {grouped / 1e12:7.2f} TFLOP/s"
+            except RuntimeError as exc:
+                line += f", grouped_mm unavailable ({str(exc).splitlines()[0][:60]})"
+        print(line, flush=True)
+    big = torch.empty(2 ** (20 if dry_run else 28), dtype=torch.uint8, device=device)
+    other = torch.empty_like(big)
+    copy_s = _time(lambda: other.copy_(big), device)
+    return {"dense": statistics.median(rates),
+            "grouped": statistics.median(grouped_rates) if grouped_rates else 0.0,
+            "memory_gbps": 2 * big.numel() / copy_s / 1e9}
+
+
+def preset(measured: dict[str, float], device: str) -> str:
+    """A hardware TOML for ``mc2 simulate --hardware FILE``: compute from this device's
+    measurements; the links cannot be measured on one device and come from dgx-h100."""
+    from mc2.sim.presets import load_hardware
+
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "this CPU"
+    ref = load_hardware("dgx-h100")
+    return "\n".join([
+        f"# measured by benchmarks/device_check.py on {name}",
+        'name = "measured"',
+        f'description = "{name}: compute measured here; links from dgx-h100 (not measurable '
+        'on one device)"',
+        f"devices_per_node = {ref.devices_per_node}",
+        "",
+        "[compute]",
+        "# median achieved TFLOP/s of the models' expert GEMMs (efficiency folded in)",
+        f"peak_tflops = {measured['dense'] / 1e12:.1f}",
+        "gemm_efficiency = 1.0",
+        f"memory_gbps = {measured['memory_gbps']:.0f}",
+        "",
+        "[intra_node]",
+        f"bandwidth_gbps = {ref.intra_node.bandwidth_gbps}",
+        f"latency_us = {ref.intra_node.latency_us}",
+        "async = true",
+        "",
+        "[inter_node]",
+        f"bandwidth_gbps = {ref.inter_node.bandwidth_gbps}",
+        f"latency_us = {ref.inter_node.latency_us}",
+        "async = true",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every part on CPU, in seconds (what CI runs)")
+    parser.add_argument("--preset", type=str, default=None,
+                        help="also write the measured hardware preset to this .toml file")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("device_check: no CUDA device here; run with --dry-run to check the script",
+              file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    started = time.perf_counter()
+    where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"mc2 device check on {where}, torch {torch.__version__}", flush=True)
+    print("(a) Gloo ranks sharing the device vs a float64 dense reference:", flush=True)
+    ok = check_correctness(args.dry_run, device)
+    print("(b) host synchronisations of the distributed path:", flush=True)
+    ok &= check_syncs(args.dry_run, device)
+    print("(c) expert GEMMs at the simulator's shapes:", flush=True)
+    measured = time_gemms(args.dry_run, device)
+    text = preset(measured, device)
+    print(text)
+    if args.preset:
+        with open(args.preset, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.preset}")
+    print(f"{'all checks passed' if ok else 'SOME CHECKS FAILED'} in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
