@@ -213,13 +213,14 @@ def time_gemms(dry_run: bool, device: str) -> dict[str, float]:
         w = torch.randn(groups, hidden, ffn, dtype=dtype, device=device) * hidden ** -0.5
         offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
         flops = 2 * rows * hidden * ffn
-        dense = flops / _time(lambda: a @ w[0], device)
+        dense = flops / _time(lambda a=a, w=w: a @ w[0], device)
         line = f"  {name:<14} [{rows} x {hidden}] x [{hidden} x {ffn}] {str(dtype)[6:]}: " \
                f"dense {dense / 1e12:7.2f} TFLOP/s"
         rates.append(dense)
         if hasattr(F, "grouped_mm") and (dtype != torch.float32 or device == "cpu"):
             try:
-                grouped = flops / _time(lambda: F.grouped_mm(a, w, offs=offs), device)
+                grouped = flops / _time(lambda a=a, w=w, o=offs: F.grouped_mm(a, w, offs=o),
+                                        device)
                 grouped_rates.append(grouped)
                 line += f", grouped_mm over {groups} experts {grouped / 1e12:7.2f} TFLOP/s"
             except RuntimeError as exc:

@@ -21,6 +21,7 @@ That backend decides two things (:class:`CommStyle`):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,16 @@ def comm_style(group: Any, device: torch.device | str | None) -> CommStyle:
         reason = "MC2_FORCE_SYNC is set"
     elif name not in ASYNC_BACKENDS:
         reason = f"backend {name!r} is not known to support asynchronous collectives"
-    return CommStyle(name, reason, name in STREAM_BACKENDS)
+    return CommStyle(name, reason, name in STREAM_BACKENDS and not _blocking_wait(name))
+
+
+def _blocking_wait(name: str) -> bool:
+    """``TORCH_NCCL_BLOCKING_WAIT=1`` makes NCCL's ``wait()`` block the host: then waits are
+    host waits, with the call's deadline, as on Gloo."""
+    if name != "nccl":
+        return False
+    flag = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", ""))
+    return flag.strip().lower() in ("1", "true", "yes", "on")
 
 
 def default_device_type() -> str:

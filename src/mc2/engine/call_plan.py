@@ -131,7 +131,7 @@ def plan_call(
         num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
         hierarchy=hierarchy,
     ) or shared_problem(x, *shared) or wire_problem(wire_dtype, wire_block, x.shape[-1]) \
-        or strategy_problem(gemm, x.dtype)
+        or strategy_problem(gemm, x.dtype, x.device)
     wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)
     weights = None
     if problem is None:

@@ -29,11 +29,19 @@ from .clock import clock_for
 from .deadline import current, wait_future, wait_work
 from .env import force_collectives
 from .streams import side_stream
-from .watchdog import stream_wait
+from .watchdog import stream_wait, surfaced
 from .workspace import Workspace
 
 # (issued, done) stamps of an asynchronous transfer: host seconds or device events
 OnComplete = Callable[[Any, Any], None]
+# transfers (or their buffers) given up after an error: held for good, so that no buffer a
+# backend may still write into is handed out again (after a timeout the process must end)
+_ABANDONED: list[Any] = []
+
+
+def abandon(*in_flight: Any) -> None:
+    """Keep ``in_flight`` transfers or buffers alive for the rest of the process."""
+    _ABANDONED.extend(in_flight)
 
 
 def initialized() -> bool:
@@ -164,9 +172,10 @@ def all_to_all_rows(
                    group, operation, rows.device)
         return PendingTransfer(output=output, operation=operation)
     issued = time.monotonic()
-    work = dist.all_to_all_single(
-        output, rows, recv_splits, send_splits, group=group, async_op=True
-    )
+    with surfaced():  # an aborted communicator refuses new work: report the timeout instead
+        work = dist.all_to_all_single(
+            output, rows, recv_splits, send_splits, group=group, async_op=True
+        )
     if on_complete is not None:
         _observe(work, style, rows, on_complete)
     return PendingTransfer(output=output, work=work, keep_alive=(rows,), operation=operation,
@@ -258,10 +267,12 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
     """
     style = style_of(group, torch.device(device or "cpu"))
     if current() is None or not style.asynchronous:
-        issue(False)
+        with surfaced():
+            issue(False)
         return
     issued = time.monotonic()
-    work = issue(True)
+    with surfaced():
+        work = issue(True)
     if style.stream:
         stream_wait(work, operation, deadline_s=current(), issued_at=issued, group=group)
     else:

@@ -14,6 +14,7 @@ agree on it, and the choice never changes what crosses the wire.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import Literal
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from .clock import clock_for
 from .experts import ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
+from .host import upload
 
 GemmStrategy = Literal["auto", "grouped", "loop"]
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,17 +31,33 @@ MIN_GAIN = 0.05  # what one-time timing of a few repeats can tell apart
 _CHOSEN: dict[tuple, str] = {}
 
 
-def grouped_available(dtype: torch.dtype) -> bool:
-    return hasattr(F, "grouped_mm") and dtype in GROUPED_DTYPES
+def grouped_problem(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why ``grouped_mm`` cannot serve this dtype and device without stalling, or ``None``.
+
+    On CUDA only bf16 on compute capability 9.x/10.x has a grouped kernel; everything else
+    falls back to a per-group loop that reads the offsets back to the host (``offs.cpu()``),
+    which stops the host at every GEMM.
+    """
+    if not hasattr(F, "grouped_mm"):
+        return "this PyTorch has no torch.nn.functional.grouped_mm"
+    if dtype not in GROUPED_DTYPES:
+        return f"gemm='grouped' needs float32/bfloat16/float16, got {dtype}"
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        if dtype != torch.bfloat16 or major not in (9, 10):
+            return (f"gemm='grouped' on CUDA needs bfloat16 on compute capability 9.x or 10.x "
+                    f"(got {dtype}, {major}.x): elsewhere grouped_mm reads its offsets back to "
+                    "the host at every GEMM")
+    return None
 
 
-def strategy_problem(strategy: object, dtype: torch.dtype) -> str | None:
-    """What is wrong with a ``gemm=`` argument for this dtype, or ``None`` (checked before the
-    call's handshake, so a bad value is an error on every rank)."""
+def strategy_problem(strategy: object, dtype: torch.dtype, device: torch.device) -> str | None:
+    """What is wrong with a ``gemm=`` argument for this dtype and device, or ``None`` (checked
+    before the call's handshake, so a bad value is an error on every rank)."""
     if strategy not in ("auto", "grouped", "loop"):
         return f"gemm must be 'auto', 'grouped' or 'loop', got {strategy!r}"
-    if strategy == "grouped" and not grouped_available(dtype):
-        return f"gemm='grouped' needs float32/bfloat16/float16, got {dtype}; use 'loop'"
+    if strategy == "grouped" and (why := grouped_problem(dtype, device)) is not None:
+        return f"{why}; use 'loop'"
     return None
 
 
@@ -48,7 +66,7 @@ def _time_step(weights: ExpertWeights, strategy: str, rows: int, repeats: int) -
     experts (weight gradients included)."""
     local = weights.local_experts
     counts = [rows // local] * local
-    ends = torch.tensor(counts).cumsum(0).to(device=weights.device, dtype=torch.int32)
+    ends = upload(list(itertools.accumulate(counts)), weights.device, torch.int32)
     x = torch.randn(sum(counts), weights.hidden, dtype=weights.dtype, device=weights.device)
     clock = clock_for(weights.device)
 
@@ -73,7 +91,7 @@ def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights,
     """A concrete strategy for ``strategy`` (validated by :func:`strategy_problem`)."""
     if strategy != "auto":
         return strategy
-    if not grouped_available(weights.dtype):
+    if grouped_problem(weights.dtype, weights.device) is not None:
         return "loop"
     key = (weights.packed, tuple(weights.down.shape), weights.dtype,
            str(device or weights.device))

@@ -29,6 +29,7 @@ depends on the backend (:mod:`mc2.engine.backend`):
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import queue
 import threading
@@ -46,13 +47,15 @@ from .comm import (
     FlatExchange,
     OnComplete,
     PendingTransfer,
+    abandon,
     all_reduce_max,
     all_to_all_rows,
     barrier,
     style_of,
 )
+from .host import read, upload
 from .routing import regroup_index
-from .streams import side_stream, wait_for_current
+from .streams import current_stream, side_stream, wait_for_current
 
 
 class CommWorker:
@@ -103,13 +106,17 @@ class TwoStageExchange:
     intra_group: Any
     inter_group: Any
 
-    def _on_thread(self, fn: Callable[[], Tensor], on_complete: OnComplete | None
-                   ) -> PendingTransfer:
+    def _on_thread(self, fn: Callable[[], Tensor], on_complete: OnComplete | None,
+                   device: torch.device) -> PendingTransfer:
         issued = time.perf_counter()
         context = contextvars.copy_context()  # the call's deadline holds on the thread too
+        # device tensors (Gloo stages them through the host): the thread orders its copies and
+        # permutation on the caller's stream, as the caller's own collectives would be
+        stream = current_stream(device)
 
         def job() -> Tensor:
-            out = context.run(fn)
+            with stream if stream is not None else contextlib.nullcontext():
+                out = context.run(fn)
             if on_complete is not None:
                 on_complete(issued, time.perf_counter())
             return out
@@ -133,12 +140,21 @@ class TwoStageExchange:
         output = torch.empty((sum(recv2),) + hidden, dtype=rows.dtype, device=rows.device)
         side = side_stream(rows.device, f"two-stage {name}")
         wait_for_current(side, rows.device)
-        with side:
-            all_to_all_rows(rows, send1, recv1, group1, async_op=True, output=middle,
-                            operation=f"{name} (first stage)").wait()
-            between(middle, staged)
-            last = all_to_all_rows(staged, send2, recv2, group2, async_op=True, output=output,
-                                   on_complete=on_complete, operation=f"{name} (second stage)")
+        try:
+            with side:
+                all_to_all_rows(rows, send1, recv1, group1, async_op=True, output=middle,
+                                operation=f"{name} (first stage)").wait()
+                between(middle, staged)
+                last = all_to_all_rows(staged, send2, recv2, group2, async_op=True,
+                                       output=output, on_complete=on_complete,
+                                       operation=f"{name} (second stage)")
+        except BaseException:
+            # the caller's stream must not reuse these buffers before the side stream is done
+            current = current_stream(rows.device)
+            if current is not None:
+                current.wait_stream(side)
+            abandon(rows, middle, staged, output)
+            raise
         last.keep_alive = (rows, middle, staged)
         return last
 
@@ -156,7 +172,9 @@ class TwoStageExchange:
             across = all_to_all_rows(rows, *inter, async_op=False).wait()
             return all_to_all_rows(across.index_select(0, self.intra_gather), *intra,
                                    async_op=False).wait()
-        return self._on_thread(run, on_complete) if async_op else PendingTransfer(output=run())
+        if async_op:
+            return self._on_thread(run, on_complete, rows.device)
+        return PendingTransfer(output=run())
 
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: OnComplete | None = None) -> PendingTransfer:
@@ -172,7 +190,9 @@ class TwoStageExchange:
             inside = all_to_all_rows(rows, *intra, async_op=False).wait()
             return all_to_all_rows(unpermute(inside, torch.empty_like(inside)), *inter,
                                    async_op=False).wait()
-        return self._on_thread(run, on_complete) if async_op else PendingTransfer(output=run())
+        if async_op:
+            return self._on_thread(run, on_complete, rows.device)
+        return PendingTransfer(output=run())
 
 
 @dataclass(frozen=True)
@@ -262,7 +282,7 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
                 times.append(clock.time(lambda: exchange.dispatch(rows, async_op=False).wait()))
             return sorted(times)[len(times) // 2]
 
-        measured = torch.tensor([timed(flat), timed(two_d)], dtype=torch.float64)
-        slowest = all_reduce_max(measured.to(device), group).tolist()
+        measured = upload([timed(flat), timed(two_d)], device, torch.float64)
+        slowest = read(all_reduce_max(measured, group))
         _CHOICES[key] = slowest[1] < 0.95 * slowest[0]
     return _CHOICES[key]

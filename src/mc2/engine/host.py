@@ -55,10 +55,11 @@ def read(values: Tensor) -> list[Any]:
         return values.tolist()
 
 
-def upload(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    """Host integers onto ``device`` without stalling the host: through pinned memory and a
-    non-blocking copy on accelerators, a plain tensor on CPU."""
+def upload(values: list[Any], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Host numbers onto ``device`` without stalling the host: through pinned memory and a
+    non-blocking copy on accelerators (a pageable copy would wait), a plain tensor on CPU."""
     host = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
     if device.type == "cpu":
         return host
     if torch.accelerator.is_available():

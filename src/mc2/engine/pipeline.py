@@ -25,6 +25,12 @@ issued as soon as the first has arrived, to travel under micro-batch 0's compute
 
 Serial schedule (``overlap=False``): each collective is synchronous, nothing overlaps.
 
+Waits (:mod:`mc2.engine.comm`): on a host backend (Gloo) a wait blocks the caller until the rows
+are there; on a stream backend (NCCL, HCCL) it makes the compute stream wait and returns at once,
+so the host queues the whole schedule ahead of the device and the same order plays out on the
+streams. If a step raises mid-pass, the transfers still in flight are waited for before their
+buffers can be reused (after a timeout they are kept alive instead: the group is unusable).
+
 Wire formats (:mod:`mc2.engine.wire`): each pass's first exchange (dispatch) encodes its rows with
 ``wire[0]``, its second (combine) with ``wire[1]``; rows are encoded on the way out and decoded
 right after the wait, so the compute steps only ever see compute-dtype rows.
@@ -40,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..observation.timeline import Timeline, maybe_span
-from .comm import PendingTransfer
+from .comm import PendingTransfer, abandon
 from .deadline import CommTimeout
 from .watchdog import check as check_deadlines
 from .routing import DispatchHandle
@@ -64,9 +70,6 @@ class _Encoded:
 
 
 Pending = PendingTransfer | _Encoded
-# transfers abandoned after a timeout: held forever, so their buffers are never handed out
-# again while a backend thread may still write into them (the process must end anyway)
-_ABANDONED: list[Pending] = []
 
 
 def _release(pending: list[Pending], *, wait: bool) -> None:
@@ -74,12 +77,12 @@ def _release(pending: list[Pending], *, wait: bool) -> None:
     back to the workspace (or, after a timeout, keep them alive for good)."""
     for transfer in pending:
         if not wait:
-            _ABANDONED.append(transfer)
+            abandon(transfer)
             continue
         try:
             transfer.wait()
         except BaseException:  # noqa: BLE001 - the original error is the one to raise
-            _ABANDONED.append(transfer)
+            abandon(transfer)
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,10 @@ def run_pipeline(
         try:
             return transfer.wait(micro_batch=i, phase=phase)
         except CommTimeout as exc:
-            _ABANDONED.append(transfer)
+            abandon(transfer)
             raise exc.at(operation=name, micro_batch=i, phase=phase) from exc.__cause__
         except BaseException:
-            _ABANDONED.append(transfer)
+            abandon(transfer)
             raise
 
     def local() -> None:

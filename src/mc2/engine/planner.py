@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .clock import HostClock, Interval, clock_for
 from .comm import all_reduce_max, all_to_all_rows, barrier, group_size
 from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
-from .host import read
+from .host import read, upload
 from .pipeline_cost import training_step
 from .routing import micro_batch_fractions
 from .wire import NONE, WireFormat, describe_pair
@@ -335,7 +335,7 @@ class Planner:
             state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
                                                 {k: [] for k in tried})
         if state.locked is None and state.explored(self.trials):
-            times = torch.tensor(state.scores(), dtype=torch.float64).to(weights.device)
+            times = upload(state.scores(), weights.device, torch.float64)
             slowest = read(all_reduce_max(times, group))
             state.locked = trial_winner(state.candidates, slowest, self.min_gain)
             if state.locked < 0:
@@ -397,7 +397,7 @@ class Planner:
         if key not in self._codec:
             local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
                                    self.repeats)
-            value = torch.tensor([local], dtype=torch.float64).to(weights.device)
+            value = upload([local], weights.device, torch.float64)
             self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
 
@@ -488,8 +488,8 @@ class Planner:
 
             row_overhead = _measure_row_overhead(hidden, dtype, device, self.repeats)
 
-        values = torch.tensor([fixed, per_row, latency, per_byte, interference, row_overhead],
-                              dtype=torch.float64).to(device)
+        values = upload([fixed, per_row, latency, per_byte, interference, row_overhead], device,
+                        torch.float64)
         agreed = read(all_reduce_max(values, group))
         return Calibration(*agreed)
 

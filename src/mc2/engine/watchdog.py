@@ -14,6 +14,11 @@ a call hands its work to the process's :class:`Watchdog`: a daemon thread that p
 The caller's thread raises the recorded timeout at its next check: every later wait, every host
 read of a call and the end of every pass (:func:`check`). This is what NCCL's own watchdog does
 with the group's timeout, with mc2's deadline and mc2's words.
+
+The deadline counts from the host's issue of the collective. On a stream backend the transfer
+starts only when the device reaches it, so a deadline must also cover the work queued before it:
+the default (300 s) is far above any queue; a ``timeout=`` of seconds on a busy device could
+abort a healthy group, and an abort is fatal to the group.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from .deadline import CommTimeout
@@ -39,6 +45,7 @@ class _Watched:
     deadline_s: float
     issued_at: float
     group: Any
+    device_index: int | None = None  # the accelerator the work's events live on
 
 
 def abort_group(group: Any) -> None:
@@ -72,10 +79,14 @@ class Watchdog:
               micro_batch: int | None = None, phase: str | None = None,
               group: Any = None) -> None:
         """Watch ``work`` until it completes or ``deadline_s`` after ``issued_at``
-        (``time.monotonic``)."""
+        (``time.monotonic``). The caller's current accelerator is noted: the thread polls on
+        it (a fresh thread would otherwise query on device 0 and open a context there)."""
+        index = None
+        if torch.accelerator.is_available():
+            index = torch.accelerator.current_device_index()
         with self._wake:
             self._watched.append(_Watched(work, operation, micro_batch, phase, deadline_s,
-                                          issued_at, group))
+                                          issued_at, group, index))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="mc2-watchdog",
                                                 daemon=True)
@@ -103,6 +114,8 @@ class Watchdog:
             done, expired = [], None
             now = time.monotonic()
             for item in watched:
+                if item.device_index is not None:
+                    torch.accelerator.set_device_index(item.device_index)
                 if item.work.is_completed():
                     done.append(item)
                 elif now - item.issued_at > item.deadline_s and expired is None:
