@@ -121,9 +121,17 @@ def peer_cmd(lib: str, regime: Regime, steps: int) -> list[str]:
             "--tokens", str(regime.tokens), "--steps", str(steps)]
 
 
-def mc2_cmd(regime: Regime, steps: int, modes: str) -> list[str]:
-    return [sys.executable, str(HERE / "peer_work_mc2.py"), "--tokens", str(regime.tokens),
-            "--steps", str(steps), "--modes", modes, "--peers-dir", str(PEERS_DIR)]
+def mc2_cmd(regime: Regime, steps: int, modes: str, checkout: Path | None = None) -> list[str]:
+    """mc2's run; ``checkout``: another mc2 tree (its ``src`` first on the path, its own
+    ``peer_work_mc2.py``), for comparing versions in the same rounds."""
+    script = (checkout / "benchmarks" if checkout else HERE) / "peer_work_mc2.py"
+    cmd = [sys.executable, str(script), "--tokens", str(regime.tokens),
+           "--steps", str(steps), "--modes", modes, "--peers-dir", str(PEERS_DIR)]
+    if checkout is not None:
+        code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        cmd = [sys.executable, "-c", code, str(checkout / "src"), *cmd[1:]]
+    return cmd
 
 
 def peers_missing() -> str | None:
@@ -145,7 +153,7 @@ def run_regime(regime: Regime, args: argparse.Namespace) -> dict[str, Any]:
     hits every library alike; each library's figure is its median round."""
     row: dict[str, Any] = {"regime": regime.name, "tokens": regime.tokens, "rate": regime.rate}
     missing = peers_missing()
-    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in (*LIBS, "mc2")}
+    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in (*LIBS, "mc2", "baseline")}
     for lib in LIBS:
         if lib not in args.libs.split(","):
             row[lib] = {"missing": "not asked for (--libs)"}
@@ -161,12 +169,16 @@ def run_regime(regime: Regime, args: argparse.Namespace) -> dict[str, Any]:
                 row[lib] = {"missing": "failed: " + (err.strip().splitlines() or ["?"])[-1]}
                 continue
             runs[lib].append({"median_s": result["median_s"], "rss_mib": rss})
-        log(f"  round {n + 1}/{args.rounds}: mc2 ...")
-        result, err, rss = measured(mc2_cmd(regime, args.steps, args.mc2_modes), args.timeout)
-        if result is None:
-            raise RuntimeError(f"mc2 failed in {regime.name}:\n{err}")
-        runs["mc2"].append({**result, "median_s": result["modes"]["auto"]["median_s"],
-                            "rss_mib": result.get("rss_auto_mib", rss)})
+        versions = [("mc2", None)] + ([("baseline", args.baseline)] if args.baseline else [])
+        for name, checkout in versions[::1 if n % 2 == 0 else -1]:  # alternate who goes first
+            log(f"  round {n + 1}/{args.rounds}: {name} ...")
+            result, err, rss = measured(mc2_cmd(regime, args.steps, args.mc2_modes, checkout),
+                                        args.timeout)
+            if result is None:
+                raise RuntimeError(f"{name} failed in {regime.name}:\n{err}")
+            runs.setdefault(name, []).append({
+                **result, "median_s": result["modes"]["auto"]["median_s"],
+                "rss_mib": result.get("rss_auto_mib", rss)})
     for lib, done in runs.items():
         if done and lib not in row:
             row[lib] = {**_median_of(done), "rounds_s": [r["median_s"] for r in done],
@@ -209,6 +221,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {row['regime']} | {cell(row, 'deepspeed')} | {cell(row, 'megatron')} | "
                      f"{auto['median_s'] * 1e3:,.0f} ms (K={auto['k']}) | {serial_cell} | "
                      f"{ratio} | {hidden} | {rss} |")
+    if any("baseline" in row for row in rows):
+        lines += ["", "| regime | mc2 auto | baseline auto | mc2 / baseline (time) | rounds mc2 |"
+                  " rounds baseline |", "|" + "---|" * 6]
+        for row in rows:
+            new, old = row["mc2"], row.get("baseline")
+            if old is None:
+                continue
+            lines.append(
+                f"| {row['regime']} | {new['median_s'] * 1e3:,.0f} ms | "
+                f"{old['median_s'] * 1e3:,.0f} ms | {new['median_s'] / old['median_s']:.3f} | "
+                f"{', '.join(f'{t * 1e3:,.0f}' for t in new['rounds_s'])} | "
+                f"{', '.join(f'{t * 1e3:,.0f}' for t in old['rounds_s'])} |")
     return "\n".join(lines)
 
 
@@ -226,6 +250,9 @@ def main() -> int:
                    help="peers to run beside mc2 (default: deepspeed,megatron)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     p.add_argument("--json", type=Path, help="also write every number as JSON")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another mc2 checkout (e.g. a git worktree of an older commit) to run in "
+                        "the same rounds, interleaved; adds a 'mc2 / baseline' table")
     args = p.parse_args()
     names = [n for n in args.regimes.split(",") if n]
     unknown = set(names) - set(REGIMES)
