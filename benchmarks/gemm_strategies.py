@@ -43,7 +43,7 @@ def make(layout: str, dtype: torch.dtype, args: argparse.Namespace, device: str 
 def step(x, counts, weights, strategy: str, ws: Workspace) -> None:
     y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
                               workspace=ws)
-    grads = WeightGrads(weights, (True, True, True, True), ws)
+    grads = WeightGrads(weights, None, ws)
     swiglu_backward(y, saved, counts, weights, grads, strategy=strategy)
     grads.finish()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""mc2 on exactly the peers' work (``../shared/peers/peers.py``); one JSON line on stdout.
+"""mc2 on exactly the peers' work (``peers.py`` in ``MC2_PEERS_DIR``); one JSON line on stdout.
 
 Weights, inputs and output gradient come from the peers' own ``make_weights`` and
 ``make_inputs``; the router is ``x @ router.T``, top-k, softmax over the k logits (like theirs,

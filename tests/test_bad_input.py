@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mc2
-from tests.workers import bad_input_then_good
+from tests.workers import bad_input_then_good, planners_disagree
 
 BAD = {
     "expert_out_of_range": "out of range",
@@ -22,6 +22,9 @@ BAD = {
     "wire_dtype_differ": "disagree on wire_dtype (dispatch)",
     "wire_dtype_unsupported": "wire_dtype must be None, torch.bfloat16",
     "wire_block": "wire_block 5 must divide the hidden size 16",
+    "gemm_unknown": "gemm must be 'auto', 'grouped' or 'loop'",
+    "ids_device": "expert_ids must be on x's device",
+    "weights_device": "routing_weights must be on x's device",
 }
 
 
@@ -35,6 +38,21 @@ def test_bad_input_on_rank1_raises_everywhere(bad: str) -> None:
         assert r["good_rows"] > 0, "the group must still work after the error"
     if not bad.endswith("differ"):  # the innocent rank names the culprit and its problem
         assert "rank 1" in results[0]["error"]
+
+
+@pytest.mark.parametrize("case,message", [
+    ("k", "ranks disagree on the number of micro-batches"),
+    ("candidates", "ranks disagree on the largest K"),
+])
+def test_planners_that_disagree_raise_everywhere(case: str, message: str) -> None:
+    """The K "auto" runs is agreed: in the counts exchange (its header), or, when the planners'
+    candidates differ, in the handshake."""
+    results = mc2.run_local(planners_disagree, 2, args=(case,), timeout_s=20, deadline_s=60)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and message in r["error"], (rank, r["error"])
+        assert r["good_rows"] > 0, "the group must still work after the error"
+    if case == "k":
+        assert "rank 1: K=4" in results[0]["error"] and "rank 0: K=2" in results[1]["error"]
 
 
 def test_single_process_errors_are_plain_value_errors() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mc2.observation.breakdown import PARTS, BreakdownConfig, format_breakdown, run_breakdown
+from mc2.tools.breakdown import PARTS, BreakdownConfig, format_breakdown, run_breakdown
 
 
 def test_parts_add_up_to_the_step() -> None:

@@ -77,6 +77,12 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
             kwargs["wire_dtype"] = torch.int32
         elif bad == "wire_block":
             kwargs.update(wire_dtype="int8", wire_block=5)  # hidden is 16
+        elif bad == "gemm_unknown":
+            kwargs["gemm"] = "fastest"
+        elif bad == "ids_device":
+            ids = ids.to("meta")
+        elif bad == "weights_device":
+            rw = rw.to("meta")
         else:
             raise AssertionError(bad)
     start = time.monotonic()
@@ -308,3 +314,38 @@ def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: P
                          wire_block=8)
         seen.append(sorted({key[-1] for key in mc2.engine.hierarchy._CHOICES}))
     return seen
+
+
+class _FixedPlanner(mc2.Planner):
+    """A planner that chooses without measuring (so ranks with different ones still make the
+    same collectives up to the counts exchange)."""
+
+    def __init__(self, k: int, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+        super().__init__(candidates=candidates)
+        self.k = k
+
+    def choose(self, **_: Any) -> Any:
+        from mc2.engine.planner import Choice
+
+        return Choice(self.k)
+
+
+def planners_disagree(rank: int, world: int, case: str) -> dict:
+    """Rank 1's planner chooses another K ("k"), or has other candidates ("candidates"):
+    every rank must raise before any row moves, and the group must still work."""
+    from tests.problems import make_problem
+
+    p = make_problem(world, "uniform", tokens=24)
+    if case == "k":
+        planner = _FixedPlanner(2 if rank == 0 else 4)
+    else:
+        planner = _FixedPlanner(2, candidates=(1, 2, 4, 8, 16) if rank == 0 else (1, 2))
+    error = None
+    try:
+        mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                         micro_batches="auto", planner=planner)
+    except ValueError as exc:
+        error = str(exc)
+    out = mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                           micro_batches="auto", planner=_FixedPlanner(3))
+    return {"error": error, "good_rows": out.shape[0]}

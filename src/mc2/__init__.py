@@ -1,24 +1,24 @@
 """mc2: hide the All-to-All of Mixture-of-Experts behind expert computation.
 
 ``mc2.fused_expert`` runs dispatch All-to-All -> SwiGLU experts -> combine All-to-All as a
-micro-batch pipeline on any ``torch.distributed`` backend, forward and backward.
+micro-batch pipeline on any ``torch.distributed`` backend, forward and backward;
+``mc2.MC2Config`` says how a call runs.
 
 The package has four parts: ``mc2.engine`` (the call), ``mc2.observation`` (timelines, traces,
 metrics), ``mc2.parallel`` (meshes, gradient sync, checkpoints) and ``mc2.tools`` (the command
-line). What a user calls is exported here; ``mc2.checkpoint`` is :mod:`mc2.parallel.checkpoint`,
-imported on first use (it pulls in torch.distributed.checkpoint).
+line). What a user calls is exported here; ``mc2.checkpoint`` (save and load) is imported on
+first use (it pulls in torch.distributed.checkpoint), or with ``import mc2.checkpoint``.
 """
 
 from typing import Any
 
-from .engine import env, planner, topology
+from .engine.config import MC2Config
 from .engine.deadline import CommTimeout
+from .engine.env import SyncFallbackWarning
 from .engine.ops import fused_expert, fused_expert_packed
 from .engine.planner import Planner, WireFormatWarning
-from .engine.routing import DispatchHandle, MicroBatchRoute
 from .engine.workspace import Workspace
-from .layer import MoELayer, RouterLosses, load_full_state_dict
-from .observation import profiler
+from .layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
 from .observation.profiler import Profiler, profile
 from .observation.timeline import Span, Timeline
 from .parallel.grad_sync import average_gradients
@@ -26,18 +26,17 @@ from .parallel.gradient_buckets import GradientSync
 from .parallel.mesh import ParallelLayout, expert_parallel_mesh
 from .tools.launch import run_local
 
-__all__ = ["fused_expert", "fused_expert_packed", "Workspace", "MoELayer", "RouterLosses",
-           "CommTimeout", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
-           "GradientSync",
-           "load_full_state_dict", "profile", "Profiler", "Planner", "WireFormatWarning",
-           "run_local", "Timeline", "Span",
-           "DispatchHandle", "MicroBatchRoute", "env", "planner", "profiler", "topology"]
+__all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
+           "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
+           "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
+           "GradientSync", "load_full_state_dict", "profile", "Profiler", "Timeline", "Span",
+           "run_local", "checkpoint"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     if name == "checkpoint":
-        from .parallel import checkpoint
+        import importlib
 
-        return checkpoint
+        return importlib.import_module(".checkpoint", __name__)
     raise AttributeError(f"module 'mc2' has no attribute {name!r}")

@@ -16,12 +16,13 @@ rank's experts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NamedTuple, Unpack, overload
 
 import torch
 from torch import Tensor, nn
 
-from .engine.ops import MicroBatches, fused_expert_packed
+from .engine.config import ConfigOptions, MC2Config
+from .engine.ops import fused_expert_packed
 from .parallel.mesh import resolve_layout
 
 EXPERT_KEYS = ("w_gate_up", "w_down")
@@ -42,6 +43,13 @@ class RouterLosses:
     z_loss: Tensor
 
 
+class MoEOutput(NamedTuple):
+    """What :class:`MoELayer` returns when the router losses are asked for."""
+
+    output: Tensor
+    losses: RouterLosses
+
+
 class MoELayer(nn.Module):
     """A Mixtral/DeepSeek-style sparse MoE block with expert parallelism and overlap.
 
@@ -56,10 +64,9 @@ class MoELayer(nn.Module):
             :func:`mc2.expert_parallel_mesh` makes one).
         shared_experts: experts every token passes through (DeepSeek/Qwen), replicated.
         shared_ffn: their width (default ``ffn``).
-        micro_batches, overlap: passed to :func:`mc2.fused_expert`.
         renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
-        wire_dtype, wire_block: the format routed rows travel in (:mod:`mc2.engine.wire`; ``None``:
-            the compute dtype), passed to :func:`mc2.fused_expert`.
+        config: how the fused call runs (:class:`mc2.MC2Config`); ``**options`` its fields as
+            keywords (``micro_batches=4``, ``wire_dtype="fp8"``, ...), a shorthand.
 
     The experts are kept packed, in the ``nn.Linear`` layout of Hugging Face and Megatron:
     ``w_gate_up [local_experts, 2 * ffn, hidden]`` (gate rows first) and
@@ -68,18 +75,17 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 2, *,
-                 group: Any = None, mesh: Any = None, shared_experts: int = 0, shared_ffn: int | None = None,
-                 micro_batches: MicroBatches = "auto", overlap: bool = True,
-                 renormalize: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, wire_dtype: Any = None,
-                 wire_block: int = 128) -> None:
+                 group: Any = None, mesh: Any = None, shared_experts: int = 0,
+                 shared_ffn: int | None = None, renormalize: bool = True,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 config: MC2Config | None = None, **options: Unpack[ConfigOptions]) -> None:
         super().__init__()
         self.layout = resolve_layout(group, mesh, num_experts=num_experts)
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
         self.group, self.num_experts, self.topk = self.layout.ep_group, num_experts, topk
-        self.micro_batches, self.overlap, self.renormalize = micro_batches, overlap, renormalize
-        self.wire_dtype, self.wire_block = wire_dtype, wire_block
+        self.renormalize = renormalize
+        self.config = MC2Config.of(config, **options)
         mine = self.layout.experts_of_this_rank(num_experts)
         local = len(mine)
         kw = {"dtype": dtype, "device": device}
@@ -135,17 +141,22 @@ class MoELayer(nn.Module):
         z = torch.logsumexp(flat, -1).pow(2).mean()
         return RouterLosses(balance, z)
 
-    def forward(self, x: Tensor, *, return_losses: bool = False
-                ) -> Tensor | tuple[Tensor, RouterLosses]:
-        """``x [batch, seq, H]`` or ``[tokens, H]`` -> same shape (and the router losses)."""
+    @overload
+    def forward(self, x: Tensor, *, return_losses: Literal[False] = False) -> Tensor: ...
+
+    @overload
+    def forward(self, x: Tensor, *, return_losses: Literal[True]) -> MoEOutput: ...
+
+    def forward(self, x: Tensor, *, return_losses: bool = False) -> Tensor | MoEOutput:
+        """``x [batch, seq, H]`` or ``[tokens, H]`` -> the same shape; with
+        ``return_losses=True`` a :class:`MoEOutput` ``(output, losses)`` (the return type is
+        fixed by the flag, as ``torch.max`` with and without ``dim``)."""
         ids, weights, logits = self.route(x)
         shared = dict(zip(("shared_up", "shared_gate", "shared_down"), self.shared or []))
         out = fused_expert_packed(x, self.w_gate_up, self.w_down, ids, weights,
-                                  group=self.group, micro_batches=self.micro_batches,
-                                  overlap=self.overlap, wire_dtype=self.wire_dtype,
-                                  wire_block=self.wire_block, **shared)
+                                  group=self.group, config=self.config, **shared)
         if return_losses:
-            return out, self.router_losses(logits, ids)
+            return MoEOutput(out, self.router_losses(logits, ids))
         return out
 
 

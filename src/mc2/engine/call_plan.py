@@ -26,6 +26,7 @@ from torch import Tensor
 from ..observation.profiler import active_timeline
 from ..observation.timeline import Timeline, maybe_span
 from .comm import exchange_counts, gather_counts, group_size, is_local, style_of
+from .config import MC2Config
 from .env import warn_sync_fallback
 from .experts import ExpertWeights
 from .function import CallPlan
@@ -87,107 +88,88 @@ def _combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor
     return routing_weights.reshape(ids2d.shape).to(like.dtype)
 
 
-def plan_call(
-    x: Tensor,
-    named_weights: dict[str, Any],
-    expert_ids: Tensor,
-    routing_weights: Tensor | None,
-    *,
-    packed: bool,
-    group: Any,
-    micro_batches: Any,
-    overlap: bool,
-    num_experts: int | None,
-    gemm: str,
-    timeline: Timeline | None,
-    planner: Planner | None,
-    shared: tuple[Tensor | None, Tensor | None, Tensor | None],
-    hierarchy: str,
-    workspace: Workspace | None,
-    wire_dtype: Any = None,
-    wire_block: int = 128,
-    timeout: float | None = None,
-    check_finite: bool = False,
-) -> tuple[CallPlan, ExpertWeights, Tensor]:
-    """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
-    weights. Raises ``ValueError`` on every rank when any rank's input is bad."""
-    if timeline is None:
-        timeline = active_timeline()
-    world = group_size(group)
-    device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+def _fall_back_if_needed(config: MC2Config, group: Any, device: torch.device,
+                         timeline: Timeline | None) -> MC2Config:
+    """Synchronous collectives where asynchronous ones are impossible; says so once."""
+    if not config.overlap or is_local(group):
+        return config
+    reason = style_of(group, device).sync_reason
+    if reason is None:
+        return config
+    warn_sync_fallback(reason)
     if timeline is not None:
-        timeline.bind(device)
-    if overlap is True and not is_local(group):
-        reason = style_of(group, device).sync_reason
-        if reason is not None:
-            warn_sync_fallback(reason)
-            overlap = False
-            if micro_batches == "auto":
-                micro_batches = 1
-            if timeline is not None:
-                timeline.sync_fallback = reason
+        timeline.sync_fallback = reason
+    return config.replace(overlap=False, micro_batches=1 if config.micro_batches == "auto"
+                          else config.micro_batches)
+
+
+def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing_weights: Any,
+                 shared: tuple, config: MC2Config, *, packed: bool, world: int,
+                 num_experts: int | None) -> tuple[str | None, ExpertWeights | None]:
+    """What is wrong with this rank's call (no tensor's values read), and its weights."""
     problem = local_problem(
         x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
-        num_experts=num_experts, micro_batches=micro_batches, overlap=overlap,
-        hierarchy=hierarchy,
-    ) or shared_problem(x, *shared) or wire_problem(wire_dtype, wire_block, x.shape[-1]) \
-        or strategy_problem(gemm, x.dtype, x.device)
-    wire = wire_pair(wire_dtype, wire_block) if problem is None else (NONE, NONE)
-    weights = None
-    if problem is None:
-        weights = (ExpertWeights.packed_of(named_weights["weights_gate_up"],
-                                           named_weights["weights_down"]) if packed else
-                   ExpertWeights.split_of(named_weights["weights_up"],
-                                          named_weights["weights_gate"],
-                                          named_weights["weights_down"]))
-    tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
-               if isinstance(t, Tensor)]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    auto = micro_batches == "auto"
-    plan_with = (planner or planner_for(group)) if auto and overlap else None
-    capacity = max(plan_with.candidates) if plan_with is not None else \
-        (1 if auto else micro_batches)
-    facts = dict.fromkeys(SHARED_FACTS, 0)  # the same keys on every rank, valid or not
+        num_experts=num_experts,
+    ) or shared_problem(x, *shared) or wire_problem(config.wire_dtype, config.wire_block,
+                                                     x.shape[-1]) \
+        or strategy_problem(config.gemm, x.dtype, x.device)
+    if problem is not None:
+        return problem, None
+    if packed:
+        return None, ExpertWeights.packed_of(named_weights["weights_gate_up"],
+                                             named_weights["weights_down"])
+    return None, ExpertWeights.split_of(named_weights["weights_up"], named_weights["weights_gate"],
+                                        named_weights["weights_down"])
+
+
+def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWeights | None,
+                  needs_grad: bool, wire: tuple[WireFormat, WireFormat]) -> dict[str, int]:
+    """The values every rank must share, as the handshake carries them (zeros when this rank's
+    input is bad: the same keys on every rank, valid or not)."""
+    facts = dict.fromkeys(SHARED_FACTS, 0)
     if weights is not None:
+        auto = config.micro_batches == "auto"
         facts.update(zip(SHARED_FACTS, (
-            0 if auto else micro_batches, capacity, x.shape[-1], weights.ffn,
-            weights.local_experts, _DTYPES[x.dtype], int(overlap), int(needs_grad),
-            HIERARCHY_CODES[hierarchy], wire[0].code, wire[1].code)))
-    with maybe_span(timeline, "comm", "handshake", "forward"):
-        agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
-                          shared=facts, group=group,
-                          total_experts=world * (weights.local_experts if weights else 0),
-                          check_finite=check_finite)
-    assert weights is not None
-    strategy = resolve_strategy(gemm, weights, x.device)
-    local_experts, hidden = weights.local_experts, x.shape[-1]
+            0 if auto else config.micro_batches, capacity, x.shape[-1], weights.ffn,
+            weights.local_experts, _DTYPES[x.dtype], int(config.overlap), int(needs_grad),
+            HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code)))
+    return facts
 
-    on_pass_done = None
-    if auto:
-        k = 1
-        if plan_with is not None:
-            with maybe_span(timeline, "compute", "plan", "forward"):
-                choice = plan_with.choose(
-                    max_tokens=agreement.max_tokens, topk=agreement.max_topk, weights=weights,
-                    group=group, strategy=strategy, needs_grad=needs_grad, wire=wire)
-            k, on_pass_done = choice.micro_batches, choice.on_pass_done
-            if choice.plain_rows:  # the format measured slower here; the planner said so
-                wire = (NONE, NONE)
-            if timeline is not None and choice.trial:  # exploration is visible, and bounded
-                timeline.mark("compute", f"auto trial K={k}", "forward")
-    else:
-        k = int(micro_batches)
 
-    x2d = x.reshape(-1, hidden)
-    ids2d = expert_ids.reshape(x2d.shape[0], expert_ids.shape[-1])
+def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: ExpertWeights,
+              group: Any, strategy: str, needs_grad: bool, wire: tuple[WireFormat, WireFormat],
+              timeline: Timeline | None) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
+    """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``."""
+    if config.micro_batches != "auto":
+        return int(config.micro_batches), None, wire
+    if planner is None:
+        return 1, None, wire
+    with maybe_span(timeline, "compute", "plan", "forward"):
+        choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
+                                weights=weights, group=group, strategy=strategy,
+                                needs_grad=needs_grad, wire=wire)
+    if choice.plain_rows:  # the format measured slower here; the planner said so
+        wire = (NONE, NONE)
+    if timeline is not None and choice.trial:  # exploration is visible, and bounded
+        timeline.mark("compute", f"auto trial K={choice.micro_batches}", "forward")
+    return choice.micro_batches, choice.on_pass_done, wire
+
+
+def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capacity: int,
+            agreement: Any, config: MC2Config, wire: tuple[WireFormat, WireFormat], group: Any,
+            timeline: Timeline | None, workspace: Workspace) -> tuple[Any, Tensor]:
+    """Sort, exchange the counts (K agreed in the same message), read every split once, and
+    build the routes; returns the handle and the ``[T, topk]`` ids."""
+    world, local_experts = group_size(group), weights.local_experts
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     order, send_counts = local_send_counts(ids2d, world * local_experts, k)
     counts = CountsExchange(k, capacity, world, local_experts)
     with maybe_span(timeline, "comm", "counts", "forward"):
         payload = exchange_counts(counts.payload(send_counts), group)
     two_d, totals = None, None
-    if hierarchy != "flat" and world > 1:
+    if config.hierarchy != "flat" and world > 1:
         largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
-        two_d = _wants_two_stage(hierarchy, group, timeline, largest, x, wire)
+        two_d = _wants_two_stage(config.hierarchy, group, timeline, largest, x, wire)
         if two_d is not None:
             with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
                 totals = gather_counts(send_counts.view(k, world, local_experts).sum(-1), group)
@@ -200,12 +182,68 @@ def plan_call(
                   for src in range(world)]
         two_stage = TwoStagePlan(nested, totals, topo.rank, topo.nodes,
                                  len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
+    handle = build_handle(ids2d, order, host, counts.received(payload), world_size=world,
+                          local_experts=local_experts, group=group, two_stage=two_stage,
+                          workspace=workspace)
+    return handle, ids2d
+
+
+def plan_call(
+    x: Tensor,
+    named_weights: dict[str, Any],
+    expert_ids: Tensor,
+    routing_weights: Tensor | None,
+    *,
+    config: MC2Config,
+    packed: bool,
+    group: Any,
+    shared: tuple[Tensor | None, Tensor | None, Tensor | None],
+    problem: str | None = None,
+    num_experts: int | None = None,
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    workspace: Workspace | None = None,
+    timeout: float | None = None,
+) -> tuple[CallPlan, ExpertWeights, Tensor]:
+    """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
+    weights. Raises ``ValueError`` on every rank when any rank's input is bad.
+
+    ``problem``: what the caller already found wrong (a bad option), carried to the handshake
+    so that every rank raises with it.
+    """
+    timeline = timeline if timeline is not None else active_timeline()
+    world = group_size(group)
+    device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+    if timeline is not None:
+        timeline.bind(device)
+    config = _fall_back_if_needed(config, group, device, timeline)
+    found, weights = _local_check(x, named_weights, expert_ids, routing_weights, shared, config,
+                                  packed=packed, world=world, num_experts=num_experts)
+    problem = problem or found
+    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
+    tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
+               if isinstance(t, Tensor)]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    auto = config.micro_batches == "auto"
+    plan_with = (planner or planner_for(group)) if auto and config.overlap else None
+    capacity = max(plan_with.candidates) if plan_with is not None else \
+        (1 if auto else config.micro_batches)
+    with maybe_span(timeline, "comm", "handshake", "forward"):
+        agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
+                          shared=_shared_facts(config, capacity, x,
+                                               weights if problem is None else None,
+                                               needs_grad, wire),
+                          group=group,
+                          total_experts=world * (weights.local_experts if weights else 0),
+                          check_finite=config.check_finite)
+    assert weights is not None and problem is None
+    strategy = resolve_strategy(config.gemm, weights, x.device)
+    k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
+                                      needs_grad, wire, timeline)
     pool = workspace or default_workspace()
-    handle = build_handle(
-        ids2d, order, host, counts.received(payload), world_size=world,
-        local_experts=local_experts, group=group, two_stage=two_stage, workspace=pool,
-    )
-    call = CallPlan(handle=handle, group=group, overlap=overlap, strategy=strategy,
+    handle, ids2d = _routes(x, expert_ids, weights, k, capacity, agreement, config, wire, group,
+                            timeline, pool)
+    call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout)
     return call, weights, _combine_weights(routing_weights, ids2d, x)

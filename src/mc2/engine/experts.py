@@ -36,9 +36,17 @@ from .workspace import Workspace
 
 
 
+PACKED_ORDER = ("gate_up", "down")  # fused_expert_packed(x, weights_gate_up, weights_down)
+SPLIT_ORDER = ("up", "gate", "down")  # fused_expert(x, weights_up, weights_gate, weights_down)
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """This rank's routed experts, in the packed or the split layout (see the module docstring).
+
+    Each layout has one order, the order of its public call, used everywhere a layout's
+    tensors travel as a sequence (autograd inputs, gradients): :data:`PACKED_ORDER`
+    ``(gate_up, down)`` and :data:`SPLIT_ORDER` ``(up, gate, down)``.
 
     Attributes:
         down: packed ``[L, H, F]``; split ``[L, F, H]``.
@@ -58,6 +66,12 @@ class ExpertWeights:
     @staticmethod
     def split_of(up: Tensor, gate: Tensor, down: Tensor) -> "ExpertWeights":
         return ExpertWeights(down=down, gate=gate, up=up)
+
+    @staticmethod
+    def in_order(tensors: tuple[Tensor, ...]) -> "ExpertWeights":
+        """From a layout's tensors in its order (two: packed, three: split)."""
+        names = PACKED_ORDER if len(tensors) == 2 else SPLIT_ORDER
+        return ExpertWeights(**dict(zip(names, tensors)))
 
     @property
     def packed(self) -> bool:
@@ -83,9 +97,13 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.down.device
 
-    def tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
-        """``(gate_up, gate, up, down)``: the autograd inputs, ``None`` where absent."""
-        return self.gate_up, self.gate, self.up, self.down
+    @property
+    def order(self) -> tuple[str, ...]:
+        return PACKED_ORDER if self.packed else SPLIT_ORDER
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The layout's tensors in its order: ``(gate_up, down)`` or ``(up, gate, down)``."""
+        return tuple(getattr(self, name) for name in self.order)
 
     def first(self, n: int = 1) -> "ExpertWeights":
         """The first ``n`` experts (views), for calibration runs."""
@@ -259,33 +277,35 @@ class WeightGrads:
 
     Args:
         weights: the weights whose gradients these are (layout and shapes).
-        needed: ``(gate_up, gate, up, down)`` flags, as ``ctx.needs_input_grad``.
+        needed: one flag per tensor, in the layout's order (:attr:`ExpertWeights.order`), as
+            ``ctx.needs_input_grad``; ``None``: all.
     """
 
-    def __init__(self, weights: ExpertWeights, needed: tuple[bool, bool, bool, bool],
+    def __init__(self, weights: ExpertWeights, needed: tuple[bool, ...] | None = None,
                  workspace: Workspace | None = None) -> None:
         self.weights = weights
-        self._needed = needed
+        self._needed = dict(zip(weights.order, needed or (True,) * len(weights.order)))
         self._workspace = workspace or Workspace.transient()
-        self._grads: tuple[Tensor | None, ...] | None = None
+        self._grads: dict[str, Tensor | None] | None = None
         self.touched = [False] * weights.local_experts
 
     @property
-    def grads(self) -> tuple[Tensor | None, ...]:
-        """Allocated on first use, i.e. after the first micro-batch's input gradient: by then
-        that micro-batch's temporaries are free, so the gradients reuse their memory."""
+    def grads(self) -> dict[str, Tensor | None]:
+        """By name; allocated on first use, i.e. after the first micro-batch's input gradient:
+        by then that micro-batch's temporaries are free, so the gradients reuse their memory."""
         if self._grads is None:
             ws = self._workspace
-            self._grads = tuple(ws.empty(tuple(w.shape), w.dtype, w.device)
-                                if w is not None and need else None
-                                for w, need in zip(self.weights.tensors(), self._needed))
+            self._grads = {name: ws.empty(tuple(w.shape), w.dtype, w.device)
+                           if self._needed[name] else None
+                           for name, w in zip(self.weights.order, self.weights.tensors())}
         return self._grads
 
     def add(self, work: WeightGradInputs | None, *, strategy: str) -> None:
         """Add one micro-batch's contribution."""
         if work is None:
             return
-        g_gate_up, g_gate, g_up, g_down = self.grads
+        g = self.grads
+        g_gate_up, g_gate, g_up, g_down = (g.get(n) for n in ("gate_up", "gate", "up", "down"))
         ffn = self.weights.ffn
         if strategy == "grouped":
             self._add_grouped(work)
@@ -304,7 +324,8 @@ class WeightGrads:
                 _write(g_down, expert, act.t(), grad_y, first)
 
     def _add_grouped(self, work: WeightGradInputs) -> None:
-        g_gate_up, g_gate, g_up, g_down = self.grads
+        g = self.grads
+        g_gate_up, g_gate, g_up, g_down = (g.get(n) for n in ("gate_up", "gate", "up", "down"))
         ffn = self.weights.ffn
         offs = work.offsets if work.offsets is not None else _offsets(work.counts, work.x.device)
         first = not any(self.touched)
@@ -318,14 +339,14 @@ class WeightGrads:
                 grad.copy_(result) if first else grad.add_(result)
         self.touched = [True] * len(self.touched)
 
-    def finish(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-        """``(gate_up, gate, up, down)`` gradients; experts that saw no row are zeroed."""
+    def finish(self) -> tuple[Tensor | None, ...]:
+        """The gradients in the layout's order; experts that saw no row are zeroed."""
         for expert, seen in enumerate(self.touched):
             if not seen:
-                for grad in self.grads:
+                for grad in self.grads.values():
                     if grad is not None:
                         grad[expert].zero_()
-        return self.grads  # type: ignore[return-value]
+        return tuple(self.grads[name] for name in self.weights.order)
 
 
 def _write(grad: Tensor | None, expert: int, a: Tensor, b: Tensor, first: bool) -> None:

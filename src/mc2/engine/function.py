@@ -98,75 +98,158 @@ def _shared_weights(s_up: Tensor | None, s_gate: Tensor | None, s_down: Tensor |
     return None if s_up is None else ExpertWeights.split_of(s_up, s_gate, s_down)
 
 
+@dataclass
+class _Forward:
+    """What the forward pass of one call produced."""
+
+    expert_out: Tensor  # [T * topk, H] each (token, slot)'s expert output
+    activations: list[ExpertActivations | None]  # per micro-batch, for the backward
+    shared_out: Tensor | None = None
+    shared_activations: ExpertActivations | None = None
+
+
+def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,
+                  call: CallPlan) -> _Forward:
+    """Dispatch, experts and combine of every micro-batch (and the shared experts under the
+    first dispatch)."""
+    ws, routes = call.workspace, call.handle.micro_batches
+    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
+    result = _Forward(ws.empty((tokens * topk, hidden), x.dtype, x.device), [None] * len(routes))
+
+    def shared_experts() -> None:
+        assert shared is not None
+        result.shared_out, result.shared_activations = swiglu_forward(
+            x, [tokens], shared, strategy=call.strategy, keep_activations=call.keep_activations,
+            workspace=ws)
+
+    def compute(i: int, received: Tensor) -> Tensor:
+        route = routes[i]
+        y, result.activations[i] = swiglu_forward(
+            _to_expert_order(ws, route, received), route.expert_counts, weights,
+            strategy=call.strategy, keep_activations=call.keep_activations, workspace=ws,
+            offsets=route.expert_offsets)
+        return _to_receive_order(ws, route, y)
+
+    run_pipeline(
+        call.handle,
+        PipelineSteps(
+            gather=lambda i: _gather(ws, x, routes[i].token_index),
+            compute=compute,
+            scatter=lambda i, rows: result.expert_out.index_copy_(0, routes[i].pair_order, rows),
+            local=shared_experts if shared is not None else None,
+        ),
+        overlap=call.overlap, phase="forward", timeline=call.timeline, wire=call.wire,
+        workspace=ws,
+    )
+    return result
+
+
+def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, like: Tensor
+                  ) -> Tensor:
+    """``[T, H]``: each token's top-k expert outputs weighted, plus the shared experts."""
+    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, like.shape[-1]
+    with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
+        out = call.workspace.empty((tokens, 1, hidden), like.dtype, like.device)
+        torch.bmm(routing_weights.view(tokens, 1, topk),
+                  forward.expert_out.view(tokens, topk, hidden), out=out)
+        out = out.view(tokens, hidden)
+        if forward.shared_out is not None:
+            out.add_(forward.shared_out)
+    return out
+
+
+def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWeights,
+                   shared: ExpertWeights | None, activations: list[Any],
+                   shared_activations: ExpertActivations | None, call: CallPlan,
+                   needed: tuple[bool, ...], shared_needed: tuple[bool, ...]
+                   ) -> tuple[Tensor, tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
+    """The output gradients out along the dispatch routes, the input gradients back along the
+    combine routes; the weight gradients while those travel.
+
+    Returns:
+        ``(grad_x, expert grads in the layout's order, shared grads (up, gate, down))``.
+    """
+    ws, routes = call.workspace, call.handle.micro_batches
+    tokens, hidden = call.handle.num_tokens, grad_out.shape[-1]
+    flat_weights = routing_weights.reshape(-1)
+    grad_x = ws.empty((tokens, hidden), grad_out.dtype, grad_out.device).zero_()
+    grads = WeightGrads(weights, needed, ws)
+    shared_grads = WeightGrads(shared, shared_needed, ws) if shared is not None else None
+    pending: list[WeightGradInputs | None] = [None] * len(routes)
+
+    def gather(i: int) -> Tensor:
+        route = routes[i]
+        scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
+        return _gather(ws, grad_out, route.token_index).mul_(scale)
+
+    def compute(i: int, received: Tensor) -> Tensor:
+        route = routes[i]
+        grad_in, pending[i] = swiglu_backward_input(
+            _to_expert_order(ws, route, received), activations[i], route.expert_counts,
+            weights, strategy=call.strategy, workspace=ws, offsets=route.expert_offsets)
+        activations[i] = None  # free as we go
+        return _to_receive_order(ws, route, grad_in)
+
+    def weight_grads(i: int) -> None:
+        grads.add(pending[i], strategy=call.strategy)
+        pending[i] = None
+
+    def shared_experts() -> None:
+        if shared_activations is None or shared_grads is None:
+            return
+        grad_in, work = swiglu_backward_input(grad_out, shared_activations, [tokens], shared,
+                                              strategy=call.strategy, workspace=ws)
+        grad_x.add_(grad_in)
+        shared_grads.add(work, strategy=call.strategy)
+
+    run_pipeline(
+        call.handle,
+        PipelineSteps(
+            gather=gather,
+            compute=compute,
+            scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
+            deferred=weight_grads,
+            local=shared_experts if shared is not None else None,
+        ),
+        overlap=call.overlap, phase="backward", timeline=call.timeline, wire=call.wire,
+        workspace=ws,
+    )
+    shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
+    return grad_x, grads.finish(), shared_out
+
+
 class FusedExpertFunction(torch.autograd.Function):
-    """``apply(x2d, gate_up, gate, up, down, routing_weights, plan, s_up, s_gate, s_down)``."""
+    """``apply(x2d, routing_weights, plan, shared_up, shared_gate, shared_down, *experts)``.
+
+    ``experts`` in the layout's order (:data:`~mc2.engine.experts.PACKED_ORDER` or
+    :data:`~mc2.engine.experts.SPLIT_ORDER`); the shared experts (or ``None``) in the split
+    order.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: Tensor,
-        gate_up: Tensor | None,
-        gate: Tensor | None,
-        up: Tensor | None,
-        down: Tensor,
         routing_weights: Tensor,
         call: CallPlan,
         s_up: Tensor | None,
         s_gate: Tensor | None,
         s_down: Tensor | None,
+        *experts: Tensor,
     ) -> Tensor:
         clock = clock_for(x.device)
         started = clock.stamp() if call.on_pass_done is not None else None
-        ws = call.workspace
-        weights = ExpertWeights(down=down, gate_up=gate_up, gate=gate, up=up)
-        shared_weights = _shared_weights(s_up, s_gate, s_down)
-        handle, routes = call.handle, call.handle.micro_batches
-        tokens, topk, hidden = handle.num_tokens, handle.topk, x.shape[-1]
-        expert_out = ws.empty((tokens * topk, hidden), x.dtype, x.device)  # (token, slot) order
-        activations: list[ExpertActivations | None] = [None] * len(routes)
-        shared: list[Any] = [None, None]  # output, activations
-
-        def shared_experts() -> None:
-            assert shared_weights is not None
-            shared[0], shared[1] = swiglu_forward(
-                x, [tokens], shared_weights, strategy=call.strategy,
-                keep_activations=call.keep_activations, workspace=ws)
-
-        def compute(i: int, received: Tensor) -> Tensor:
-            route = routes[i]
-            y, activations[i] = swiglu_forward(
-                _to_expert_order(ws, route, received), route.expert_counts, weights,
-                strategy=call.strategy, keep_activations=call.keep_activations, workspace=ws,
-                offsets=route.expert_offsets,
-            )
-            return _to_receive_order(ws, route, y)
-
-        run_pipeline(
-            handle,
-            PipelineSteps(
-                gather=lambda i: _gather(ws, x, routes[i].token_index),
-                compute=compute,
-                scatter=lambda i, rows: expert_out.index_copy_(0, routes[i].pair_order, rows),
-                local=shared_experts if shared_weights is not None else None,
-            ),
-            overlap=call.overlap, phase="forward", timeline=call.timeline, wire=call.wire,
-            workspace=ws,
-        )
-        with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
-            out = ws.empty((tokens, 1, hidden), x.dtype, x.device)
-            torch.bmm(routing_weights.view(tokens, 1, topk), expert_out.view(tokens, topk, hidden),
-                      out=out)
-            out = out.view(tokens, hidden)
-            if shared[0] is not None:
-                out.add_(shared[0])
+        forward = _forward_pass(x, ExpertWeights.in_order(experts),
+                                _shared_weights(s_up, s_gate, s_down), call)
+        out = _weighted_sum(forward, routing_weights, call, x)
         ctx.call = call
-        ctx.activations = activations
-        ctx.shared_activations = shared[1]
-        ctx.save_for_backward(gate_up, gate, up, down, routing_weights,
-                              expert_out if ctx.needs_input_grad[5] else None, s_up, s_gate,
-                              s_down)
+        ctx.activations = forward.activations
+        ctx.shared_activations = forward.shared_activations
+        ctx.save_for_backward(routing_weights,
+                              forward.expert_out if ctx.needs_input_grad[1] else None,
+                              s_up, s_gate, s_down, *experts)
         if not call.keep_activations:
-            ws.tick()
+            call.workspace.tick()
         if call.on_pass_done is not None:
             call.on_pass_done("forward", Interval(clock, started, clock.stamp()))
         return out
@@ -180,86 +263,28 @@ class FusedExpertFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        clock = clock_for(grad_out.device)
-        started = clock.stamp() if ctx.call.on_pass_done is not None else None
         if getattr(ctx, "consumed", False):
             raise RuntimeError("mc2.fused_expert: its backward consumes the saved activations and "
                                "runs once per forward; a second backward through the same graph "
                                "(retain_graph=True) is not supported")
         ctx.consumed = True
         call: CallPlan = ctx.call
-        ws = call.workspace
-        handle, routes = call.handle, call.handle.micro_batches
-        gate_up, gate, up, down, routing_weights, expert_out, s_up, s_gate, s_down = \
-            ctx.saved_tensors
-        weights = ExpertWeights(down=down, gate_up=gate_up, gate=gate, up=up)
-        shared_weights = _shared_weights(s_up, s_gate, s_down)
-        activations: list[ExpertActivations] = ctx.activations
-        tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
+        clock = clock_for(grad_out.device)
+        started = clock.stamp() if call.on_pass_done is not None else None
+        routing_weights, expert_out, s_up, s_gate, s_down, *experts = ctx.saved_tensors
+        tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
         grad_out = grad_out.contiguous()
-        flat_weights = routing_weights.reshape(-1)
         needed = ctx.needs_input_grad
-
         grad_weights = None
-        if needed[5]:
+        if needed[1]:
             grad_weights = torch.bmm(
                 expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
             ).view(tokens, topk)
-        grad_x = ws.empty((tokens, hidden), grad_out.dtype, grad_out.device).zero_()
-        grads = WeightGrads(weights, tuple(needed[1:5]), ws)  # type: ignore[arg-type]
-
-        def gather(i: int) -> Tensor:
-            route = routes[i]
-            scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
-            return _gather(ws, grad_out, route.token_index).mul_(scale)
-
-        pending: list[WeightGradInputs | None] = [None] * len(routes)
-
-        def compute(i: int, received: Tensor) -> Tensor:
-            route = routes[i]
-            grad_in, pending[i] = swiglu_backward_input(
-                _to_expert_order(ws, route, received), activations[i], route.expert_counts,
-                weights, strategy=call.strategy, workspace=ws, offsets=route.expert_offsets,
-            )
-            activations[i] = None  # type: ignore[call-overload]  # free as we go
-            return _to_receive_order(ws, route, grad_in)
-
-        def weight_grads(i: int) -> None:
-            grads.add(pending[i], strategy=call.strategy)
-            pending[i] = None
-
-        shared_grads = None
-        if shared_weights is not None:
-            # (gate_up, gate, up, down) <- inputs s_gate 8, s_up 7, s_down 9
-            shared_grads = WeightGrads(shared_weights, (False, needed[8], needed[7], needed[9]), ws)
-
-        def shared_experts() -> None:
-            if ctx.shared_activations is None or shared_grads is None:
-                return
-            grad_in, work = swiglu_backward_input(
-                grad_out, ctx.shared_activations, [tokens], shared_weights,
-                strategy=call.strategy, workspace=ws)
-            grad_x.add_(grad_in)
-            shared_grads.add(work, strategy=call.strategy)
-
-        run_pipeline(
-            handle,
-            PipelineSteps(
-                gather=gather,
-                compute=compute,
-                scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
-                deferred=weight_grads,
-                local=shared_experts if shared_weights is not None else None,
-            ),
-            overlap=call.overlap, phase="backward", timeline=call.timeline, wire=call.wire,
-            workspace=ws,
-        )
-        g_gate_up, g_gate, g_up, g_down = grads.finish()
-        s_grads: tuple[Tensor | None, ...] = (None, None, None)
-        if shared_grads is not None:
-            _, sg_gate, sg_up, sg_down = shared_grads.finish()
-            s_grads = (sg_up, sg_gate, sg_down)
-        ws.tick()
+        grad_x, expert_grads, shared_grads = _backward_pass(
+            grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
+            _shared_weights(s_up, s_gate, s_down), ctx.activations, ctx.shared_activations,
+            call, tuple(needed[6:]), tuple(needed[3:6]))
+        call.workspace.tick()
         if call.on_pass_done is not None:
             call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
-        return (grad_x, g_gate_up, g_gate, g_up, g_down, grad_weights, None, *s_grads)
+        return (grad_x, grad_weights, None, *shared_grads, *expert_grads)

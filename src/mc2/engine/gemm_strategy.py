@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
 from .clock import clock_for
+from .config import GemmStrategy
 from .experts import ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 from .host import upload
 
-GemmStrategy = Literal["auto", "grouped", "loop"]
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.05  # what one-time timing of a few repeats can tell apart
 _CHOSEN: dict[tuple, str] = {}
@@ -76,7 +74,7 @@ def _time_step(weights: ExpertWeights, strategy: str, rows: int, repeats: int) -
         assert saved is not None
         _, work = swiglu_backward_input(y, saved, counts, weights, strategy=strategy,
                                         offsets=ends)
-        grads = WeightGrads(weights, (True, True, True, True))
+        grads = WeightGrads(weights)
         grads.add(work, strategy=strategy)
         grads.finish()
 

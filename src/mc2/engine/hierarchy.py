@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import queue
 import threading
 import time
@@ -82,16 +83,10 @@ class CommWorker:
         return future
 
 
-_WORKER: list[CommWorker] = []
-_WORKER_LOCK = threading.Lock()
-
-
+@functools.cache
 def comm_worker() -> CommWorker:
     """The process's communication thread, started on first use (host backends only)."""
-    with _WORKER_LOCK:
-        if not _WORKER:
-            _WORKER.append(CommWorker())
-        return _WORKER[0]
+    return CommWorker()
 
 
 @dataclass(frozen=True)

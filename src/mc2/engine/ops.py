@@ -10,22 +10,18 @@ GEMM and measured faster (:mod:`mc2.engine.experts`). :mod:`mc2.engine.call_plan
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Unpack
 
 import torch
 from torch import Tensor
 
 from ..observation.timeline import Timeline
 from .call_plan import plan_call
+from .config import ConfigOptions, MC2Config
 from .deadline import CommTimeout, deadline, resolve_timeout
-from .gemm_strategy import GemmStrategy
 from .function import FusedExpertFunction
 from .planner import Planner
 from .workspace import Workspace
-
-MicroBatches = int | Literal["auto"]
-WireDtype = torch.dtype | Literal["int8"] | None
-Hierarchy = Literal["auto", "flat", "2d"]
 
 
 def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
@@ -44,27 +40,38 @@ def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
             tuple(cast(t) for t in shared))
 
 
-def _run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
-         routing_weights: Tensor | None, shared: tuple, **options: Any) -> Tensor:
-    seconds = resolve_timeout(options.pop("timeout"))
+def _config(config: MC2Config | None, options: dict[str, Any]) -> tuple[MC2Config, str | None]:
+    """The call's config, or the defaults and what is wrong: a bad value must reach the
+    handshake (an error on every rank), not stop this rank alone before it."""
+    try:
+        return MC2Config.of(config, **options), None
+    except ValueError as exc:
+        return MC2Config(), str(exc).removeprefix("MC2Config: ")
+
+
+def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: Tensor | None,
+         shared: tuple, config: MC2Config | None, options: dict[str, Any],
+         **runtime: Any) -> Tensor:
+    cfg, problem = _config(config, options)
+    seconds = resolve_timeout(cfg.timeout)
     x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
     device_type = x.device.type if isinstance(x, Tensor) else "cpu"
     with deadline(seconds), torch.autocast(device_type, enabled=False):
         try:
-            return _planned_and_run(x, named, packed, expert_ids, routing_weights, shared,
-                                    seconds, **options)
+            return _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg, problem,
+                                    seconds, **runtime)
         except CommTimeout as exc:
             if exc.phase is not None:
                 raise
             raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
 
 
-def _planned_and_run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids: Tensor,
-                     routing_weights: Tensor | None, shared: tuple, seconds: float | None,
-                     **options: Any) -> Tensor:
+def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+                     routing_weights: Tensor | None, shared: tuple, config: MC2Config,
+                     problem: str | None, seconds: float | None, **runtime: Any) -> Tensor:
     call, weights, combine_weights = plan_call(x, named, expert_ids, routing_weights,
-                                               packed=packed, shared=shared, timeout=seconds,
-                                               **options)
+                                               config=config, problem=problem, shared=shared,
+                                               timeout=seconds, **runtime)
     hidden = x.shape[-1]
     if shared[0] is not None:  # S shared experts = one expert of width S * shared_ffn
         s_up, s_gate, s_down = shared
@@ -72,8 +79,8 @@ def _planned_and_run(x: Tensor, named: dict[str, Any], packed: bool, expert_ids:
         shared = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
                   s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
                   s_down.reshape(1, n * f, hidden))
-    out = FusedExpertFunction.apply(x.reshape(-1, hidden), *weights.tensors(), combine_weights,
-                                    call, *shared)
+    out = FusedExpertFunction.apply(x.reshape(-1, hidden), combine_weights, call, *shared,
+                                    *weights.tensors())
     return out.view(x.shape)
 
 
@@ -86,21 +93,15 @@ def fused_expert(
     routing_weights: Tensor | None = None,
     *,
     group: Any = None,
-    micro_batches: MicroBatches = "auto",
-    overlap: bool = True,
+    config: MC2Config | None = None,
     num_experts: int | None = None,
-    gemm: GemmStrategy = "auto",
-    timeline: Timeline | None = None,
-    planner: Planner | None = None,
     shared_up: Tensor | None = None,
     shared_gate: Tensor | None = None,
     shared_down: Tensor | None = None,
-    hierarchy: Hierarchy = "flat",
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
     workspace: Workspace | None = None,
-    wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
-    wire_block: int = 128,
-    timeout: float | None = None,
-    check_finite: bool = False,
+    **options: Unpack[ConfigOptions],
 ) -> Tensor:
     """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
 
@@ -112,60 +113,33 @@ def fused_expert(
 
     Args:
         x: ``[batch, seq, hidden]`` or ``[tokens, hidden]`` float tokens of this rank (may hold
-            zero tokens; the rank still takes part).
+            zero tokens; the rank still takes part). Under ``torch.autocast`` the call computes
+            in the autocast dtype.
         weights_up: ``[local_experts, hidden, ffn]`` this rank's experts' up projections.
         weights_gate: ``[local_experts, hidden, ffn]`` gate projections.
         weights_down: ``[local_experts, ffn, hidden]`` down projections.
         expert_ids: ``x.shape[:-1] + (topk,)`` integer *global* expert ids in
-            ``[0, world * local_experts)``.
+            ``[0, world * local_experts)``, on ``x``'s device.
         routing_weights: like ``expert_ids``, float; the top-k combine weights (``None``: 1).
         group: the expert-parallel process group (``None``: the default group). Without an
             initialised ``torch.distributed`` or with one rank, runs locally without collectives.
-        micro_batches: K, the number of micro-batches the local tokens are split into; ``1`` does
-            not split; ``"auto"`` lets the planner choose from a cost model measured on this
-            group (:mod:`mc2.engine.planner`; K = 1 where splitting cannot pay). Must be the same on
-            every rank; with ``"auto"`` all ranks derive the same K.
-        overlap: ``True`` issues asynchronous collectives so micro-batch ``i+1`` is dispatched
-            and ``i-1`` combined while ``i`` computes (where the backend cannot, or
-            ``MC2_FORCE_SYNC=1`` is set, it falls back to synchronous collectives, warns with
-            :class:`~mc2.engine.env.SyncFallbackWarning` and marks the timeline); ``False`` is the
-            plain serial path (with ``"auto"``: K = 1, one synchronous dispatch, compute, one
-            synchronous combine).
+        config: how the call runs (:class:`mc2.MC2Config`: micro-batches, overlap, hierarchy,
+            wire format, GEMM strategy, deadline, finiteness check); every rank passes the same.
+        **options: :class:`mc2.MC2Config`'s fields as keywords, a shorthand that builds one
+            (or replaces fields of ``config``): ``fused_expert(..., micro_batches=4)``.
         num_experts: optional check that the group holds exactly this many experts.
-        gemm: ``"grouped"`` (``torch.nn.functional.grouped_mm``), ``"loop"`` (one GEMM per
-            expert) or ``"auto"`` (currently ``loop``, which measured as fast or faster; see
-            :mod:`mc2.engine.experts`).
-        planner: the :class:`~mc2.engine.planner.Planner` for ``"auto"`` (default: one shared per
-            group, measuring on first use: a collective all ranks enter together).
         shared_up, shared_gate: ``[shared, hidden, shared_ffn]`` optional shared experts
             (DeepSeek/Qwen style) that every token passes through; computed while the first
             dispatch is in flight (forward) and the first gradient dispatch (backward).
         shared_down: ``[shared, shared_ffn, hidden]``.
-        hierarchy: ``"flat"``: one All-to-All over the group; ``"2d"``: across nodes only
-            between ranks of the same local rank, one message per node, then inside the node
-            (:mod:`mc2.engine.hierarchy`; needs the same number of ranks on every node); ``"auto"``:
-            ``"2d"`` when the group spans several nodes with several ranks each and the 2-D
-            exchange measured faster than the flat one for this size (once, then cached),
-            else flat.
-            Results are identical; only the traffic differs.
-        timeline: a :class:`~mc2.observation.timeline.Timeline` that receives compute/comm/wait/transfer
-            spans (default: the one of the active :func:`mc2.profile`, if any).
-        workspace: the :class:`~mc2.engine.workspace.Workspace` large buffers come from (default: the
-            process's shared one), so steady-state calls allocate nothing. Returned tensors
-            (output, gradients) share its memory until you drop them.
-        wire_dtype: the format rows travel in (:mod:`mc2.engine.wire`). ``None``: ``x.dtype``, bit
-            for bit. ``torch.bfloat16`` / ``torch.float16``: a cast. ``torch.float8_e4m3fn`` /
-            ``"int8"``: 1 byte per element plus a float32 scale per row and per ``wire_block``
-            channels, in the same exchange. A pair ``(dispatch, combine)`` gives each exchange
-            its own format (e.g. fp8 out, bf16 back). Applies to all four transfers; the
-            backward uses the same pair and treats the rounding as the identity
-            (straight-through estimator). Compute always runs in ``x.dtype`` after decoding.
-            Must be the same on every rank.
-        wire_block: channels per scale of the quantised formats (must divide ``hidden``).
-        timeout: seconds any one wait of this call (handshake, counts, each dispatch and
-            combine, forward and backward, the 2-D stages, the planner's measurements) may
-            take before :class:`mc2.CommTimeout` is raised (``None``: ``MC2_TIMEOUT``, else 300;
-            ``0``: no deadline of mc2's own, only the process group's timeout).
+        timeline: a :class:`~mc2.observation.timeline.Timeline` that receives compute/comm/
+            wait/transfer spans (default: the one of the active :func:`mc2.profile`, if any).
+        planner: the :class:`~mc2.engine.planner.Planner` for ``micro_batches="auto"``
+            (default: one shared per group, measuring on first use: a collective all ranks
+            enter together).
+        workspace: the :class:`~mc2.engine.workspace.Workspace` large buffers come from on CPU
+            (default: the process's shared one), so steady-state calls allocate nothing.
+            Returned tensors (output, gradients) share its memory until you drop them.
 
     Returns:
         ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
@@ -176,11 +150,16 @@ def fused_expert(
     ``tokens * topk * hidden`` for the ``routing_weights`` gradient. Nothing is kept when no
     input requires a gradient.
 
+    Host synchronisation: two device-to-host reads per call (the handshake, the split sizes)
+    and one upload, none in the backward, whatever K (``docs/accelerators.md``).
+
     Raises:
         ValueError: on *every* rank of the group when any rank passes bad arguments (wrong
-            shape/dtype/device, expert id out of range, weights that do not match the group), or
-            when ranks disagree on values that must be shared; no rank is left in a collective.
-        CommTimeout: a peer did not answer within ``timeout`` (stalled or gone); the process
+            shape/dtype/device, expert id out of range, weights that do not match the group, a
+            bad option), or when ranks disagree on values that must be shared (options, the K
+            ``"auto"`` chose); no rank is left in a collective.
+        TypeError: an option that :class:`mc2.MC2Config` does not have.
+        CommTimeout: a peer did not answer within the deadline (stalled or gone); the process
             group is unusable afterwards (restart from a checkpoint).
 
     Non-finite input: a NaN or Inf in a token stays in that token's output row in the forward,
@@ -189,11 +168,10 @@ def fused_expert(
     ``routing_weights``, folded into the call's handshake: no extra collective).
     """
     return _run(x, {"weights_up": weights_up, "weights_gate": weights_gate,
-                    "weights_down": weights_down}, False, expert_ids, routing_weights,
-                (shared_up, shared_gate, shared_down), group=group, micro_batches=micro_batches,
-                overlap=overlap, num_experts=num_experts, gemm=gemm, timeline=timeline,
-                planner=planner, hierarchy=hierarchy, workspace=workspace, wire_dtype=wire_dtype,
-                wire_block=wire_block, timeout=timeout, check_finite=check_finite)
+                    "weights_down": weights_down}, expert_ids, routing_weights,
+                (shared_up, shared_gate, shared_down), config, dict(options), group=group,
+                packed=False, num_experts=num_experts, timeline=timeline, planner=planner,
+                workspace=workspace)
 
 
 def fused_expert_packed(
@@ -204,21 +182,15 @@ def fused_expert_packed(
     routing_weights: Tensor | None = None,
     *,
     group: Any = None,
-    micro_batches: MicroBatches = "auto",
-    overlap: bool = True,
+    config: MC2Config | None = None,
     num_experts: int | None = None,
-    gemm: GemmStrategy = "auto",
-    timeline: Timeline | None = None,
-    planner: Planner | None = None,
     shared_up: Tensor | None = None,
     shared_gate: Tensor | None = None,
     shared_down: Tensor | None = None,
-    hierarchy: Hierarchy = "flat",
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
     workspace: Workspace | None = None,
-    wire_dtype: WireDtype | tuple[WireDtype, WireDtype] = None,
-    wire_block: int = 128,
-    timeout: float | None = None,
-    check_finite: bool = False,
+    **options: Unpack[ConfigOptions],
 ) -> Tensor:
     """:func:`fused_expert` with the experts in the packed ``nn.Linear`` layout.
 
@@ -231,9 +203,7 @@ def fused_expert_packed(
     Everything else is as in :func:`fused_expert`; the result is the same function of the same
     weights. Gate and up run as one GEMM and no weight is ever copied or transposed in memory.
     """
-    return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down}, True,
-                expert_ids, routing_weights, (shared_up, shared_gate, shared_down), group=group,
-                micro_batches=micro_batches, overlap=overlap, num_experts=num_experts, gemm=gemm,
-                timeline=timeline, planner=planner, hierarchy=hierarchy, workspace=workspace,
-                wire_dtype=wire_dtype, wire_block=wire_block, timeout=timeout,
-                check_finite=check_finite)
+    return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down},
+                expert_ids, routing_weights, (shared_up, shared_gate, shared_down), config,
+                dict(options), group=group, packed=True, num_experts=num_experts,
+                timeline=timeline, planner=planner, workspace=workspace)

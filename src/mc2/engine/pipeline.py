@@ -38,14 +38,13 @@ right after the wait, so the compute steps only ever see compute-dtype rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from ..observation.timeline import Timeline, maybe_span
+from ..observation.timeline import SpanKind, Timeline, maybe_span
 from .comm import PendingTransfer, abandon
 from .deadline import CommTimeout
 from .watchdog import check as check_deadlines
@@ -118,123 +117,140 @@ def run_pipeline(
     workspace: Workspace | None = None,
 ) -> None:
     """Run every micro-batch of ``handle`` through dispatch -> compute -> combine."""
-    routes = handle.micro_batches
+    one_pass = _Pass(handle, steps, phase, timeline, wire, workspace)
+    if not overlap:
+        one_pass.serial()
+    else:
+        try:
+            one_pass.overlapped()
+        except BaseException as exc:
+            _release(one_pass.in_flight(), wait=not isinstance(exc, CommTimeout))
+            raise
+    check_deadlines()
 
-    def gather(i: int) -> Tensor:
-        with maybe_span(timeline, "compute", "gather", phase, i):
-            return steps.gather(i)
 
-    def in_flight(name: str, i: int) -> Callable[[Any, Any], None] | None:
-        if timeline is None:
+@dataclass
+class _Pass:
+    """One pass (forward or backward) of the pipeline: its named steps, each recorded on the
+    timeline, and the two schedules of the module docstring."""
+
+    handle: DispatchHandle
+    steps: PipelineSteps
+    phase: str
+    timeline: Timeline | None
+    wire: tuple[WireFormat, WireFormat]
+    workspace: Workspace | None
+    dispatches: dict[int, Pending] = field(default_factory=dict)  # in flight, by micro-batch
+    combines: dict[int, Pending] = field(default_factory=dict)
+
+    def _span(self, kind: SpanKind, name: str, i: int = -1) -> Any:
+        return maybe_span(self.timeline, kind, name, self.phase, i)
+
+    def in_flight(self) -> list[Pending]:
+        return [*self.dispatches.values(), *self.combines.values()]
+
+    # ---- the steps
+    def gather(self, i: int) -> Tensor:
+        with self._span("compute", "gather", i):
+            return self.steps.gather(i)
+
+    def _observer(self, name: str, i: int) -> Callable[[Any, Any], None] | None:
+        if self.timeline is None:
             return None
+        timeline, phase = self.timeline, self.phase
         return lambda start, end: timeline.add("transfer", name, phase, i, start, end)
 
-    def prepare(i: int, rows: Tensor, direction: int) -> Callable[[bool], Pending]:
+    def prepare(self, i: int, rows: Tensor, direction: int) -> Callable[[bool], Pending]:
         """Encode ``rows`` now; the returned function issues their transfer."""
-        fmt = wire[direction]
+        fmt = self.wire[direction]
         name = ("dispatch", "combine")[direction]
-        start = (routes[i].exchange.dispatch, routes[i].exchange.combine)[direction]
+        exchange = self.handle.micro_batches[i].exchange
+        start = (exchange.dispatch, exchange.combine)[direction]
         if fmt.kind is None:
-            return lambda async_op: start(rows, async_op=async_op, on_complete=in_flight(name, i))
-        with maybe_span(timeline, "compute", "encode", phase, i):
-            data = fmt.encode(rows, workspace)
+            return lambda async_op: start(rows, async_op=async_op,
+                                          on_complete=self._observer(name, i))
+        with self._span("compute", "encode", i):
+            data = fmt.encode(rows, self.workspace)
 
         def issue(async_op: bool) -> _Encoded:
-            pending = start(data, async_op=async_op, on_complete=in_flight(name, i))
-            return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, workspace)
+            pending = start(data, async_op=async_op, on_complete=self._observer(name, i))
+            return _Encoded(pending, fmt, rows.shape[-1], rows.dtype, self.workspace)
         return issue
 
-    def send(i: int, rows: Tensor, async_op: bool) -> Pending:
-        return prepare(i, rows, 0)(async_op)
+    def send(self, i: int, rows: Tensor, async_op: bool) -> Pending:
+        return self.prepare(i, rows, 0)(async_op)
 
-    def combine(i: int, rows: Tensor, async_op: bool) -> Pending:
-        return prepare(i, rows, 1)(async_op)
+    def combine(self, i: int, rows: Tensor, async_op: bool) -> Pending:
+        return self.prepare(i, rows, 1)(async_op)
 
-    def compute(i: int, received: Tensor) -> Tensor:
-        with maybe_span(timeline, "compute", "experts", phase, i):
-            return steps.compute(i, received)
+    def compute(self, i: int, received: Tensor) -> Tensor:
+        with self._span("compute", "experts", i):
+            return self.steps.compute(i, received)
 
-    def scatter(i: int, returned: Tensor) -> None:
-        with maybe_span(timeline, "compute", "scatter", phase, i):
-            steps.scatter(i, returned)
+    def scatter(self, i: int, returned: Tensor) -> None:
+        with self._span("compute", "scatter", i):
+            self.steps.scatter(i, returned)
 
-    def deferred(i: int) -> None:
-        if steps.deferred is not None:
-            with maybe_span(timeline, "compute", "deferred", phase, i):
-                steps.deferred(i)
+    def deferred(self, i: int) -> None:
+        if self.steps.deferred is not None:
+            with self._span("compute", "deferred", i):
+                self.steps.deferred(i)
 
-    def waited(pending: Callable[[], Pending], name: str, i: int) -> Tensor:
-        """``pending().wait()``, a timeout told which micro-batch and phase it hit; a transfer
+    def local(self) -> None:
+        if self.steps.local is not None:
+            with self._span("compute", "local"):
+                self.steps.local()
+
+    def waited(self, transfer: Pending, name: str, i: int) -> Tensor:
+        """``transfer.wait()``, a timeout told which micro-batch and phase it hit; a transfer
         whose wait failed is kept alive (its buffers may still be in use)."""
-        transfer = pending()
         try:
-            return transfer.wait(micro_batch=i, phase=phase)
+            return transfer.wait(micro_batch=i, phase=self.phase)
         except CommTimeout as exc:
             abandon(transfer)
-            raise exc.at(operation=name, micro_batch=i, phase=phase) from exc.__cause__
+            raise exc.at(operation=name, micro_batch=i, phase=self.phase) from exc.__cause__
         except BaseException:
             abandon(transfer)
             raise
 
-    def local() -> None:
-        if steps.local is not None:
-            with maybe_span(timeline, "compute", "local", phase):
-                steps.local()
+    # ---- the schedules
+    def serial(self) -> None:
+        """Each collective synchronous: nothing overlaps."""
+        self.local()
+        for i in range(self.handle.num_micro_batches):
+            rows = self.gather(i)
+            with self._span("comm", "dispatch", i):
+                received = self.waited(self.send(i, rows, async_op=False), "dispatch", i)
+            out = self.compute(i, received)
+            with self._span("comm", "combine", i):
+                returned = self.waited(self.combine(i, out, async_op=False), "combine", i)
+            self.scatter(i, returned)
+            self.deferred(i)
 
-    if not overlap:
-        local()
-        for i in range(len(routes)):
-            rows = gather(i)
-            with maybe_span(timeline, "comm", "dispatch", phase, i):
-                received = waited(partial(send, i, rows, async_op=False), "dispatch", i)
-            out = compute(i, received)
-            with maybe_span(timeline, "comm", "combine", phase, i):
-                returned = waited(partial(combine, i, out, async_op=False), "combine", i)
-            scatter(i, returned)
-            deferred(i)
-        check_deadlines()
-        return
+    def overlapped(self) -> None:
+        """The overlapped schedule; transfers stay in :attr:`dispatches` and :attr:`combines`
+        until waited, so :func:`run_pipeline` can release them on an error."""
+        k = self.handle.num_micro_batches
+        # without local work the fill gets the link to itself (module docstring)
+        first_alone = self.steps.local is None
+        self.dispatches[0] = self.send(0, self.gather(0), async_op=True)
+        for i in range(k):
+            issue_next = self.prepare(i + 1, self.gather(i + 1), 0) if i + 1 < k else None
+            if issue_next is not None and not (i == 0 and first_alone):
+                self.dispatches[i + 1], issue_next = issue_next(True), None
+            if i == 0:
+                self.local()
+            with self._span("wait", "dispatch", i):
+                received = self.waited(self.dispatches.pop(i), "dispatch", i)
+            if issue_next is not None:
+                self.dispatches[i + 1] = issue_next(True)
+            self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)
+            self.deferred(i)
+            if i >= 1:
+                self._receive(i - 1)
+        self._receive(k - 1)
 
-    dispatches: dict[int, Pending] = {}
-    combines: dict[int, Pending] = {}
-    try:
-        _overlapped(len(routes), dispatches, combines, gather=gather, prepare=prepare, send=send,
-                    combine=combine, compute=compute, scatter=scatter, deferred=deferred,
-                    local=local, waited=waited, first_alone=steps.local is None,
-                    timeline=timeline, phase=phase)
-    except BaseException as exc:
-        _release([*dispatches.values(), *combines.values()],
-                 wait=not isinstance(exc, CommTimeout))
-        raise
-    check_deadlines()
-
-
-def _overlapped(k: int, dispatches: dict[int, Pending], combines: dict[int, Pending], *,
-                gather: Callable, prepare: Callable, send: Callable, combine: Callable,
-                compute: Callable, scatter: Callable, deferred: Callable, local: Callable,
-                waited: Callable, first_alone: bool, timeline: Timeline | None,
-                phase: str) -> None:
-    """The overlapped schedule of the module docstring; in-flight transfers stay in
-    ``dispatches`` and ``combines`` until waited, so a caller can release them on an error."""
-    dispatches[0] = send(0, gather(0), async_op=True)
-    # without local work the fill gets the link to itself (module docstring)
-    for i in range(k):
-        issue_next = prepare(i + 1, gather(i + 1), 0) if i + 1 < k else None
-        if issue_next is not None and not (i == 0 and first_alone):
-            dispatches[i + 1], issue_next = issue_next(True), None
-        if i == 0:
-            local()
-        with maybe_span(timeline, "wait", "dispatch", phase, i):
-            received = waited(partial(dispatches.pop, i), "dispatch", i)
-        if issue_next is not None:
-            dispatches[i + 1] = issue_next(True)
-        combines[i] = combine(i, compute(i, received), async_op=True)
-        deferred(i)
-        if i >= 1:
-            with maybe_span(timeline, "wait", "combine", phase, i - 1):
-                returned = waited(partial(combines.pop, i - 1), "combine", i - 1)
-            scatter(i - 1, returned)
-    last = k - 1
-    with maybe_span(timeline, "wait", "combine", phase, last):
-        returned = waited(partial(combines.pop, last), "combine", last)
-    scatter(last, returned)
+    def _receive(self, i: int) -> None:
+        with self._span("wait", "combine", i):
+            returned = self.waited(self.combines.pop(i), "combine", i)
+        self.scatter(i, returned)

@@ -37,6 +37,7 @@ call's handshake already agreed on.
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -49,6 +50,7 @@ from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
 from .host import read, upload
 from .pipeline_cost import training_step
 from .routing import micro_batch_fractions
+from .sizes import bucket
 from .wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
@@ -133,6 +135,20 @@ def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]
 
 class WireFormatWarning(UserWarning):
     """The chosen wire format is predicted to cost more (encoding) than it saves (bytes)."""
+
+
+def _warn_wire_loses(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype, wire_s: float,
+                     plain_s: float, *, measured: bool) -> None:
+    """Say that rows in ``dtype`` beat the wire format here: measured by ``"auto"``'s trials
+    (the shape then sends plain rows) or predicted by the model (``explore=1``)."""
+    how, then = (("measured", "so this shape sends plain rows; pass a fixed micro_batches to "
+                  "force the format") if measured else
+                 ("is predicted", "consider wire_dtype=None"))
+    warnings.warn(
+        f"mc2: micro_batches='auto' {how} rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
+        f"than the wire format {describe_pair(wire)} on this shape ({1e3 * plain_s:.1f} vs "
+        f"{1e3 * wire_s:.1f} ms per call): encoding costs more than the bytes it saves here; "
+        f"{then}", WireFormatWarning, stacklevel=6)
 
 
 def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
@@ -232,12 +248,6 @@ def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: 
     return candidates[best]
 
 
-def _bucket(n: int) -> int:
-    """Token counts within 1/16 of a power of two share their decisions."""
-    step = max(1, 1 << max(0, n.bit_length() - 5))
-    return -(-n // step) * step
-
-
 class Planner:
     """Chooses ``micro_batches`` for ``"auto"``: the model ranks, the real calls decide.
 
@@ -320,7 +330,7 @@ class Planner:
             self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
             return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, wire=wire))
-        key = (_bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
+        key = (bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
                weights.dtype, weights.device.type, group_size(group), id(group), strategy,
                wire[0].code, wire[1].code)
         state = self._shapes.get(key)
@@ -350,17 +360,9 @@ class Planner:
     @staticmethod
     def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
                             slowest: list[float], state: _Trials) -> None:
-        import warnings
-
         best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
         plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
-        names = describe_pair(wire)
-        warnings.warn(
-            f"mc2: micro_batches='auto' measured rows in {weights.dtype} "
-            f"{best_wire / plain - 1:.0%} faster than the wire format {names} on this shape "
-            f"({1e3 * plain:.1f} vs {1e3 * best_wire:.1f} ms): encoding costs more than the bytes "
-            f"it saves here, so this shape sends plain rows; pass a fixed micro_batches to "
-            f"force the format", WireFormatWarning, stacklevel=5)
+        _warn_wire_loses(wire, weights.dtype, best_wire, plain, measured=True)
 
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
@@ -420,78 +422,80 @@ class Planner:
         with_wire, plain = self.wire_verdict(max_tokens=max_tokens, topk=topk, weights=weights,
                                              group=group, strategy=strategy, wire=wire)
         if with_wire > plain * (1 + self.min_gain):
-            import warnings
-
-            names = describe_pair(wire)
-            warnings.warn(
-                f"mc2: wire format {names} is predicted {with_wire / plain - 1:.0%} slower than "
-                f"rows in {weights.dtype} here ({1e3 * with_wire:.1f} vs {1e3 * plain:.1f} ms "
-                f"per call): encoding costs more than the bytes it saves on this link; "
-                f"consider wire_dtype=None", WireFormatWarning, stacklevel=4)
+            _warn_wire_loses(wire, weights.dtype, with_wire, plain, measured=False)
 
     def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
-        hidden = weights.hidden
+        """Every constant of the model, each rank's own, then the group's maximum."""
         one = weights.detached().first(1)
-        dtype, device = weights.dtype, weights.device
-        clock = clock_for(device)
-
-        def expert_step(rows: int) -> None:
-            x = torch.randn(rows, hidden, dtype=dtype, device=device)
-            y, saved = swiglu_forward(x, [rows], one, strategy=strategy, keep_activations=True)
-            assert saved is not None
-            grads = WeightGrads(one, (True, True, True, True))
-            swiglu_backward(y, saved, [rows], one, grads, strategy=strategy)
-            grads.finish()
-
+        probe = _Probe(one, strategy, group, self.repeats)
         with torch.no_grad():
             small, large = 4, 256  # large enough to see cache effects of big micro-batches
-            expert_step(small)  # warm-up
-            t_small = _median_time(lambda: expert_step(small), self.repeats, clock)
-            t_large = _median_time(lambda: expert_step(large), self.repeats, clock)
-            fixed, per_row = _fit_line(small, t_small, large, t_large)
+            probe.expert_step(small)  # warm-up
+            fixed, per_row = _fit_line(small, probe.time(lambda: probe.expert_step(small)),
+                                       large, probe.time(lambda: probe.expert_step(large)))
+            link = (0.0, 0.0, 0.0)
+            if group_size(group) > 1:
+                link = probe.link(per_row, large)
+            row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device, self.repeats)
+        values = upload([fixed, per_row, *link, row_overhead], one.device, torch.float64)
+        return Calibration(*read(all_reduce_max(values, group)))
 
-            world = group_size(group)
-            row_small, row_large = 1, 256
-            latency, per_byte, interference = 0.0, 0.0, 0.0
-            if world > 1:
-                def a2a(rows_per_peer: int, async_op: bool = False):
-                    rows = torch.zeros(rows_per_peer * world, hidden, dtype=dtype, device=device)
-                    splits = [rows_per_peer] * world
-                    return all_to_all_rows(rows, splits, splits, group, async_op=async_op,
-                                           operation="planner measurement")
 
-                def timed_a2a(rows_per_peer: int) -> float:
-                    barrier(group, "planner measurement", device)
-                    return _median_time(lambda: a2a(rows_per_peer).wait(), self.repeats, clock)
+@dataclass
+class _Probe:
+    """The measurements behind a :class:`Calibration`, on one expert of this rank's."""
 
-                a2a(row_small).wait()
-                t_lat = timed_a2a(row_small)
-                t_big = timed_a2a(row_large)
-                element = weights.down.element_size()
-                bytes_per = lambda r: r * (world - 1) * hidden * element  # noqa: E731
-                latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large),
-                                              t_big)
-                # compute alone vs with a transfer in flight
-                rows = max(large, int(4 * t_big / max(per_row, 1e-9)))
-                rows = min(rows, 4096)
-                alone = _median_time(lambda: expert_step(rows), self.repeats, clock)
-                barrier(group, "planner measurement", device)
+    one: ExpertWeights
+    strategy: str
+    group: Any
+    repeats: int
 
-                def with_transfer() -> None:
-                    pending = a2a(row_large * 4, async_op=True)
-                    expert_step(rows)
-                    pending.wait()
+    def time(self, fn: Callable[[], Any]) -> float:
+        return _median_time(fn, self.repeats, clock_for(self.one.device))
 
-                together = _median_time(with_transfer, self.repeats, clock)
-                moved = latency + per_byte * bytes_per(row_large * 4)
-                interference = min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
+    def expert_step(self, rows: int) -> None:
+        """Forward and backward of ``rows`` rows through one expert."""
+        x = torch.randn(rows, self.one.hidden, dtype=self.one.dtype, device=self.one.device)
+        y, saved = swiglu_forward(x, [rows], self.one, strategy=self.strategy,
+                                  keep_activations=True)
+        assert saved is not None
+        grads = WeightGrads(self.one)
+        swiglu_backward(y, saved, [rows], self.one, grads, strategy=self.strategy)
+        grads.finish()
 
-            row_overhead = _measure_row_overhead(hidden, dtype, device, self.repeats)
+    def a2a(self, rows_per_peer: int, async_op: bool = False) -> Any:
+        world = group_size(self.group)
+        rows = torch.zeros(rows_per_peer * world, self.one.hidden, dtype=self.one.dtype,
+                           device=self.one.device)
+        splits = [rows_per_peer] * world
+        return all_to_all_rows(rows, splits, splits, self.group, async_op=async_op,
+                               operation="planner measurement")
 
-        values = upload([fixed, per_row, latency, per_byte, interference, row_overhead], device,
-                        torch.float64)
-        agreed = read(all_reduce_max(values, group))
-        return Calibration(*agreed)
+    def timed_a2a(self, rows_per_peer: int) -> float:
+        barrier(self.group, "planner measurement", self.one.device)
+        return self.time(lambda: self.a2a(rows_per_peer).wait())
+
+    def link(self, per_row: float, large: int) -> tuple[float, float, float]:
+        """``(latency, seconds per byte, interference)`` of the group's All-to-All."""
+        row_small, row_large = 1, 256
+        self.a2a(row_small).wait()
+        t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
+        world = group_size(self.group)
+        bytes_per = lambda r: r * (world - 1) * self.one.hidden * self.one.down.element_size()  # noqa: E731
+        latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large), t_big)
+        # compute alone vs with a transfer in flight
+        rows = min(max(large, int(4 * t_big / max(per_row, 1e-9))), 4096)
+        alone = self.time(lambda: self.expert_step(rows))
+        barrier(self.group, "planner measurement", self.one.device)
+
+        def with_transfer() -> None:
+            pending = self.a2a(row_large * 4, async_op=True)
+            self.expert_step(rows)
+            pending.wait()
+
+        together = self.time(with_transfer)
+        moved = latency + per_byte * bytes_per(row_large * 4)
+        return latency, per_byte, min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
 
 _GROUP_PLANNERS: dict[tuple, Planner] = {}

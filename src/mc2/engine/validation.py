@@ -81,9 +81,6 @@ def local_problem(
     packed: bool,
     world_size: int,
     num_experts: int | None,
-    micro_batches: Any,
-    overlap: Any,
-    hierarchy: Any = "flat",
 ) -> str | None:
     """A human-readable description of what is wrong with this rank's arguments, or ``None``.
 
@@ -123,14 +120,6 @@ def local_problem(
         if tuple(routing_weights.shape) != tuple(expert_ids.shape):
             return (f"routing_weights must have expert_ids' shape {tuple(expert_ids.shape)}, "
                     f"got {tuple(routing_weights.shape)}")
-    if micro_batches != "auto" and (
-        isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1
-    ):
-        return f"micro_batches must be a positive int or 'auto', got {micro_batches!r}"
-    if not isinstance(overlap, bool):
-        return f"overlap must be a bool, got {overlap!r}"
-    if hierarchy not in HIERARCHY_CODES:
-        return f"hierarchy must be 'auto', 'flat' or '2d', got {hierarchy!r}"
     return None
 
 

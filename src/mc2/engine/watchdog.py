@@ -24,6 +24,7 @@ abort a healthy group, and an abort is fatal to the group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -131,22 +132,15 @@ class Watchdog:
             time.sleep(self.poll_s)
 
 
-_WATCHDOG: list[Watchdog] = []
-_LOCK = threading.Lock()
-
-
+@functools.cache
 def watchdog() -> Watchdog:
     """The process's watchdog (its thread starts with the first watched work)."""
-    with _LOCK:
-        if not _WATCHDOG:
-            _WATCHDOG.append(Watchdog())
-        return _WATCHDOG[0]
+    return Watchdog()
 
 
 def check() -> None:
     """Raise a stream wait's timeout in the caller's thread, if one expired."""
-    if _WATCHDOG:
-        _WATCHDOG[0].check()
+    watchdog().check()
 
 
 @contextlib.contextmanager

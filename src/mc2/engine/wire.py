@@ -171,8 +171,9 @@ def parse_wire_dtype(value: Any) -> Any:
     return value
 
 
-def wire_problem(wire_dtype: Any, block: int, hidden: int) -> str | None:
-    """What is wrong with a ``wire_dtype`` argument, or ``None``."""
+def wire_problem(wire_dtype: Any, block: int, hidden: int | None) -> str | None:
+    """What is wrong with a ``wire_dtype`` argument, or ``None`` (``hidden=None``: the block's
+    fit to the hidden size is checked later, by the call)."""
     kinds = wire_dtype if isinstance(wire_dtype, tuple) else (wire_dtype,)
     if isinstance(wire_dtype, tuple) and len(wire_dtype) != 2:
         return f"wire_dtype as a tuple must be (dispatch, combine), got {wire_dtype!r}"
@@ -183,7 +184,7 @@ def wire_problem(wire_dtype: Any, block: int, hidden: int) -> str | None:
         if kind in _MAX:
             if isinstance(block, bool) or not isinstance(block, int) or block < 1:
                 return f"wire_block must be a positive int, got {block!r}"
-            if hidden % block:
+            if hidden is not None and hidden % block:
                 return (f"wire_block {block} must divide the hidden size {hidden} "
                         f"(scales are per block of channels)")
     return None
@@ -201,6 +202,17 @@ def _known(kind: Any) -> bool:
         return kind in _CODES
     except TypeError:  # unhashable
         return False
+
+
+_SHORT = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16", FP8: "fp8", "int8": "int8"}
+
+
+def wire_names(wire_dtype: Any) -> Any:
+    """A validated ``wire_dtype`` by name (``"bf16"``, or a pair ``["fp8", "bf16"]``), JSON-safe;
+    :func:`parse_wire_dtype` reads the names back."""
+    if isinstance(wire_dtype, tuple):
+        return [_SHORT[k] for k in wire_dtype]
+    return _SHORT[wire_dtype]
 
 
 def describe_pair(wire: tuple[WireFormat, WireFormat]) -> str:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .sizes import bucket
+
 _SMALL = 1 << 14  # elements; smaller requests go to the allocator directly
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -40,11 +42,6 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 def _only_pool_holds(buffer: Tensor) -> bool:
     # 2 = the pool's tensor + the temporary storage object made by this query
     return _use_count is not None and _use_count(buffer.untyped_storage()._cdata) <= 2
-
-
-def _capacity(numel: int) -> int:
-    step = max(1, 1 << max(0, numel.bit_length() - 5))
-    return -(-numel // step) * step
 
 
 @dataclass
@@ -92,7 +89,7 @@ class Workspace:
         if best is None:
             self._drop_idle(current_call_only=True)
             slots = self._slots.setdefault((dtype, device), [])
-            best = _Slot(torch.empty(_capacity(numel), dtype=dtype, device=device), self._calls)
+            best = _Slot(torch.empty(bucket(numel), dtype=dtype, device=device), self._calls)
             slots.append(best)
             self.allocations += 1
         best.last_call = self._calls

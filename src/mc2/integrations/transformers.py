@@ -17,12 +17,13 @@ local config.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import Tensor, nn
 
-from ..engine.ops import MicroBatches, fused_expert_packed
+from ..engine.config import ConfigOptions, MC2Config
+from ..engine.ops import fused_expert_packed
 from ..parallel.expert_shards import expert_shards
 from ..parallel.grad_sync import average_gradients
 from ..parallel.mesh import resolve_layout
@@ -54,8 +55,7 @@ class MC2SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, block: nn.Module, *, group: Any = None, mesh: Any = None,
-                 micro_batches: MicroBatches = "auto", overlap: bool = True,
-                 wire_dtype: Any = None, wire_block: int = 128) -> None:
+                 config: MC2Config | None = None) -> None:
         super().__init__()
         experts = block.experts
         self.num_experts = experts.gate_up_proj.shape[0]
@@ -68,8 +68,8 @@ class MC2SparseMoeBlock(nn.Module):
         self.register_buffer("expert_index", torch.arange(mine.start, mine.stop),
                              persistent=False)
         self.gate = block.gate
-        self.group, self.micro_batches, self.overlap = self.layout.ep_group, micro_batches, overlap
-        self.wire_dtype, self.wire_block = wire_dtype, wire_block
+        self.group = self.layout.ep_group
+        self.config = config or MC2Config()
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
@@ -81,9 +81,7 @@ class MC2SparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.gate(x)
         out = fused_expert_packed(x, self.experts.gate_up_proj, self.experts.down_proj, ids,
-                                  weights.to(x.dtype), group=self.group,
-                                  micro_batches=self.micro_batches, overlap=self.overlap,
-                                  wire_dtype=self.wire_dtype, wire_block=self.wire_block)
+                                  weights.to(x.dtype), group=self.group, config=self.config)
         return out.reshape(shape)
 
 
@@ -103,29 +101,28 @@ def _is_sparse_moe_block(module: nn.Module) -> bool:
 
 
 def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
-               micro_batches: MicroBatches = "auto", overlap: bool = True,
-               wire_dtype: Any = None, wire_block: int = 128) -> int:
+               config: MC2Config | None = None, **options: Unpack[ConfigOptions]) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
     Every rank must call it on an identical model (same weights): each keeps its own experts.
     ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh (expert parallel) or a
     ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts split over ``ep`` and
-    replicated over ``dp``, everything else replicated everywhere. ``wire_dtype`` /
-    ``wire_block``: the format routed rows travel in (:mod:`mc2.engine.wire`).
+    replicated over ``dp``, everything else replicated everywhere. ``config`` (an
+    :class:`mc2.MC2Config`) or its fields as keywords (``micro_batches=4``,
+    ``wire_dtype="fp8"``, ``hierarchy="2d"``, ...): how every block's fused call runs.
 
     Raises:
         ValueError: the model has no block this adapter understands, or the mesh is bad
             (see :func:`mc2.parallel.mesh.resolve_layout`); raised on every rank alike.
     """
+    config = MC2Config.of(config, **options)
     replaced = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, MC2SparseMoeBlock) or not _is_sparse_moe_block(module):
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1],
-                MC2SparseMoeBlock(module, group=group, mesh=mesh, micro_batches=micro_batches,
-                                  overlap=overlap, wire_dtype=wire_dtype,
-                                  wire_block=wire_block))
+                MC2SparseMoeBlock(module, group=group, mesh=mesh, config=config))
         replaced += 1
     if not replaced:
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "

@@ -1,4 +1,4 @@
-"""The measurement vocabulary of DESIGN.md §6, as plain functions of measured seconds.
+"""The measurement vocabulary (``docs/profiling.md``), as plain functions of measured seconds.
 
 * ``T_serial``: step time of the serial path (K = 1, synchronous); ``T_comm``: its communication
   time; ``T_comp = T_serial - T_comm``.

@@ -41,7 +41,7 @@ def active_timeline() -> Timeline | None:
 
 @dataclass(frozen=True)
 class RankMetrics:
-    """DESIGN.md §6 quantities of one rank over the profiled window (seconds)."""
+    """The quantities of :mod:`mc2.observation.metrics` for one rank over the profiled window (seconds)."""
 
     step_s: float  # window (or mean marked step) time
     comm_s: float  # union of communication intervals (sync collectives and transfers)

@@ -14,13 +14,19 @@ expert tensors, and a model trained with mc2 goes back to the HF ecosystem with 
 
 Optimizer state goes through ``torch.distributed.checkpoint.state_dict`` (keyed by parameter
 name, so it reshards the same way); an expert's moments are sharded like the expert.
+
+``extra`` (a step count, a loss history, a config) is stored as JSON, never pickled: loading a
+checkpoint must not run code its writer chose. A checkpoint whose ``extra`` is a pickle (one
+written by an earlier mc2, or crafted) is refused. DCP's own ``.metadata`` file is a pickle,
+though (``torch.distributed.checkpoint.FileSystemReader`` unpickles it): load checkpoints only
+from sources you trust, whatever the library.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -113,15 +119,40 @@ def save(model: nn.Module, path: str | os.PathLike, *,
     """Write ``model`` (and ``optimizer``) to the folder ``path``; every rank calls it.
 
     Args:
-        extra: any picklable object to keep with the checkpoint (a step count, a loss history);
-            :func:`load` returns it. Every rank passes the same.
+        extra: JSON-serialisable values to keep with the checkpoint (a step count, a loss
+            history, ``MC2Config.to_dict()``); :func:`load` returns them. Every rank passes the
+            same. Tensors belong in the model or optimizer state.
+
+    Raises:
+        TypeError: ``extra`` is not JSON-serialisable (it is never pickled).
     """
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_state_dict(model).items()}
     if optimizer is not None:
         state.update({OPTIMIZER_PREFIX + k: v
                       for k, v in optimizer_state_dict(model, optimizer).items()})
-    state[EXTRA_KEY] = io.BytesIO(pickle.dumps(extra))
+    state[EXTRA_KEY] = io.BytesIO(_extra_bytes(extra))
     _dcp("save", state, path)
+
+
+def _extra_bytes(extra: Any) -> bytes:
+    try:
+        return json.dumps(extra, allow_nan=True).encode()
+    except TypeError as exc:
+        raise TypeError(f"mc2.checkpoint.save: extra must be JSON-serialisable (numbers, strings, "
+                        f"lists, dicts; it is never pickled): {exc}") from None
+
+
+def _extra_of(data: bytes, path: str | os.PathLike) -> Any:
+    """``extra`` back from its bytes; a pickle is refused, never unpickled."""
+    try:
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        kind = "a pickle" if data[:1] == b"\x80" else "not JSON"
+        raise ValueError(
+            f"mc2.checkpoint.load: the extra values of {path} are {kind}; mc2 stores them as JSON "
+            "and refuses to unpickle them (that would run code chosen by whoever wrote the "
+            "file). Load the model state with an mc2 version that wrote it and save it again."
+        ) from None
 
 
 def load(model: nn.Module, path: str | os.PathLike, *,
@@ -156,7 +187,7 @@ def load(model: nn.Module, path: str | os.PathLike, *,
             model, optimizer,
             {k: _to_local(state[OPTIMIZER_PREFIX + k]) for k in optim_state},
             options=StateDictOptions(flatten_optimizer_state_dict=True))
-    return pickle.loads(state[EXTRA_KEY].getvalue())
+    return _extra_of(state[EXTRA_KEY].getvalue(), path)
 
 
 def saved_keys(path: str | os.PathLike) -> list[str]:

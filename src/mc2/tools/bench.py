@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.clock import clock_for
+from ..engine.config import MC2Config
 from ..engine.experts import ExpertWeights
 from ..engine.ops import fused_expert_packed
 from ..engine.planner import planner_for, predict
@@ -57,6 +58,16 @@ class BenchConfig:
     wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.engine.wire names)
     wire_block: int = 128  # channels per scale of the quantised formats
     device: str = "cpu"  # "cuda": each rank on its local device (shared when fewer than ranks)
+    timeout: float | None = None  # MC2Config.timeout of every call
+    check_finite: bool = False  # MC2Config.check_finite of every call
+
+    def call_config(self, mode: Mode) -> MC2Config:
+        """The :class:`MC2Config` of one mode's calls: the mode's K, overlap, layout and wire
+        format, the rest from this configuration."""
+        return MC2Config(micro_batches=mode.micro_batches, overlap=mode.overlap,
+                         hierarchy=mode.hierarchy, wire_dtype=mode.wire,
+                         wire_block=self.wire_block, gemm=self.gemm, timeout=self.timeout,
+                         check_finite=self.check_finite)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -192,10 +203,7 @@ _WORKSPACES: dict[str, Workspace] = {}
 def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Timeline | None):
     xg = x.detach().requires_grad_(True)
     wg = [w.detach().requires_grad_(True) for w in ws]
-    out = fused_expert_packed(xg, *wg, ids, rw, micro_batches=mode.micro_batches,
-                              overlap=mode.overlap, hierarchy=mode.hierarchy, gemm=cfg.gemm,
-                              timeline=timeline, wire_dtype=parse_wire_dtype(mode.wire),
-                              wire_block=cfg.wire_block,
+    out = fused_expert_packed(xg, *wg, ids, rw, config=cfg.call_config(mode), timeline=timeline,
                               workspace=_WORKSPACES.setdefault(mode.name, Workspace()))
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
@@ -212,33 +220,56 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     """Runs inside each rank; returns per-mode, per-repeat (step, exposed comm, compute, diff)."""
     if cfg.experts % world:
         raise ValueError(f"experts ({cfg.experts}) must be divisible by world size ({world})")
-    x, ws, ids, rw, grad_out = _problem(rank, cfg)
+    problem = _problem(rank, cfg)
     modes = modes_of(cfg)
-    reference = _step(x, ws, ids, rw, grad_out, modes[0], cfg, None)
-    plan: dict[str, Any] = {}
-    if cfg.auto:  # measure before timing anything, then report what the model predicts
-        planner = planner_for(None)
-        weights = ExpertWeights.packed_of(*ws)
-        plan["auto_k"] = planner.plan(max_tokens=cfg.tokens_per_rank, topk=cfg.topk,
-                                      weights=weights, group=None)
-        cal = planner.calibration(weights, None)
-        work = planner.workload(cfg.tokens_per_rank, cfg.topk, weights, None)
-        plan["predicted"] = {k: predict(cal, work, k).step_s
-                             for k in sorted(set(cfg.micro_batches) | {1})}
-        plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
-        # "auto" explores a few K on its first calls (bounded); let it lock before timing
-        autos = [m for m in modes if m.micro_batches == "auto"]
-        calls = 0
-        while calls == 0 or (calls < 20 * len(autos) and not planner.settled()):
-            for auto in autos:
-                _step(x, ws, ids, rw, grad_out, auto, cfg, None)
-            calls += 1
-        locked = [d["locked"] for d in planner.decisions().values()]
-        plan["auto_k"] = locked[0] if locked else plan["auto_k"]
-        plan["explore_calls"] = calls
+    plan = _explore_auto(problem, modes, cfg) if cfg.auto else {}
+    raw = {**_timed_rounds(rank, problem, modes, cfg), **plan}
+    if cfg.trace:
+        raw["traces"] = {}
+        for mode in modes:
+            with profile() as prof:
+                dist.barrier()
+                with prof.step():
+                    _step(*problem, mode, cfg, None)
+            raw["traces"][mode.name] = prof.gather()
+        raw["overhead"] = _recording_overhead(*problem, modes[-1], cfg)
+    return raw
+
+
+def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[str, Any]:
+    """Measure the planner's model before timing anything, report what it predicts, and let
+    ``"auto"`` explore its few K (bounded) and lock before the timed rounds."""
+    ws = problem[1]
+    planner = planner_for(None)
+    weights = ExpertWeights.packed_of(*ws)
+    plan: dict[str, Any] = {"auto_k": planner.plan(max_tokens=cfg.tokens_per_rank, topk=cfg.topk,
+                                                   weights=weights, group=None)}
+    cal = planner.calibration(weights, None)
+    work = planner.workload(cfg.tokens_per_rank, cfg.topk, weights, None)
+    plan["predicted"] = {k: predict(cal, work, k).step_s
+                         for k in sorted(set(cfg.micro_batches) | {1})}
+    plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
+    autos = [m for m in modes if m.micro_batches == "auto"]
+    calls = 0
+    while calls == 0 or (calls < 20 * len(autos) and not planner.settled()):
+        for auto in autos:
+            _step(*problem, auto, cfg, None)
+        calls += 1
+    locked = [d["locked"] for d in planner.decisions().values()]
+    plan["auto_k"] = locked[0] if locked else plan["auto_k"]
+    plan["explore_calls"] = calls
+    return plan
+
+
+def _timed_rounds(rank: int, problem: tuple, modes: list[Mode], cfg: BenchConfig
+                  ) -> dict[str, Any]:
+    """Warm-ups and repeats, every mode once per round in a rotating order; the slowest rank's
+    step, exposed communication and compute, and each mode's largest difference from the
+    first mode's results."""
+    reference = _step(*problem, modes[0], cfg, None)
     samples: dict[str, list[list[float]]] = {m.name: [] for m in modes}
     diffs = {m.name: 0.0 for m in modes}
-    clock = clock_for(x.device)  # device events on an accelerator: the host only queues
+    clock = clock_for(problem[0].device)  # device events on an accelerator: the host only queues
     fallbacks: dict[str, str] = {}
     for rep in range(cfg.warmup + cfg.repeats):
         for j in range(len(modes)):
@@ -246,7 +277,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
             tl = Timeline()
             dist.barrier()
             start = clock.stamp()
-            got = _step(x, ws, ids, rw, grad_out, mode, cfg, tl)
+            got = _step(*problem, mode, cfg, tl)
             step = clock.elapsed(start, clock.stamp())
             if tl.sync_fallback:
                 fallbacks[mode.name] = tl.sync_fallback
@@ -261,18 +292,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 print(f"  [{tag}] {mode.name:<18} {row[0] * 1e3:9.1f} ms", file=sys.stderr,
                       flush=True)
     slowest_diff = _slowest([diffs[m.name] for m in modes])
-    raw = {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)),
-           "fallbacks": fallbacks, **plan}
-    if cfg.trace:
-        raw["traces"] = {}
-        for mode in modes:
-            with profile() as prof:
-                dist.barrier()
-                with prof.step():
-                    _step(x, ws, ids, rw, grad_out, mode, cfg, None)
-            raw["traces"][mode.name] = prof.gather()
-        raw["overhead"] = _recording_overhead(x, ws, ids, rw, grad_out, modes[-1], cfg)
-    return raw
+    return {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)),
+            "fallbacks": fallbacks}
 
 
 def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) -> float:
@@ -289,7 +310,7 @@ def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) 
 
 
 def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
-    """Medians and DESIGN.md §6 ratios from :func:`bench_rank`'s samples."""
+    """Medians and the ratios of :mod:`mc2.observation.metrics` from :func:`bench_rank`'s samples."""
     report = BenchReport(cfg, world)
     for mode in modes_of(cfg):
         rows = raw["samples"][mode.name]

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .bench import (
     BenchConfig,
@@ -17,7 +17,8 @@ from .bench import (
     run_bench,
     write_csv,
 )
-from .train_cli import add_train_parser, run_train_command
+from .config_args import add_config_arguments, config_from_arguments
+from .train import add_train_parser, run_train_command
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
 DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
@@ -50,8 +51,6 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="comma-separated K values to try with overlap (default %(default)s)")
     p.add_argument("--repeats", type=int, default=base.repeats, help="timed repeats per mode")
     p.add_argument("--warmup", type=int, default=base.warmup, help="untimed repeats per mode")
-    p.add_argument("--gemm", default=base.gemm, choices=["auto", "grouped", "loop"],
-                   help="expert GEMM strategy")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="present the ranks as nodes of this many ranks; alone, every link "
                         "stays loopback (topology only)")
@@ -68,8 +67,6 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="formats MC2's rows travel in, comma-separated: none (the compute "
                         "dtype), bf16, fp16, fp8 (e4m3 + fp32 scale per 128 channels), int8; "
                         "each adds its own MC2 rows (default none)")
-    p.add_argument("--wire-block", type=int, default=base.wire_block,
-                   help="channels per scale for fp8/int8 (must divide --hidden; default 128)")
     p.add_argument("--auto", action="store_true", default=base.auto,
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
@@ -85,6 +82,7 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="cpu (default) or an accelerator type such as cuda: each rank computes on "
                         "its local device (ranks share one when there are fewer devices; Gloo "
                         "stages device tensors through the host)")
+    add_config_arguments(p, skip=("micro_batches", "overlap", "hierarchy", "wire_dtype"))
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
@@ -93,13 +91,16 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
 
 
 def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
+    call = config_from_arguments(args, **{"gemm": base.gemm, "wire_block": base.wire_block}
+                                 if args.mc2_config is None and args.mc2_gemm is None
+                                 and args.mc2_wire_block is None else {})
     return replace(base, tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, ffn=args.ffn,
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
-                   gemm=args.gemm, split_sync=args.split_sync, trace=args.trace is not None,
+                   gemm=call.gemm, split_sync=args.split_sync, trace=args.trace is not None,
                    auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
-                   wire_dtypes=args.wire_dtype, wire_block=args.wire_block,
-                   device=args.device)
+                   wire_dtypes=args.wire_dtype, wire_block=call.wire_block,
+                   timeout=call.timeout, check_finite=call.check_finite, device=args.device)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
@@ -146,7 +147,7 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
 
 
 def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
-    from ..observation.breakdown import BreakdownConfig, format_breakdown, run_breakdown
+    from .breakdown import BreakdownConfig, format_breakdown, run_breakdown
 
     seq = min(128, max(cfg.tokens_per_rank, 1))
     bcfg = BreakdownConfig(batch=max(1, cfg.tokens_per_rank // seq), seq=seq, hidden=cfg.hidden,
@@ -210,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "tokens/rank, hidden 1024, ffn 2048)",
         description="Median step times of the serial path and MC2 for each K, in the same run.")
     _add_problem_args(bench, BenchConfig())
+    _add_simulate_parser(sub)
+    add_train_parser(sub)
+    sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
+                   description="Backends and their async support, accelerators, the launcher's "
+                               "environment, network interfaces and RDMA devices, then advice.")
+    return parser
+
+
+def _add_simulate_parser(sub: Any) -> None:
     sim = sub.add_parser(
         "simulate", help="predict comm share and throughput for clusters we do not have",
         description="Predicts a training step of an MoE model on a hardware preset: no fusion vs "
@@ -239,11 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead: measure this machine's Gloo world and compare the model's "
                           "predictions with mc2 bench's measured step times")
     sim.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed repeats")
-    add_train_parser(sub)
-    sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
-                   description="Backends and their async support, accelerators, the launcher's "
-                               "environment, network interfaces and RDMA devices, then advice.")
-    return parser
 
 
 def _doctor() -> int:
@@ -285,7 +290,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
 
     if args.calibrate:
-        from ..sim.validate import format_checks, validate
+        from .simulate_check import format_checks, validate
 
         print("mc2 simulate --calibrate: measuring this machine's Gloo worlds "
               "(2 and 4 ranks; a few minutes)", file=sys.stderr, flush=True)

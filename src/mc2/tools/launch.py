@@ -186,36 +186,43 @@ def run_local(
     ]
     for p in procs:
         p.start()
-    values: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + deadline_s
     try:
-        while len(values) + len(failures) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise LocalWorldError(
-                        f"local world of {world_size} ranks passed its {deadline_s:.0f}s deadline",
-                        failures, values) from None
-                dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in values and r not in failures]
-                for r in dead:
-                    failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
-                continue
-            if ok:
-                values[rank] = pickle.loads(payload)
-            else:
-                failures[rank] = payload
-        if failures:
-            detail = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failures.items()))
-            raise LocalWorldError(f"{len(failures)} of {world_size} ranks failed:\n{detail}",
-                                  failures, values)
-        return [values[r] for r in range(world_size)]
+        return _collect(procs, results, deadline_s)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _collect(procs: list[Any], results: Any, deadline_s: float) -> list[Any]:
+    """Every rank's result, in rank order; :class:`LocalWorldError` with each failed rank's
+    story when a rank raised, died, or the world passed ``deadline_s``."""
+    world_size = len(procs)
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + deadline_s
+    while len(values) + len(failures) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise LocalWorldError(
+                    f"local world of {world_size} ranks passed its {deadline_s:.0f}s deadline",
+                    failures, values) from None
+            dead = [r for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None)
+                    and r not in values and r not in failures]
+            for r in dead:
+                failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+            continue
+        if ok:
+            values[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
+    if failures:
+        detail = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failures.items()))
+        raise LocalWorldError(f"{len(failures)} of {world_size} ranks failed:\n{detail}",
+                              failures, values)
+    return [values[r] for r in range(world_size)]

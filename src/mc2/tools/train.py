@@ -1,300 +1,192 @@
-"""``mc2 train``: train a small Mixtral-style model end to end with expert parallelism.
+"""``mc2 train``: its options, and where it runs (a local world, torchrun, emulated nodes).
 
-The model is Hugging Face's ``MixtralForCausalLM`` built from a local config (no hub access),
-switched to MC2 with :func:`mc2.integrations.transformers.enable_mc2` on a ``("dp", "ep")`` mesh
-(:func:`mc2.expert_parallel_mesh`): the experts are split over EP groups of ``ep_size`` ranks
-and replicated over DP; the rest of the model is replicated everywhere (gradients averaged by
-:func:`mc2.average_gradients`). The corpus is this machine's own Python standard library
-sources, read as bytes (vocabulary 256), so nothing is downloaded.
-
-Runs on a local Gloo world (:func:`run_training`), or as it is under ``torchrun``
-(:func:`run_launched`; ``torchrun --nproc-per-node 2 -m mc2.tools.train --ep-size 2``). Checkpoints
-are :mod:`mc2.parallel.checkpoint` folders, one per saved step, so a run resumes on any EP size.
-
-``--compare`` trains the same model twice from the same seed, serial (``overlap=False``) and
-MC2, and reports how far the two loss curves ever are apart.
+The training loop itself is :mod:`mc2.tools.training`; its names are re-exported here, so
+``from mc2.tools.train import TrainConfig, run_training`` keeps working. Under ``torchrun`` this
+module is the program: ``torchrun --nproc-per-node 4 -m mc2.tools.train --ep-size 2``.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import sys
-import sysconfig
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from ..engine.config import MC2Config
+from .config_args import add_config_arguments, config_arguments, config_from_arguments
+from .training import (  # noqa: F401 - re-exported: mc2.tools.train is their documented home
+    TrainConfig,
+    launched,
+    load_corpus,
+    plot_losses,
+    run_launched,
+    run_training,
+    summarize,
+    train_rank,
+    write_json,
+)
 
-from .launch import run_local
+DESCRIPTION = """\
+Hugging Face MixtralForCausalLM (4 layers, 8 experts, top-2, built from a local config) switched
+to MC2 with enable_mc2 on a ("dp", "ep") mesh, trained on this machine's Python standard library
+sources. The experts are split over EP groups of --ep-size ranks and replicated over the
+world / ep-size DP groups.
 
+Where it runs:
+  mc2 train --world-size 4 --ep-size 2          a local Gloo world of 4 processes
+  torchrun --nproc-per-node 4 -m mc2.tools.train --ep-size 2
+                                                as it is under torchrun (any launcher that sets
+                                                RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+  sudo mc2 train --nodes 2 --ranks-per-node 2 --ep-size 2 --inter-node-bandwidth 1gbit
+                                                torchrun --nnodes 2 across two emulated nodes
+                                                (network namespaces, tc-shaped link; DP crosses
+                                                the slow link, EP stays inside a node)
 
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 50
-    batch: int = 8  # sequences per rank per step
-    seq: int = 128
-    hidden: int = 128
-    ffn: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    experts: int = 8
-    topk: int = 2
-    lr: float = 3e-3
-    seed: int = 0
-    corpus_bytes: int = 4_000_000
-    micro_batches: int | str = 2
-    overlap: bool = True
-    ep_size: int | None = None  # ranks per EP group; None: all ranks in one
-    wire_dtype: str = "none"  # format routed rows travel in (mc2.engine.wire names)
-    grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    progress: bool = True
-    device: str = "cpu"  # "cuda": each rank trains on its local device
-
-
-def load_corpus(limit: int) -> torch.Tensor:
-    """Bytes of the standard library's ``.py`` files, in a fixed order, as ``uint8``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    if total < 10_000:
-        raise RuntimeError(f"found only {total} bytes of Python sources under {root}")
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+--compare trains serial and MC2 from the same seed and plots both loss curves."""
 
 
-def _batch(corpus: torch.Tensor, step: int, rank: int, world: int, cfg: TrainConfig
-           ) -> torch.Tensor:
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * world + rank)
-    starts = torch.randint(0, corpus.numel() - cfg.seq - 1, (cfg.batch,), generator=g)
-    return torch.stack([corpus[s:s + cfg.seq] for s in starts.tolist()]).long()
+def add_train_parser(sub: Any) -> None:
+    tr = sub.add_parser("train", help="train a small Mixtral-style model end to end with EP x DP",
+                        description=DESCRIPTION,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("--steps", type=int, default=50)
+    tr.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    tr.add_argument("--seq", type=int, default=128)
+    tr.add_argument("--world-size", type=int, default=2,
+                    help="local Gloo ranks (ignored under torchrun, which sets it)")
+    tr.add_argument("--ep-size", type=int, default=None,
+                    help="ranks per expert-parallel group; must divide the world size and the "
+                         "8 experts (default: the whole world, no DP)")
+    tr.add_argument("--grad-sync", choices=["overlap", "after"], default="overlap",
+                    help="overlap: mc2.GradientSync all-reduces buckets during the backward; "
+                         "after: mc2.average_gradients once the backward is done")
+    tr.add_argument("--compare", action="store_true", help="train serial and MC2; compare")
+    tr.add_argument("--out", type=Path, default=Path("train_out"),
+                    help="folder for loss_curve.png and losses.json (default %(default)s)")
+    tr.add_argument("--checkpoint-every", type=int, default=0,
+                    help="steps between checkpoints (mc2.parallel.checkpoint folders under "
+                         "--out/checkpoints; a resume may use another --ep-size)")
+    tr.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
+    tr.add_argument("--nodes", type=int, default=None,
+                    help="run torchrun --nnodes across this many emulated nodes (network "
+                         "namespaces; needs root and iproute2)")
+    tr.add_argument("--device", default="cpu",
+                    help="cpu (default) or an accelerator type such as cuda: each rank trains on "
+                         "its local device (under torchrun, LOCAL_RANK's)")
+    tr.add_argument("--backend", default=None,
+                    help="process-group backend under torchrun (default: gloo on cpu; PyTorch's "
+                         "default, gloo for CPU and nccl for CUDA tensors, on a device)")
+    tr.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes (default 2)")
+    tr.add_argument("--inter-node-bandwidth", default="1gbit",
+                    help="with --nodes: tc rate of each node's link (default %(default)s)")
+    add_config_arguments(tr)  # --micro-batches (default here: 2), --serial, --wire-dtype, ...
 
 
-def _model(cfg: TrainConfig):
+def _options(args: argparse.Namespace) -> list[str]:
+    """The options to hand to ``-m mc2.tools.train`` on every node (all but the node layout)."""
+    out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--out", str(args.out.resolve()), "--checkpoint-every", str(args.checkpoint_every),
+           "--grad-sync", args.grad_sync, "--device", args.device]
+    if args.ep_size:
+        out += ["--ep-size", str(args.ep_size)]
+    out += config_arguments(_call_config(args))
+    for flag in ("compare", "resume"):
+        if getattr(args, flag):
+            out.append(f"--{flag}")
+    return out
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    if args.nodes:
+        return _on_emulated_nodes(args)
+    return _train(args, under_torchrun=launched())
+
+
+def _on_emulated_nodes(args: argparse.Namespace) -> int:
+    from .netns import EmulatedCluster, NetnsError, torchrun_on_nodes
+
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
-        from transformers import MixtralConfig, MixtralForCausalLM
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("mc2 train needs transformers: pip install 'mc2[train]'") from exc
-    torch.manual_seed(cfg.seed)
-    config = MixtralConfig(vocab_size=256, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-                           num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                           num_key_value_heads=cfg.kv_heads, num_local_experts=cfg.experts,
-                           num_experts_per_tok=cfg.topk, max_position_embeddings=cfg.seq,
-                           tie_word_embeddings=False)
-    return MixtralForCausalLM(config)
+        with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_node_bandwidth) as c:
+            print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "
+                  f"{args.ranks_per_node} across emulated nodes, links shaped to {c.bandwidth}",
+                  file=sys.stderr, flush=True)
+            torchrun_on_nodes(c, ["-m", "mc2.tools.train", *_options(args)])
+    except (NetnsError, ValueError) as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
-def _checkpoints(cfg: TrainConfig) -> list[Path]:
-    """Published checkpoint folders, oldest first. A save writes ``step-N.partial`` and renames
-    it only when every rank's shard and DCP's ``.metadata`` are on disk."""
-    assert cfg.checkpoint_dir is not None
-    root = Path(cfg.checkpoint_dir)
-    return sorted(p for p in root.glob("step-*")
-                  if p.name[5:].isdigit() and (p / ".metadata").is_file())
+def _call_config(args: argparse.Namespace) -> MC2Config:
+    """The MC2Config of the command line; ``mc2 train``'s K is 2 unless given."""
+    config = config_from_arguments(args)
+    if args.mc2_micro_batches is None and args.mc2_config is None:
+        config = config.replace(micro_batches=2)
+    return config
 
 
-def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, list]) -> None:
-    """Write, then publish by rename; the last good checkpoint stays until the new one is.
-
-    A kill at any moment leaves either the previous published checkpoints alone or the new one
-    complete: ``--resume`` never sees half a checkpoint.
-    """
-    import shutil
-
-    from ..engine.env import debug_save_delay
-    from ..parallel import checkpoint
-
-    assert cfg.checkpoint_dir is not None
-    root = Path(cfg.checkpoint_dir)
-    final, partial = root / f"step-{step:06d}", root / f"step-{step:06d}.partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a killed save
-    dist.barrier()
-    checkpoint.save(model, partial, optimizer=opt,
-                    extra={"step": step, **history, "config": asdict(cfg)})
-    dist.barrier()
-    if delay := debug_save_delay():
-        time.sleep(delay)
-    if dist.get_rank() == 0:
-        if final.exists():  # a step saved before a resume that went back further
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        for old in _checkpoints(cfg)[:-2]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    """One rank's training loop; the global loss, tokens/s and gradient-sync time of each step."""
-    from ..engine.wire import parse_wire_dtype
-    from ..integrations.transformers import enable_mc2
-    from ..parallel import checkpoint
-    from ..parallel.grad_sync import average_gradients
-    from ..parallel.gradient_buckets import GradientSync
-    from ..parallel.mesh import expert_parallel_mesh
-
-    from ..engine.clock import clock_for
-    from .launch import use_device
-
-    device = torch.device(use_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank))))
-    mesh = expert_parallel_mesh(cfg.ep_size or world, device.type, num_experts=cfg.experts)
-    model = _model(cfg).to(device)
-    enable_mc2(model, mesh=mesh, micro_batches=cfg.micro_batches, overlap=cfg.overlap,
-               wire_dtype=parse_wire_dtype(cfg.wire_dtype))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    # small buckets: this model's gradients are a few MB, and a bucket starts only when full
-    sync = GradientSync(model, mesh=mesh, bucket_mb=1.0) if cfg.grad_sync == "overlap" else None
-    start_step = 0
-    history: dict[str, list] = {"losses": [], "tokens_per_s_per_rank": [], "sync_s": []}
-    if cfg.resume and cfg.checkpoint_dir and _checkpoints(cfg):
-        extra = checkpoint.load(model, _checkpoints(cfg)[-1], optimizer=opt)
-        start_step = extra["step"]
-        history = {k: extra[k] for k in history}
-    corpus = load_corpus(cfg.corpus_bytes)
-    clock = clock_for(device)  # device events on an accelerator
-    bar = None
-    if rank == 0 and cfg.progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=start_step, desc="mc2 train", file=sys.stderr)
-        except ImportError:  # pragma: no cover
-            bar = None
-    for step in range(start_step, cfg.steps):
-        ids = _batch(corpus, step, rank, world, cfg).to(device)
-        dist.barrier()
-        t0 = clock.stamp()
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t_sync = clock.stamp()
-        if sync is not None:
-            sync.wait()  # what is left of a sync that ran during the backward
-        else:
-            average_gradients(model, mesh=mesh)
-        t_synced = clock.stamp()
-        opt.step()
-        elapsed = clock.elapsed(t0, clock.stamp())
-        t_sync = clock.elapsed(t_sync, t_synced)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        history["losses"].append(global_loss.item() / world)
-        history["tokens_per_s_per_rank"].append(ids.numel() / elapsed)
-        history["sync_s"].append(t_sync)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{history['losses'][-1]:.4f}",
-                            tok_s_rank=f"{history['tokens_per_s_per_rank'][-1]:,.0f}")
-        if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(model, opt, cfg, step + 1, history)
-    if bar is not None:
-        bar.close()
-    return history
-
-
-def run_training(cfg: TrainConfig, world_size: int = 2, threads: int = 1) -> dict[str, Any]:
-    """Train on a local Gloo world of ``world_size`` processes; rank 0's history."""
-    _check_ep_size(cfg, world_size)
-    return run_local(train_rank, world_size, args=(cfg,), threads=threads, timeout_s=600,
-                     deadline_s=24 * 3600, device=cfg.device)[0]
-
-
-def launched() -> bool:
-    """Whether this process is one rank of a ``torchrun`` job (its environment says so)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def run_launched(cfg: TrainConfig, backend: str | None = "gloo") -> dict[str, Any] | None:
-    """Train as this rank of a ``torchrun`` job; rank 0 gets the history, the others ``None``."""
-    world = int(os.environ["WORLD_SIZE"])
-    _check_ep_size(cfg, world)
-    own = not dist.is_initialized()
-    if own:
-        from .launch import use_device
-
-        use_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
     try:
-        result = train_rank(dist.get_rank(), world, cfg)
-        return result if dist.get_rank() == 0 else None
-    finally:
-        if own:
-            dist.destroy_process_group()
+        call = _call_config(args)
+    except ValueError as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, ep_size=args.ep_size,
+                       grad_sync=args.grad_sync, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, device=args.device, **call.to_dict())
+    k, wire = call.micro_batches, call.to_dict()["wire_dtype"]
+    mc2_label = f"MC2 K={k}" + ("" if wire == "none" else f" wire {wire}")
+    runs = [("serial", False), (mc2_label, True)] if args.compare else \
+        [("serial" if not call.overlap else mc2_label, call.overlap)]
+    world = _world(args, under_torchrun)
+    rank0 = not under_torchrun or _rank() == 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, Any] = {}
+    try:
+        for label, overlap in runs:
+            cfg = replace(base, overlap=overlap, progress=rank0,
+                          checkpoint_dir=str(args.out / "checkpoints" / label.replace(" ", "_")))
+            if rank0:
+                print(f"mc2 train: {label}, {world} ranks as dp {world // (cfg.ep_size or world)}"
+                      f" x ep {cfg.ep_size or world}, {cfg.steps} steps of {cfg.batch} x "
+                      f"{cfg.seq} bytes per rank", file=sys.stderr, flush=True)
+            backend = args.backend or ("gloo" if args.device == "cpu" else None)
+            curves[label] = run_launched(cfg, backend) if under_torchrun else \
+                run_training(cfg, world_size=world)
+    except ValueError as exc:
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
+    if not rank0:
+        return 0
+    text = summarize(curves)
+    print(text)
+    (args.out / "summary.txt").write_text(text + "\n")
+    write_json(args.out / "losses.json", curves, base)
+    path = plot_losses({k: v["losses"] for k, v in curves.items()}, args.out / "loss_curve.png",
+                       title=f"tiny Mixtral on Python's standard library, {world} ranks, "
+                             f"ep {base.ep_size or world}")
+    print(f"wrote {path} and {args.out / 'losses.json'}")
+    return 0
 
 
-def _check_ep_size(cfg: TrainConfig, world: int) -> None:
-    from ..engine.wire import parse_wire_dtype
-
-    parse_wire_dtype(cfg.wire_dtype)  # a ValueError naming the bad format, before any rank starts
-    if cfg.grad_sync not in ("overlap", "after"):
-        raise ValueError(f"grad_sync must be 'overlap' or 'after', got {cfg.grad_sync!r}")
-    ep = cfg.ep_size or world
-    if ep < 1 or world % ep:
-        raise ValueError(f"--ep-size {ep} must divide the world size {world}")
-    if cfg.experts % ep:
-        raise ValueError(f"--ep-size {ep} must divide the {cfg.experts} experts")
+def _world(args: argparse.Namespace, under_torchrun: bool) -> int:
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
 
 
-def plot_losses(curves: dict[str, list[float]], path: str | Path,
-                title: str = "tiny Mixtral on Python's standard library") -> Path:
-    from ..observation.plot import pyplot
-
-    fig, ax = pyplot().subplots(figsize=(8, 4.5))
-    for label, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=label, lw=1.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
+def _rank() -> int:
+    return int(os.environ["RANK"])
 
 
-def summarize(curves: dict[str, dict[str, Any]]) -> str:
-    lines = []
-    for label, result in curves.items():
-        losses, rates = result["losses"], result["tokens_per_s_per_rank"]
-        med = sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]
-        sync = sorted(result.get("sync_s", [0.0])[1:] or result.get("sync_s", [0.0]))
-        lines.append(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
-                     f"steps; median {med:,.0f} tokens/s per rank, gradient sync "
-                     f"{1e3 * sync[len(sync) // 2]:.1f} ms")
-    if len(curves) == 2:
-        a, b = (c["losses"] for c in curves.values())
-        n = min(len(a), len(b), 50)
-        diff = max(abs(x - y) for x, y in zip(a[:n], b[:n]))
-        rel = max(abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n]))
-        lines.append(f"largest loss difference over the first {n} steps: {diff:.2e} "
-                     f"(relative {rel:.2e})")
-    return "\n".join(lines)
-
-
-def write_json(path: str | Path, curves: dict[str, Any], cfg: TrainConfig) -> None:
-    Path(path).write_text(json.dumps({"config": asdict(cfg), "runs": curves}, indent=2))
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mc2.tools.train [options]``: ``mc2 train`` as one rank of a launcher."""
+    parser = argparse.ArgumentParser(prog="python -m mc2.tools.train")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    return run_train_command(args)
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m mc2.tools.train [mc2 train options]
-    from .cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main())

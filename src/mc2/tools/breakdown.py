@@ -20,7 +20,6 @@ waits, i.e. the *exposed* communication); the expert part is the rest of the fus
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine.clock import clock_for
 from ..engine.ops import fused_expert
-from ..tools.launch import run_local
-from . import metrics
-from .timeline import Timeline
+from ..observation import metrics
+from ..observation.timeline import Timeline
+from .launch import run_local
 
 PARTS = ("embedding + gate", "dispatch", "experts", "combine", "attention + residual + norm")
 
@@ -41,18 +41,18 @@ class _Marker(torch.autograd.Function):
     """Identity that records when the gradient of its output arrives."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, clock: dict, name: str) -> Tensor:  # type: ignore[override]
-        ctx.clock, ctx.name = clock, name
+    def forward(ctx: Any, x: Tensor, marks: dict, name: str) -> Tensor:  # type: ignore[override]
+        ctx.marks, ctx.name = marks, name
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        ctx.clock[ctx.name] = time.perf_counter()
+        ctx.marks[ctx.name] = clock_for(grad.device).stamp()
         return grad, None, None
 
 
-def _mark(x: Tensor, clock: dict, name: str) -> Tensor:
-    return _Marker.apply(x, clock, name)
+def _mark(x: Tensor, marks: dict, name: str) -> Tensor:
+    return _Marker.apply(x, marks, name)
 
 
 class RMSNorm(nn.Module):
@@ -113,40 +113,45 @@ class BreakdownConfig:
 
 def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int | str
               ) -> dict[str, float]:
-    clock: dict[str, float] = {}
+    marks: dict[str, Any] = {}  # stamps of the clock of the tokens' device
+    clock = clock_for(tokens.device)
+
+    def since(a: Any, b: Any) -> float:
+        return clock.elapsed(a, b)
+
     tl = Timeline()
     model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    x = _mark(model.embed(tokens), clock, "embed_out")
-    t1 = time.perf_counter()
+    t0 = clock.stamp()
+    x = _mark(model.embed(tokens), marks, "embed_out")
+    t1 = clock.stamp()
     h = model.attention(x)
     n2 = model.norm2(h)
-    t2 = time.perf_counter()
-    ids, rw = model.route(_mark(n2, clock, "gate_in"))
-    t3 = time.perf_counter()
-    moe = fused_expert(_mark(n2, clock, "moe_in"), model.w_up, model.w_gate, model.w_down, ids,
+    t2 = clock.stamp()
+    ids, rw = model.route(_mark(n2, marks, "gate_in"))
+    t3 = clock.stamp()
+    moe = fused_expert(_mark(n2, marks, "moe_in"), model.w_up, model.w_gate, model.w_down, ids,
                        rw, micro_batches=k if overlap else 1, overlap=overlap, timeline=tl)
-    t4 = time.perf_counter()
-    loss = (h + _mark(moe, clock, "moe_out")).pow(2).mean()
+    t4 = clock.stamp()
+    loss = (h + _mark(moe, marks, "moe_out")).pow(2).mean()
     loss.backward()
-    t6 = time.perf_counter()
+    t6 = clock.stamp()
 
     def exposed(name: str, phase: str) -> float:
         return sum(s.duration for s in tl.spans if s.phase == phase and s.kind in ("comm", "wait")
                    and (s.name == name or (name == "dispatch" and s.name in ("handshake", "counts"))))
 
-    fwd_moe, bwd_moe = t4 - t3, clock["moe_in"] - clock["moe_out"]
+    fwd_moe, bwd_moe = since(t3, t4), since(marks["moe_out"], marks["moe_in"])
     dispatch = exposed("dispatch", "forward") + exposed("dispatch", "backward")
     combine = exposed("combine", "forward") + exposed("combine", "backward")
-    gate_bwd = max(clock["gate_in"] - clock["moe_in"], 0.0)
-    embed_bwd = t6 - clock["embed_out"]
+    gate_bwd = max(since(marks["moe_in"], marks["gate_in"]), 0.0)
+    embed_bwd = since(marks["embed_out"], t6)
     parts = {
-        "embedding + gate": (t1 - t0) + (t3 - t2) + gate_bwd + embed_bwd,
+        "embedding + gate": since(t0, t1) + since(t2, t3) + gate_bwd + embed_bwd,
         "dispatch": dispatch,
         "combine": combine,
         "experts": fwd_moe + bwd_moe - dispatch - combine,
     }
-    total = t6 - t0
+    total = since(t0, t6)
     parts["attention + residual + norm"] = total - sum(parts.values())
     parts["step"] = total
     return parts

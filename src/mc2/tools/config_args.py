@@ -1,0 +1,96 @@
+"""The command line's view of :class:`mc2.MC2Config`: one flag per field, one parser for all.
+
+``mc2 train`` takes every field; ``mc2 bench`` sweeps some of them (several K, layouts and wire
+formats in one run) and takes the rest from here. Names follow the fields: ``--micro-batches``,
+``--serial`` (``overlap=False``), ``--hierarchy``, ``--wire-dtype``, ``--wire-block``, ``--gemm``,
+``--timeout``, ``--check-finite``; ``--mc2-config FILE`` reads a JSON file of fields
+(``MC2Config.to_dict()``), which the flags given on the command line then override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..engine.config import GEMMS, HIERARCHIES, MC2Config
+
+FIELDS = ("micro_batches", "overlap", "hierarchy", "wire_dtype", "wire_block", "gemm",
+          "timeout", "check_finite")
+
+
+def _micro_batches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}") \
+            from None
+
+
+def _wire(text: str) -> Any:
+    parts = tuple(p.strip() for p in text.split(","))
+    return parts[0] if len(parts) == 1 else parts
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add a flag for every :class:`MC2Config` field not in ``skip`` (defaults: unset, so that
+    only what the user gives overrides ``--mc2-config`` and the defaults)."""
+    group = parser.add_argument_group(
+        "how each fused call runs (mc2.MC2Config; unset flags keep its defaults)")
+    group.add_argument("--mc2-config", type=Path, default=None, metavar="FILE",
+                       help="a JSON file of MC2Config fields (as MC2Config.to_dict() writes)")
+    flags = {
+        "micro_batches": (("--micro-batches",), {"type": _micro_batches, "metavar": "K",
+                                                 "help": "K, or 'auto' (the planner's choice)"}),
+        "overlap": (("--serial",), {"action": "store_const", "const": False,
+                                    "help": "overlap=False: the serial path (the baseline)"}),
+        "hierarchy": (("--hierarchy",), {"choices": HIERARCHIES,
+                                         "help": "All-to-All layout across nodes"}),
+        "wire_dtype": (("--wire-dtype",), {"type": _wire, "metavar": "FORMAT",
+                                           "help": "rows on the wire: none, bf16, fp16, fp8, "
+                                                   "int8, or dispatch,combine"}),
+        "wire_block": (("--wire-block",), {"type": int, "metavar": "N",
+                                           "help": "channels per scale of fp8/int8 (128)"}),
+        "gemm": (("--gemm",), {"choices": GEMMS, "help": "expert GEMM strategy (auto)"}),
+        "timeout": (("--timeout",), {"type": float, "metavar": "SECONDS",
+                                     "help": "seconds any wait may take (300; 0: none)"}),
+        "check_finite": (("--check-finite",), {"action": "store_const", "const": True,
+                                                "help": "reject NaN/Inf tokens on every rank"}),
+    }
+    for field, (names, options) in flags.items():
+        if field not in skip:
+            group.add_argument(*names, dest=f"mc2_{field}", default=None, **options)
+
+
+def config_from_arguments(args: argparse.Namespace, **overrides: Any) -> MC2Config:
+    """The :class:`MC2Config` the command line asks for: ``--mc2-config``, then the flags
+    given, then ``overrides``.
+
+    Raises:
+        ValueError: a bad value (the message names the field).
+    """
+    base = MC2Config()
+    if getattr(args, "mc2_config", None) is not None:
+        base = MC2Config.from_dict(json.loads(Path(args.mc2_config).read_text()))
+    given = {f: getattr(args, f"mc2_{f}") for f in FIELDS
+             if getattr(args, f"mc2_{f}", None) is not None}
+    return MC2Config.of(base, **{**given, **overrides})
+
+
+def config_arguments(config: MC2Config) -> list[str]:
+    """The flags that give ``config`` again (to hand a configuration to another process)."""
+    values = config.to_dict()
+    wire = values["wire_dtype"]
+    out = ["--micro-batches", str(values["micro_batches"]), "--hierarchy", values["hierarchy"],
+           "--wire-dtype", ",".join(wire) if isinstance(wire, list) else wire,
+           "--wire-block", str(values["wire_block"]), "--gemm", values["gemm"]]
+    if values["timeout"] is not None:
+        out += ["--timeout", str(values["timeout"])]
+    if not values["overlap"]:
+        out.append("--serial")
+    if values["check_finite"]:
+        out.append("--check-finite")
+    return out
