@@ -3,8 +3,8 @@
 
 The peers run through their harness ``peers.py`` (in ``MC2_PEERS_DIR``; DeepSpeed 0.19.8,
 Megatron-Core 0.16.1 in their own virtual environment, see its README); mc2 runs the same work
-here: the same router, experts, tokens and output gradient (drawn by the peers' own ``make_weights``/``make_inputs``),
-softmax over the top-k logits, dropless SwiGLU experts, ``y.backward(dy)`` with ``x`` and every
+here: the same router, experts, tokens and output gradient (drawn by the peers' own
+``make_weights``/``make_inputs``), softmax over the top-k logits, dropless SwiGLU experts, ``y.backward(dy)`` with ``x`` and every
 parameter requiring grad, 2 Gloo ranks with one thread each, plain processes (no malloc tuning),
 2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step.
 Each regime runs ``--rounds`` rounds of (DeepSpeed, Megatron, mc2) back to back and takes each
