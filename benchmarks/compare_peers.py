@@ -4,15 +4,15 @@
 The peers run through their harness ``peers.py`` (in ``MC2_PEERS_DIR``; DeepSpeed 0.19.8,
 Megatron-Core 0.16.1 in their own virtual environment, see its README); mc2 runs the same work
 here: the same router, experts, tokens and output gradient (drawn by the peers' own
-``make_weights``/``make_inputs``), softmax over the top-k logits, dropless SwiGLU experts, ``y.backward(dy)`` with ``x`` and every
-parameter requiring grad, 2 Gloo ranks with one thread each, plain processes (no malloc tuning),
-2 warm-ups, then the median over steps of the slowest rank's time, a barrier before each step.
-Each regime runs ``--rounds`` rounds of (DeepSpeed, Megatron, mc2) back to back and takes each
-library's median round, so that a slow spell of a shared machine hits every library alike.
-mc2 uses ``micro_batches="auto"``; its exploration calls (at most 6 for a shape) run as extra
-warm-ups and are reported. The peak resident memory of each run's largest process is reported
-beside its time (for mc2, read right after its ``"auto"`` steps, before its serial baseline
-runs in the same process).
+``make_weights``/``make_inputs``), softmax over the top-k logits, dropless SwiGLU experts,
+``y.backward(dy)`` with ``x`` and every parameter requiring grad, 2 Gloo ranks with one thread
+each, plain processes (no malloc tuning), 2 warm-ups, then the median over steps of the slowest
+rank's time, a barrier before each step. Each regime runs ``--rounds`` rounds of (DeepSpeed,
+Megatron, mc2) back to back and takes each library's median round, so that a slow spell of a
+shared machine hits every library alike. mc2 uses ``micro_batches="auto"``; its exploration
+calls (at most 6 for a shape) run as extra warm-ups and are reported. The peak resident memory
+of each run's largest process is reported beside its time (for mc2, read right after its
+``"auto"`` steps, before its serial baseline runs in the same process).
 
 Regimes: plain loopback at 4096 and 64 tokens per rank, and loopback shaped with ``tc tbf`` to
 1 Gbit and 500 Mbit (root only; the qdisc is always removed: on exit, on failure, on Ctrl-C).
