@@ -76,6 +76,7 @@ def test_stream_backend_never_waits_with_a_timeout(fake_flat) -> None:
         assert r["backend"] == fake_stream_backend.NAME and r["style"] is True
         assert len(r["waits"]) > 10, "the stream path was not taken"
         assert all(t is None for t in r["waits"]), r["waits"]
+        assert r["transfers"] == 12, "3 micro-batches x 2 transfers x 2 passes observed"
         for got in r["results"]:
             torch.testing.assert_close(got["out"], want[rank], rtol=0, atol=1e-10)
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)

@@ -72,10 +72,13 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]
     p = make_problem(world, "uneven", seed=1)
     fake.WAITS.clear()
     results = []
+    timeline = mc2.Timeline()  # transfers observed the stream way (an event behind the work)
     for k in (1, 3):
-        step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30)
+        step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30,
+                           timeline=timeline if k == 3 else None)
         results.append({"out": step["out"], "x": step["x"]})
     return {"results": results, "waits": list(fake.WAITS),
+            "transfers": sum(s.kind == "transfer" for s in timeline.spans),
             "backend": mc2.engine.backend.backend_for(None, "cpu"),
             "style": mc2.engine.backend.comm_style(None, "cpu").stream,
             "watched_now": mc2.engine.watchdog.watchdog().in_flight}

@@ -1,9 +1,12 @@
 """``mc2.checkpoint``: sharded checkpoints that move between meshes (``save``, ``load``).
 
-``import mc2.checkpoint`` and ``mc2.checkpoint.save(...)`` both work; the implementation is
-:mod:`mc2.parallel.checkpoint` (on ``torch.distributed.checkpoint``).
+``import mc2.checkpoint``, ``from mc2 import checkpoint`` and ``mc2.checkpoint.save(...)`` all
+give :mod:`mc2.parallel.checkpoint` itself: this module puts that one in its place on import,
+so there is one module object, one set of functions, whichever path a user writes.
 """
 
-from .parallel.checkpoint import load, model_state_dict, optimizer_state_dict, save, saved_keys
+import sys
 
-__all__ = ["save", "load", "saved_keys", "model_state_dict", "optimizer_state_dict"]
+from .parallel import checkpoint as _implementation
+
+sys.modules[__name__] = _implementation

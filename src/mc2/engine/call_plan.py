@@ -170,9 +170,12 @@ def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capac
     if config.hierarchy != "flat" and world > 1:
         largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
         two_d = _wants_two_stage(config.hierarchy, group, timeline, largest, x, wire)
-        if two_d is not None:
+        if two_d is not None:  # padded to the agreed largest K: ranks that disagree on K
+            # still exchange tensors of one size, and learn it from the counts' headers
+            padded = torch.zeros(capacity, world, dtype=torch.int64, device=x.device)
+            padded[:k] = send_counts.view(k, world, local_experts).sum(-1)
             with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
-                totals = gather_counts(send_counts.view(k, world, local_experts).sum(-1), group)
+                totals = gather_counts(padded, group)[:, :k].contiguous()
     host = read_counts(counts, send_counts, payload, totals)
     two_stage = None
     if two_d is not None:

@@ -27,7 +27,8 @@ class HostClock:
 
     device_type = "cpu"
 
-    def stamp(self) -> float:
+    def stamp(self, stream: Any = None) -> float:
+        """Now (``stream``: ignored; the host has one timeline)."""
         return time.perf_counter()
 
     def elapsed(self, start: Any, end: Any) -> float:
