@@ -82,11 +82,14 @@ def test_stream_backend_never_waits_with_a_timeout(fake_flat) -> None:
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)
 
 
-def test_stream_backend_2d_chains_stages_without_a_thread() -> None:
-    results = mc2.run_local(fake_stream_worker, 4, args=("2d",), ranks_per_node=2,
+@pytest.mark.parametrize("world,per_node", [(4, 2), (2, 2), (2, 1)],
+                         ids=["2 nodes x 2", "one node (inter-node stage of one)",
+                              "2 nodes x 1 (intra-node stage of one)"])
+def test_stream_backend_2d_chains_stages_without_a_thread(world: int, per_node: int) -> None:
+    results = mc2.run_local(fake_stream_worker, world, args=("2d",), ranks_per_node=per_node,
                             backend=fake_stream_backend.NAME,
                             before_init=fake_stream_backend.install)
-    p = make_problem(4, "uneven", seed=1)
+    p = make_problem(world, "uneven", seed=1)
     want, grads = _reference(p)
     for rank, r in enumerate(results):
         assert all(t is None for t in r["waits"]) and r["waits"]

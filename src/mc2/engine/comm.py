@@ -159,8 +159,8 @@ def all_to_all_rows(
     :mod:`mc2.engine.clock`) when it is asynchronous; used for profiling only. ``output``:
     the receive buffer, when the caller already has one.
     """
-    if is_local(group):
-        return PendingTransfer(output=rows)
+    if is_local(group):  # to itself: the rows are what arrives (in the caller's buffer if any)
+        return PendingTransfer(output=rows if output is None else output.copy_(rows))
     rows = rows.contiguous()
     if output is None:
         shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])

@@ -137,9 +137,9 @@ class TwoStageExchange:
         wait_for_current(side, rows.device)
         try:
             with side:
-                all_to_all_rows(rows, send1, recv1, group1, async_op=True, output=middle,
-                                operation=f"{name} (first stage)").wait()
-                between(middle, staged)
+                arrived = all_to_all_rows(rows, send1, recv1, group1, async_op=True,
+                                          output=middle, operation=f"{name} (first stage)").wait()
+                between(arrived, staged)
                 last = all_to_all_rows(staged, send2, recv2, group2, async_op=True,
                                        output=output, on_complete=on_complete,
                                        operation=f"{name} (second stage)")
