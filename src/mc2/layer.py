@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .engine.config import ConfigOptions, MC2Config
 from .engine.ops import fused_expert_packed
+from .engine.routing import count_on_device
 from .parallel.mesh import resolve_layout
 
 EXPERT_KEYS = ("w_gate_up", "w_down")
@@ -131,12 +132,7 @@ class MoELayer(nn.Module):
         if flat.shape[0] == 0:
             zero = flat.sum()
             return RouterLosses(zero, zero)
-        # a scatter-add on the device: bincount would read its range back to the host
-        flat_ids = ids.reshape(-1)
-        share = torch.zeros(self.num_experts, dtype=torch.float32, device=flat.device)
-        share.index_add_(0, flat_ids, torch.ones(flat_ids.shape, dtype=torch.float32,
-                                                 device=flat.device))
-        share = share / ids.numel()
+        share = count_on_device(ids, self.num_experts, torch.float32) / ids.numel()
         balance = self.num_experts * (share * probs.mean(0)).sum()
         z = torch.logsumexp(flat, -1).pow(2).mean()
         return RouterLosses(balance, z)

@@ -21,14 +21,13 @@ That backend decides two things (:class:`CommStyle`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .env import force_sync
+from .env import flag, force_sync
 
 # backends whose collectives accept async_op=True and progress on their own threads/streams
 ASYNC_BACKENDS = {"gloo", "nccl", "hccl", "mpi", "ucc", "xccl", "fake"}
@@ -109,10 +108,7 @@ def comm_style(group: Any, device: torch.device | str | None) -> CommStyle:
 def _blocking_wait(name: str) -> bool:
     """``TORCH_NCCL_BLOCKING_WAIT=1`` makes NCCL's ``wait()`` block the host: then waits are
     host waits, with the call's deadline, as on Gloo."""
-    if name != "nccl":
-        return False
-    flag = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", ""))
-    return flag.strip().lower() in ("1", "true", "yes", "on")
+    return name == "nccl" and (flag("TORCH_NCCL_BLOCKING_WAIT") or flag("NCCL_BLOCKING_WAIT"))
 
 
 def default_device_type() -> str:

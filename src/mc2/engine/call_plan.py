@@ -41,11 +41,10 @@ from .routing import (
     read_counts,
 )
 from .topology import topology_for
-from .validation import HIERARCHY_CODES, agree, local_problem, shared_problem
+from .validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
 from .wire import NONE, WireFormat, wire_pair, wire_problem
 from .workspace import Workspace, default_workspace
 
-_DTYPES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 # what every rank must pass alike, agreed in the handshake (0 means 'auto' for micro_batches)
 SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hidden size",
                 "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
@@ -131,7 +130,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWe
         auto = config.micro_batches == "auto"
         facts.update(zip(SHARED_FACTS, (
             0 if auto else config.micro_batches, capacity, x.shape[-1], weights.ffn,
-            weights.local_experts, _DTYPES[x.dtype], int(config.overlap), int(needs_grad),
+            weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
             HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code)))
     return facts
 
@@ -163,6 +162,7 @@ def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capac
     world, local_experts = group_size(group), weights.local_experts
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     order, send_counts = local_send_counts(ids2d, world * local_experts, k)
+    send_totals = send_counts.view(k, world, local_experts).sum(-1)  # [K, world] rows to each
     counts = CountsExchange(k, capacity, world, local_experts)
     with maybe_span(timeline, "comm", "counts", "forward"):
         payload = exchange_counts(counts.payload(send_counts), group)
@@ -173,10 +173,10 @@ def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capac
         if two_d is not None:  # padded to the agreed largest K: ranks that disagree on K
             # still exchange tensors of one size, and learn it from the counts' headers
             padded = torch.zeros(capacity, world, dtype=torch.int64, device=x.device)
-            padded[:k] = send_counts.view(k, world, local_experts).sum(-1)
+            padded[:k] = send_totals
             with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
                 totals = gather_counts(padded, group)[:, :k].contiguous()
-    host = read_counts(counts, send_counts, payload, totals)
+    host = read_counts(counts, send_totals, payload, totals)
     two_stage = None
     if two_d is not None:
         topo, (intra, inter) = two_d
@@ -187,7 +187,7 @@ def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capac
                                  len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
     handle = build_handle(ids2d, order, host, counts.received(payload), world_size=world,
                           local_experts=local_experts, group=group, two_stage=two_stage,
-                          workspace=workspace)
+                          workspace=workspace, style=style_of(group, x.device))
     return handle, ids2d
 
 
@@ -240,7 +240,7 @@ def plan_call(
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite)
     assert weights is not None and problem is None
-    strategy = resolve_strategy(config.gemm, weights, x.device)
+    strategy = resolve_strategy(config.gemm, weights)
     k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
                                       needs_grad, wire, timeline)
     pool = workspace or default_workspace()

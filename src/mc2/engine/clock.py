@@ -16,10 +16,13 @@ a timeline being read), never on the pipeline's path.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
 import torch
+
+from .streams import full_device
 
 
 class HostClock:
@@ -45,6 +48,10 @@ class HostClock:
         start = self.stamp()
         fn()
         return self.elapsed(start, self.stamp())
+
+    def median(self, fn: Callable[[], Any], repeats: int) -> float:
+        """The median of ``repeats`` timings of ``fn()``."""
+        return statistics.median(self.time(fn) for _ in range(repeats))
 
 
 class DeviceClock(HostClock):
@@ -91,11 +98,6 @@ class DeviceClock(HostClock):
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
 
-    def time(self, fn: Callable[[], Any]) -> float:
-        start = self.stamp()
-        fn()
-        return self.elapsed(start, self.stamp())
-
 
 HOST = HostClock()
 _DEVICE_CLOCKS: dict[torch.device, DeviceClock] = {}
@@ -106,9 +108,7 @@ def clock_for(device: torch.device | str | None) -> HostClock:
     (one per device, so that its anchor is taken once) on an accelerator."""
     if device is None or torch.device(device).type in ("cpu", "meta"):
         return HOST
-    device = torch.device(device)
-    if device.index is None and torch.accelerator.is_available():
-        device = torch.device(device.type, torch.accelerator.current_device_index())
+    device = full_device(device)
     if device not in _DEVICE_CLOCKS:
         _DEVICE_CLOCKS[device] = DeviceClock(device)
     return _DEVICE_CLOCKS[device]

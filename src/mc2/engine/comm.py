@@ -150,6 +150,7 @@ def all_to_all_rows(
     workspace: Workspace | None = None,
     operation: str = "exchange",
     output: Tensor | None = None,
+    style: CommStyle | None = None,
 ) -> PendingTransfer:
     """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
 
@@ -157,19 +158,20 @@ def all_to_all_rows(
     the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``. ``on_complete(issued,
     done)`` receives the transfer's stamps (host seconds or device events, see
     :mod:`mc2.engine.clock`) when it is asynchronous; used for profiling only. ``output``:
-    the receive buffer, when the caller already has one.
+    the receive buffer, when the caller already has one. ``style``: the group's
+    :class:`CommStyle` on the rows' device, when the caller knows it (else looked up).
     """
-    if is_local(group):  # to itself: the rows are what arrives (in the caller's buffer if any)
+    style = style or style_of(group, rows.device)
+    if style is LOCAL:  # to itself: the rows are what arrives (in the caller's buffer if any)
         return PendingTransfer(output=rows if output is None else output.copy_(rows))
     rows = rows.contiguous()
     if output is None:
         shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
         output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
-    style = style_of(group, rows.device)
     if not async_op:
         collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,
                                                      group=group, async_op=a),
-                   group, operation, rows.device)
+                   group, operation, rows.device, style)
         return PendingTransfer(output=output, operation=operation)
     issued = time.monotonic()
     with surfaced():  # an aborted communicator refuses new work: report the timeout instead
@@ -190,18 +192,19 @@ class FlatExchange:
     recv_splits: list[int]
     group: Any
     workspace: Workspace | None = None  # where receive buffers come from
+    style: CommStyle | None = None  # the group's, looked up once per call
 
     def dispatch(self, rows: Tensor, *, async_op: bool,
                  on_complete: OnComplete | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.send_splits, self.recv_splits, self.group,
                                async_op=async_op, on_complete=on_complete,
-                               workspace=self.workspace, operation="dispatch")
+                               workspace=self.workspace, operation="dispatch", style=self.style)
 
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: OnComplete | None = None) -> PendingTransfer:
         return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group,
                                async_op=async_op, on_complete=on_complete,
-                               workspace=self.workspace, operation="combine")
+                               workspace=self.workspace, operation="combine", style=self.style)
 
 
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
@@ -256,7 +259,7 @@ def barrier(group: Any, operation: str = "barrier", device: torch.device | None 
 
 
 def collective(issue: Callable[[bool], Any], group: Any, operation: str,
-               device: torch.device | str | None = None) -> None:
+               device: torch.device | str | None = None, style: CommStyle | None = None) -> None:
     """Run a collective to completion under the call's deadline (:mod:`mc2.engine.deadline`).
 
     ``issue(async_op)`` starts it. Without a deadline, or on a backend without asynchronous
@@ -265,7 +268,7 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
     with the deadline; on a stream backend stream-ordered, watched by the watchdog ("to
     completion" then means: for every later use on the current stream).
     """
-    style = style_of(group, torch.device(device or "cpu"))
+    style = style or style_of(group, torch.device(device or "cpu"))
     if current() is None or not style.asynchronous:
         with surfaced():
             issue(False)

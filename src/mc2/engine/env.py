@@ -25,13 +25,17 @@ class SyncFallbackWarning(UserWarning):
     """Overlap was requested but communication runs synchronously."""
 
 
+def flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def force_sync() -> bool:
-    return os.environ.get("MC2_FORCE_SYNC", "").strip().lower() in ("1", "true", "yes", "on")
+    return flag("MC2_FORCE_SYNC")
 
 
 def force_collectives() -> bool:
-    return os.environ.get("MC2_DEBUG_FORCE_COLLECTIVES", "").strip().lower() in (
-        "1", "true", "yes", "on")
+    return flag("MC2_DEBUG_FORCE_COLLECTIVES")
 
 
 def warn_sync_fallback(reason: str) -> None:

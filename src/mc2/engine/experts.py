@@ -366,8 +366,22 @@ def swiglu_backward(
     grads: WeightGrads,
     *,
     strategy: str,
+    offsets: Tensor | None = None,
 ) -> Tensor:
     """Input gradient ``[R, H]``; adds the weight gradients into ``grads`` right away."""
-    grad_x, work = swiglu_backward_input(grad_y, saved, counts, weights, strategy=strategy)
+    grad_x, work = swiglu_backward_input(grad_y, saved, counts, weights, strategy=strategy,
+                                         offsets=offsets)
     grads.add(work, strategy=strategy)
     return grad_x
+
+
+def forward_and_backward(x: Tensor, counts: list[int], weights: ExpertWeights, *, strategy: str,
+                         offsets: Tensor | None = None) -> None:
+    """A forward and a backward of ``x``'s rows, weight gradients included: the expert work
+    of one training step, as the planner and the GEMM strategy choice time it."""
+    y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
+                              offsets=offsets)
+    assert saved is not None
+    grads = WeightGrads(weights)
+    swiglu_backward(y, saved, counts, weights, grads, strategy=strategy, offsets=offsets)
+    grads.finish()

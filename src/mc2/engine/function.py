@@ -237,8 +237,8 @@ class FusedExpertFunction(torch.autograd.Function):
         s_down: Tensor | None,
         *experts: Tensor,
     ) -> Tensor:
-        clock = clock_for(x.device)
-        started = clock.stamp() if call.on_pass_done is not None else None
+        clock = clock_for(x.device) if call.on_pass_done is not None else None
+        started = clock.stamp() if clock is not None else None
         forward = _forward_pass(x, ExpertWeights.in_order(experts),
                                 _shared_weights(s_up, s_gate, s_down), call)
         out = _weighted_sum(forward, routing_weights, call, x)
@@ -250,7 +250,7 @@ class FusedExpertFunction(torch.autograd.Function):
                               s_up, s_gate, s_down, *experts)
         if not call.keep_activations:
             call.workspace.tick()
-        if call.on_pass_done is not None:
+        if clock is not None and call.on_pass_done is not None:
             call.on_pass_done("forward", Interval(clock, started, clock.stamp()))
         return out
 
@@ -269,8 +269,8 @@ class FusedExpertFunction(torch.autograd.Function):
                                "(retain_graph=True) is not supported")
         ctx.consumed = True
         call: CallPlan = ctx.call
-        clock = clock_for(grad_out.device)
-        started = clock.stamp() if call.on_pass_done is not None else None
+        clock = clock_for(grad_out.device) if call.on_pass_done is not None else None
+        started = clock.stamp() if clock is not None else None
         routing_weights, expert_out, s_up, s_gate, s_down, *experts = ctx.saved_tensors
         tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
         grad_out = grad_out.contiguous()
@@ -285,6 +285,6 @@ class FusedExpertFunction(torch.autograd.Function):
             _shared_weights(s_up, s_gate, s_down), ctx.activations, ctx.shared_activations,
             call, tuple(needed[6:]), tuple(needed[3:6]))
         call.workspace.tick()
-        if call.on_pass_done is not None:
+        if clock is not None and call.on_pass_done is not None:
             call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
         return (grad_x, grad_weights, None, *shared_grads, *expert_grads)

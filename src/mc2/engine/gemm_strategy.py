@@ -15,17 +15,18 @@ agree on it, and the choice never changes what crosses the wire.
 from __future__ import annotations
 
 import itertools
-import statistics
 import torch
 import torch.nn.functional as F
 
 from .clock import clock_for
 from .config import GemmStrategy
-from .experts import ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
+from .experts import ExpertWeights, forward_and_backward
 from .host import upload
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.05  # what one-time timing of a few repeats can tell apart
+ROWS_PER_EXPERT = 64  # rows per expert of the timed step
+REPEATS = 3
 _CHOSEN: dict[tuple, str] = {}
 
 
@@ -49,59 +50,42 @@ def grouped_problem(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def strategy_problem(strategy: object, dtype: torch.dtype, device: torch.device) -> str | None:
-    """What is wrong with a ``gemm=`` argument for this dtype and device, or ``None`` (checked
-    before the call's handshake, so a bad value is an error on every rank)."""
-    if strategy not in ("auto", "grouped", "loop"):
-        return f"gemm must be 'auto', 'grouped' or 'loop', got {strategy!r}"
+def strategy_problem(strategy: GemmStrategy, dtype: torch.dtype, device: torch.device
+                     ) -> str | None:
+    """Why a validated ``gemm=`` cannot serve this dtype and device, or ``None`` (checked
+    before the call's handshake, so it is an error on every rank)."""
     if strategy == "grouped" and (why := grouped_problem(dtype, device)) is not None:
         return f"{why}; use 'loop'"
     return None
 
 
-def _time_step(weights: ExpertWeights, strategy: str, rows: int, repeats: int) -> float:
+def _time_step(weights: ExpertWeights, strategy: str, rows: int) -> float:
     """Median seconds of a forward and backward of ``rows`` rows split evenly over the local
     experts (weight gradients included)."""
     local = weights.local_experts
     counts = [rows // local] * local
     ends = upload(list(itertools.accumulate(counts)), weights.device, torch.int32)
     x = torch.randn(sum(counts), weights.hidden, dtype=weights.dtype, device=weights.device)
-    clock = clock_for(weights.device)
 
     def step() -> None:
-        y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
-                                  offsets=ends)
-        assert saved is not None
-        _, work = swiglu_backward_input(y, saved, counts, weights, strategy=strategy,
-                                        offsets=ends)
-        grads = WeightGrads(weights)
-        grads.add(work, strategy=strategy)
-        grads.finish()
+        forward_and_backward(x, counts, weights, strategy=strategy, offsets=ends)
 
     with torch.no_grad():
         step()  # warm-up (and kernel selection)
-        return statistics.median(clock.time(step) for _ in range(repeats))
+        return clock_for(weights.device).median(step, REPEATS)
 
 
-def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights,
-                     device: torch.device | None = None, *, rows_per_expert: int = 64,
-                     repeats: int = 3) -> str:
-    """A concrete strategy for ``strategy`` (validated by :func:`strategy_problem`)."""
+def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights) -> str:
+    """A concrete strategy for a validated ``strategy`` on these weights (their device)."""
     if strategy != "auto":
         return strategy
     if grouped_problem(weights.dtype, weights.device) is not None:
         return "loop"
-    key = (weights.packed, tuple(weights.down.shape), weights.dtype,
-           str(device or weights.device))
+    key = (weights.packed, tuple(weights.down.shape), weights.dtype, str(weights.device))
     if key not in _CHOSEN:
         plain = weights.detached()
-        rows = rows_per_expert * weights.local_experts
-        loop = _time_step(plain, "loop", rows, repeats)
-        grouped = _time_step(plain, "grouped", rows, repeats)
+        rows = ROWS_PER_EXPERT * weights.local_experts
+        loop = _time_step(plain, "loop", rows)
+        grouped = _time_step(plain, "grouped", rows)
         _CHOSEN[key] = "grouped" if grouped < loop * (1 - MIN_GAIN) else "loop"
     return _CHOSEN[key]
-
-
-def chosen_strategies() -> dict[tuple, str]:
-    """What ``"auto"`` chose so far in this process, by (packed, shape, dtype, device)."""
-    return dict(_CHOSEN)

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import functools
 import queue
+import statistics
 import threading
 import time
 from concurrent.futures import Future
@@ -208,19 +209,8 @@ class TwoStagePlan:
     intra_group: Any
     inter_group: Any
 
-    def gathers(self) -> list[Tensor]:
-        """Per micro-batch, stage-1 arrival order (source node, destination local rank) ->
-        stage-2 send order (destination local rank, source node); built on the device."""
-        g, (node, local) = self.per_node, divmod(self.rank, self.per_node)
-        world, k, _ = self.totals_device.shape
-        mine = self.totals_device.view(self.nodes, g, k, self.nodes, g)[:, local, :, node, :]
-        lengths = mine.permute(1, 0, 2)  # [K, source node, destination local rank]
-        sizes = [sum(self.totals[n * g + local][i][node * g + d] for n in range(self.nodes)
-                     for d in range(g)) for i in range(k)]
-        return list(torch.split(regroup_index(lengths, (2, 1), sum(sizes)), sizes))
-
-    def exchange(self, micro_batch: int, gather: Tensor) -> TwoStageExchange:
-        """This rank's exchange for one micro-batch."""
+    def _splits(self, micro_batch: int) -> dict[str, list[int]]:
+        """This rank's four split lists for one micro-batch (stage 1 and stage 2)."""
         t = [self.totals[src][micro_batch] for src in range(len(self.totals))]
         g, nodes = self.per_node, self.nodes
         node, local = divmod(self.rank, g)
@@ -228,18 +218,34 @@ class TwoStagePlan:
         def rows(src_node: int, src_local: int, dst_local: int, dst_node: int = node) -> int:
             return t[src_node * g + src_local][dst_node * g + dst_local]
 
-        return TwoStageExchange(
-            inter_send=[sum(rows(node, local, d, n) for d in range(g)) for n in range(nodes)],
-            inter_recv=[sum(rows(n, local, d) for d in range(g)) for n in range(nodes)],
-            intra_gather=gather,
-            intra_send=[sum(rows(n, local, d) for n in range(nodes)) for d in range(g)],
-            intra_recv=[sum(rows(n, src, local) for n in range(nodes)) for src in range(g)],
-            intra_group=self.intra_group, inter_group=self.inter_group)
+        return {
+            "inter_send": [sum(rows(node, local, d, n) for d in range(g)) for n in range(nodes)],
+            "inter_recv": [sum(rows(n, local, d) for d in range(g)) for n in range(nodes)],
+            "intra_send": [sum(rows(n, local, d) for n in range(nodes)) for d in range(g)],
+            "intra_recv": [sum(rows(n, src, local) for n in range(nodes)) for src in range(g)],
+        }
+
+    def gathers(self, splits: list[dict[str, list[int]]]) -> list[Tensor]:
+        """Per micro-batch, stage-1 arrival order (source node, destination local rank) ->
+        stage-2 send order (destination local rank, source node); built on the device."""
+        g, (node, local) = self.per_node, divmod(self.rank, self.per_node)
+        world, k, _ = self.totals_device.shape
+        mine = self.totals_device.view(self.nodes, g, k, self.nodes, g)[:, local, :, node, :]
+        lengths = mine.permute(1, 0, 2)  # [K, source node, destination local rank]
+        sizes = [sum(s["intra_send"]) for s in splits]
+        return list(torch.split(regroup_index(lengths, (2, 1), sum(sizes)), sizes))
+
+    def exchanges(self) -> list[TwoStageExchange]:
+        """This rank's exchange of every micro-batch."""
+        splits = [self._splits(i) for i in range(len(self.totals[0]))]
+        return [TwoStageExchange(intra_gather=gather, intra_group=self.intra_group,
+                                 inter_group=self.inter_group, **s)
+                for s, gather in zip(splits, self.gathers(splits))]
 
     def per_micro_batch(self) -> Callable[[int], tuple[TwoStageExchange, tuple[int, int]]]:
         """``i -> (exchange, arrival)`` as :func:`mc2.engine.routing.build_handle` takes it."""
-        gathers = self.gathers()
-        return lambda i: (self.exchange(i, gathers[i]), (self.nodes, self.per_node))
+        exchanges = self.exchanges()
+        return lambda i: (exchanges[i], (self.nodes, self.per_node))
 
 
 _CHOICES: dict[tuple, bool] = {}
@@ -264,7 +270,7 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
         plan = TwoStagePlan(uniform, torch.full((world, 1, world), per, dtype=torch.int64,
                                                 device=device),
                             rank, nodes, per_node, intra_group, inter_group)
-        two_d = plan.exchange(0, plan.gathers()[0])
+        two_d = plan.exchanges()[0]
         flat = FlatExchange([per] * world, [per] * world, group)
         rows = torch.zeros(per * world, row_bytes, dtype=torch.uint8, device=device)
         clock = clock_for(device)
@@ -272,10 +278,10 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
         def timed(exchange: Any) -> float:
             exchange.dispatch(rows, async_op=False).wait()  # warm-up
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats):  # a barrier before each, outside the timed interval
                 barrier(group, "hierarchy measurement", device)
                 times.append(clock.time(lambda: exchange.dispatch(rows, async_op=False).wait()))
-            return sorted(times)[len(times) // 2]
+            return statistics.median(times)
 
         measured = upload([timed(flat), timed(two_d)], device, torch.float64)
         slowest = read(all_reduce_max(measured, group))

@@ -36,7 +36,6 @@ call's handshake already agreed on.
 
 from __future__ import annotations
 
-import statistics
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -44,9 +43,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .clock import HostClock, Interval, clock_for
+from .clock import Interval, clock_for
 from .comm import all_reduce_max, all_to_all_rows, barrier, group_size
-from .experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from .experts import ExpertWeights, forward_and_backward
 from .host import read, upload
 from .pipeline_cost import training_step
 from .routing import micro_batch_fractions
@@ -122,12 +121,6 @@ def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain
     return best if preds[best] < preds[1] * (1 - min_gain) else 1
 
 
-def _median_time(fn: Any, repeats: int, clock: HostClock) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, on ``clock`` (device events on an
-    accelerator, where the host only queues the work)."""
-    return statistics.median(clock.time(fn) for _ in range(repeats))
-
-
 def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
     slope = max((t1 - t0) / (x1 - x0), 0.0)
     return max(t0 - slope * x0, 0.0), slope
@@ -164,7 +157,7 @@ def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torc
             fmt.decode(fmt.encode(x), hidden, dtype)
 
     round_trips()
-    return 2 * _median_time(round_trips, repeats, clock_for(device)) / rows
+    return 2 * clock_for(device).median(round_trips, repeats) / rows
 
 
 def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
@@ -186,7 +179,7 @@ def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
         out.index_add_(0, index, y)
 
     moves()
-    return 2 * _median_time(moves, repeats, clock_for(device)) / rows
+    return 2 * clock_for(device).median(moves, repeats) / rows
 
 
 @dataclass(frozen=True)
@@ -451,17 +444,12 @@ class _Probe:
     repeats: int
 
     def time(self, fn: Callable[[], Any]) -> float:
-        return _median_time(fn, self.repeats, clock_for(self.one.device))
+        return clock_for(self.one.device).median(fn, self.repeats)
 
     def expert_step(self, rows: int) -> None:
         """Forward and backward of ``rows`` rows through one expert."""
         x = torch.randn(rows, self.one.hidden, dtype=self.one.dtype, device=self.one.device)
-        y, saved = swiglu_forward(x, [rows], self.one, strategy=self.strategy,
-                                  keep_activations=True)
-        assert saved is not None
-        grads = WeightGrads(self.one)
-        swiglu_backward(y, saved, [rows], self.one, grads, strategy=self.strategy)
-        grads.finish()
+        forward_and_backward(x, [rows], self.one, strategy=self.strategy)
 
     def a2a(self, rows_per_peer: int, async_op: bool = False) -> Any:
         world = group_size(self.group)

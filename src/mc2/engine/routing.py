@@ -119,6 +119,14 @@ def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[in
     return list(zip([0] + stops[:-1], stops))
 
 
+def count_on_device(values: Tensor, n: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``[n]`` how often each of ``0..n-1`` occurs in ``values``, by a scatter-add on the
+    values' device (``torch.bincount`` would read its range back to the host)."""
+    flat = values.reshape(-1).to(torch.int64)
+    counts = torch.zeros(n, dtype=dtype, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones(flat.shape, dtype=dtype, device=flat.device))
+
+
 def local_send_counts(
     expert_ids: Tensor, num_experts: int, num_micro_batches: int
 ) -> tuple[Tensor, Tensor]:
@@ -141,8 +149,7 @@ def local_send_counts(
         chunk_of_token[start:stop] = i
     key = chunk_of_token.unsqueeze(1).expand(num_tokens, topk).reshape(-1) * num_experts + flat
     order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_micro_batches * num_experts, dtype=torch.int64, device=flat.device)
-    counts.index_add_(0, key, torch.ones_like(key))
+    counts = count_on_device(key, num_micro_batches * num_experts)
     return order, counts.view(num_micro_batches, num_experts)
 
 
@@ -258,7 +265,7 @@ class HostCounts:
     extra: list[int]
 
 
-def read_counts(exchange: CountsExchange, counts: Tensor, payload: Tensor,
+def read_counts(exchange: CountsExchange, send_totals: Tensor, payload: Tensor,
                 extra: Tensor | None = None) -> HostCounts:
     """The call's second and last device-to-host read: every split, plus ``extra``.
 
@@ -268,7 +275,7 @@ def read_counts(exchange: CountsExchange, counts: Tensor, payload: Tensor,
     """
     k, world, local = exchange.k, exchange.world, exchange.local_experts
     received = exchange.received(payload)
-    parts = [payload[:, 0], counts.view(k, world, local).sum(-1).reshape(-1),
+    parts = [payload[:, 0], send_totals.reshape(-1),
              received.sum(-1).t().reshape(-1), received.sum(0).reshape(-1)]
     if extra is not None:
         parts.append(extra.reshape(-1))
@@ -302,6 +309,7 @@ def build_handle(
     group: Any = None,
     two_stage: Callable[[int], tuple[Any, tuple[int, int]]] | None = None,
     workspace: Any = None,
+    style: Any = None,
 ) -> DispatchHandle:
     """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
 
@@ -315,13 +323,15 @@ def build_handle(
         two_stage: ``i -> (exchange, (nodes, per_node))`` for a hierarchical exchange;
             ``None``: flat.
         workspace: the :class:`~mc2.engine.workspace.Workspace` flat exchanges receive into.
+        style: the group's :class:`~mc2.engine.backend.CommStyle` (looked up once per call).
     """
     num_tokens, topk = expert_ids.shape
     num_micro = len(counts.send)
     exchanges, arrival = [], None
     for i in range(num_micro):
         if two_stage is None:
-            exchanges.append(FlatExchange(counts.send[i], counts.recv[i], group, workspace))
+            exchanges.append(FlatExchange(counts.send[i], counts.recv[i], group, workspace,
+                                          style))
         else:
             exchange, arrival = two_stage(i)
             exchanges.append(exchange)

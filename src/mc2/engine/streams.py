@@ -17,8 +17,11 @@ import torch
 _STREAMS: dict[tuple[torch.device, str], Any] = {}
 
 
-def _full(device: torch.device) -> torch.device:
-    if device.index is None and device.type != "cpu":
+def full_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index (``"cuda"`` -> ``cuda:<current>``); CPU as it is."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta") \
+            and torch.accelerator.is_available():
         return torch.device(device.type, torch.accelerator.current_device_index())
     return device
 
@@ -29,7 +32,7 @@ def side_stream(device: torch.device | str, purpose: str) -> Any:
     device = torch.device(device)
     if device.type in ("cpu", "meta"):
         return contextlib.nullcontext()
-    key = (_full(device), purpose)
+    key = (full_device(device), purpose)
     if key not in _STREAMS:
         _STREAMS[key] = torch.Stream(device=key[0])
     return _STREAMS[key]
@@ -40,7 +43,7 @@ def current_stream(device: torch.device | str) -> Any:
     device = torch.device(device)
     if device.type in ("cpu", "meta"):
         return None
-    return torch.accelerator.current_stream(_full(device))
+    return torch.accelerator.current_stream(full_device(device))
 
 
 def wait_for_current(stream: Any, device: torch.device | str) -> None:

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .config import HIERARCHIES
 from .comm import all_reduce_max, gather_objects, group_rank, group_size
 from .host import read, upload
 
-_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
 def _is_tensor(name: str, t: Any) -> str | None:
@@ -90,7 +91,7 @@ def local_problem(
     """
     if (msg := _is_tensor("x", x)) is not None or (msg := _is_tensor("expert_ids", expert_ids)):
         return msg
-    if not x.is_floating_point() or x.dtype not in _DTYPE_CODES:
+    if not x.is_floating_point() or x.dtype not in DTYPE_CODES:
         return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
     if x.dim() not in (2, 3):
         return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
@@ -186,7 +187,7 @@ class Agreement:
     max_topk: int
 
 
-HIERARCHY_CODES = {"flat": 0, "2d": 1, "auto": 2}
+HIERARCHY_CODES = {h: i for i, h in enumerate(HIERARCHIES)}
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
 _NONE = -(2 ** 62)  # "nothing here" for a maximum
 

@@ -190,11 +190,9 @@ def _problem(rank: int, cfg: BenchConfig):
 def _device() -> torch.device:
     """The rank's device: the accelerator :func:`~mc2.tools.launch.use_device` set, else CPU."""
     from ..engine.backend import default_device_type
+    from ..engine.streams import full_device
 
-    kind = default_device_type()
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.accelerator.current_device_index())
+    return full_device(default_device_type())
 
 
 _WORKSPACES: dict[str, Workspace] = {}

@@ -17,6 +17,7 @@ from .bench import (
     run_bench,
     write_csv,
 )
+from ..engine.config import MC2Config
 from .config_args import add_config_arguments, config_from_arguments
 from .train import add_train_parser, run_train_command
 
@@ -91,9 +92,8 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
 
 
 def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
-    call = config_from_arguments(args, **{"gemm": base.gemm, "wire_block": base.wire_block}
-                                 if args.mc2_config is None and args.mc2_gemm is None
-                                 and args.mc2_wire_block is None else {})
+    call = config_from_arguments(args, default=MC2Config(gemm=base.gemm,
+                                                         wire_block=base.wire_block))
     return replace(base, tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, ffn=args.ffn,
                    experts=args.experts, topk=args.topk, dtype=args.dtype,
                    micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,

@@ -10,14 +10,14 @@ formats in one run) and takes the rest from here. Names follow the fields: ``--m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from ..engine.config import GEMMS, HIERARCHIES, MC2Config
 
-FIELDS = ("micro_batches", "overlap", "hierarchy", "wire_dtype", "wire_block", "gemm",
-          "timeout", "check_finite")
+FIELDS = tuple(f.name for f in dataclasses.fields(MC2Config))
 
 
 def _micro_batches(text: str) -> int | str:
@@ -65,14 +65,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
             group.add_argument(*names, dest=f"mc2_{field}", default=None, **options)
 
 
-def config_from_arguments(args: argparse.Namespace, **overrides: Any) -> MC2Config:
-    """The :class:`MC2Config` the command line asks for: ``--mc2-config``, then the flags
-    given, then ``overrides``.
+def config_from_arguments(args: argparse.Namespace, *, default: MC2Config | None = None,
+                          **overrides: Any) -> MC2Config:
+    """The :class:`MC2Config` the command line asks for: ``--mc2-config`` (else ``default``,
+    else the defaults), then the flags given, then ``overrides``.
 
     Raises:
         ValueError: a bad value (the message names the field).
     """
-    base = MC2Config()
+    base = default or MC2Config()
     if getattr(args, "mc2_config", None) is not None:
         base = MC2Config.from_dict(json.loads(Path(args.mc2_config).read_text()))
     given = {f: getattr(args, f"mc2_{f}") for f in FIELDS

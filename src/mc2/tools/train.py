@@ -122,10 +122,7 @@ def _on_emulated_nodes(args: argparse.Namespace) -> int:
 
 def _call_config(args: argparse.Namespace) -> MC2Config:
     """The MC2Config of the command line; ``mc2 train``'s K is 2 unless given."""
-    config = config_from_arguments(args)
-    if args.mc2_micro_batches is None and args.mc2_config is None:
-        config = config.replace(micro_batches=2)
-    return config
+    return config_from_arguments(args, default=MC2Config(micro_batches=2))
 
 
 def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
