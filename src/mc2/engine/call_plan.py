@@ -25,7 +25,8 @@ from torch import Tensor
 
 from ..observation.profiler import active_timeline
 from ..observation.timeline import Timeline, maybe_span
-from .comm import exchange_counts, gather_counts, group_size, is_local, style_of
+from .backend import LOCAL, CommStyle
+from .comm import exchange_counts, gather_counts, group_size, style_of
 from .config import MC2Config
 from .env import warn_sync_fallback
 from .experts import ExpertWeights
@@ -87,12 +88,12 @@ def _combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor
     return routing_weights.reshape(ids2d.shape).to(like.dtype)
 
 
-def _fall_back_if_needed(config: MC2Config, group: Any, device: torch.device,
-                         timeline: Timeline | None) -> MC2Config:
+def _fall_back_if_needed(config: MC2Config, style: CommStyle, timeline: Timeline | None
+                         ) -> MC2Config:
     """Synchronous collectives where asynchronous ones are impossible; says so once."""
-    if not config.overlap or is_local(group):
+    if not config.overlap or style is LOCAL:
         return config
-    reason = style_of(group, device).sync_reason
+    reason = style.sync_reason
     if reason is None:
         return config
     warn_sync_fallback(reason)
@@ -155,8 +156,9 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
 
 
 def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capacity: int,
-            agreement: Any, config: MC2Config, wire: tuple[WireFormat, WireFormat], group: Any,
-            timeline: Timeline | None, workspace: Workspace) -> tuple[Any, Tensor]:
+            style: CommStyle, agreement: Any, config: MC2Config,
+            wire: tuple[WireFormat, WireFormat], group: Any, timeline: Timeline | None,
+            workspace: Workspace) -> tuple[Any, Tensor]:
     """Sort, exchange the counts (K agreed in the same message), read every split once, and
     build the routes; returns the handle and the ``[T, topk]`` ids."""
     world, local_experts = group_size(group), weights.local_experts
@@ -187,7 +189,7 @@ def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capac
                                  len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
     handle = build_handle(ids2d, order, host, counts.received(payload), world_size=world,
                           local_experts=local_experts, group=group, two_stage=two_stage,
-                          workspace=workspace, style=style_of(group, x.device))
+                          workspace=workspace, style=style)
     return handle, ids2d
 
 
@@ -219,7 +221,8 @@ def plan_call(
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
     if timeline is not None:
         timeline.bind(device)
-    config = _fall_back_if_needed(config, group, device, timeline)
+    style = style_of(group, device)  # looked up once, handed to every exchange of the call
+    config = _fall_back_if_needed(config, style, timeline)
     found, weights = _local_check(x, named_weights, expert_ids, routing_weights, shared, config,
                                   packed=packed, world=world, num_experts=num_experts)
     problem = problem or found
@@ -244,8 +247,8 @@ def plan_call(
     k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
                                       needs_grad, wire, timeline)
     pool = workspace or default_workspace()
-    handle, ids2d = _routes(x, expert_ids, weights, k, capacity, agreement, config, wire, group,
-                            timeline, pool)
+    handle, ids2d = _routes(x, expert_ids, weights, k, capacity, style, agreement, config, wire,
+                            group, timeline, pool)
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout)

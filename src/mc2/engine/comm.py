@@ -109,12 +109,8 @@ class PendingTransfer:
         returns; the host does not wait for them.
         """
         if self.work is not None:
-            if self.stream:
-                stream_wait(self.work, self.operation, deadline_s=current(),
-                            issued_at=self.issued_at, micro_batch=micro_batch, phase=phase,
-                            group=self.group)
-            else:
-                wait_work(self.work, self.operation)
+            _wait(self.work, self.operation, stream=self.stream, issued_at=self.issued_at,
+                  group=self.group, micro_batch=micro_batch, phase=phase)
             self.work = None
         if self.future is not None:
             self.output = wait_future(self.future, self.operation)
@@ -122,6 +118,17 @@ class PendingTransfer:
         self.keep_alive = ()
         assert self.output is not None
         return self.output
+
+
+def _wait(work: Any, operation: str, *, stream: bool, issued_at: float, group: Any,
+          micro_batch: int | None = None, phase: str | None = None) -> None:
+    """The one wait of an asynchronous collective: stream-ordered and watched on a stream
+    backend, blocking with the call's deadline on a host backend."""
+    if stream:
+        stream_wait(work, operation, deadline_s=current(), issued_at=issued_at,
+                    micro_batch=micro_batch, phase=phase, group=group)
+    else:
+        wait_work(work, operation)
 
 
 def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete) -> None:
@@ -276,10 +283,7 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
     issued = time.monotonic()
     with surfaced():
         work = issue(True)
-    if style.stream:
-        stream_wait(work, operation, deadline_s=current(), issued_at=issued, group=group)
-    else:
-        wait_work(work, operation)
+    _wait(work, operation, stream=style.stream, issued_at=issued, group=group)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:
