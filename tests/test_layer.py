@@ -35,7 +35,7 @@ def test_checkpoint_moves_between_ep_sizes(shared: int, tmp_path) -> None:
         for rank, r in enumerate(results):
             mine = list(range(rank * 8 // world, (rank + 1) * 8 // world))
             assert r["local_experts"] == mine
-            torch.testing.assert_close(r["w_gate_up"], full["w_gate_up"][mine], rtol=0, atol=0)
+            torch.testing.assert_close(r["w_gate_up"], full["experts.w_gate_up"][mine], rtol=0, atol=0)
     # expert gradients are complete on their owner: EP-4 rank 1 holds experts 2 and 3
     w_gate_up_grad_single = single["w_gate_up_grad"]
     torch.testing.assert_close(ep4[1]["w_gate_up_grad"], w_gate_up_grad_single[2:4], rtol=0,
@@ -72,13 +72,22 @@ def test_a_split_layout_state_loads_into_the_packed_layer() -> None:
     src.reset_parameters(std=0.3)
     full = dict(src.state_dict())
     ffn = 24
-    gate_up, down = full.pop("w_gate_up"), full.pop("w_down")
+    gate_up, down = full.pop("experts.w_gate_up"), full.pop("experts.w_down")
     old = {**full, "w_gate": gate_up[:, :ffn].transpose(1, 2), "w_up": gate_up[:, ffn:].transpose(1, 2),
            "w_down": down.transpose(1, 2)}
     dst = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
     mc2.load_full_state_dict(dst, old)
     x = torch.randn(10, 16, dtype=torch.float64)
     torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+
+
+def test_a_state_from_before_the_experts_submodule_loads() -> None:
+    src = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+    flat = {k.removeprefix("experts."): v for k, v in src.state_dict().items()}
+    assert "w_gate_up" in flat
+    dst = mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+    dst.load_state_dict(flat)
+    torch.testing.assert_close(dst.w_gate_up, src.w_gate_up, rtol=0, atol=0)
 
 
 def test_moe_layer_sends_its_rows_in_the_wire_format() -> None:

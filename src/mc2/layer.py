@@ -26,7 +26,41 @@ from .engine.ops import fused_expert_packed
 from .engine.routing import count_on_device
 from .parallel.mesh import resolve_layout
 
-EXPERT_KEYS = ("w_gate_up", "w_down")
+EXPERT_KEYS = ("experts.w_gate_up", "experts.w_down")
+_FLAT_KEYS = {"w_gate_up": "experts.w_gate_up", "w_down": "experts.w_down"}  # before 0.2
+
+
+class PackedExperts(nn.Module):
+    """This rank's routed experts, packed (``[L, 2F, H]`` gate rows first, ``[L, H, F]``),
+    as a module whose ``forward`` runs the fused call.
+
+    Why a module of its own that is *called*: wrappers act on module calls. FSDP2
+    (:func:`mc2.fully_shard`) gathers a module's sharded parameters in its pre-forward hook, so
+    the experts, sharded over other ranks than the rest of the block, must be a module that the
+    block calls. Subclasses name the two tensors (:attr:`names`).
+    """
+
+    names: tuple[str, str] = ("w_gate_up", "w_down")
+
+    def __init__(self, gate_up: Tensor, down: Tensor) -> None:
+        super().__init__()
+        self.register_parameter(self.names[0], nn.Parameter(gate_up))
+        self.register_parameter(self.names[1], nn.Parameter(down))
+
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """``(gate_up, down)``."""
+        return getattr(self, self.names[0]), getattr(self, self.names[1])
+
+    def forward(self, x: Tensor, expert_ids: Tensor, routing_weights: Tensor, *,
+                group: Any, config: MC2Config,
+                shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
+                ) -> Tensor:
+        """:func:`mc2.fused_expert_packed` of ``x`` with these experts (``shared``: the split
+        ``(up, gate, down)`` shared experts, or ``None``s)."""
+        gate_up, down = self.weights()
+        return fused_expert_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
+                                   config=config, shared_up=shared[0], shared_gate=shared[1],
+                                   shared_down=shared[2])
 
 
 @dataclass(frozen=True)
@@ -91,8 +125,8 @@ class MoELayer(nn.Module):
         local = len(mine)
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)
-        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * ffn, hidden, **kw))
-        self.w_down = nn.Parameter(torch.empty(local, hidden, ffn, **kw))
+        self.experts = PackedExperts(torch.empty(local, 2 * ffn, hidden, **kw),
+                                     torch.empty(local, hidden, ffn, **kw))
         # Not persistent: it differs between ranks, and checkpoints place experts by the layout.
         self.register_buffer("expert_index", torch.arange(mine.start, mine.stop, device=device),
                              persistent=False)
@@ -104,6 +138,17 @@ class MoELayer(nn.Module):
                 nn.Parameter(torch.empty(shared_experts, hidden, sf, **kw)),
                 nn.Parameter(torch.empty(shared_experts, sf, hidden, **kw))])
         self.reset_parameters()
+        self._register_load_state_dict_pre_hook(_renamed_flat_keys)
+
+    @property
+    def w_gate_up(self) -> nn.Parameter:
+        """This rank's ``[local_experts, 2 * ffn, hidden]`` (``experts.w_gate_up``)."""
+        return self.experts.w_gate_up
+
+    @property
+    def w_down(self) -> nn.Parameter:
+        """This rank's ``[local_experts, hidden, ffn]`` (``experts.w_down``)."""
+        return self.experts.w_down
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for p in (self.w_gate_up, self.w_down, *(self.shared or [])):
@@ -111,7 +156,7 @@ class MoELayer(nn.Module):
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
-        return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
+        return {"experts.w_gate_up": self.w_gate_up, "experts.w_down": self.w_down}
 
     @property
     def local_experts(self) -> int:
@@ -148,12 +193,19 @@ class MoELayer(nn.Module):
         ``return_losses=True`` a :class:`MoEOutput` ``(output, losses)`` (the return type is
         fixed by the flag, as ``torch.max`` with and without ``dim``)."""
         ids, weights, logits = self.route(x)
-        shared = dict(zip(("shared_up", "shared_gate", "shared_down"), self.shared or []))
-        out = fused_expert_packed(x, self.w_gate_up, self.w_down, ids, weights,
-                                  group=self.group, config=self.config, **shared)
+        shared = tuple(self.shared) if self.shared is not None else (None, None, None)
+        out = self.experts(x, ids, weights, group=self.group, config=self.config, shared=shared)
         if return_losses:
             return MoEOutput(out, self.router_losses(logits, ids))
         return out
+
+
+def _renamed_flat_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """States written before the experts became a submodule name them ``w_gate_up`` and
+    ``w_down``; they load as ``experts.w_gate_up`` and ``experts.w_down``."""
+    for old, new in _FLAT_KEYS.items():
+        if prefix + old in state and prefix + new not in state:
+            state[prefix + new] = state.pop(prefix + old)
 
 
 def _packed_from_split(full: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -176,6 +228,8 @@ def load_full_state_dict(layer: MoELayer, full: dict[str, Tensor], prefix: str =
     on the way in.
     """
     full = _packed_from_split(full, prefix)
+    full = dict(full)
+    _renamed_flat_keys(full, prefix)
     mine = layer.expert_index.to("cpu")
     state = {}
     for name in layer.state_dict():

@@ -144,17 +144,18 @@ def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | Non
     return result
 
 
-def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, like: Tensor
-                  ) -> Tensor:
-    """``[T, H]``: each token's top-k expert outputs weighted, plus the shared experts."""
+def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, like: Tensor,
+                  shape: torch.Size) -> Tensor:
+    """Each token's top-k expert outputs weighted, plus the shared experts, in ``shape``
+    (the caller's ``[..., H]``: written in place, so the output is no view, which FSDP2 and
+    in-place edits of the output would have to treat with care)."""
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, like.shape[-1]
     with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
-        out = call.workspace.empty((tokens, 1, hidden), like.dtype, like.device)
+        out = call.workspace.empty(tuple(shape), like.dtype, like.device)
         torch.bmm(routing_weights.view(tokens, 1, topk),
-                  forward.expert_out.view(tokens, topk, hidden), out=out)
-        out = out.view(tokens, hidden)
+                  forward.expert_out.view(tokens, topk, hidden), out=out.view(tokens, 1, hidden))
         if forward.shared_out is not None:
-            out.add_(forward.shared_out)
+            out.view(tokens, hidden).add_(forward.shared_out)
     return out
 
 
@@ -218,8 +219,28 @@ def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWei
     return grad_x, grads.finish(), shared_out
 
 
+def _saved_activations(forward: _Forward) -> tuple[tuple[list[bool], bool], list[Tensor]]:
+    """The forward's activations as a flat tensor list, and where each micro-batch's are."""
+    per_micro = [a is not None for a in forward.activations]
+    tensors = [t for a in forward.activations if a is not None for t in (a.x, a.gate_up)]
+    shared = forward.shared_activations
+    if shared is not None:
+        tensors += [shared.x, shared.gate_up]
+    return (per_micro, shared is not None), tensors
+
+
+def _activations_back(layout: tuple[list[bool], bool], tensors: list[Tensor]
+                      ) -> tuple[list[ExpertActivations | None], ExpertActivations | None]:
+    """:func:`_saved_activations` undone."""
+    per_micro, has_shared = layout
+    pairs = iter(zip(tensors[0::2], tensors[1::2]))
+    activations = [ExpertActivations(*next(pairs)) if kept else None for kept in per_micro]
+    shared = ExpertActivations(*next(pairs)) if has_shared else None
+    return activations, shared
+
+
 class FusedExpertFunction(torch.autograd.Function):
-    """``apply(x2d, routing_weights, plan, shared_up, shared_gate, shared_down, *experts)``.
+    """``apply(x, routing_weights, plan, shared_up, shared_gate, shared_down, *experts)``.
 
     ``experts`` in the layout's order (:data:`~mc2.engine.experts.PACKED_ORDER` or
     :data:`~mc2.engine.experts.SPLIT_ORDER`); the shared experts (or ``None``) in the split
@@ -239,15 +260,19 @@ class FusedExpertFunction(torch.autograd.Function):
     ) -> Tensor:
         clock = clock_for(x.device) if call.on_pass_done is not None else None
         started = clock.stamp() if clock is not None else None
+        shape, ctx.x_shape = x.shape, x.shape
+        x = x.reshape(-1, shape[-1])
         forward = _forward_pass(x, ExpertWeights.in_order(experts),
                                 _shared_weights(s_up, s_gate, s_down), call)
-        out = _weighted_sum(forward, routing_weights, call, x)
+        out = _weighted_sum(forward, routing_weights, call, x, shape)
         ctx.call = call
-        ctx.activations = forward.activations
-        ctx.shared_activations = forward.shared_activations
+        ctx.num_experts_tensors = len(experts)
+        ctx.activation_layout, saved = _saved_activations(forward)
+        # Through save_for_backward, not ctx attributes: saved-tensor hooks (activation offload,
+        # non-reentrant checkpointing) see every activation the backward needs.
         ctx.save_for_backward(routing_weights,
                               forward.expert_out if ctx.needs_input_grad[1] else None,
-                              s_up, s_gate, s_down, *experts)
+                              s_up, s_gate, s_down, *experts, *saved)
         if not call.keep_activations:
             call.workspace.tick()
         if clock is not None and call.on_pass_done is not None:
@@ -271,9 +296,11 @@ class FusedExpertFunction(torch.autograd.Function):
         call: CallPlan = ctx.call
         clock = clock_for(grad_out.device) if call.on_pass_done is not None else None
         started = clock.stamp() if clock is not None else None
-        routing_weights, expert_out, s_up, s_gate, s_down, *experts = ctx.saved_tensors
+        routing_weights, expert_out, s_up, s_gate, s_down, *rest = ctx.saved_tensors
+        experts, saved = rest[:ctx.num_experts_tensors], rest[ctx.num_experts_tensors:]
+        activations, shared_activations = _activations_back(ctx.activation_layout, saved)
         tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous().view(-1, hidden)
         needed = ctx.needs_input_grad
         grad_weights = None
         if needed[1]:
@@ -282,9 +309,9 @@ class FusedExpertFunction(torch.autograd.Function):
             ).view(tokens, topk)
         grad_x, expert_grads, shared_grads = _backward_pass(
             grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
-            _shared_weights(s_up, s_gate, s_down), ctx.activations, ctx.shared_activations,
+            _shared_weights(s_up, s_gate, s_down), activations, shared_activations,
             call, tuple(needed[6:]), tuple(needed[3:6]))
         call.workspace.tick()
         if clock is not None and call.on_pass_done is not None:
             call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
-        return (grad_x, grad_weights, None, *shared_grads, *expert_grads)
+        return (grad_x.view(ctx.x_shape), grad_weights, None, *shared_grads, *expert_grads)

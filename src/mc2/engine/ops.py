@@ -79,9 +79,7 @@ def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
         shared = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
                   s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
                   s_down.reshape(1, n * f, hidden))
-    out = FusedExpertFunction.apply(x.reshape(-1, hidden), combine_weights, call, *shared,
-                                    *weights.tensors())
-    return out.view(x.shape)
+    return FusedExpertFunction.apply(x, combine_weights, call, *shared, *weights.tensors())
 
 
 def fused_expert(

@@ -23,27 +23,25 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.config import ConfigOptions, MC2Config
-from ..engine.ops import fused_expert_packed
 from ..parallel.expert_shards import expert_shards
 from ..parallel.grad_sync import average_gradients
+from ..layer import PackedExperts
 from ..parallel.mesh import resolve_layout
 
 __all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
            "LocalExperts"]
 
 
-class LocalExperts(nn.Module):
+class LocalExperts(PackedExperts):
     """This rank's block of a model's experts, under the model's own names and layout.
 
     ``gate_up_proj [L, 2F, H]`` (gate rows first) and ``down_proj [L, H, F]``, held at
     ``<block>.experts`` as in the unpatched model: the state dict keeps Hugging Face's keys, and
-    :mod:`mc2.parallel.checkpoint` writes files the unpatched model loads.
+    :mod:`mc2.parallel.checkpoint` writes files the unpatched model loads. Its forward runs the
+    fused call (so FSDP2 gathers it, see :class:`mc2.layer.PackedExperts`).
     """
 
-    def __init__(self, gate_up_proj: Tensor, down_proj: Tensor) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(gate_up_proj)
-        self.down_proj = nn.Parameter(down_proj)
+    names = ("gate_up_proj", "down_proj")
 
 
 class MC2SparseMoeBlock(nn.Module):
@@ -80,8 +78,7 @@ class MC2SparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = self.gate(x)
-        out = fused_expert_packed(x, self.experts.gate_up_proj, self.experts.down_proj, ids,
-                                  weights.to(x.dtype), group=self.group, config=self.config)
+        out = self.experts(x, ids, weights.to(x.dtype), group=self.group, config=self.config)
         return out.reshape(shape)
 
 
