@@ -145,16 +145,19 @@ def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | Non
 
 
 def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, like: Tensor,
-                  shape: torch.Size) -> Tensor:
-    """Each token's top-k expert outputs weighted, plus the shared experts, in ``shape``
-    (the caller's ``[..., H]``: written in place, so the output is no view, which FSDP2 and
-    in-place edits of the output would have to treat with care)."""
+                  shape: torch.Size, shared_scale: Tensor | None) -> Tensor:
+    """Each token's top-k expert outputs weighted, plus the shared experts (times their
+    ``[T, 1]`` scale, if any), in ``shape`` (the caller's ``[..., H]``: written in place, so the
+    output is no view, which FSDP2 and in-place edits of the output would have to treat with
+    care)."""
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, like.shape[-1]
     with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
         out = call.workspace.empty(tuple(shape), like.dtype, like.device)
         torch.bmm(routing_weights.view(tokens, 1, topk),
                   forward.expert_out.view(tokens, topk, hidden), out=out.view(tokens, 1, hidden))
-        if forward.shared_out is not None:
+        if forward.shared_out is not None and shared_scale is not None:
+            out.view(tokens, hidden).addcmul_(shared_scale, forward.shared_out)
+        elif forward.shared_out is not None:
             out.view(tokens, hidden).add_(forward.shared_out)
     return out
 
@@ -162,10 +165,12 @@ def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, li
 def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWeights,
                    shared: ExpertWeights | None, activations: list[Any],
                    shared_activations: ExpertActivations | None, call: CallPlan,
-                   needed: tuple[bool, ...], shared_needed: tuple[bool, ...]
+                   needed: tuple[bool, ...], shared_needed: tuple[bool, ...],
+                   shared_scale: Tensor | None = None
                    ) -> tuple[Tensor, tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
     """The output gradients out along the dispatch routes, the input gradients back along the
-    combine routes; the weight gradients while those travel.
+    combine routes; the weight gradients while those travel. The shared experts see the output
+    gradient times their ``[T, 1]`` scale, if any.
 
     Returns:
         ``(grad_x, expert grads in the layout's order, shared grads (up, gate, down))``.
@@ -198,7 +203,11 @@ def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWei
     def shared_experts() -> None:
         if shared_activations is None or shared_grads is None:
             return
-        grad_in, work = swiglu_backward_input(grad_out, shared_activations, [tokens], shared,
+        grad_y = grad_out
+        if shared_scale is not None:
+            grad_y = torch.mul(grad_out, shared_scale,
+                               out=ws.empty((tokens, hidden), grad_out.dtype, grad_out.device))
+        grad_in, work = swiglu_backward_input(grad_y, shared_activations, [tokens], shared,
                                               strategy=call.strategy, workspace=ws)
         grad_x.add_(grad_in)
         shared_grads.add(work, strategy=call.strategy)
@@ -240,11 +249,12 @@ def _activations_back(layout: tuple[list[bool], bool], tensors: list[Tensor]
 
 
 class FusedExpertFunction(torch.autograd.Function):
-    """``apply(x, routing_weights, plan, shared_up, shared_gate, shared_down, *experts)``.
+    """``apply(x, routing_weights, plan, shared_up, shared_gate, shared_down, shared_scale,
+    *experts)``.
 
     ``experts`` in the layout's order (:data:`~mc2.engine.experts.PACKED_ORDER` or
     :data:`~mc2.engine.experts.SPLIT_ORDER`); the shared experts (or ``None``) in the split
-    order.
+    order; ``shared_scale`` ``[T, 1]`` (or ``None``: 1) multiplies their output per token.
     """
 
     @staticmethod
@@ -256,6 +266,7 @@ class FusedExpertFunction(torch.autograd.Function):
         s_up: Tensor | None,
         s_gate: Tensor | None,
         s_down: Tensor | None,
+        s_scale: Tensor | None,
         *experts: Tensor,
     ) -> Tensor:
         clock = clock_for(x.device) if call.on_pass_done is not None else None
@@ -264,7 +275,7 @@ class FusedExpertFunction(torch.autograd.Function):
         x = x.reshape(-1, shape[-1])
         forward = _forward_pass(x, ExpertWeights.in_order(experts),
                                 _shared_weights(s_up, s_gate, s_down), call)
-        out = _weighted_sum(forward, routing_weights, call, x, shape)
+        out = _weighted_sum(forward, routing_weights, call, x, shape, s_scale)
         ctx.call = call
         ctx.num_experts_tensors = len(experts)
         ctx.activation_layout, saved = _saved_activations(forward)
@@ -272,7 +283,8 @@ class FusedExpertFunction(torch.autograd.Function):
         # non-reentrant checkpointing) see every activation the backward needs.
         ctx.save_for_backward(routing_weights,
                               forward.expert_out if ctx.needs_input_grad[1] else None,
-                              s_up, s_gate, s_down, *experts, *saved)
+                              forward.shared_out if ctx.needs_input_grad[6] else None,
+                              s_up, s_gate, s_down, s_scale, *experts, *saved)
         if not call.keep_activations:
             call.workspace.tick()
         if clock is not None and call.on_pass_done is not None:
@@ -296,7 +308,8 @@ class FusedExpertFunction(torch.autograd.Function):
         call: CallPlan = ctx.call
         clock = clock_for(grad_out.device) if call.on_pass_done is not None else None
         started = clock.stamp() if clock is not None else None
-        routing_weights, expert_out, s_up, s_gate, s_down, *rest = ctx.saved_tensors
+        routing_weights, expert_out, shared_out, s_up, s_gate, s_down, s_scale, *rest = \
+            ctx.saved_tensors
         experts, saved = rest[:ctx.num_experts_tensors], rest[ctx.num_experts_tensors:]
         activations, shared_activations = _activations_back(ctx.activation_layout, saved)
         tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
@@ -307,11 +320,16 @@ class FusedExpertFunction(torch.autograd.Function):
             grad_weights = torch.bmm(
                 expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
             ).view(tokens, topk)
+        grad_scale = None
+        if needed[6]:  # d out / d scale = the shared output: its dot with grad_out per token
+            grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
+                                   shared_out.view(tokens, hidden, 1)).view(tokens, 1)
         grad_x, expert_grads, shared_grads = _backward_pass(
             grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
             _shared_weights(s_up, s_gate, s_down), activations, shared_activations,
-            call, tuple(needed[6:]), tuple(needed[3:6]))
+            call, tuple(needed[7:]), tuple(needed[3:6]), s_scale)
         call.workspace.tick()
         if clock is not None and call.on_pass_done is not None:
             call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
-        return (grad_x.view(ctx.x_shape), grad_weights, None, *shared_grads, *expert_grads)
+        return (grad_x.view(ctx.x_shape), grad_weights, None, *shared_grads, grad_scale,
+                *expert_grads)

@@ -52,6 +52,10 @@ def _config(config: MC2Config | None, options: dict[str, Any]) -> tuple[MC2Confi
 def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: Tensor | None,
          shared: tuple, config: MC2Config | None, options: dict[str, Any],
          **runtime: Any) -> Tensor:
+    """Both entry points' call. ``shared``: ``(up, gate, down, scale)``, each or all ``None``;
+    they travel together through the checks (:func:`~mc2.engine.validation.shared_problem`)
+    and the autograd inputs, so a trainable ``scale`` alone already makes the call keep
+    what its backward needs."""
     cfg, problem = _config(config, options)
     seconds = resolve_timeout(cfg.timeout)
     x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
@@ -73,13 +77,16 @@ def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
                                                config=config, problem=problem, shared=shared,
                                                timeout=seconds, **runtime)
     hidden = x.shape[-1]
-    if shared[0] is not None:  # S shared experts = one expert of width S * shared_ffn
-        s_up, s_gate, s_down = shared
+    s_up, s_gate, s_down, s_scale = shared
+    if s_up is not None:  # S shared experts = one expert of width S * shared_ffn
         n, _, f = s_up.shape
-        shared = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
-                  s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
-                  s_down.reshape(1, n * f, hidden))
-    return FusedExpertFunction.apply(x, combine_weights, call, *shared, *weights.tensors())
+        s_up, s_gate, s_down = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
+                                s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
+                                s_down.reshape(1, n * f, hidden))
+    if s_scale is not None:  # [..., 1] -> [T, 1], the layout of the flattened tokens
+        s_scale = s_scale.reshape(-1, 1)
+    return FusedExpertFunction.apply(x, combine_weights, call, s_up, s_gate, s_down, s_scale,
+                                     *weights.tensors())
 
 
 def fused_expert(
@@ -96,6 +103,7 @@ def fused_expert(
     shared_up: Tensor | None = None,
     shared_gate: Tensor | None = None,
     shared_down: Tensor | None = None,
+    shared_scale: Tensor | None = None,
     timeline: Timeline | None = None,
     planner: Planner | None = None,
     workspace: Workspace | None = None,
@@ -130,6 +138,10 @@ def fused_expert(
             (DeepSeek/Qwen style) that every token passes through; computed while the first
             dispatch is in flight (forward) and the first gradient dispatch (backward).
         shared_down: ``[shared, shared_ffn, hidden]``.
+        shared_scale: ``x.shape[:-1] + (1,)`` (or ``[tokens, 1]``), x's dtype and device: a
+            per-token factor on the shared experts' output (Qwen2-MoE's
+            ``sigmoid(shared_expert_gate(x))``), so the output is
+            ``routed + shared_scale * shared``; differentiable. Needs the shared experts.
         timeline: a :class:`~mc2.observation.timeline.Timeline` that receives compute/comm/
             wait/transfer spans (default: the one of the active :func:`mc2.profile`, if any).
         planner: the :class:`~mc2.engine.planner.Planner` for ``micro_batches="auto"``
@@ -140,8 +152,9 @@ def fused_expert(
             Returned tensors (output, gradients) share its memory until you drop them.
 
     Returns:
-        ``x``-shaped output, differentiable w.r.t. ``x``, the three weights and
-        ``routing_weights``. Every rank must run the backward when any rank does (as with DDP).
+        ``x``-shaped output, differentiable w.r.t. ``x``, the three weights,
+        ``routing_weights`` and the shared experts (and ``shared_scale``). Every rank must run
+        the backward when any rank does (as with DDP).
 
     Memory kept for the backward: per micro-batch the received rows and their gate/up
     projections (``rows * (hidden + 2 * ffn)`` elements), plus the combined expert outputs
@@ -167,9 +180,9 @@ def fused_expert(
     """
     return _run(x, {"weights_up": weights_up, "weights_gate": weights_gate,
                     "weights_down": weights_down}, expert_ids, routing_weights,
-                (shared_up, shared_gate, shared_down), config, dict(options), group=group,
-                packed=False, num_experts=num_experts, timeline=timeline, planner=planner,
-                workspace=workspace)
+                (shared_up, shared_gate, shared_down, shared_scale), config, dict(options),
+                group=group, packed=False, num_experts=num_experts, timeline=timeline,
+                planner=planner, workspace=workspace)
 
 
 def fused_expert_packed(
@@ -185,6 +198,7 @@ def fused_expert_packed(
     shared_up: Tensor | None = None,
     shared_gate: Tensor | None = None,
     shared_down: Tensor | None = None,
+    shared_scale: Tensor | None = None,
     timeline: Timeline | None = None,
     planner: Planner | None = None,
     workspace: Workspace | None = None,
@@ -202,6 +216,6 @@ def fused_expert_packed(
     weights. Gate and up run as one GEMM and no weight is ever copied or transposed in memory.
     """
     return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down},
-                expert_ids, routing_weights, (shared_up, shared_gate, shared_down), config,
-                dict(options), group=group, packed=True, num_experts=num_experts,
+                expert_ids, routing_weights, (shared_up, shared_gate, shared_down, shared_scale),
+                config, dict(options), group=group, packed=True, num_experts=num_experts,
                 timeline=timeline, planner=planner, workspace=workspace)

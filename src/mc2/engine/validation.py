@@ -157,10 +157,13 @@ def nonfinite_problem(x: Tensor, routing_weights: Tensor | None) -> str | None:
     return None
 
 
-def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
-    """What is wrong with the optional shared-expert weights, or ``None``."""
+def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any, s_scale: Any = None
+                   ) -> str | None:
+    """What is wrong with the optional shared experts and their per-token scale, or ``None``."""
     given = [t is not None for t in (s_up, s_gate, s_down)]
     if not any(given):
+        if s_scale is not None:
+            return "shared_scale scales the shared experts' output: pass shared_up/gate/down too"
         return None
     if not all(given):
         return "shared_up, shared_gate and shared_down go together: pass all three or none"
@@ -176,6 +179,21 @@ def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any) -> str | None:
         return (f"shared experts must be up/gate [shared, {x.shape[-1]}, ffn] and down "
                 f"[shared, ffn, {x.shape[-1]}], got {tuple(s_up.shape)}, {tuple(s_gate.shape)}, "
                 f"{tuple(s_down.shape)}")
+    return None if s_scale is None else _scale_problem(x, s_scale)
+
+
+def _scale_problem(x: Tensor, scale: Any) -> str | None:
+    """``shared_scale`` must be one factor per token: ``x.shape[:-1] + (1,)`` or ``[T, 1]``."""
+    if (msg := _is_tensor("shared_scale", scale)) is not None:
+        return msg
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    shapes = {tuple(x.shape[:-1]) + (1,), (tokens, 1)}
+    if tuple(scale.shape) not in shapes:
+        return (f"shared_scale must be one factor per token, {' or '.join(map(str, sorted(shapes)))}"
+                f", got {tuple(scale.shape)}")
+    if scale.dtype != x.dtype or scale.device != x.device:
+        return (f"shared_scale must have x's dtype {x.dtype} and device {x.device}, got "
+                f"{scale.dtype} on {scale.device}")
     return None
 
 
