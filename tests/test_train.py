@@ -39,6 +39,18 @@ def test_resume_on_another_ep_size_continues_the_run(tmp_path) -> None:
     assert len(resumed["sync_s"]) == 3
 
 
+def test_fsdp_trains_like_gradient_sync_and_resumes_on_another_ep_size(tmp_path) -> None:
+    """``mc2 train --fsdp``: the same losses as replicated training with GradientSync, and a
+    sharded checkpoint (model and AdamW state) saved at dp 2 x ep 2 resumes at ep 4."""
+    cfg = replace(TINY, steps=3, ep_size=2)
+    straight = run_training(cfg, world_size=4)["losses"]
+    first = replace(cfg, steps=2, fsdp=True, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    head = run_training(first, world_size=4)["losses"]
+    resumed = run_training(replace(first, steps=3, ep_size=4, resume=True), world_size=4)
+    assert head == pytest.approx(straight[:2], rel=1e-5)
+    assert resumed["losses"] == pytest.approx(straight, rel=1e-5)
+
+
 def test_ep_size_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match="must divide the world size"):
         run_training(replace(TINY, ep_size=3), world_size=4)

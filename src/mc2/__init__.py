@@ -5,7 +5,7 @@ micro-batch pipeline on any ``torch.distributed`` backend, forward and backward;
 ``mc2.MC2Config`` says how a call runs.
 
 The package has four parts: ``mc2.engine`` (the call), ``mc2.observation`` (timelines, traces,
-metrics), ``mc2.parallel`` (meshes, gradient sync, checkpoints) and ``mc2.tools`` (the command
+metrics), ``mc2.parallel`` (meshes, gradient sync, FSDP2, checkpoints) and ``mc2.tools`` (the command
 line). What a user calls is exported here; ``mc2.checkpoint`` (save and load) is imported on
 first use (it pulls in torch.distributed.checkpoint), or with ``import mc2.checkpoint``.
 """
@@ -21,6 +21,7 @@ from .engine.workspace import Workspace
 from .layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
 from .observation.profiler import Profiler, profile
 from .observation.timeline import Span, Timeline
+from .parallel.fsdp import clip_grad_norm_, fully_shard
 from .parallel.grad_sync import average_gradients
 from .parallel.gradient_buckets import GradientSync
 from .parallel.mesh import ParallelLayout, expert_parallel_mesh
@@ -29,7 +30,7 @@ from .tools.launch import run_local
 __all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
            "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
-           "GradientSync", "load_full_state_dict", "profile", "Profiler", "Timeline", "Span",
+           "GradientSync", "fully_shard", "clip_grad_norm_", "load_full_state_dict", "profile", "Profiler", "Timeline", "Span",
            "run_local", "checkpoint"]
 __version__ = "0.1.0"
 

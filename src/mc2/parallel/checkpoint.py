@@ -59,21 +59,52 @@ def _device_mesh(shard: ExpertShard) -> tuple[Any, list[Any]]:
     return DeviceMesh.from_group(group, shard.param.device.type), [Shard(0)]
 
 
-def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[int, Any]) -> Any:
-    """``tensor`` (shaped like this rank's shard) as a DTensor of the full expert tensor."""
+def _dp_sharded_mesh(shard: ExpertShard, dp_mesh: Any) -> tuple[Any, list[Any]]:
+    """For an expert block FSDP2 shards over ``dp``: a view of the ``("dp", "ep")`` mesh with
+    its dimensions as ``("ep", "dp")`` and ``Shard(0)`` on both: the full tensor is split over
+    ``ep`` first (each EP rank's block), then each block over ``dp`` (FSDP's chunks). Only
+    coordinates are read from it: no process group is made."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    mesh = shard.layout.mesh
+    if mesh is None or mesh.ndim != 2:
+        raise ValueError(f"{shard.name}: sharded over {dp_mesh} but built without a "
+                         "('dp', 'ep') mesh")
+    ranks = mesh.mesh.transpose(0, 1).contiguous()
+    swapped = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("ep", "dp"),
+                         _init_backend=False)
+    return swapped, [Shard(0), Shard(0)]
+
+
+def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any]) -> Any:
+    """``tensor`` (shaped like this rank's shard, plain or FSDP2's DTensor over ``dp``) as a
+    DTensor of the full expert tensor, sharing its storage."""
     from torch.distributed.tensor import DTensor
 
-    key = id(shard.layout)
-    if key not in meshes:
-        meshes[key] = _device_mesh(shard)
-    mesh, placements = meshes[key]
-    return DTensor.from_local(tensor, mesh, placements, run_check=False)
+    full_shape = (shard.num_experts, *tensor.shape[1:])
+    if isinstance(tensor, DTensor):  # fully_shard: this rank holds a dp chunk of its block
+        key = ("fsdp", id(shard.layout))
+        if key not in meshes:
+            meshes[key] = _dp_sharded_mesh(shard, tensor.device_mesh)
+        mesh, placements = meshes[key]
+        local = tensor.to_local()
+    else:
+        key = id(shard.layout)
+        if key not in meshes:
+            meshes[key] = _device_mesh(shard)
+        mesh, placements = meshes[key]
+        local = tensor
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full_shape,
+                              stride=_contiguous_stride(full_shape))
 
 
-def _to_local(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
 
 
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -81,13 +112,19 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
 
     Without ``torch.distributed`` (one process) the shards already are the full tensors.
     """
-    state = dict(model.state_dict())
-    if not initialized():
-        return state
-    meshes: dict[int, Any] = {}
-    for shard in expert_shards(model):
-        state[shard.name] = _as_global(state[shard.name], shard, meshes)
-    return state
+    return _model_state(model)[0]
+
+
+def _model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state for DCP, the model's own state)``; the expert entries of the first share
+    storage with those of the second, so DCP loading into one loads into both."""
+    own = dict(model.state_dict())
+    state = dict(own)
+    if initialized():
+        meshes: dict[Any, Any] = {}
+        for shard in expert_shards(model):
+            state[shard.name] = _as_global(own[shard.name], shard, meshes)
+    return state, own
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -95,23 +132,29 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     Initialises empty state (a step with zero learning rate), so the keys exist to load into.
     """
+    return _optimizer_state(model, optimizer)[0]
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """As :func:`_model_state`, for the optimizer."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
     )
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    if not initialized():
-        return state
-    meshes: dict[int, Any] = {}
-    for shard in expert_shards(model):
-        prefix = f"state.{shard.name}."
-        for key, value in state.items():
-            if (key.startswith(prefix) and isinstance(value, Tensor)
-                    and value.shape == shard.param.shape):
-                state[key] = _as_global(value, shard, meshes)
-    return state
+    own = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    state = dict(own)
+    if initialized():
+        meshes: dict[Any, Any] = {}
+        for shard in expert_shards(model):
+            prefix = f"state.{shard.name}."
+            for key, value in own.items():
+                if (key.startswith(prefix) and isinstance(value, Tensor)
+                        and value.shape == shard.param.shape):
+                    state[key] = _as_global(value, shard, meshes)
+    return state, own
 
 
 def save(model: nn.Module, path: str | os.PathLike, *,
@@ -172,20 +215,24 @@ def load(model: nn.Module, path: str | os.PathLike, *,
     )
 
     saved = saved_keys(path)
-    model_state = model_state_dict(model)
+    model_state, model_own = _model_state(model)
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_state.items()}
     if optimizer is not None:
         if not any(k.startswith(OPTIMIZER_PREFIX) for k in saved):
             raise KeyError(f"{path} holds no optimizer state (it was saved without optimizer=)")
-        optim_state = optimizer_state_dict(model, optimizer)
+        optim_state, optim_own = _optimizer_state(model, optimizer)
         state.update({OPTIMIZER_PREFIX + k: v for k, v in optim_state.items()})
     state[EXTRA_KEY] = io.BytesIO()
     _dcp("load", state, path)
-    model.load_state_dict({k: _to_local(state[MODEL_PREFIX + k]) for k in model_state})
+    # the expert entries were loaded in place into the model's own tensors (plain, or FSDP2's
+    # DTensors), which is what load_state_dict takes; the rest DCP loaded as they are
+    model.load_state_dict({k: model_own[k] if model_state[k] is not model_own[k]
+                           else state[MODEL_PREFIX + k] for k in model_state})
     if optimizer is not None:
         set_optimizer_state_dict(
             model, optimizer,
-            {k: _to_local(state[OPTIMIZER_PREFIX + k]) for k in optim_state},
+            {k: optim_own[k] if optim_state[k] is not optim_own[k]
+             else state[OPTIMIZER_PREFIX + k] for k in optim_state},
             options=StateDictOptions(flatten_optimizer_state_dict=True))
     return _extra_of(state[EXTRA_KEY].getvalue(), path)
 

@@ -62,6 +62,10 @@ def add_train_parser(sub: Any) -> None:
     tr.add_argument("--grad-sync", choices=["overlap", "after"], default="overlap",
                     help="overlap: mc2.GradientSync all-reduces buckets during the backward; "
                          "after: mc2.average_gradients once the backward is done")
+    tr.add_argument("--fsdp", action="store_true",
+                    help="shard everything with mc2.fully_shard (FSDP2): experts over the DP "
+                         "ranks of their EP group, the rest over the world; FSDP2 reduces the "
+                         "gradients (--grad-sync does not apply)")
     tr.add_argument("--compare", action="store_true", help="train serial and MC2; compare")
     tr.add_argument("--out", type=Path, default=Path("train_out"),
                     help="folder for loss_curve.png and losses.json (default %(default)s)")
@@ -92,7 +96,7 @@ def _options(args: argparse.Namespace) -> list[str]:
     if args.ep_size:
         out += ["--ep-size", str(args.ep_size)]
     out += config_arguments(_call_config(args))
-    for flag in ("compare", "resume"):
+    for flag in ("compare", "resume", "fsdp"):
         if getattr(args, flag):
             out.append(f"--{flag}")
     return out
@@ -132,7 +136,8 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
         print(f"mc2: {exc}", file=sys.stderr)
         return 2
     base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, ep_size=args.ep_size,
-                       grad_sync=args.grad_sync, checkpoint_every=args.checkpoint_every,
+                       grad_sync=args.grad_sync, fsdp=args.fsdp,
+                       checkpoint_every=args.checkpoint_every,
                        resume=args.resume, device=args.device, **call.to_dict())
     k, wire = call.micro_batches, call.to_dict()["wire_dtype"]
     mc2_label = f"MC2 K={k}" + ("" if wire == "none" else f" wire {wire}")

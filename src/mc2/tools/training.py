@@ -59,6 +59,7 @@ class TrainConfig:
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
     wire_dtype: Any = "none"  # format routed rows travel in (mc2.engine.wire names)
     grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
+    fsdp: bool = False  # mc2.fully_shard: everything sharded, FSDP2 reduces the gradients
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -166,9 +167,14 @@ def _setup(rank: int, world: int, cfg: TrainConfig) -> tuple[Any, ...]:
     model = _model(cfg).to(device)
     enable_mc2(model, mesh=mesh, config=cfg.mc2_config())
     model.train()
+    if cfg.fsdp:
+        from ..parallel.fsdp import fully_shard
+
+        fully_shard(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     # small buckets: this model's gradients are a few MB, and a bucket starts only when full
-    sync = GradientSync(model, mesh=mesh, bucket_mb=1.0) if cfg.grad_sync == "overlap" else None
+    sync = GradientSync(model, mesh=mesh, bucket_mb=1.0) \
+        if cfg.grad_sync == "overlap" and not cfg.fsdp else None
     return device, mesh, model, opt, sync
 
 
@@ -182,10 +188,10 @@ def _progress(rank: int, cfg: TrainConfig, start_step: int) -> Any:
     return tqdm(total=cfg.steps, initial=start_step, desc="mc2 train", file=sys.stderr)
 
 
-def _train_step(model: Any, opt: Any, sync: Any, mesh: Any, ids: torch.Tensor, clock: Any
-                ) -> tuple[torch.Tensor, float, float]:
+def _train_step(model: Any, opt: Any, sync: Any, mesh: Any, ids: torch.Tensor, clock: Any,
+                fsdp: bool = False) -> tuple[torch.Tensor, float, float]:
     """Forward, backward, gradient sync, optimizer step: ``(loss, step s, sync s)`` timed on
-    the device's clock."""
+    the device's clock. Under FSDP2 the backward reduced the gradients already."""
     from ..parallel.grad_sync import average_gradients
 
     t0 = clock.stamp()
@@ -195,7 +201,7 @@ def _train_step(model: Any, opt: Any, sync: Any, mesh: Any, ids: torch.Tensor, c
     t_sync = clock.stamp()
     if sync is not None:
         sync.wait()  # what is left of a sync that ran during the backward
-    else:
+    elif not fsdp:
         average_gradients(model, mesh=mesh)
     t_synced = clock.stamp()
     opt.step()
@@ -220,7 +226,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     for step in range(start_step, cfg.steps):
         ids = _batch(corpus, step, rank, world, cfg).to(device)
         dist.barrier()
-        loss, elapsed, sync_s = _train_step(model, opt, sync, mesh, ids, clock)
+        loss, elapsed, sync_s = _train_step(model, opt, sync, mesh, ids, clock,
+                                            cfg.fsdp)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         history["losses"].append(global_loss.item() / world)

@@ -1,0 +1,211 @@
+"""FSDP2 with expert parallelism: ``mc2.fully_shard``, on PyTorch's own ``fully_shard``.
+
+A ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`) splits the experts over ``ep``; the
+ranks of one ``dp`` group hold the same experts. Under FSDP2 nothing stays replicated:
+
+- the routed experts of an MC2 block (its called experts module, see
+  :class:`mc2.layer.PackedExperts`) are one FSDP unit sharded over ``mesh["dp"]``. Its
+  gradients are summed over ``dp`` and divided by the whole world: an expert's gradient on its
+  owner already sums the contributions of every token of its EP group, so this is the gradient
+  of the mean loss, the same rule as :func:`mc2.average_gradients`;
+- every other parameter (attention, norms, router, shared experts, embeddings) is sharded over
+  the whole world, one unit per decoder layer (the element of the layer list that holds an MC2
+  block), and the root for what is left.
+
+Gradients are reduce-scattered by FSDP2 in its backward hooks; nothing here is hand-written
+communication. The manual pattern (your own ``fully_shard`` calls on the same split, as a
+TorchTitan user writes it) is equivalent; ``docs/fsdp.md`` shows it.
+
+Gradient clipping: the expert gradients are DTensors on ``mesh["dp"]``, the others on the world
+mesh, and ``torch.nn.utils.clip_grad_norm_`` cannot stack norms of different meshes;
+:func:`clip_grad_norm_` computes the one global norm (each expert counted once) and scales every
+gradient by the same factor, without reading anything back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .expert_shards import expert_shards
+
+
+def _dtensor_type() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MC2 blocks of ``model`` (modules that report expert shards), in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if callable(getattr(m, "mc2_expert_parameters", None))]
+
+
+def _experts_module(block: nn.Module) -> nn.Module:
+    """The submodule that holds the block's expert parameters (and runs the fused call)."""
+    owners = {name.rpartition(".")[0] for name in block.mc2_expert_parameters()}
+    if len(owners) != 1 or "" in owners:
+        raise ValueError(f"mc2.fully_shard: {type(block).__name__} must keep its experts in one "
+                         "called submodule (as mc2.layer.PackedExperts), got parameters "
+                         f"{sorted(block.mc2_expert_parameters())}")
+    return block.get_submodule(owners.pop())
+
+
+def _layer_of(model: nn.Module, block_name: str) -> str:
+    """The decoder layer that holds the block: the element of the nearest enclosing
+    ``ModuleList``/``Sequential``; the block itself when it is in none."""
+    parts = block_name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        container = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            return ".".join(parts[:depth + 1])
+    return block_name
+
+
+def _mesh_of(blocks: list[tuple[str, nn.Module]], mesh: Any) -> Any:
+    """The ``("dp", "ep")`` mesh every block was built on (and ``mesh``, when given)."""
+    meshes = {id(b.layout.mesh): b.layout.mesh for _, b in blocks}
+    if mesh is not None:
+        meshes.setdefault(id(mesh), mesh)
+    if len(meshes) != 1 or None in meshes.values():
+        raise ValueError("mc2.fully_shard needs every MC2 block built on one ('dp', 'ep') mesh "
+                         "(enable_mc2(model, mesh=...) or MoELayer(..., mesh=...), with "
+                         "mc2.expert_parallel_mesh); blocks built on a process group hold "
+                         "experts that no FSDP mesh describes")
+    found = meshes.popitem()[1]
+    if tuple(found.mesh_dim_names or ()) != ("dp", "ep"):
+        raise ValueError(f"mc2.fully_shard needs a 2-D ('dp', 'ep') mesh, got dimensions "
+                         f"{found.mesh_dim_names} (mc2.expert_parallel_mesh makes one)")
+    return found
+
+
+def world_mesh(mesh: Any) -> Any:
+    """``mesh`` flattened to one dimension over all its ranks: what non-expert parameters are
+    sharded over."""
+    return mesh._flatten("dp_ep") if hasattr(mesh, "_flatten") else mesh
+
+
+def fully_shard(model: nn.Module, mesh: Any = None, *, mp_policy: Any = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` with FSDP2: routed experts over ``mesh["dp"]``, the rest over the world.
+
+    Works on ``enable_mc2`` models and on stacks of :class:`mc2.MoELayer` built on a
+    ``("dp", "ep")`` mesh. Every rank calls it on its model; afterwards the parameters are
+    DTensors, gradients come out reduced (no :class:`mc2.GradientSync` or
+    :func:`mc2.average_gradients`), and the optimizer is built on ``model.parameters()`` as
+    usual. Clip with :func:`mc2.clip_grad_norm_`; save and load with :mod:`mc2.checkpoint`.
+
+    Args:
+        model: the model; its MC2 blocks must all be built on one mesh.
+        mesh: that mesh (default: the blocks' own).
+        mp_policy: a :class:`torch.distributed.fsdp.MixedPrecisionPolicy` for every unit
+            (e.g. bf16 parameters, fp32 gradient reduction).
+        reshard_after_forward: as ``torch.distributed.fsdp.fully_shard`` (free the gathered
+            parameters after each unit's forward, gather again for its backward).
+
+    Returns:
+        ``model`` (now an ``FSDPModule``).
+
+    Raises:
+        ValueError: no MC2 block, blocks on several meshes or on a plain process group, or an
+            experts module that is not called (raised alike on every rank: it reads only the
+            model's structure).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(f"mc2.fully_shard: {type(model).__name__} has no MC2 block "
+                         "(enable_mc2 or MoELayer first)")
+    mesh = _mesh_of(blocks, mesh)
+    everywhere = world_mesh(mesh)
+    options = dict(mp_policy=mp_policy or MixedPrecisionPolicy(),
+                   reshard_after_forward=reshard_after_forward)
+    world = mesh.size()
+    for _, block in blocks:
+        experts = torch_fully_shard(_experts_module(block), mesh=mesh["dp"], **options)
+        experts.set_gradient_divide_factor(float(world))
+        # a sum, then one division: the custom factor would otherwise be NCCL's PREMUL_SUM,
+        # which Gloo does not have (one division of the reduced shard costs next to nothing)
+        experts.set_force_sum_reduction_for_comms(True)
+    layers = dict.fromkeys(_layer_of(model, name) for name, _ in blocks)
+    for name in layers:
+        if name:
+            torch_fully_shard(model.get_submodule(name), mesh=everywhere, **options)
+    torch_fully_shard(model, mesh=everywhere, **options)
+    return model
+
+
+def _norm_and_grads(model: nn.Module, norm_type: float) -> tuple[Tensor, list[Tensor]]:
+    """The global gradient norm of ``model`` (each parameter counted once over the world) and
+    the local gradient tensors to scale."""
+    DTensor = _dtensor_type()
+    experts = {id(s.param): s for s in expert_shards(model)}
+    local_grads, partial = [], []  # partial: norms still to be reduced over a group
+    expert_groups: dict[int, Any] = {}
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        shard = experts.get(id(p))
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            group = g.device_mesh.get_group() if g.device_mesh.ndim == 1 else None
+            if group is None:
+                raise ValueError("mc2.clip_grad_norm_: a gradient on a multi-dimensional mesh")
+            partial.append((local, group))
+        else:
+            local = g
+            partial.append((local, None))
+        if shard is not None:  # summed again over the EP group: each rank holds other experts
+            expert_groups[len(partial) - 1] = shard.layout.ep_group
+        local_grads.append(local)
+    device = local_grads[0].device if local_grads else torch.device("cpu")
+    inf = norm_type == float("inf")
+    totals: dict[tuple[Any, Any], Tensor] = {}
+    for i, (local, group) in enumerate(partial):
+        value = torch.linalg.vector_norm(local.float(), norm_type)
+        value = value if inf else value ** norm_type
+        key = (group, expert_groups.get(i))
+        totals[key] = torch.maximum(totals[key], value) if inf and key in totals else \
+            totals.get(key, torch.zeros((), device=device)) + value
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = torch.zeros((), device=device)
+    for (group, ep_group), value in sorted(totals.items(), key=lambda kv: _key_order(kv[0])):
+        if dist.is_initialized():
+            for g in (group, ep_group):
+                if g is not None:
+                    dist.all_reduce(value, op=op, group=g)
+        total = torch.maximum(total, value) if inf else total + value
+    return (total if inf else total ** (1.0 / norm_type)), local_grads
+
+
+def _key_order(key: tuple[Any, Any]) -> tuple[str, str]:
+    """The same order on every rank: by group name (collectives must match)."""
+    def name(g: Any) -> str:
+        return "" if g is None else str(getattr(g, "group_name", dist.get_rank(g)))
+    return name(key[0]), name(key[1])
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip every gradient of ``model`` by one global norm; returns that norm (a tensor).
+
+    Works with and without :func:`fully_shard`: FSDP2 gradients (DTensors on the world mesh and
+    on ``mesh["dp"]``) and plain ones (after :class:`mc2.GradientSync`, where replicated
+    gradients are equal on every rank and each EP rank holds its own experts). An expert
+    counts once: its norm is summed over the EP group, and over ``dp`` only where FSDP shards
+    it. Nothing is read back to the host (the scale stays on the device).
+
+    Every rank must call it (it runs collectives). ``norm_type``: 2, any p, or ``inf``.
+    """
+    total, grads = _norm_and_grads(model, float(norm_type))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

@@ -1,0 +1,79 @@
+"""FSDP2 with expert parallelism (``mc2.fully_shard``): one 4-rank world, dp 2 x ep 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from tests.workers_fsdp import adamw_reference, fsdp_data, fsdp_world, stack_reference, stack_states
+from tests.workers_mesh import CONFIG, unpatched_model
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    data = fsdp_data()
+    path = str(tmp_path_factory.mktemp("fsdp") / "ckpt")
+    results = mc2.run_local(fsdp_world, 4, args=(data, path, stack_states()),
+                             timeout_s=240)
+    return {"data": data, "path": path, "results": results, "reference": adamw_reference(data)}
+
+
+def test_losses_and_norms_equal_one_process_adamw(fsdp_run) -> None:
+    ref = fsdp_run["reference"]
+    for rank, r in enumerate(fsdp_run["results"]):
+        assert r["all_dtensors"]
+        got = r["losses"]
+        want = [step[rank] for step in ref["losses"]]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+def test_each_rank_holds_a_quarter_of_everything(fsdp_run) -> None:
+    model = unpatched_model()
+    total = {"dense": 0, "experts": 0}
+    for name, p in model.named_parameters():
+        total["experts" if ".experts." in name else "dense"] += p.numel() * p.element_size()
+    held = [r["held"] for r in fsdp_run["results"]]
+    for kind in ("dense", "experts"):
+        assert sum(h[kind] for h in held) == total[kind]  # nothing held twice
+        for h in held:  # FSDP's chunks differ by at most a row per tensor
+            assert h[kind] <= total[kind] / 4 * 1.15, (kind, h[kind], total[kind])
+
+
+def test_the_checkpoint_loads_into_the_unpatched_model(fsdp_run) -> None:
+    import mc2.checkpoint
+
+    model = unpatched_model(seed=1)
+    extra = mc2.checkpoint.load(model, fsdp_run["path"])
+    assert extra == {"step": len(fsdp_run["data"])}
+    for key, value in fsdp_run["reference"]["state"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_parameters_with_fp32_reduction(fsdp_run) -> None:
+    first = fsdp_run["reference"]["losses"][0]
+    for rank, r in enumerate(fsdp_run["results"]):
+        mixed = r["mixed"]
+        assert mixed["finite"]
+        assert mixed["grad_dtypes"] == {torch.float32}  # sharded gradients in the params' dtype
+        assert mixed["loss"] == pytest.approx(first[rank], rel=2e-2)
+
+
+def test_a_stack_of_moe_layers(fsdp_run) -> None:
+    x = torch.randn(4 * 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    out, gate_grad = stack_reference(x)
+    results = fsdp_run["results"]
+    torch.testing.assert_close(torch.cat([r["stack_out"] for r in results]), out, rtol=1e-10,
+                               atol=1e-12)
+    for r in results:
+        torch.testing.assert_close(r["stack_gate_grad"], gate_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_fully_shard_needs_a_dp_ep_mesh() -> None:
+    layer = mc2.MoELayer(8, 8, 4)
+    with pytest.raises(ValueError, match="one \\('dp', 'ep'\\) mesh"):
+        mc2.fully_shard(layer)
+    with pytest.raises(ValueError, match="no MC2 block"):
+        mc2.fully_shard(torch.nn.Linear(2, 2))
+    assert CONFIG["num_local_experts"] % 2 == 0

@@ -1,0 +1,130 @@
+"""Rank functions for the FSDP2 tests: ``mc2.fully_shard`` on dp 2 x ep 2, in one shared world."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.workers_mesh import CONFIG, batches, unpatched_model
+
+LR = 1e-2
+STEPS = 3
+
+
+def adamw_reference(data: torch.Tensor) -> dict[str, Any]:
+    """One process, the unpatched model, AdamW on the mean of the ranks' losses; the losses,
+    the gradient norm of every step, and the final state."""
+    model = unpatched_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step_batches in data:
+        step = [model(ids, labels=ids).loss for ids in step_batches]
+        opt.zero_grad()
+        torch.stack(step).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+        opt.step()
+        losses.append([loss.item() for loss in step])
+    return {"losses": losses, "norms": norms,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _bytes(tensors: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+               for t in tensors)
+
+
+def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
+               stack_states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Everything FSDP2 in one 4-rank world (dp 2 x ep 2).
+
+    1. An ``enable_mc2`` Mixtral under ``mc2.fully_shard``: AdamW steps, the global gradient
+       norm from ``mc2.clip_grad_norm_``, the bytes each rank holds; then a checkpoint with the
+       optimizer.
+    2. The same model with bf16 parameters and fp32 reduction: one step.
+    3. A stack of two ``MoELayer``s (with a shared expert) under ``mc2.fully_shard``: output and
+       the router's gradient.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    import mc2
+    import mc2.checkpoint
+    from mc2.integrations.transformers import enable_mc2
+
+    mesh = mc2.expert_parallel_mesh(2, num_experts=CONFIG["num_local_experts"])
+    model = unpatched_model()
+    enable_mc2(model, mesh=mesh, micro_batches=2)
+    held = {"dense": 0, "experts": 0}
+    mc2.fully_shard(model)
+    experts = {id(p) for p in mc2.integrations.transformers.expert_parameters(model)}
+    for p in model.parameters():
+        held["experts" if id(p) in experts else "dense"] += _bytes([p])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step_batches in data:
+        ids = step_batches[rank]
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        norms.append(mc2.clip_grad_norm_(model, 1e9).item())
+        opt.step()
+        losses.append(loss.item())
+    mc2.checkpoint.save(model, path, optimizer=opt, extra={"step": len(data)})
+    all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
+
+    mixed = unpatched_model()
+    enable_mc2(mixed, mesh=mesh, micro_batches=2)
+    mc2.fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.float32))
+    mixed_loss = mixed(data[0, rank], labels=data[0, rank]).loss
+    mixed_loss.backward()
+    grads = [p.grad for p in mixed.parameters()]
+    mixed_result = {"loss": mixed_loss.item(), "loss_dtype": mixed_loss.dtype,
+                    "grad_dtypes": {g.dtype for g in grads},
+                    "finite": all(bool(torch.isfinite(g.to_local()).all()) for g in grads)}
+
+    torch.manual_seed(5)
+    stack = torch.nn.Sequential(*(mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1, mesh=mesh,
+                                               dtype=torch.float64, micro_batches=2)
+                                  for _ in range(2)))
+    for layer, state in zip(stack, stack_states):
+        mc2.load_full_state_dict(layer, state)
+    mc2.fully_shard(stack)
+    x = torch.randn(4 * 6, 16, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(11))
+    mine = x[rank * 6:(rank + 1) * 6]
+    out = stack(mine)
+    (out.pow(2).sum() / x.numel()).backward()  # this rank's share of the mean over all ranks
+    return {"losses": losses, "norms": norms, "held": held, "all_dtensors": all_dtensors,
+            "mixed": mixed_result, "stack_out": out.detach(),
+            "stack_gate_grad": stack[0].gate.weight.grad.full_tensor()}
+
+
+def stack_states(seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """The full (all experts) states of the two layers of the stack, made in one process."""
+    import mc2
+
+    torch.manual_seed(seed)
+    return [mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1, dtype=torch.float64).state_dict()
+            for _ in range(2)]
+
+
+def stack_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack of :func:`fsdp_world` in one process: output and router gradient."""
+    import mc2
+
+    states = stack_states()
+    stack = torch.nn.Sequential(*(mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1,
+                                               dtype=torch.float64) for _ in range(2)))
+    for layer, state in zip(stack, states):
+        layer.load_state_dict(state)
+    out = stack(x)
+    out.pow(2).mean().backward()
+    return out.detach(), stack[0].gate.weight.grad
+
+
+def fsdp_data() -> torch.Tensor:
+    return batches(STEPS)
