@@ -30,8 +30,8 @@ from .tools.launch import run_local
 __all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
            "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
-           "GradientSync", "fully_shard", "clip_grad_norm_", "load_full_state_dict", "profile", "Profiler", "Timeline", "Span",
-           "run_local", "checkpoint"]
+           "GradientSync", "fully_shard", "clip_grad_norm_", "load_full_state_dict", "profile",
+           "Profiler", "Timeline", "Span", "run_local", "checkpoint"]
 __version__ = "0.1.0"
 
 
