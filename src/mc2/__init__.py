@@ -16,6 +16,7 @@ from .engine.config import MC2Config
 from .engine.deadline import CommTimeout
 from .engine.env import SyncFallbackWarning
 from .engine.ops import fused_expert, fused_expert_packed
+from .engine.recompute import checkpoint_policy
 from .engine.planner import Planner, WireFormatWarning
 from .engine.workspace import Workspace
 from .layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
@@ -30,8 +31,9 @@ from .tools.launch import run_local
 __all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
            "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
-           "GradientSync", "fully_shard", "clip_grad_norm_", "load_full_state_dict", "profile",
-           "Profiler", "Timeline", "Span", "run_local", "checkpoint"]
+           "GradientSync", "fully_shard", "clip_grad_norm_", "checkpoint_policy",
+           "load_full_state_dict", "profile", "Profiler", "Timeline", "Span", "run_local",
+           "checkpoint"]
 __version__ = "0.1.0"
 
 

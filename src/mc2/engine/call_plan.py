@@ -82,7 +82,8 @@ def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
     return topo, (intra, inter)
 
 
-def _combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor) -> Tensor:
+def combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor) -> Tensor:
+    """``[T, topk]`` combine weights in ``like``'s dtype (ones when none are given)."""
     if routing_weights is None:
         return torch.ones(ids2d.shape, dtype=like.dtype, device=like.device)
     return routing_weights.reshape(ids2d.shape).to(like.dtype)
@@ -252,4 +253,4 @@ def plan_call(
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout)
-    return call, weights, _combine_weights(routing_weights, ids2d, x)
+    return call, weights, combine_weights(routing_weights, ids2d, x)

@@ -17,6 +17,7 @@ handshake, so a rank with another config raises ``ValueError`` on every rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
@@ -100,6 +101,9 @@ class MC2Config:
         object.__setattr__(self, "wire_dtype", wire)
         if (problem := self.problem()) is not None:
             raise ValueError(f"MC2Config: {problem}")
+        # the form a traced call carries it in (mc2.engine.operator): made here, not while
+        # tracing, where json is not traceable
+        object.__setattr__(self, "json", json.dumps(self.to_dict(), sort_keys=True))
 
     def problem(self) -> str | None:
         """What is wrong with these values, or ``None`` (the one place configs are checked)."""

@@ -20,7 +20,7 @@ rank). Every buffer comes from the call's :class:`~mc2.engine.workspace.Workspac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -72,6 +72,10 @@ class CallPlan:
     on_pass_done: Callable[[str, Interval], None] | None = None
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
     timeout: float | None = None  # seconds per wait (mc2.engine.deadline); the backward uses it too
+    # selective activation checkpointing (mc2.engine.recompute): a recorded forward to hand back
+    # instead of running one, or where to record this forward
+    replay: "ForwardResult | None" = None
+    record: Callable[["ForwardResult"], None] | None = None
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
@@ -248,6 +252,98 @@ def _activations_back(layout: tuple[list[bool], bool], tensors: list[Tensor]
     return activations, shared
 
 
+@dataclass
+class ForwardResult:
+    """What one forward leaves for its backward.
+
+    Attributes:
+        out: the output.
+        saved: the tensors the backward reads, in :func:`run_backward`'s order (``None`` where
+            not needed); they go through ``save_for_backward`` (saved-tensor hooks see them).
+        call: the plan (routes, groups); host data only.
+        x_shape: the input's shape.
+        num_experts_tensors: 2 (packed) or 3 (split).
+        activation_layout: where each micro-batch's activations are in ``saved``.
+    """
+
+    out: Tensor | None
+    saved: list[Tensor | None]
+    call: CallPlan
+    x_shape: torch.Size
+    num_experts_tensors: int
+    activation_layout: tuple[list[bool], bool]
+
+
+def run_forward(x: Tensor, routing_weights: Tensor, call: CallPlan, shared: tuple,
+                experts: tuple[Tensor, ...], needs_input_grad: tuple[bool, ...]
+                ) -> ForwardResult:
+    """The forward of one planned call (inputs as :class:`FusedExpertFunction` takes them)."""
+    if call.replay is not None:  # a recompute that keeps the recorded rows: no row moves
+        return call.replay
+    s_up, s_gate, s_down, s_scale = shared
+    clock = clock_for(x.device) if call.on_pass_done is not None else None
+    started = clock.stamp() if clock is not None else None
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    forward = _forward_pass(flat, ExpertWeights.in_order(experts),
+                            _shared_weights(s_up, s_gate, s_down), call)
+    out = _weighted_sum(forward, routing_weights, call, flat, shape, s_scale)
+    layout, activations = _saved_activations(forward)
+    saved = [routing_weights, forward.expert_out if needs_input_grad[1] else None,
+             forward.shared_out if needs_input_grad[6] else None,
+             s_up, s_gate, s_down, s_scale, *experts, *activations]
+    result = ForwardResult(out, saved, call, shape, len(experts), layout)
+    if not call.keep_activations:
+        call.workspace.tick()
+    if clock is not None and call.on_pass_done is not None:
+        call.on_pass_done("forward", Interval(clock, started, clock.stamp()))
+    if call.record is not None:
+        call.record(result)
+    return result
+
+
+def run_backward(result: ForwardResult, saved: list[Tensor | None], grad_out: Tensor,
+                 needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """The gradients of one call, in :class:`FusedExpertFunction`'s input order.
+
+    ``saved``: ``result.saved`` as the backward sees it (through saved-tensor hooks).
+    """
+    # autograd runs this outside the call's context: its deadline, and no autocast (the
+    # forward ran in one dtype; its GEMMs write into buffers of that dtype)
+    with deadline(result.call.timeout), torch.autocast(grad_out.device.type, enabled=False):
+        return _backward(result, saved, grad_out, needed)
+
+
+def _backward(result: ForwardResult, saved: list[Tensor | None], grad_out: Tensor,
+              needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    call = result.call
+    clock = clock_for(grad_out.device) if call.on_pass_done is not None else None
+    started = clock.stamp() if clock is not None else None
+    routing_weights, expert_out, shared_out, s_up, s_gate, s_down, s_scale, *rest = saved
+    experts, kept = rest[:result.num_experts_tensors], rest[result.num_experts_tensors:]
+    activations, shared_activations = _activations_back(result.activation_layout, kept)
+    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
+    grad_out = grad_out.contiguous().view(-1, hidden)
+    grad_weights = None
+    if needed[1]:
+        grad_weights = torch.bmm(
+            expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
+        ).view(tokens, topk)
+    grad_scale = None
+    if needed[6]:  # d out / d scale = the shared output: its dot with grad_out per token
+        grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
+                               shared_out.view(tokens, hidden, 1)).view(tokens, 1)
+    grad_x, expert_grads, shared_grads = _backward_pass(
+        grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
+        _shared_weights(s_up, s_gate, s_down), activations, shared_activations,
+        call, tuple(needed[7:]), tuple(needed[3:6]), s_scale)
+    call.workspace.tick()
+    if clock is not None and call.on_pass_done is not None:
+        call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
+    return (grad_x.view(result.x_shape), grad_weights, None, *shared_grads, grad_scale,
+            *expert_grads)
+
+
 class FusedExpertFunction(torch.autograd.Function):
     """``apply(x, routing_weights, plan, shared_up, shared_gate, shared_down, shared_scale,
     *experts)``.
@@ -269,67 +365,19 @@ class FusedExpertFunction(torch.autograd.Function):
         s_scale: Tensor | None,
         *experts: Tensor,
     ) -> Tensor:
-        clock = clock_for(x.device) if call.on_pass_done is not None else None
-        started = clock.stamp() if clock is not None else None
-        shape, ctx.x_shape = x.shape, x.shape
-        x = x.reshape(-1, shape[-1])
-        forward = _forward_pass(x, ExpertWeights.in_order(experts),
-                                _shared_weights(s_up, s_gate, s_down), call)
-        out = _weighted_sum(forward, routing_weights, call, x, shape, s_scale)
-        ctx.call = call
-        ctx.num_experts_tensors = len(experts)
-        ctx.activation_layout, saved = _saved_activations(forward)
+        result = run_forward(x, routing_weights, call, (s_up, s_gate, s_down, s_scale), experts,
+                             ctx.needs_input_grad)
         # Through save_for_backward, not ctx attributes: saved-tensor hooks (activation offload,
         # non-reentrant checkpointing) see every activation the backward needs.
-        ctx.save_for_backward(routing_weights,
-                              forward.expert_out if ctx.needs_input_grad[1] else None,
-                              forward.shared_out if ctx.needs_input_grad[6] else None,
-                              s_up, s_gate, s_down, s_scale, *experts, *saved)
-        if not call.keep_activations:
-            call.workspace.tick()
-        if clock is not None and call.on_pass_done is not None:
-            call.on_pass_done("forward", Interval(clock, started, clock.stamp()))
-        return out
+        ctx.save_for_backward(*result.saved)
+        ctx.result = replace(result, out=None, saved=[])  # the output is not the ctx's to keep
+        return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        # autograd runs this outside the call's context: its deadline, and no autocast (the
-        # forward ran in one dtype; its GEMMs write into buffers of that dtype)
-        with deadline(ctx.call.timeout), torch.autocast(grad_out.device.type, enabled=False):
-            return FusedExpertFunction._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         if getattr(ctx, "consumed", False):
             raise RuntimeError("mc2.fused_expert: its backward consumes the saved activations and "
                                "runs once per forward; a second backward through the same graph "
                                "(retain_graph=True) is not supported")
         ctx.consumed = True
-        call: CallPlan = ctx.call
-        clock = clock_for(grad_out.device) if call.on_pass_done is not None else None
-        started = clock.stamp() if clock is not None else None
-        routing_weights, expert_out, shared_out, s_up, s_gate, s_down, s_scale, *rest = \
-            ctx.saved_tensors
-        experts, saved = rest[:ctx.num_experts_tensors], rest[ctx.num_experts_tensors:]
-        activations, shared_activations = _activations_back(ctx.activation_layout, saved)
-        tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
-        grad_out = grad_out.contiguous().view(-1, hidden)
-        needed = ctx.needs_input_grad
-        grad_weights = None
-        if needed[1]:
-            grad_weights = torch.bmm(
-                expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
-            ).view(tokens, topk)
-        grad_scale = None
-        if needed[6]:  # d out / d scale = the shared output: its dot with grad_out per token
-            grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
-                                   shared_out.view(tokens, hidden, 1)).view(tokens, 1)
-        grad_x, expert_grads, shared_grads = _backward_pass(
-            grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
-            _shared_weights(s_up, s_gate, s_down), activations, shared_activations,
-            call, tuple(needed[7:]), tuple(needed[3:6]), s_scale)
-        call.workspace.tick()
-        if clock is not None and call.on_pass_done is not None:
-            call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
-        return (grad_x.view(ctx.x_shape), grad_weights, None, *shared_grads, grad_scale,
-                *expert_grads)
+        return run_backward(ctx.result, list(ctx.saved_tensors), grad_out, ctx.needs_input_grad)

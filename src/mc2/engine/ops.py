@@ -10,16 +10,18 @@ GEMM and measured faster (:mod:`mc2.engine.experts`). :mod:`mc2.engine.call_plan
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+from dataclasses import replace
+from typing import Any, Callable, Unpack
 
 import torch
 from torch import Tensor
 
 from ..observation.timeline import Timeline
-from .call_plan import plan_call
+from . import recompute
+from .call_plan import combine_weights, plan_call
 from .config import ConfigOptions, MC2Config
 from .deadline import CommTimeout, deadline, resolve_timeout
-from .function import FusedExpertFunction
+from .function import ForwardResult, FusedExpertFunction, run_forward
 from .planner import Planner
 from .workspace import Workspace
 
@@ -55,38 +57,114 @@ def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: 
     """Both entry points' call. ``shared``: ``(up, gate, down, scale)``, each or all ``None``;
     they travel together through the checks (:func:`~mc2.engine.validation.shared_problem`)
     and the autograd inputs, so a trainable ``scale`` alone already makes the call keep
-    what its backward needs."""
+    what its backward needs.
+
+    Under ``torch.compile``/``torch.export`` tracing the call is one operator
+    (:mod:`mc2.engine.operator`); under selective activation checkpointing a recompute hands
+    back what its forward recorded (:mod:`mc2.engine.recompute`)."""
     cfg, problem = _config(config, options)
-    seconds = resolve_timeout(cfg.timeout)
     x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
+    if torch.compiler.is_compiling():
+        return _through_operator(x, named, expert_ids, routing_weights, shared, cfg, problem,
+                                 **runtime)
+    cache = recompute.active_cache()
+    if cache is not None and cache.replaying:
+        return _replayed(x, named, expert_ids, routing_weights, shared, cache)
+    record = cache.record if cache is not None else None
+    return _guarded(lambda: _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg,
+                                             problem, record=record, **runtime), cfg, x)
+
+
+def _guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
+    """``fn()`` under the call's deadline, with autocast off, a timeout named by its phase."""
+    seconds = resolve_timeout(cfg.timeout)
     device_type = x.device.type if isinstance(x, Tensor) else "cpu"
     with deadline(seconds), torch.autocast(device_type, enabled=False):
         try:
-            return _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg, problem,
-                                    seconds, **runtime)
+            return fn()
         except CommTimeout as exc:
             if exc.phase is not None:
                 raise
             raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
 
 
-def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
-                     routing_weights: Tensor | None, shared: tuple, config: MC2Config,
-                     problem: str | None, seconds: float | None, **runtime: Any) -> Tensor:
-    call, weights, combine_weights = plan_call(x, named, expert_ids, routing_weights,
-                                               config=config, problem=problem, shared=shared,
-                                               timeout=seconds, **runtime)
+def _function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+                     shared: tuple) -> tuple[Tensor, tuple]:
+    """The combine weights ``[T, topk]`` and the shared experts as one expert of width
+    ``S * shared_ffn`` with their scale ``[T, 1]``: the autograd Function's layout."""
     hidden = x.shape[-1]
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     s_up, s_gate, s_down, s_scale = shared
-    if s_up is not None:  # S shared experts = one expert of width S * shared_ffn
+    if s_up is not None:
         n, _, f = s_up.shape
         s_up, s_gate, s_down = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
                                 s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
                                 s_down.reshape(1, n * f, hidden))
     if s_scale is not None:  # [..., 1] -> [T, 1], the layout of the flattened tokens
         s_scale = s_scale.reshape(-1, 1)
-    return FusedExpertFunction.apply(x, combine_weights, call, s_up, s_gate, s_down, s_scale,
-                                     *weights.tensors())
+    return combine_weights(routing_weights, ids2d, x), (s_up, s_gate, s_down, s_scale)
+
+
+def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+                     routing_weights: Tensor | None, shared: tuple, config: MC2Config,
+                     problem: str | None, record: Any = None, **runtime: Any) -> Tensor:
+    call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=config,
+                                       problem=problem, shared=shared,
+                                       timeout=resolve_timeout(config.timeout), **runtime)
+    if record is not None:
+        call = replace(call, record=record)
+    _, function_shared = _function_inputs(x, expert_ids, None, shared)
+    return FusedExpertFunction.apply(x, combine, call, *function_shared, *weights.tensors())
+
+
+def _replayed(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+              routing_weights: Tensor | None, shared: tuple, cache: Any) -> Tensor:
+    """A recompute under a policy that saved the call: its recorded forward, no row moves."""
+    result = cache.next_result()
+    combine, function_shared = _function_inputs(x, expert_ids, routing_weights, shared)
+    call = replace(result.call, replay=result, record=None)
+    return FusedExpertFunction.apply(x, combine, call, *function_shared, *named.values())
+
+
+def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
+                     combine: Tensor, shared: tuple, config: MC2Config, *, packed: bool,
+                     group: Any, num_experts: int | None, needs: tuple[bool, ...]
+                     ) -> ForwardResult:
+    """The forward of :data:`mc2.engine.operator.FUSED_EXPERT` (inputs already in the
+    Function's layout, see :func:`_function_inputs`)."""
+    names = ("weights_gate_up", "weights_down") if packed else \
+        ("weights_up", "weights_gate", "weights_down")
+
+    def run() -> ForwardResult:
+        call, weights, _ = plan_call(x, dict(zip(names, experts)), expert_ids, combine,
+                                     config=config, shared=shared, packed=packed, group=group,
+                                     num_experts=num_experts,
+                                     timeout=resolve_timeout(config.timeout))
+        return run_forward(x, combine, call, shared, weights.tensors(), needs)
+
+    return _guarded(run, config, x)
+
+
+def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+                      routing_weights: Tensor | None, shared: tuple, config: MC2Config,
+                      problem: str | None, *, group: Any = None, packed: bool,
+                      num_experts: int | None = None, **runtime: Any) -> Tensor:
+    """The traced call: one :data:`~mc2.engine.operator.FUSED_EXPERT` node."""
+    from .operator import fused_expert_op, group_name
+
+    if problem is not None:  # the config: the same on every rank, so every rank raises
+        raise ValueError(f"fused_expert: {problem}")
+    given = sorted(k for k, v in runtime.items() if v is not None)
+    if given:
+        raise ValueError(f"fused_expert: {given} cannot be passed under torch.compile or "
+                         "torch.export (the traced call uses the process's defaults)")
+    hidden = x.shape[-1]
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    combine, function_shared = _function_inputs(x, expert_ids, routing_weights, shared)
+    out, _ = fused_expert_op(x.reshape(-1, hidden), combine, ids2d, list(named.values()),
+                             *function_shared, packed, group_name(group), config.json,
+                             -1 if num_experts is None else num_experts)
+    return out.view(x.shape)
 
 
 def fused_expert(
