@@ -1,5 +1,7 @@
-"""enable_mc2 on Hugging Face Mixtral / Qwen3-MoE: logits and every gradient equal the
-unpatched model's on one process (2 and 4 ranks; float64 tight, float32 within 1e-4)."""
+"""enable_mc2 on Hugging Face Mixtral / Qwen3-MoE / Qwen2-MoE (gated shared expert): logits and
+every gradient equal the unpatched model's on one process (2 and 4 ranks; float64 tight, float32
+within 1e-4); meta-device initialisation; set_experts_implementation; blocks with parts the
+adapter does not know are refused, never replaced without them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 import transformers  # noqa: E402  (a dev dependency: make test installs it)
 
 import mc2
-from tests.workers_hf import build, patched_step
+from mc2.integrations.transformers import MC2SparseMoeBlock, enable_mc2
+from tests.workers_hf import build, meta_init_state, patched_step
 
 CONFIGS = {
     "Mixtral": dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
@@ -20,7 +23,16 @@ CONFIGS = {
                      num_key_value_heads=2, head_dim=4, num_experts=8, num_experts_per_tok=2,
                      decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=64,
                      experts_implementation="eager"),
+    "Qwen2Moe": dict(vocab_size=64, hidden_size=16, intermediate_size=32,
+                     moe_intermediate_size=24, shared_expert_intermediate_size=20,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                     norm_topk_prob=False, max_position_embeddings=64,
+                     experts_implementation="eager"),
 }
+CASES = [(kind, world, dtype) for kind in ("Mixtral", "Qwen3Moe")
+         for world, dtype in [(2, torch.float64), (4, torch.float64), (2, torch.float32)]] + \
+    [("Qwen2Moe", 2, torch.float64)]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
@@ -30,7 +42,7 @@ def reference(kind: str, dtype: torch.dtype):
     model = getattr(transformers, f"{kind}ForCausalLM")(cfg).to(dtype)
     with torch.no_grad():  # larger random experts, so routing and experts matter
         for name, p in model.named_parameters():
-            if "experts" in name or "gate" in name:
+            if "experts" in name or "gate" in name or "shared" in name:
                 p.normal_(0, 0.3)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
@@ -48,9 +60,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) 
     assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["Mixtral", "Qwen3Moe"])
-@pytest.mark.parametrize("world,dtype", [(2, torch.float64), (4, torch.float64),
-                                          (2, torch.float32)])
+@pytest.mark.parametrize("kind,world,dtype", CASES)
 def test_patched_model_equals_unpatched(kind: str, world: int, dtype: torch.dtype) -> None:
     state, ids, grad, logits, ref = reference(kind, dtype)
     results = mc2.run_local(patched_step, world,
@@ -58,6 +68,8 @@ def test_patched_model_equals_unpatched(kind: str, world: int, dtype: torch.dtyp
     assert all(r["replaced"] == 2 for r in results)
     close(torch.cat([r["logits"] for r in results]), logits, dtype, "logits")
     ref_params = dict(ref.named_parameters())
+    experts = {n for n in ref_params if ".experts." in n}
+    assert set(results[0]["replicated"]) == set(ref_params) - experts  # every other parameter
     for name in results[0]["replicated"]:
         total = sum(r["replicated"][name] for r in results)
         close(total, ref_params[name].grad, dtype, f"grad {name}")
@@ -72,7 +84,121 @@ def test_patched_model_equals_unpatched(kind: str, world: int, dtype: torch.dtyp
 
 
 def test_model_without_moe_blocks_is_refused() -> None:
-    from mc2.integrations.transformers import enable_mc2
-
     with pytest.raises(ValueError, match="no sparse-MoE block"):
         enable_mc2(torch.nn.Linear(2, 2))
+
+
+def test_meta_device_build_initialises_the_experts() -> None:
+    """Meta build + enable_mc2 + to_empty + init_weights: experts drawn N(0, initializer_range)
+    like the unpatched model's, expert e's values independent of the EP layout (2 ranks hold
+    the slices of what one process draws with the same seed), the forward runs."""
+    config = dict(CONFIGS["Mixtral"], initializer_range=0.05)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+    single = meta_init_state(0, 1, "Mixtral", config, ids, 7)
+    ranks = mc2.run_local(meta_init_state, 2, args=("Mixtral", config, ids, 7))
+    torch.manual_seed(0)
+    unpatched = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config))
+    for key, value in single["state"].items():
+        assert torch.isfinite(value).all(), key
+        if ".experts." in key:
+            hf_std = dict(unpatched.named_parameters())[key].std()
+            assert abs(value.mean()) < 0.05 * 0.1 and abs(value.std() - 0.05) < 0.05 * 0.05
+            assert abs(hf_std - 0.05) < 0.05 * 0.05  # the unpatched model's: the same law
+    assert all(v == list(range(8)) for v in single["index"].values())
+    for rank, r in enumerate(ranks):
+        assert all(v == list(range(4 * rank, 4 * rank + 4)) for v in r["index"].values())
+        for key, value in r["state"].items():
+            want = single["state"][key]
+            torch.testing.assert_close(value, want[4 * rank:4 * rank + 4] if ".experts." in key
+                                       else want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in ranks]), single["logits"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_init_weights_keeps_experts_that_hold_values() -> None:
+    """A model built (and so initialised) normally keeps its experts through enable_mc2 and a
+    later init_weights(), as Hugging Face keeps every initialised module."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIGS["Mixtral"]))
+    before = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    enable_mc2(model)
+    model.init_weights()
+    torch.testing.assert_close(model.model.layers[0].mlp.experts.gate_up_proj, before,
+                               rtol=0, atol=0)
+
+
+def test_set_experts_implementation_sets_the_gemm_or_is_refused() -> None:
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIGS["Mixtral"]))
+    enable_mc2(model)
+    blocks = [m for m in model.modules() if isinstance(m, MC2SparseMoeBlock)]
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        assert {b.config.gemm for b in blocks} == {"loop"}
+        loop = model(ids).logits
+        model.set_experts_implementation("grouped_mm")
+        assert {b.config.gemm for b in blocks} == {"grouped"}
+        assert model.config._experts_implementation == "grouped_mm"
+        torch.testing.assert_close(model(ids).logits, loop, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no equivalent in mc2"):
+        model.set_experts_implementation("batched_mm")
+    assert {b.config.gemm for b in blocks} == {"grouped"}  # refused before anything changed
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+class FakeRouter(torch.nn.Module):
+    """A Mixtral-like router; ``order`` says what it returns."""
+
+    def __init__(self, order: str = "logits,weights,index") -> None:
+        super().__init__()
+        self.top_k, self.order = 2, order
+        self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor):
+        logits = x @ self.weight.t()
+        weights, index = logits.softmax(-1).topk(2, dim=-1)
+        parts = {"logits": logits, "weights": weights, "index": index}
+        out = tuple(parts[name] for name in self.order.split(","))
+        return out[0] if len(out) == 1 else out
+
+
+class FakeExperts(torch.nn.Module):
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 12, 8) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 8, 6) * 0.3)
+        if bias:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 12))
+
+
+class FakeBlock(torch.nn.Module):
+    def __init__(self, part: str = "", order: str = "logits,weights,index") -> None:
+        super().__init__()
+        self.gate, self.experts = FakeRouter(order), FakeExperts(bias=part == "expert bias")
+        if part == "shared_experts":
+            self.shared_experts = torch.nn.Linear(8, 8)
+        if part == "own parameter":
+            self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(4))
+        if part == "ungated shared_expert":
+            self.shared_expert = torch.nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize("part,named", [("expert bias", "gate_up_proj_bias"),
+                                        ("shared_experts", "'shared_experts'"),
+                                        ("own parameter", "e_score_correction_bias"),
+                                        ("ungated shared_expert", "shared_expert_gate")])
+def test_block_with_unknown_part_is_refused_and_nothing_replaced(part: str, named: str) -> None:
+    model = torch.nn.Sequential(FakeBlock(), FakeBlock(part))
+    with pytest.raises(ValueError, match="without losing a part") as err:
+        enable_mc2(model)
+    assert named in str(err.value) and "1 (FakeBlock)" in str(err.value)
+    assert isinstance(model[0], FakeBlock)  # all or nothing
+
+
+@pytest.mark.parametrize("order", ["logits,index,weights", "logits", "logits,weights"])
+def test_router_output_is_checked(order: str) -> None:
+    model = torch.nn.Sequential(FakeBlock(order=order))
+    enable_mc2(model)
+    with pytest.raises(ValueError, match="must return \\(router_logits, top_k_weights"):
+        model(torch.randn(5, 8))

@@ -35,3 +35,26 @@ def patched_step(rank: int, world: int, kind: str, config: dict, state: dict,
                   if p.grad is not None and ".experts." not in n}
     return {"logits": logits.detach(), "experts": experts, "replicated": replicated,
             "replaced": replaced}
+
+
+def meta_init_state(rank: int, world: int, kind: str, config: dict, input_ids: torch.Tensor,
+                    seed: int) -> dict:
+    """Build on the meta device, enable_mc2, ``to_empty`` and ``init_weights()`` (seeded alike on
+    every rank), then run this rank's tokens: the state, expert indices and logits."""
+    import transformers
+
+    from mc2.integrations.transformers import MC2SparseMoeBlock, enable_mc2
+
+    cfg = getattr(transformers, f"{kind}Config")(**config)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{kind}ForCausalLM")(cfg)
+    enable_mc2(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    index = {name: m.expert_index.tolist() for name, m in model.named_modules()
+             if isinstance(m, MC2SparseMoeBlock)}
+    with torch.no_grad():
+        logits = model(input_ids.chunk(world)[rank]).logits
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "index": index,
+            "logits": logits}

@@ -53,14 +53,15 @@ class PackedExperts(nn.Module):
 
     def forward(self, x: Tensor, expert_ids: Tensor, routing_weights: Tensor, *,
                 group: Any, config: MC2Config,
-                shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
-                ) -> Tensor:
+                shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+                shared_scale: Tensor | None = None) -> Tensor:
         """:func:`mc2.fused_expert_packed` of ``x`` with these experts (``shared``: the split
-        ``(up, gate, down)`` shared experts, or ``None``s)."""
+        ``(up, gate, down)`` shared experts, or ``None``s; ``shared_scale``: their per-token
+        factor, or ``None``)."""
         gate_up, down = self.weights()
         return fused_expert_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
                                    config=config, shared_up=shared[0], shared_gate=shared[1],
-                                   shared_down=shared[2])
+                                   shared_down=shared[2], shared_scale=shared_scale)
 
 
 @dataclass(frozen=True)

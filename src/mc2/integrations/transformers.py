@@ -1,10 +1,30 @@
 """Hugging Face ``transformers`` (>= 5): swap sparse-MoE blocks for MC2 blocks in one line.
 
-``enable_mc2(model, group=None)`` finds every sparse-MoE block whose router returns
-``(logits, top_k_weights, top_k_index)`` and whose experts keep fused ``gate_up_proj
-[E, 2F, H]`` and ``down_proj [E, H, F]`` weights with SiLU (Mixtral, Qwen3-MoE in transformers
-5.x), and replaces it with an :class:`MC2SparseMoeBlock` that keeps the original router (so
-router-logit outputs and the auxiliary loss keep working) and holds only this rank's experts.
+``enable_mc2(model, group=None)`` finds every sparse-MoE block (a module with a router ``gate``
+that has ``top_k`` and ``experts`` holding fused ``gate_up_proj [E, 2F, H]`` and
+``down_proj [E, H, F]`` SwiGLU weights: Mixtral, Qwen3-MoE, Qwen2-MoE, ... in
+transformers 5.x) and replaces it with an :class:`MC2SparseMoeBlock`. The new block keeps the
+original router (so router-logit outputs and the auxiliary loss keep working) and holds only
+this rank's experts, under the model's own names: state-dict keys and checkpoints do not change.
+
+Qwen2-MoE's gated shared expert (``shared_expert``, an MLP, and ``shared_expert_gate``,
+``H -> 1``) stays where it is, as submodules under their names; its weights enter the fused
+call as transposed *views* (gradients land on the ``nn.Linear`` weights) together with the
+per-token ``sigmoid(shared_expert_gate(x))``, so it is computed while the first dispatch is in
+flight. A block holding a parameter the adapter does not understand (an expert bias, a
+correction bias, a shared MLP without its gate, ...) is refused with a ``ValueError`` naming it,
+never replaced without it; the router's output is checked (dtypes and shapes, no host read).
+
+Meta-device initialisation works: build the model under ``torch.device("meta")``, call
+``enable_mc2``, then ``model.to_empty(device=...)`` and ``model.init_weights()`` (or any flow
+through Hugging Face's ``_init_weights``): the model's ``_init_weights`` is extended to draw
+this rank's experts from ``N(0, initializer_range)`` as it draws the unpatched model's experts,
+expert ``e`` from a generator of its own, so its values do not depend on the EP layout.
+
+``model.set_experts_implementation(...)`` is honoured where mc2 has an equivalent
+(``"grouped_mm"`` -> ``gemm="grouped"``, ``"eager"`` -> ``gemm="loop"``) and refused with a
+``ValueError`` otherwise (mc2 runs the experts). The implementation the model was built with is
+not read: mc2's own ``gemm`` option (default ``"auto"``) decides until it is set again.
 
 The rest of the model stays as it is on every rank: its parameters are replicated, so train it
 data-parallel: :func:`mc2.average_gradients` turns per-rank gradients into those of the mean
@@ -17,6 +37,7 @@ local config.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Unpack
 
 import torch
@@ -29,7 +50,18 @@ from ..layer import PackedExperts
 from ..parallel.mesh import resolve_layout
 
 __all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
-           "LocalExperts"]
+           "LocalExperts", "EXPERTS_IMPLEMENTATIONS"]
+
+EXPERTS_IMPLEMENTATIONS = {"eager": "loop", "grouped_mm": "grouped"}
+"""Hugging Face ``experts_implementation`` -> mc2 ``gemm``, where mc2 has the same kind of
+kernel: ``eager`` loops over the experts (mc2's ``"loop"``: one GEMM per expert),
+``grouped_mm`` is ``torch.nn.functional.grouped_mm`` (mc2's ``"grouped"``). The others
+(``batched_mm``: one GEMM per token-expert pair; kernels of other libraries) have none."""
+
+# The layout flags of Hugging Face's @use_experts_implementation, as mc2's fused call needs them.
+_EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False,
+                   "is_transposed": False, "is_concatenated": True}
+_SHARED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class LocalExperts(PackedExperts):
@@ -38,10 +70,38 @@ class LocalExperts(PackedExperts):
     ``gate_up_proj [L, 2F, H]`` (gate rows first) and ``down_proj [L, H, F]``, held at
     ``<block>.experts`` as in the unpatched model: the state dict keeps Hugging Face's keys, and
     :mod:`mc2.parallel.checkpoint` writes files the unpatched model loads. Its forward runs the
-    fused call (so FSDP2 gathers it, see :class:`mc2.layer.PackedExperts`).
+    fused call (so FSDP2 gathers it, see :class:`mc2.layer.PackedExperts`). ``first_expert``:
+    the global index of its first expert.
     """
 
     names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, gate_up: Tensor, down: Tensor, first_expert: int = 0) -> None:
+        super().__init__(gate_up, down)
+        self.first_expert = first_expert
+
+    @property
+    def expert_index(self) -> Tensor:
+        """The global indices of these experts, derived from the layout (not a buffer, so
+        ``to_empty`` and meta-device builds cannot leave it garbage)."""
+        start, device = self.first_expert, self.gate_up_proj.device
+        return torch.arange(start, start + self.gate_up_proj.shape[0], device=device)
+
+    @torch.no_grad()
+    def init_normal_(self, std: float, seed: int) -> None:
+        """Draw the experts from ``N(0, std)``, as Hugging Face draws the unpatched model's.
+
+        Expert ``e`` (global index) comes from a generator seeded ``seed + e``: its values do
+        not depend on the EP layout, and the experts of different ranks differ even though
+        every rank runs with the same seed (which the replicated parameters need). A tensor
+        Hugging Face marked initialised (``_is_hf_initialized``, e.g. loaded) is left alone.
+        """
+        todo = [p for p in self.weights() if not getattr(p, "_is_hf_initialized", False)]
+        for i in range(self.gate_up_proj.shape[0]):
+            generator = torch.Generator(device=self.gate_up_proj.device)
+            generator.manual_seed(seed + self.first_expert + i)
+            for p in todo:
+                p[i].normal_(0.0, std, generator=generator)
 
 
 class MC2SparseMoeBlock(nn.Module):
@@ -49,82 +109,318 @@ class MC2SparseMoeBlock(nn.Module):
 
     The experts keep the model's own packed layout and names (:class:`LocalExperts`), this
     rank's ``L`` experts sliced out once; :func:`mc2.fused_expert_packed` runs them as they
-    are, with no split or transpose.
+    are, with no split or transpose. The router (``gate``) and a gated shared expert
+    (``shared_expert``, ``shared_expert_gate``) are the block's own modules, kept as they are.
+
+    Raises:
+        ValueError: ``block`` holds a part this class would lose (see :func:`block_problems`).
     """
 
     def __init__(self, block: nn.Module, *, group: Any = None, mesh: Any = None,
                  config: MC2Config | None = None) -> None:
         super().__init__()
+        if problems := block_problems(block):
+            raise ValueError(_refusal(type(block).__name__, problems))
         experts = block.experts
         self.num_experts = experts.gate_up_proj.shape[0]
         self.layout = resolve_layout(group, mesh, num_experts=self.num_experts)
         mine = self.layout.experts_of_this_rank(self.num_experts)
         with torch.no_grad():
             self.experts = LocalExperts(experts.gate_up_proj[mine.start:mine.stop].clone(),
-                                        experts.down_proj[mine.start:mine.stop].clone())
-        # Not persistent: it differs between ranks, and checkpoints place experts by the layout.
-        self.register_buffer("expert_index", torch.arange(mine.start, mine.stop),
-                             persistent=False)
+                                        experts.down_proj[mine.start:mine.stop].clone(),
+                                        first_expert=mine.start)
+        _carry_init_marks(experts, self.experts)
         self.gate = block.gate
+        self.top_k = int(block.gate.top_k)
+        self.shared_expert: nn.Module | None = getattr(block, "shared_expert", None)
+        self.shared_expert_gate: nn.Module | None = getattr(block, "shared_expert_gate", None)
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral's
+        self.hf_config = getattr(experts, "config", None)  # where experts_implementation is
         self.group = self.layout.ep_group
         self.config = config or MC2Config()
+        self.source = type(block).__name__
+
+    @property
+    def expert_index(self) -> Tensor:
+        """The global indices of this rank's experts (see :attr:`LocalExperts.expert_index`)."""
+        return self.experts.expert_index
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
         return {"experts.gate_up_proj": self.experts.gate_up_proj,
                 "experts.down_proj": self.experts.down_proj}
 
+    def follow_experts_implementation(self) -> None:
+        """Take the model config's ``experts_implementation`` as this block's ``gemm``
+        (:data:`EXPERTS_IMPLEMENTATIONS`); called by ``set_experts_implementation``."""
+        chosen = getattr(self.hf_config, "_experts_implementation", None)
+        if chosen is not None:
+            self.config = self.config.replace(gemm=gemm_for(chosen))
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights.to(x.dtype), group=self.group, config=self.config)
+        if self.training and self.jitter_noise > 0:  # as Mixtral: router and experts see it
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        weights, ids = self._route(x)
+        shared, scale = self._shared(x)
+        out = self.experts(x, ids, weights.to(x.dtype), group=self.group, config=self.config,
+                           shared=shared, shared_scale=scale)
         return out.reshape(shape)
 
+    def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(top_k_weights, top_k_index)`` of the router, checked by dtype and shape only (no
+        host read): a router returning another order or format must fail loudly, not route
+        tokens by their weights. Every rank fails alike (same router, same structure)."""
+        out = self.gate(x)
+        if isinstance(out, tuple) and len(out) == 3:
+            _, weights, ids = out
+            want = (x.shape[0], self.top_k)
+            if (isinstance(ids, Tensor) and _is_integer(ids) and tuple(ids.shape) == want
+                    and isinstance(weights, Tensor) and weights.is_floating_point()
+                    and tuple(weights.shape) == want):
+                return weights, ids
+        raise ValueError(
+            f"MC2SparseMoeBlock (was {self.source}): the router {type(self.gate).__name__} must "
+            f"return (router_logits, top_k_weights, top_k_index) with float weights and integer "
+            f"indices of shape [tokens, top_k] = [{x.shape[0]}, {self.top_k}]; it returned "
+            f"{_describe(out)}")
 
-def _is_sparse_moe_block(module: nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
-    gate = getattr(module, "gate", None)
-    if experts is None or gate is None or not hasattr(gate, "top_k"):
-        return False
-    gate_up = getattr(experts, "gate_up_proj", None)
-    down = getattr(experts, "down_proj", None)
-    if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor)):
-        return False
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
-        return False
-    act = getattr(experts, "act_fn", None)
+    def _shared(self, x: Tensor) -> tuple[tuple[Tensor | None, ...], Tensor | None]:
+        """The shared expert as split ``(up [1,H,F], gate [1,H,F], down [1,F,H])`` views of its
+        ``nn.Linear`` weights (no copy: their gradients land on the weights) and its per-token
+        scale ``sigmoid(shared_expert_gate(x))``; ``None``s without one."""
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return (None, None, None), None
+        mlp = self.shared_expert
+        views = tuple(getattr(mlp, name).weight.t().unsqueeze(0)
+                      for name in ("up_proj", "gate_proj", "down_proj"))
+        return views, torch.sigmoid(self.shared_expert_gate(x))
+
+
+def gemm_for(experts_implementation: str) -> str:
+    """mc2's ``gemm`` for a Hugging Face ``experts_implementation``, or a ``ValueError``."""
+    if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(
+            f"experts_implementation={experts_implementation!r} has no equivalent in mc2: an "
+            f"mc2 block runs its experts itself, inside its fused dispatch/compute/combine call. "
+            f"Use 'grouped_mm' (mc2 gemm='grouped') or 'eager' (gemm='loop'), or choose with "
+            f"enable_mc2(model, gemm=...) ('auto' measures)")
+    return EXPERTS_IMPLEMENTATIONS[experts_implementation]
+
+
+def _is_integer(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _describe(out: Any) -> str:
+    """Types, dtypes and shapes of a router's output (never its values)."""
+    if isinstance(out, Tensor):
+        return f"Tensor {out.dtype} {tuple(out.shape)}"
+    if isinstance(out, tuple):
+        return "(" + ", ".join(_describe(o) for o in out) + ")"
+    return type(out).__name__
+
+
+def _is_silu(act: Any) -> bool:
     return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _holds_tensors(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` has parameters or buffers (what a state dict or a step would lose)."""
+    return any(True for _ in module.parameters(recurse)) or \
+        any(True for _ in module.buffers(recurse))
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    """A sparse-MoE block by its shape: a router ``gate`` with ``top_k`` and ``experts`` with
+    ``gate_up_proj``/``down_proj`` tensors. Whether mc2 can run it: :func:`block_problems`."""
+    experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+    if not isinstance(experts, nn.Module) or not isinstance(gate, nn.Module) \
+            or not hasattr(gate, "top_k"):
+        return False
+    return all(isinstance(getattr(experts, n, None), Tensor) for n in LocalExperts.names)
+
+
+def _experts_problems(experts: nn.Module) -> list[str]:
+    """What in ``experts`` the fused SwiGLU call would not compute."""
+    problems = []
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or \
+            gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        problems.append(f"experts.gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                        f"{tuple(down.shape)} are not [E, 2F, H] and [E, H, F]")
+    for flag, needed in _EXPERTS_LAYOUT.items():
+        if getattr(experts, flag, needed) != needed:
+            problems.append(f"experts.{flag}={getattr(experts, flag)!r} (mc2 needs {needed})")
+    extra = sorted(set(dict(experts.named_parameters())) - set(LocalExperts.names)) + \
+        sorted(name for name, _ in experts.named_buffers())
+    if extra:
+        problems.append(f"experts tensors {extra} (mc2 knows only gate_up_proj and down_proj)")
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        problems.append(f"experts.act_fn {type(experts.act_fn).__name__} (mc2 computes SiLU)")
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
+        problems.append(f"experts._apply_gate of {type(experts).__name__} (mc2 computes "
+                        "act(gate) * up)")
+    return problems
+
+
+def _shared_problems(block: nn.Module, hidden: int) -> list[str]:
+    """What in a Qwen2-MoE style gated shared expert mc2 would not compute."""
+    mlp, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if mlp is None and gate is None:
+        return []
+    if mlp is None or gate is None:
+        return ["shared_expert and shared_expert_gate go together (the gated shared expert of "
+                "Qwen2-MoE); the block has only one"]
+    problems = []
+    linears = [getattr(mlp, name, None) for name in _SHARED_MLP]
+    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
+        problems.append(f"shared_expert ({type(mlp).__name__}) must hold gate_proj, up_proj and "
+                        "down_proj as nn.Linear without bias")
+    else:
+        known = {f"{name}.weight" for name in _SHARED_MLP}
+        extra = sorted(set(dict(mlp.named_parameters())) - known) + \
+            sorted(name for name, _ in mlp.named_buffers())
+        if extra:
+            problems.append(f"shared_expert tensors {extra} (mc2 knows gate_proj, up_proj and "
+                            "down_proj weights)")
+        g, u, d = linears
+        if g.weight.shape != u.weight.shape or tuple(d.weight.shape) != tuple(g.weight.shape)[::-1] \
+                or g.weight.shape[1] != hidden:
+            problems.append(f"shared_expert weights {tuple(g.weight.shape)}, "
+                            f"{tuple(u.weight.shape)}, {tuple(d.weight.shape)} are not "
+                            f"[F, {hidden}], [F, {hidden}], [{hidden}, F]")
+    if not _is_silu(getattr(mlp, "act_fn", None)):
+        problems.append(f"shared_expert.act_fn {type(mlp.act_fn).__name__} (mc2 computes SiLU)")
+    if not isinstance(gate, nn.Linear) or gate.out_features != 1:
+        problems.append(f"shared_expert_gate must be an nn.Linear to one output, got "
+                        f"{type(gate).__name__}")
+    return problems
+
+
+def block_problems(block: nn.Module) -> list[str]:
+    """What :class:`MC2SparseMoeBlock` would lose or compute differently if it replaced
+    ``block``: each part named; empty when it can replace it faithfully.
+
+    Known parts: the router ``gate`` (kept as it is, whatever it holds), ``experts`` (fused
+    SwiGLU, no bias, no extra tensor) and Qwen2-MoE's ``shared_expert`` with
+    ``shared_expert_gate``. Anything else that holds a parameter or buffer is a problem.
+    """
+    hidden = block.experts.gate_up_proj.shape[-1]
+    problems = _experts_problems(block.experts) + _shared_problems(block, hidden)
+    own = sorted(dict(block.named_parameters(recurse=False))) + \
+        sorted(dict(block.named_buffers(recurse=False)))
+    if own:
+        problems.append(f"its own tensors {own}")
+    known = {"gate", "experts", "shared_expert", "shared_expert_gate"}
+    for name, child in block.named_children():
+        if name not in known and _holds_tensors(child):
+            problems.append(f"submodule {name!r} ({type(child).__name__}) with parameters")
+    return problems
+
+
+def _refusal(where: str, problems: list[str]) -> str:
+    return (f"enable_mc2: {where} cannot be replaced without losing a part or changing what it "
+            f"computes: " + "; ".join(problems))
+
+
+def _carry_init_marks(source: nn.Module, target: LocalExperts) -> None:
+    """Hugging Face's "initialised" marks (``_is_hf_initialized``, set by its init and by
+    loading) go from the replaced experts to ours: a later ``init_weights()`` then skips
+    experts that hold real values, as it skips the rest of the model."""
+    if getattr(source, "_is_hf_initialized", False):
+        target._is_hf_initialized = True
+    for name in LocalExperts.names:
+        if getattr(getattr(source, name), "_is_hf_initialized", False):
+            getattr(target, name)._is_hf_initialized = True
+
+
+def _init_weights_with_mc2(model: nn.Module, module: nn.Module) -> None:
+    """``model._init_weights`` (Hugging Face's per-module init) that also knows
+    :class:`LocalExperts`: ``N(0, initializer_range)``, as Mixtral, Qwen2-MoE and Qwen3-MoE
+    initialise their experts. The seed is drawn from the default generator (the same on every
+    rank that seeded alike)."""
+    if not isinstance(module, LocalExperts):
+        type(model)._init_weights(model, module)
+        return
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    module.init_normal_(float(std), int(torch.randint(0, 2 ** 62, (1,))))
+
+
+def _set_experts_implementation(model: nn.Module, experts_implementation: str | dict) -> None:
+    """``model.set_experts_implementation`` that the MC2 blocks follow: refused (before anything
+    changes) where mc2 has no equivalent, see :data:`EXPERTS_IMPLEMENTATIONS`."""
+    requested = experts_implementation.values() if isinstance(experts_implementation, dict) \
+        else [experts_implementation]
+    for value in requested:
+        gemm_for(value)
+    type(model).set_experts_implementation(model, experts_implementation)
+    for module in model.modules():
+        if isinstance(module, MC2SparseMoeBlock):
+            module.follow_experts_implementation()
+
+
+def _extend_hf_models(model: nn.Module) -> None:
+    """Route the Hugging Face models holding MC2 blocks through :func:`_init_weights_with_mc2`
+    and :func:`_set_experts_implementation`.
+
+    Instance attributes: ``initialize_weights`` visits each module with the ``_init_weights``
+    of its nearest enclosing ``PreTrainedModel`` (``self._init_weights``, found on the
+    instance first), so every such model around a block is covered, and the class is left
+    alone. ``functools.partial`` of module functions keeps the model picklable.
+    """
+    for module in model.modules():
+        init = getattr(module, "_init_weights", None)
+        if not callable(init) or not callable(getattr(module, "_initialize_weights", None)):
+            continue
+        if not any(isinstance(m, MC2SparseMoeBlock) for m in module.modules()):
+            continue
+        if not (isinstance(init, functools.partial) and init.func is _init_weights_with_mc2):
+            module._init_weights = functools.partial(_init_weights_with_mc2, module)
+        if callable(getattr(type(module), "set_experts_implementation", None)):
+            module.set_experts_implementation = functools.partial(_set_experts_implementation,
+                                                                  module)
 
 
 def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
                config: MC2Config | None = None, **options: Unpack[ConfigOptions]) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
-    Every rank must call it on an identical model (same weights): each keeps its own experts.
-    ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh (expert parallel) or a
-    ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts split over ``ep`` and
-    replicated over ``dp``, everything else replicated everywhere. ``config`` (an
-    :class:`mc2.MC2Config`) or its fields as keywords (``micro_batches=4``,
+    Every rank must call it on an identical model (same weights, or all on the meta device):
+    each keeps its own experts. ``group`` is the expert-parallel group; or ``mesh``, a 1-D mesh
+    (expert parallel) or a ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`): experts
+    split over ``ep`` and replicated over ``dp``, everything else replicated everywhere.
+    ``config`` (an :class:`mc2.MC2Config`) or its fields as keywords (``micro_batches=4``,
     ``wire_dtype="fp8"``, ``hierarchy="2d"``, ...): how every block's fused call runs.
 
+    Afterwards ``model.init_weights()`` initialises the experts too (meta-device builds) and
+    ``model.set_experts_implementation`` sets the blocks' ``gemm`` (see the module docstring).
+
     Raises:
-        ValueError: the model has no block this adapter understands, or the mesh is bad
+        ValueError: the model has no block this adapter understands; a block holds a part
+            the adapter does not understand (nothing is replaced then); or the mesh is bad
             (see :func:`mc2.parallel.mesh.resolve_layout`); raised on every rank alike.
     """
     config = MC2Config.of(config, **options)
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, MC2SparseMoeBlock) or not _is_sparse_moe_block(module):
-            continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, name.rsplit(".", 1)[-1],
+    blocks = [(name, m) for name, m in model.named_modules()
+              if not isinstance(m, MC2SparseMoeBlock) and _is_candidate(m)]
+    problems = [f"{name or '<the model itself>'} ({type(m).__name__}): {'; '.join(found)}"
+                for name, m in blocks if (found := block_problems(m))]
+    if any(name == "" for name, _ in blocks):
+        problems.append("the model itself is a sparse-MoE block: pass the model that holds it")
+    if problems:
+        raise ValueError(_refusal("these blocks", problems))
+    for name, module in blocks:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
                 MC2SparseMoeBlock(module, group=group, mesh=mesh, config=config))
-        replaced += 1
-    if not replaced:
+    if not blocks:
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "
                          f"experts found in {type(model).__name__}")
-    return replaced
+    _extend_hf_models(model)
+    return len(blocks)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
