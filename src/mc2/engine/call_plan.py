@@ -210,6 +210,7 @@ def plan_call(
     planner: Planner | None = None,
     workspace: Workspace | None = None,
     timeout: float | None = None,
+    needs_grad: bool | None = None,
 ) -> tuple[CallPlan, ExpertWeights, Tensor]:
     """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
     weights. Raises ``ValueError`` on every rank when any rank's input is bad.
@@ -230,7 +231,8 @@ def plan_call(
     wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
                if isinstance(t, Tensor)]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if needs_grad is None:  # a traced call says so itself: its graph runs without autograd
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     auto = config.micro_batches == "auto"
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None
     capacity = max(plan_with.candidates) if plan_with is not None else \

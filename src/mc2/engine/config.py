@@ -131,6 +131,9 @@ class MC2Config:
             TypeError: an option that is not a field.
             ValueError: a value :meth:`problem` rejects.
         """
+        if not options and (config is None or isinstance(config, MC2Config)):
+            # first: the common cases, the ones torch.compile traces (no construction)
+            return config if config is not None else DEFAULT
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown mc2 option(s) {sorted(unknown)}; MC2Config has "
@@ -157,3 +160,6 @@ class MC2Config:
         if isinstance(values.get("wire_dtype"), list):
             values["wire_dtype"] = tuple(values["wire_dtype"])
         return cls.of(**values)
+
+
+DEFAULT = MC2Config()  # what a call without config or options runs with

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .function import ForwardResult, run_backward, run_forward
+from .function import ForwardResult, run_backward
 
 _STATES: dict[int, ForwardResult] = {}
 _KEYS = itertools.count()
@@ -51,45 +51,41 @@ def group_name(group: Any) -> str:
     return "" if group is None else group.group_name
 
 
-def _needs(tensors: list[Tensor | None]) -> tuple[bool, ...]:
-    """``needs_input_grad`` of :class:`~mc2.engine.function.FusedExpertFunction` from the
-    tensors in its input order (the plan's slot is never differentiable)."""
-    flags = [t is not None and t.requires_grad for t in tensors]
-    return (*flags[:2], False, *flags[2:])
-
-
 @torch.library.custom_op("mc2::fused_expert", mutates_args=())
 def fused_expert_op(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
                     experts: list[Tensor], shared_up: Tensor | None, shared_gate: Tensor | None,
                     shared_down: Tensor | None, shared_scale: Tensor | None, packed: bool,
-                    group: str, config: str, num_experts: int) -> tuple[Tensor, Tensor]:
+                    group: str, config: str, num_experts: int, needs: list[bool]
+                    ) -> tuple[Tensor, Tensor]:
     """``(output, token)``: one planned and run fused call (arguments as
     :func:`mc2.engine.ops.fused_expert`'s, already in the autograd Function's layout: combine
     weights ``[T, topk]``, shared experts as one expert, the scale ``[T, 1]``; the config as
-    :meth:`MC2Config.to_dict` JSON, the group by name, ``num_experts`` ``-1`` for none)."""
+    :meth:`MC2Config.to_dict` JSON, the group by name, ``num_experts`` ``-1`` for none;
+    ``needs``: which tensor inputs (all but the ids, in order) the backward differentiates,
+    decided while tracing, as the compiled forward runs without autograd)."""
     from .config import MC2Config
-    from .ops import plan_for_operator
+    from .ops import run_for_operator
 
-    cfg = MC2Config.from_dict(json.loads(config))
     shared = (shared_up, shared_gate, shared_down, shared_scale)
-    call = plan_for_operator(x, experts, expert_ids, combine_weights, shared, cfg,
-                             packed=packed, group=_group_of(group),
-                             num_experts=None if num_experts < 0 else num_experts)
-    needs = _needs([x, combine_weights, *shared, *experts])
-    result = run_forward(x, combine_weights, call, shared, tuple(experts), needs)
+    result = run_for_operator(x, experts, expert_ids, combine_weights, shared,
+                              MC2Config.from_dict(json.loads(config)), packed=packed,
+                              group=_group_of(group),
+                              num_experts=None if num_experts < 0 else num_experts,
+                              needs=(*needs[:2], False, *needs[2:]))
+    call = result.call
     out = result.out
     if not call.keep_activations:
         return out, torch.tensor([NO_STATE])
     key = next(_KEYS)
     _STATES[key] = result
     token = torch.tensor([key])
-    weakref.finalize(token, _STATES.pop, key, None)
+    weakref.finalize(token.untyped_storage(), _STATES.pop, key, None)
     return out, token
 
 
 @fused_expert_op.register_fake
 def _(x, combine_weights, expert_ids, experts, shared_up, shared_gate, shared_down, shared_scale,
-      packed, group, config, num_experts):
+      packed, group, config, num_experts, needs):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64, device="cpu")
 
 
@@ -120,8 +116,7 @@ def _(grad_out, token, inputs, needed):
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, combine_weights, _, experts, s_up, s_gate, s_down, s_scale = inputs[:8]
     tensors = [x, combine_weights, s_up, s_gate, s_down, s_scale, *experts]
-    ctx.num_experts = len(experts)
-    ctx.needed = [t is not None and t.requires_grad for t in tensors]
+    ctx.needed = list(inputs[12])
     ctx.save_for_backward(output[1], *[t if t is not None else None for t in tensors])
 
 
@@ -130,7 +125,8 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:
     grads = fused_expert_backward_op(grad_out, token, tensors, ctx.needed)
     grads = [g if need else None for g, need in zip(grads, ctx.needed)]
     x, weights, s_up, s_gate, s_down, s_scale, *experts = grads
-    return (x, weights, None, experts, s_up, s_gate, s_down, s_scale, None, None, None, None)
+    return (x, weights, None, experts, s_up, s_gate, s_down, s_scale, None, None, None, None,
+            None)
 
 
 fused_expert_op.register_autograd(_backward, setup_context=_setup_context)

@@ -42,10 +42,19 @@ def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
             tuple(cast(t) for t in shared))
 
 
+@torch.compiler.assume_constant_result
+def _config_while_tracing(config: MC2Config | None, options: tuple) -> MC2Config:
+    """A config built from keyword options, as a constant of the traced graph (Dynamo does
+    not trace the dataclass machinery; the options are constants anyway)."""
+    return MC2Config.of(config, **dict(options))
+
+
 def _config(config: MC2Config | None, options: dict[str, Any]) -> tuple[MC2Config, str | None]:
     """The call's config, or the defaults and what is wrong: a bad value must reach the
     handshake (an error on every rank), not stop this rank alone before it."""
     try:
+        if options and torch.compiler.is_compiling():
+            return _config_while_tracing(config, tuple(sorted(options.items()))), None
         return MC2Config.of(config, **options), None
     except ValueError as exc:
         return MC2Config(), str(exc).removeprefix("MC2Config: ")
@@ -138,7 +147,7 @@ def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
     def run() -> ForwardResult:
         call, weights, _ = plan_call(x, dict(zip(names, experts)), expert_ids, combine,
                                      config=config, shared=shared, packed=packed, group=group,
-                                     num_experts=num_experts,
+                                     num_experts=num_experts, needs_grad=any(needs),
                                      timeout=resolve_timeout(config.timeout))
         return run_forward(x, combine, call, shared, weights.tensors(), needs)
 
@@ -161,9 +170,13 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
     hidden = x.shape[-1]
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine, function_shared = _function_inputs(x, expert_ids, routing_weights, shared)
-    out, _ = fused_expert_op(x.reshape(-1, hidden), combine, ids2d, list(named.values()),
-                             *function_shared, packed, group_name(group), config.json,
-                             -1 if num_experts is None else num_experts)
+    experts = list(named.values())
+    grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
+    needs = [grad and t is not None and t.requires_grad
+             for t in (x, combine, *function_shared, *experts)]
+    out, _ = fused_expert_op(x.reshape(-1, hidden), combine, ids2d, experts, *function_shared,
+                             packed, group_name(group), config.json,
+                             -1 if num_experts is None else num_experts, needs)
     return out.view(x.shape)
 
 
