@@ -99,3 +99,15 @@ def test_moe_layer_sends_its_rows_in_the_wire_format() -> None:
     a, b = plain(x), wired(x)
     assert not torch.equal(a, b)  # the rows really went through bf16
     torch.testing.assert_close(b, a, rtol=0, atol=2 ** -7 * a.abs().max().item())
+
+
+def test_a_meta_device_build_gets_real_experts_after_to_empty() -> None:
+    with torch.device("meta"):
+        layer = mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    torch.nn.init.normal_(layer.gate.weight, std=0.02)
+    assert layer.expert_index.tolist() == [0, 1, 2, 3]
+    assert all(bool(torch.isfinite(p).all()) for p in layer.parameters())
+    assert 0.015 < float(layer.w_gate_up.std()) < 0.025
+    assert layer(torch.randn(5, 16)).shape == (5, 16)

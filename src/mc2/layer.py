@@ -5,9 +5,9 @@ schedule. Each rank of the expert-parallel group holds ``num_experts // world`` 
 router (and the shared experts) are replicated, so their gradients must be averaged over the
 data-parallel ranks like any other replicated parameter.
 
-Checkpoints: ``state_dict()`` holds only this rank's experts (their global indices are in the
-non-persistent ``expert_index`` buffer). :mod:`mc2.parallel.checkpoint` saves and reshards them with
-``torch.distributed.checkpoint``, between any EP x DP meshes and one process.
+Checkpoints: ``state_dict()`` holds only this rank's experts (their global indices are the
+``expert_index`` property, from the layout). :mod:`mc2.parallel.checkpoint` saves and reshards
+them with ``torch.distributed.checkpoint``, between any EP x DP meshes and one process.
 :func:`load_full_state_dict` stays for one job DCP does not do: taking an unsharded state held in
 memory (a single-process ``state_dict()``, or a file in the earlier split layout) onto this
 rank's experts.
@@ -128,9 +128,6 @@ class MoELayer(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.experts = PackedExperts(torch.empty(local, 2 * ffn, hidden, **kw),
                                      torch.empty(local, hidden, ffn, **kw))
-        # Not persistent: it differs between ranks, and checkpoints place experts by the layout.
-        self.register_buffer("expert_index", torch.arange(mine.start, mine.stop, device=device),
-                             persistent=False)
         self.shared: nn.ParameterList | None = None
         if shared_experts:
             sf = shared_ffn or ffn
@@ -140,6 +137,14 @@ class MoELayer(nn.Module):
                 nn.Parameter(torch.empty(shared_experts, sf, hidden, **kw))])
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(_renamed_flat_keys)
+
+    @property
+    def expert_index(self) -> Tensor:
+        """The global indices of this rank's experts, derived from the layout (not a buffer:
+        it differs between ranks, checkpoints place experts by the layout, and ``to_empty``
+        after a meta-device build cannot leave it garbage)."""
+        mine = self.layout.experts_of_this_rank(self.num_experts)
+        return torch.arange(mine.start, mine.stop, device=self.w_gate_up.device)
 
     @property
     def w_gate_up(self) -> nn.Parameter:
