@@ -27,6 +27,14 @@ def test_losses_and_norms_equal_one_process_adamw(fsdp_run) -> None:
         want = [step[rank] for step in ref["losses"]]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        # ep 4, dp 1: FSDP2 over one rank divides the expert gradients once, not twice
+        assert r["ep_only_norm"] == pytest.approx(ref["norms"][1], rel=1e-5)
+
+
+def test_the_manual_pattern_trains_the_same(fsdp_run) -> None:
+    ref = fsdp_run["reference"]["losses"]
+    for rank, r in enumerate(fsdp_run["results"]):
+        assert r["manual_losses"] == pytest.approx([step[rank] for step in ref[:2]], rel=1e-5)
 
 
 def test_each_rank_holds_a_quarter_of_everything(fsdp_run) -> None:

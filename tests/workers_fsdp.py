@@ -14,7 +14,7 @@ STEPS = 3
 
 def adamw_reference(data: torch.Tensor) -> dict[str, Any]:
     """One process, the unpatched model, AdamW on the mean of the ranks' losses; the losses,
-    the gradient norm of every step, and the final state."""
+    the gradient norms of every step (max, then 2-norm), and the final state."""
     model = unpatched_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -22,6 +22,8 @@ def adamw_reference(data: torch.Tensor) -> dict[str, Any]:
         step = [model(ids, labels=ids).loss for ids in step_batches]
         opt.zero_grad()
         torch.stack(step).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9,
+                                                    norm_type="inf").item())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
         opt.step()
         losses.append([loss.item() for loss in step])
@@ -69,6 +71,7 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
         loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
+        norms.append(mc2.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
         norms.append(mc2.clip_grad_norm_(model, 1e9).item())
         opt.step()
         losses.append(loss.item())
@@ -86,6 +89,9 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
                     "grad_dtypes": {g.dtype for g in grads},
                     "finite": all(bool(torch.isfinite(g.to_local()).all()) for g in grads)}
 
+    manual = _manual_pattern(mesh, data[:2], rank)
+    ep_only = _first_norm(mc2.expert_parallel_mesh(4), data[0, rank])
+
     torch.manual_seed(5)
     stack = torch.nn.Sequential(*(mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1, mesh=mesh,
                                                dtype=torch.float64, micro_batches=2)
@@ -99,8 +105,48 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
     out = stack(mine)
     (out.pow(2).sum() / x.numel()).backward()  # this rank's share of the mean over all ranks
     return {"losses": losses, "norms": norms, "held": held, "all_dtensors": all_dtensors,
-            "mixed": mixed_result, "stack_out": out.detach(),
+            "mixed": mixed_result, "manual_losses": manual, "ep_only_norm": ep_only, "stack_out": out.detach(),
             "stack_gate_grad": stack[0].gate.weight.grad.full_tensor()}
+
+
+def _first_norm(mesh: Any, ids: torch.Tensor) -> float:
+    """The gradient norm of the first step on a mesh with no DP (every expert on one rank)."""
+    import mc2
+    from mc2.integrations.transformers import enable_mc2
+
+    model = unpatched_model()
+    enable_mc2(model, mesh=mesh, micro_batches=2)
+    mc2.fully_shard(model)
+    model(ids, labels=ids).loss.backward()
+    return mc2.clip_grad_norm_(model, 1e9, norm_type=2.0).item()
+
+
+def _manual_pattern(mesh: Any, data: torch.Tensor, rank: int) -> list[float]:
+    """The split of ``mc2.fully_shard`` written by hand, as ``docs/training_stack.md`` shows:
+    AdamW losses of two steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mc2.integrations.transformers import enable_mc2
+
+    model = unpatched_model()
+    enable_mc2(model, mesh=mesh, micro_batches=2)
+    world = mesh._flatten("dp_ep")
+    for layer in model.model.layers:
+        experts = fully_shard(layer.mlp.experts, mesh=mesh["dp"])
+        experts.set_gradient_divide_factor(float(mesh.size()))
+        if mesh["dp"].size() > 1:
+            experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=world)
+    fully_shard(model, mesh=world)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step_batches in data:
+        loss = model(step_batches[rank], labels=step_batches[rank]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def stack_states(seed: int = 5) -> list[dict[str, torch.Tensor]]:

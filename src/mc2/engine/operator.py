@@ -11,11 +11,13 @@ backward node in the backward graph, and ``torch.export`` keeps it as a call.
 
 What crosses from the forward to the backward: the operator returns, beside the output, a
 one-element CPU token that names the forward's saved state (the routes, which are host data,
-and the activations) in a process-local table. The backward operator takes the state by its
-token; the table forgets a state when its backward ran or when the token is gone (a forward
-whose graph is dropped). Because the state is not a graph value, activation-offload hooks do
-not see the activations of a compiled call (the eager path, :mod:`mc2.engine.function`, saves
-them through ``save_for_backward``).
+and the activations the call made; its inputs come back from the graph) in a process-local
+table. The backward operator takes the state by its token; the table forgets a state when its
+backward ran or when the token's storage is gone (a forward whose graph is dropped). Because
+the state is not a graph value, activation-offload hooks do not see the activations of a
+compiled call (the eager path, :mod:`mc2.engine.function`, saves them through
+``save_for_backward``), and a saved-tensor hook that *copies* the token (``save_on_cpu`` with
+pinned memory) loses the state: do not offload around a compiled mc2 model.
 
 Eager calls do not go through the operator; :mod:`mc2.engine.recompute` uses its name as the
 handle that checkpoint policies refer to.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,7 +80,7 @@ def fused_expert_op(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     if not call.keep_activations:
         return out, torch.tensor([NO_STATE])
     key = next(_KEYS)
-    _STATES[key] = result
+    _STATES[key] = _without_inputs(result)
     token = torch.tensor([key])
     weakref.finalize(token.untyped_storage(), _STATES.pop, key, None)
     return out, token
@@ -98,9 +101,40 @@ def fused_expert_backward_op(grad_out: Tensor, token: Tensor, inputs: list[Tenso
     if result is None:
         raise RuntimeError("mc2.fused_expert: the forward state of this backward is gone (a "
                            "second backward through one graph is not supported)")
-    grads = run_backward(result, result.saved, grad_out, (*needed[:2], False, *needed[2:]))
+    grads = run_backward(result, _with_inputs(result, inputs), grad_out,
+                         (*needed[:2], False, *needed[2:]))
     grads = (*grads[:2], *grads[3:])  # the plan's slot
-    return [g if g is not None else _empty_like(t) for g, t in zip(grads, inputs)]
+    # exactly what the fake says: a gradient where needed, an empty tensor elsewhere
+    return [g if g is not None and need else _empty_like(t)
+            for g, t, need in zip(grads, inputs, needed)]
+
+
+# ForwardResult.saved: routing weights, expert_out, shared_out, the shared experts (3) and
+# scale, the experts, then each micro-batch's (rows, gate_up) and the shared experts' (x, gate_up)
+_INPUT_SLOTS = (0, 3, 4, 5, 6)  # combine weights, shared up/gate/down, scale
+
+
+def _without_inputs(result: ForwardResult) -> ForwardResult:
+    """The state to keep: only what the call made. Inputs come back from the graph in the
+    backward (the graph saved them); a reference kept here could see its buffer reused by
+    the compiled code once the graph thinks it dead."""
+    saved = list(result.saved)
+    for i in (*_INPUT_SLOTS, *range(7, 7 + result.num_experts_tensors)):
+        saved[i] = None
+    if result.activation_layout[1]:  # the shared experts' input is x
+        saved[-2] = None
+    return replace(result, out=None, saved=saved)
+
+
+def _with_inputs(result: ForwardResult, inputs: list[Tensor | None]) -> list[Tensor | None]:
+    """``result.saved`` with the graph's inputs back in their slots."""
+    x, combine, s_up, s_gate, s_down, s_scale, *experts = inputs
+    saved = list(result.saved)
+    saved[0], saved[3:7] = combine, [s_up, s_gate, s_down, s_scale]
+    saved[7:7 + len(experts)] = experts
+    if result.activation_layout[1]:
+        saved[-2] = x
+    return saved
 
 
 def _empty_like(t: Tensor | None) -> Tensor:

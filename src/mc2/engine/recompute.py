@@ -23,13 +23,19 @@ run again in the recompute (correct, with its collectives).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from .function import ForwardResult
 
 _STORAGE_KEY = "mc2.fused_expert"  # beside PyTorch's per-operator keys in the shared storage
-_CACHING, _CACHED = "_CachingTorchDispatchMode", "_CachedTorchDispatchMode"
+
+
+def _mode_types() -> tuple[type, type]:
+    """PyTorch's two selective-checkpointing modes (forward, recompute); subclasses count."""
+    from torch.utils import checkpoint
+
+    return checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode
 
 
 def _fused_expert_op() -> Any:
@@ -62,7 +68,7 @@ def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     return policy
 
 
-def _calls(storage: Any) -> list[ForwardResult]:
+def _calls(storage: Any) -> list[tuple[ForwardResult, int]]:
     """Our records in the region's storage (a dict of dicts, keyed by operator in PyTorch)."""
     return storage[_STORAGE_KEY].setdefault("calls", [])
 
@@ -77,17 +83,22 @@ class RecordedCalls:
     def record(self, result: ForwardResult) -> None:
         """Keep a forward's result for the recompute (the output detached: the recompute's
         output is a new autograd node over the same values)."""
-        kept = ForwardResult(result.out.detach() if result.out is not None else None,
-                             list(result.saved), result.call, result.x_shape,
-                             result.num_experts_tensors, result.activation_layout)
-        _calls(self.storage).append(kept)
+        out = result.out.detach() if result.out is not None else None
+        # record=None: no cycle storage -> record -> call -> storage to hold the rows
+        kept = replace(result, out=out, call=replace(result.call, record=None))
+        _calls(self.storage).append((kept, out._version if out is not None else 0))
 
     def next_result(self) -> ForwardResult:
         results = _calls(self.storage)
         if not results:
             raise RuntimeError("mc2.fused_expert: the recompute makes more fused calls than its "
                                "forward did (the checkpointed function must run the same calls)")
-        return results.pop(0)
+        result, version = results.pop(0)
+        if result.out is not None and result.out._version != version:
+            raise RuntimeError("mc2.fused_expert: the output of a call kept for the recompute "
+                               "was modified in place after the forward; the recompute would "
+                               "hand back the modified values (clone it before editing)")
+        return result
 
 
 def active_cache() -> RecordedCalls | None:
@@ -95,12 +106,12 @@ def active_cache() -> RecordedCalls | None:
     fused call; ``None`` otherwise (no region, or a policy that recomputes the call)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+    caching, cached = _mode_types()
     for mode in reversed(_get_current_dispatch_mode_stack()):
-        kind = type(mode).__name__
         storage = getattr(mode, "storage", None)
-        if kind not in (_CACHING, _CACHED) or storage is None:
+        if not isinstance(mode, (caching, cached)) or storage is None:
             continue
-        if kind == _CACHED:  # the recompute: replay what the forward recorded, if anything
+        if isinstance(mode, cached):  # the recompute: replay what the forward recorded, if anything
             return RecordedCalls(storage, replaying=True) if _calls(storage) else None
         policy = getattr(mode, "policy_fn", None)
         return RecordedCalls(storage, replaying=False) if _saves_the_call(policy) else None

@@ -71,7 +71,11 @@ def _dp_sharded_mesh(shard: ExpertShard, dp_mesh: Any) -> tuple[Any, list[Any]]:
     if mesh is None or mesh.ndim != 2:
         raise ValueError(f"{shard.name}: sharded over {dp_mesh} but built without a "
                          "('dp', 'ep') mesh")
-    ranks = mesh.mesh.transpose(0, 1).contiguous()
+    if dp_mesh.ndim != 1 or dp_mesh.size() != mesh["dp"].size():
+        raise ValueError(f"{shard.name}: FSDP shards it over {dp_mesh}, not over the 'dp' "
+                         f"dimension of its block's mesh {mesh}")
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.permute(names.index("ep"), names.index("dp")).contiguous()
     swapped = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("ep", "dp"),
                          _init_backend=False)
     return swapped, [Shard(0), Shard(0)]
@@ -80,10 +84,13 @@ def _dp_sharded_mesh(shard: ExpertShard, dp_mesh: Any) -> tuple[Any, list[Any]]:
 def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any]) -> Any:
     """``tensor`` (shaped like this rank's shard, plain or FSDP2's DTensor over ``dp``) as a
     DTensor of the full expert tensor, sharing its storage."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     full_shape = (shard.num_experts, *tensor.shape[1:])
     if isinstance(tensor, DTensor):  # fully_shard: this rank holds a dp chunk of its block
+        if tuple(tensor.placements) != (Shard(0),):
+            raise ValueError(f"{shard.name}: expected FSDP's Shard(0) over 'dp', got "
+                             f"{tensor.placements}")
         key = ("fsdp", id(shard.layout))
         if key not in meshes:
             meshes[key] = _dp_sharded_mesh(shard, tensor.device_mesh)

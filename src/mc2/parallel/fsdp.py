@@ -130,9 +130,12 @@ def fully_shard(model: nn.Module, mesh: Any = None, *, mp_policy: Any = None,
     for _, block in blocks:
         experts = torch_fully_shard(_experts_module(block), mesh=mesh["dp"], **options)
         experts.set_gradient_divide_factor(float(world))
-        # a sum, then one division: the custom factor would otherwise be NCCL's PREMUL_SUM,
-        # which Gloo does not have (one division of the reduced shard costs next to nothing)
-        experts.set_force_sum_reduction_for_comms(True)
+        if mesh["dp"].size() > 1:
+            # a sum, then one division: the custom factor would otherwise be NCCL's
+            # PREMUL_SUM, which Gloo does not have (one division of the reduced shard costs
+            # next to nothing). Not on one rank: FSDP2 divides there already, once more would
+            # divide twice.
+            experts.set_force_sum_reduction_for_comms(True)
     layers = dict.fromkeys(_layer_of(model, name) for name, _ in blocks)
     for name in layers:
         if name:
@@ -141,55 +144,64 @@ def fully_shard(model: nn.Module, mesh: Any = None, *, mp_policy: Any = None,
     return model
 
 
+# Where a parameter's local norm must still be reduced, by role; the same roles, in this
+# order, on every rank (they follow from the model's structure, not from which grads exist).
+ROLES = ("dense", "dense_sharded", "experts", "experts_sharded")
+
+
+def _role(p: nn.Parameter, is_expert: bool) -> tuple[str, Any]:
+    """``(role, the group its sharding adds)`` of one parameter."""
+    DTensor = _dtensor_type()
+    sharded = isinstance(p, DTensor)
+    group = None
+    if sharded:
+        if p.device_mesh.ndim != 1:
+            raise ValueError("mc2.clip_grad_norm_: a parameter on a multi-dimensional mesh "
+                             "(HSDP); shard with mc2.fully_shard")
+        group = p.device_mesh.get_group()
+    return ("experts" if is_expert else "dense") + ("_sharded" if sharded else ""), group
+
+
 def _norm_and_grads(model: nn.Module, norm_type: float) -> tuple[Tensor, list[Tensor]]:
     """The global gradient norm of ``model`` (each parameter counted once over the world) and
     the local gradient tensors to scale."""
     DTensor = _dtensor_type()
-    experts = {id(s.param): s for s in expert_shards(model)}
-    local_grads, partial = [], []  # partial: norms still to be reduced over a group
-    expert_groups: dict[int, Any] = {}
-    for p in model.parameters():
+    shards = {id(s.param): s for s in expert_shards(model)}
+    inf = norm_type == float("inf")
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    sums = {role: torch.zeros((), device=device) for role in ROLES}
+    groups: dict[str, list[Any]] = {role: [] for role in ROLES}
+    local_grads = []
+    for p in params:
+        role, group = _role(p, id(p) in shards)
+        wanted = [group] if group is not None else []
+        if id(p) in shards:  # each EP rank holds other experts: summed over the EP group too
+            wanted.append(shards[id(p)].layout.ep_group)
+        if not groups[role]:
+            groups[role] = wanted
+        elif [id(g) for g in groups[role]] != [id(g) for g in wanted]:
+            raise ValueError("mc2.clip_grad_norm_: parameters of one kind on different groups "
+                             "(build every MC2 block on one mesh)")
         g = p.grad
         if g is None:
-            continue
-        shard = experts.get(id(p))
-        if isinstance(g, DTensor):
-            local = g.to_local()
-            group = g.device_mesh.get_group() if g.device_mesh.ndim == 1 else None
-            if group is None:
-                raise ValueError("mc2.clip_grad_norm_: a gradient on a multi-dimensional mesh")
-            partial.append((local, group))
-        else:
-            local = g
-            partial.append((local, None))
-        if shard is not None:  # summed again over the EP group: each rank holds other experts
-            expert_groups[len(partial) - 1] = shard.layout.ep_group
+            continue  # a missing gradient counts as zero; the role's collectives still run
+        local = g.to_local() if isinstance(g, DTensor) else g
         local_grads.append(local)
-    device = local_grads[0].device if local_grads else torch.device("cpu")
-    inf = norm_type == float("inf")
-    totals: dict[tuple[Any, Any], Tensor] = {}
-    for i, (local, group) in enumerate(partial):
+        if local.numel() == 0:
+            continue  # an empty FSDP chunk (fewer rows than ranks)
         value = torch.linalg.vector_norm(local.float(), norm_type)
-        value = value if inf else value ** norm_type
-        key = (group, expert_groups.get(i))
-        totals[key] = torch.maximum(totals[key], value) if inf and key in totals else \
-            totals.get(key, torch.zeros((), device=device)) + value
+        sums[role] = torch.maximum(sums[role], value) if inf else sums[role] + value ** norm_type
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = torch.zeros((), device=device)
-    for (group, ep_group), value in sorted(totals.items(), key=lambda kv: _key_order(kv[0])):
+    for role in ROLES:
+        value = sums[role]
         if dist.is_initialized():
-            for g in (group, ep_group):
-                if g is not None:
-                    dist.all_reduce(value, op=op, group=g)
+            for group in groups[role]:
+                if group is not None:
+                    dist.all_reduce(value, op=op, group=group)
         total = torch.maximum(total, value) if inf else total + value
     return (total if inf else total ** (1.0 / norm_type)), local_grads
-
-
-def _key_order(key: tuple[Any, Any]) -> tuple[str, str]:
-    """The same order on every rank: by group name (collectives must match)."""
-    def name(g: Any) -> str:
-        return "" if g is None else str(getattr(g, "group_name", dist.get_rank(g)))
-    return name(key[0]), name(key[1])
 
 
 @torch.no_grad()
