@@ -15,7 +15,9 @@ time is the median over its measured steps and rounds. Rows:
   its recompute makes no All-to-All).
 
 Every configuration trains on the same batches from the same weights, so their losses must
-agree (reported as the largest difference from the first row).
+agree (reported as the largest difference from the first row). ``state MB`` is what a rank
+holds in parameters, gradients and AdamW moments (exact); the peak RSS adds the process
+itself (Python, torch, transformers), activations, buffers and FSDP's gathered parameters.
 
     .venv/bin/python benchmarks/stack.py --steps 4 --rounds 2 --out docs/stack.json
 """
@@ -98,7 +100,23 @@ def rank_run(rank: int, world: int, config: str, steps: int, seq: int, micro_bat
             times.append(elapsed)
         losses.append(loss.item())
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "losses": losses, "peak_rss_mb": peak_mb}
+    return {"times": times, "losses": losses, "peak_rss_mb": peak_mb,
+            "state_mb": _state_bytes(model, opt) / 2**20}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _state_bytes(model: Any, opt: Any) -> int:
+    """Bytes this rank holds in parameters, gradients and optimizer state (exact)."""
+    tensors = [p for p in model.parameters()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
 
 
 def main() -> int:
@@ -131,16 +149,18 @@ def main() -> int:
         peak = max(r["peak_rss_mb"] for ranks in runs for r in ranks)
         diff = max(abs(a - b) for ranks in runs for r, f in zip(ranks, first)
                    for a, b in zip(r["losses"], f["losses"]))
+        state = max(r["state_mb"] for ranks in runs for r in ranks)
         rows.append({"config": config, "step_s": step, "peak_rss_mb_per_rank": peak,
+                     "state_mb_per_rank": state,
                      "loss_diff": diff, "tokens_per_s_per_rank": args.seq / step,
                      "times_rank0": times})
     base = rows[0]
     print(f"\n{'configuration':<24}{'step s':>9}{'vs first':>10}{'tok/s/rank':>12}"
-          f"{'peak RSS MB/rank':>18}{'loss diff':>12}")
+          f"{'state MB/rank':>15}{'peak RSS MB/rank':>18}{'loss diff':>12}")
     for r in rows:
         print(f"{r['config']:<24}{r['step_s']:>9.2f}{r['step_s'] / base['step_s']:>10.2f}"
-              f"{r['tokens_per_s_per_rank']:>12.0f}{r['peak_rss_mb_per_rank']:>18.0f}"
-              f"{r['loss_diff']:>12.2e}")
+              f"{r['tokens_per_s_per_rank']:>12.0f}{r['state_mb_per_rank']:>15.0f}"
+              f"{r['peak_rss_mb_per_rank']:>18.0f}{r['loss_diff']:>12.2e}")
     if args.out:
         args.out.write_text(json.dumps({"shape": SHAPE, "args": vars(args) | {"out": str(args.out)},
                                         "rows": rows}, indent=1))

@@ -105,7 +105,8 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
     out = stack(mine)
     (out.pow(2).sum() / x.numel()).backward()  # this rank's share of the mean over all ranks
     return {"losses": losses, "norms": norms, "held": held, "all_dtensors": all_dtensors,
-            "mixed": mixed_result, "manual_losses": manual, "ep_only_norm": ep_only, "stack_out": out.detach(),
+            "mixed": mixed_result, "manual_losses": manual, "ep_only_norm": ep_only,
+            "stack_out": out.detach(),
             "stack_gate_grad": stack[0].gate.weight.grad.full_tensor()}
 
 
