@@ -59,8 +59,8 @@ class ShapedLoopback:
     """``tc qdisc add dev lo root tbf ...`` for the duration of a ``with`` block; removed on
     exit, on an exception and on SIGINT/SIGTERM (re-raised as KeyboardInterrupt/SystemExit)."""
 
-    def __init__(self, rate: str) -> None:
-        self.rate = rate
+    def __init__(self, rate: str, latency: str = "200ms") -> None:
+        self.rate, self.latency = rate, latency
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> "ShapedLoopback":
@@ -68,7 +68,8 @@ class ShapedLoopback:
             self._old[sig] = signal.signal(sig, self._on_signal)
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
         subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate,
-                        "burst", "512kb", "latency", "200ms"], check=True, capture_output=True)
+                        "burst", "512kb", "latency", self.latency], check=True,
+                       capture_output=True)
         return self
 
     @staticmethod

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .engine.config import ConfigOptions, MC2Config
 from .engine.ops import fused_expert_packed
 from .engine.routing import count_on_device
+from .engine.staged import StagedCall, begin_packed
 from .parallel.mesh import resolve_layout
 
 EXPERT_KEYS = ("experts.w_gate_up", "experts.w_down")
@@ -62,6 +63,17 @@ class PackedExperts(nn.Module):
         return fused_expert_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
                                    config=config, shared_up=shared[0], shared_gate=shared[1],
                                    shared_down=shared[2], shared_scale=shared_scale)
+
+    def begin_staged(self, x: Tensor, expert_ids: Tensor, routing_weights: Tensor, *,
+                     group: Any, config: MC2Config,
+                     shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None,
+                                                                                   None),
+                     shared_scale: Tensor | None = None) -> StagedCall:
+        """:meth:`forward` in stages (batch overlap, :mod:`mc2.engine.staged`): plans the
+        call and issues its dispatch; ``.experts()`` and ``.end()`` do the rest."""
+        gate_up, down = self.weights()
+        return begin_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
+                            config=config, shared=shared, shared_scale=shared_scale)
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,15 @@ class MoELayer(nn.Module):
         if return_losses:
             return MoEOutput(out, self.router_losses(logits, ids))
         return out
+
+    def begin_staged(self, x: Tensor) -> StagedCall:
+        """This layer's forward in stages, for batch overlap
+        (:class:`mc2.integrations.batch_overlap.BatchOverlapStack`): routes ``x``, plans the
+        call and issues its dispatch; ``.experts()`` then ``.end()`` (the output) finish it."""
+        ids, weights, _ = self.route(x)
+        shared = tuple(self.shared) if self.shared is not None else (None, None, None)
+        return self.experts.begin_staged(x, ids, weights, group=self.group, config=self.config,
+                                         shared=shared)
 
 
 def _renamed_flat_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:

@@ -21,7 +21,7 @@ rank). Every buffer comes from the call's :class:`~mc2.engine.workspace.Workspac
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from .experts import (
     swiglu_backward_input,
     swiglu_forward,
 )
-from .pipeline import PipelineSteps, run_pipeline
+from .pipeline import PipelineSteps, run_pipeline, start_pass
 from .routing import DispatchHandle, MicroBatchRoute
 from .wire import NONE, WireFormat
 from .workspace import Workspace
@@ -112,10 +112,35 @@ class _Forward:
     shared_activations: ExpertActivations | None = None
 
 
+def _stages(call: CallPlan, steps: PipelineSteps, phase: str) -> Iterator[str]:
+    """The pass's schedule, stopping before each wait when overlapped (see
+    :func:`~mc2.engine.pipeline.start_pass`); the serial schedule runs through."""
+    if not call.overlap:
+        run_pipeline(call.handle, steps, overlap=False, phase=phase, timeline=call.timeline,
+                     wire=call.wire, workspace=call.workspace)
+        return
+    yield from start_pass(call.handle, steps, phase=phase, timeline=call.timeline,
+                          wire=call.wire, workspace=call.workspace)
+
+
+def finished(stages: Generator[str, None, Any]) -> Any:
+    """Run a pass's stages to the end; its result."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as stop:
+            return stop.value
+
+
 def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,
                   call: CallPlan) -> _Forward:
+    return finished(forward_stages(x, weights, shared, call))
+
+
+def forward_stages(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,
+                   call: CallPlan) -> Generator[str, None, _Forward]:
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
-    first dispatch)."""
+    first dispatch), stopping before each wait; returns what the pass produced."""
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
     result = _Forward(ws.empty((tokens * topk, hidden), x.dtype, x.device), [None] * len(routes))
@@ -134,17 +159,12 @@ def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | Non
             offsets=route.expert_offsets)
         return _to_receive_order(ws, route, y)
 
-    run_pipeline(
-        call.handle,
-        PipelineSteps(
-            gather=lambda i: _gather(ws, x, routes[i].token_index),
-            compute=compute,
-            scatter=lambda i, rows: result.expert_out.index_copy_(0, routes[i].pair_order, rows),
-            local=shared_experts if shared is not None else None,
-        ),
-        overlap=call.overlap, phase="forward", timeline=call.timeline, wire=call.wire,
-        workspace=ws,
-    )
+    yield from _stages(call, PipelineSteps(
+        gather=lambda i: _gather(ws, x, routes[i].token_index),
+        compute=compute,
+        scatter=lambda i, rows: result.expert_out.index_copy_(0, routes[i].pair_order, rows),
+        local=shared_experts if shared is not None else None,
+    ), "forward")
     return result
 
 
@@ -166,12 +186,18 @@ def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, li
     return out
 
 
-def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWeights,
+def _backward_pass(*args: Any) -> tuple[Tensor, tuple[Tensor | None, ...],
+                                         tuple[Tensor | None, ...]]:
+    return finished(backward_stages(*args))
+
+
+def backward_stages(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWeights,
                    shared: ExpertWeights | None, activations: list[Any],
                    shared_activations: ExpertActivations | None, call: CallPlan,
                    needed: tuple[bool, ...], shared_needed: tuple[bool, ...],
                    shared_scale: Tensor | None = None
-                   ) -> tuple[Tensor, tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
+                   ) -> Generator[str, None, tuple[Tensor, tuple[Tensor | None, ...],
+                                                   tuple[Tensor | None, ...]]]:
     """The output gradients out along the dispatch routes, the input gradients back along the
     combine routes; the weight gradients while those travel. The shared experts see the output
     gradient times their ``[T, 1]`` scale, if any.
@@ -216,18 +242,13 @@ def _backward_pass(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWei
         grad_x.add_(grad_in)
         shared_grads.add(work, strategy=call.strategy)
 
-    run_pipeline(
-        call.handle,
-        PipelineSteps(
-            gather=gather,
-            compute=compute,
-            scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
-            deferred=weight_grads,
-            local=shared_experts if shared is not None else None,
-        ),
-        overlap=call.overlap, phase="backward", timeline=call.timeline, wire=call.wire,
-        workspace=ws,
-    )
+    yield from _stages(call, PipelineSteps(
+        gather=gather,
+        compute=compute,
+        scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
+        deferred=weight_grads,
+        local=shared_experts if shared is not None else None,
+    ), "backward")
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     return grad_x, grads.finish(), shared_out
 

@@ -39,7 +39,7 @@ right after the wait, so the compute steps only ever see compute-dtype rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -120,13 +120,30 @@ def run_pipeline(
     one_pass = _Pass(handle, steps, phase, timeline, wire, workspace)
     if not overlap:
         one_pass.serial()
-    else:
-        try:
-            one_pass.overlapped()
-        except BaseException as exc:
-            _release(one_pass.in_flight(), wait=not isinstance(exc, CommTimeout))
-            raise
-    check_deadlines()
+        check_deadlines()
+        return
+    for _ in staged_pass(one_pass):
+        pass
+
+
+def start_pass(handle: DispatchHandle, steps: PipelineSteps, *, phase: str,
+               timeline: Timeline | None = None, wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
+               workspace: Workspace | None = None) -> Iterator[str]:
+    """The overlapped schedule as a generator that stops before each wait: it yields
+    ``"dispatch"`` when a dispatch is in flight and is about to be waited for, ``"combine"``
+    likewise, and ends when the pass is done. A caller runs other work at each stop: batch
+    overlap (:mod:`mc2.engine.staged`) computes the other micro-batch there."""
+    return staged_pass(_Pass(handle, steps, phase, timeline, wire, workspace))
+
+
+def staged_pass(one_pass: "_Pass") -> Iterator[str]:
+    """:meth:`_Pass.overlapped`'s steps; transfers in flight are released on an error."""
+    try:
+        yield from one_pass.overlapped()
+        check_deadlines()
+    except BaseException as exc:
+        _release(one_pass.in_flight(), wait=not isinstance(exc, CommTimeout))
+        raise
 
 
 @dataclass
@@ -227,9 +244,10 @@ class _Pass:
             self.scatter(i, returned)
             self.deferred(i)
 
-    def overlapped(self) -> None:
-        """The overlapped schedule; transfers stay in :attr:`dispatches` and :attr:`combines`
-        until waited, so :func:`run_pipeline` can release them on an error."""
+    def overlapped(self) -> Iterator[str]:
+        """The overlapped schedule, stopping before each wait (see :func:`start_pass`);
+        transfers stay in :attr:`dispatches` and :attr:`combines` until waited, so they can be
+        released on an error."""
         k = self.handle.num_micro_batches
         # without local work the fill gets the link to itself (module docstring)
         first_alone = self.steps.local is None
@@ -240,6 +258,7 @@ class _Pass:
                 self.dispatches[i + 1], issue_next = issue_next(True), None
             if i == 0:
                 self.local()
+            yield "dispatch"
             with self._span("wait", "dispatch", i):
                 received = self.waited(self.dispatches.pop(i), "dispatch", i)
             if issue_next is not None:
@@ -247,7 +266,9 @@ class _Pass:
             self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)
             self.deferred(i)
             if i >= 1:
+                yield "combine"
                 self._receive(i - 1)
+        yield "combine"
         self._receive(k - 1)
 
     def _receive(self, i: int) -> None:

@@ -168,6 +168,20 @@ class MC2SparseMoeBlock(nn.Module):
                            shared=shared, shared_scale=scale)
         return out.reshape(shape)
 
+    def begin_staged(self, hidden_states: Tensor) -> "_Reshaped":
+        """:meth:`forward` in stages, for batch overlap
+        (:mod:`mc2.integrations.batch_overlap`): routes, plans the call and issues its
+        dispatch; ``.experts()`` then ``.end()`` (the output) finish it."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        weights, ids = self._route(x)
+        shared, scale = self._shared(x)
+        call = self.experts.begin_staged(x, ids, weights.to(x.dtype), group=self.group,
+                                         config=self.config, shared=shared, shared_scale=scale)
+        return _Reshaped(call, shape)
+
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(top_k_weights, top_k_index)`` of the router, checked by dtype and shape only (no
         host read): a router returning another order or format must fail loudly, not route
@@ -196,6 +210,19 @@ class MC2SparseMoeBlock(nn.Module):
         views = tuple(getattr(mlp, name).weight.t().unsqueeze(0)
                       for name in ("up_proj", "gate_proj", "down_proj"))
         return views, torch.sigmoid(self.shared_expert_gate(x))
+
+
+class _Reshaped:
+    """A staged call whose output takes the block's input shape back."""
+
+    def __init__(self, call: Any, shape: torch.Size) -> None:
+        self.call, self.shape = call, shape
+
+    def experts(self) -> None:
+        self.call.experts()
+
+    def end(self) -> Tensor:
+        return self.call.end().reshape(self.shape)
 
 
 def gemm_for(experts_implementation: str) -> str:
@@ -385,7 +412,8 @@ def _extend_hf_models(model: nn.Module) -> None:
 
 
 def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
-               config: MC2Config | None = None, **options: Unpack[ConfigOptions]) -> int:
+               config: MC2Config | None = None, batch_overlap: bool | str = False,
+               min_tokens: int | None = None, **options: Unpack[ConfigOptions]) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
     Every rank must call it on an identical model (same weights, or all on the meta device):
@@ -397,6 +425,11 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
 
     Afterwards ``model.init_weights()`` initialises the experts too (meta-device builds) and
     ``model.set_experts_implementation`` sets the blocks' ``gemm`` (see the module docstring).
+
+    ``batch_overlap``: ``True`` or ``"auto"`` runs each forward as two micro-batches interleaved
+    across the decoder layers, each one's All-to-All travelling while the other computes
+    (:mod:`mc2.integrations.batch_overlap`, ``docs/batch_overlap.md``); ``min_tokens``: the
+    tokens per rank below which it is off.
 
     Raises:
         ValueError: the model has no block this adapter understands; a block holds a part
@@ -420,7 +453,32 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "
                          f"experts found in {type(model).__name__}")
     _extend_hf_models(model)
+    if batch_overlap:
+        _overlap_layers(model, batch_overlap, min_tokens, blocks=[
+            m for m in model.modules() if isinstance(m, MC2SparseMoeBlock)])
     return len(blocks)
+
+
+def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
+                    blocks: list["MC2SparseMoeBlock"]) -> None:
+    """Put the decoder layers that hold the MC2 blocks into an :class:`OverlappedLayers`."""
+    from .batch_overlap import MIN_TOKENS, Decision, OverlappedLayers, stage_problem
+
+    holders = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.ModuleList) and any(
+                   isinstance(x, MC2SparseMoeBlock) for layer in m for x in layer.modules())]
+    if len(holders) != 1:
+        raise ValueError(f"batch_overlap: expected one list of decoder layers holding the MoE "
+                         f"blocks, found {[name for name, _ in holders]}")
+    name, layers = holders[0]
+    problems = [p for layer in layers if (p := stage_problem(layer))]
+    if problems:
+        raise ValueError(f"batch_overlap: cannot run these layers in stages: {problems}")
+    decision = Decision(mode, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
+                        group=blocks[0].group)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child,
+            OverlappedLayers(list(layers), decision=decision))
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Batch overlap across decoder layers against MC2 inside each layer, on a whole model.
+
+A Mixtral-shaped Hugging Face model scaled to this machine (hidden 1024, ffn 2048, 8 experts,
+top-2, 8 attention heads, 2 decoder layers, sequences of 512, ``--tokens`` per rank), 2 ranks,
+plain processes, forward + backward (no optimizer step), one world per regime with the three
+modes interleaved over ``--rounds``:
+
+- ``serial``: every fused call synchronous, K = 1 (the step ``T_serial``; its All-to-All time,
+  measured from the calls' spans, is ``T_comm``, and ``T_comp = T_serial - T_comm``);
+- ``mc2``: MC2 inside each layer (``micro_batches="auto"``);
+- ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
+  interleaved across the layers, forward and backward.
+
+Columns (DESIGN.md section 6): step time (median), exposed communication
+``step - T_comp``, the comm share ``exposed / step``, ``T_comp``, ``T_comm``, the bound
+``max(T_comp, T_comm)``, step / bound, tokens/s per rank. Regimes: plain loopback and loopback
+shaped with ``tc tbf`` (root; always removed; 800 ms of tbf latency at 100 Mbit)::
+
+    sudo .venv/bin/python benchmarks/model_overlap.py --regimes plain,500mbit,200mbit,100mbit \\
+        --json docs/model_overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import mc2  # noqa: E402
+from compare_peers import ShapedLoopback, can_shape  # noqa: E402
+
+MODES = ("serial", "mc2", "batch")
+SHAPE = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+             num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False)
+SEQ = 512
+LATENCY = {"100mbit": "800ms"}
+
+
+def _model() -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from mc2.integrations.transformers import enable_mc2
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**SHAPE))
+    enable_mc2(model, micro_batches="auto", batch_overlap=True, min_tokens=1)
+    return model
+
+
+def _set_mode(model: Any, mode: str) -> None:
+    from mc2.integrations.transformers import MC2SparseMoeBlock
+
+    for block in model.modules():
+        if isinstance(block, MC2SparseMoeBlock):
+            block.config = block.config.replace(
+                overlap=mode != "serial", micro_batches=1 if mode == "serial" else "auto")
+    model.model.layers.decision.chosen = mode == "batch"
+
+
+def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int) -> dict[str, Any]:
+    """Every mode's step times and the serial mode's communication time, on this rank."""
+    from mc2.engine.clock import clock_for
+
+    model = _model()
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, SHAPE["vocab_size"], (tokens // SEQ, SEQ), generator=g)
+    clock = clock_for(torch.device("cpu"))
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    comm: list[float] = []
+    for mode in MODES:  # warm up every mode (and let "auto" settle its K)
+        _set_mode(model, mode)
+        for _ in range(2 if mode == "mc2" else 1):
+            model(ids, labels=ids, use_cache=False).loss.backward()
+    for _ in range(rounds):
+        for mode in MODES:
+            _set_mode(model, mode)
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                torch.distributed.barrier()
+                with mc2.profile() as prof:
+                    start = clock.stamp()
+                    model(ids, labels=ids, use_cache=False).loss.backward()
+                    elapsed = clock.elapsed(start, clock.stamp())
+                times[mode].append(elapsed)
+                if mode == "serial":
+                    comm.append(prof.timeline.total("comm"))
+    return {"times": times, "comm": comm}
+
+
+def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
+    """Per step, the slowest rank (a step ends when every rank is done)."""
+    series = [r[key][mode] if mode else r[key] for r in ranks]
+    return [max(values) for values in zip(*series)]
+
+
+def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    t_comm = statistics.median(_agreed(ranks, "comm"))
+    steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in MODES}
+    t_comp = steps["serial"] - t_comm
+    bound = max(t_comp, t_comm)
+    rows = {}
+    for mode in MODES:
+        exposed = max(steps[mode] - t_comp, 0.0)
+        rows[mode] = {"step_s": steps[mode], "exposed_s": exposed,
+                      "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
+                      "tokens_per_s_per_rank": tokens / steps[mode]}
+    return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "rows": rows,
+            "batch_vs_mc2": steps["batch"] / steps["mc2"]}
+
+
+def print_regime(name: str, result: dict[str, Any]) -> None:
+    print(f"\n{name}: T_comp {result['T_comp']:.3f} s, T_comm {result['T_comm']:.3f} s, "
+          f"bound {result['bound']:.3f} s; batch / mc2 = {result['batch_vs_mc2']:.3f}")
+    print(f"{'mode':<8}{'step s':>9}{'exposed s':>11}{'comm share':>12}{'/ bound':>9}"
+          f"{'tok/s/rank':>12}")
+    for mode, row in result["rows"].items():
+        print(f"{mode:<8}{row['step_s']:>9.3f}{row['exposed_s']:>11.3f}"
+              f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}"
+              f"{row['tokens_per_s_per_rank']:>12.0f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--regimes", default="plain,500mbit,200mbit,100mbit",
+                        help="plain, or tc tbf rates such as 500mbit (comma-separated)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
+    parser.add_argument("--steps", type=int, default=2, help="steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    regimes = args.regimes.split(",")
+    if any(r != "plain" for r in regimes) and (why := can_shape()):
+        raise SystemExit(f"shaped regimes: {why}")
+    results = {}
+    for regime in regimes:
+        print(f"== {regime}", file=sys.stderr, flush=True)
+        run = lambda: mc2.run_local(rank_steps, 2, args=(args.tokens, args.steps,  # noqa: E731
+                                                         args.rounds), timeout_s=3600)
+        if regime == "plain":
+            ranks = run()
+        else:
+            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
+                ranks = run()
+        results[regime] = summarize(ranks, args.tokens)
+        print_regime(regime, results[regime])
+        sys.stdout.flush()
+    if args.json:
+        args.json.write_text(json.dumps({"shape": SHAPE, "seq": SEQ, "args": vars(args) | {
+            "json": str(args.json)}, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

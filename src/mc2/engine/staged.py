@@ -1,0 +1,262 @@
+"""A fused call in three stages, so that other work can run at its two waits.
+
+Batch overlap (:mod:`mc2.integrations.batch_overlap`) splits a batch into two micro-batches and
+runs the decoder layers stage by stage: while micro-batch A's dispatch travels, B computes its
+attention; while B's dispatch travels, A computes its experts; and so on. The fused call of one
+micro-batch must then stop where it would wait. Here it is three autograd Functions over one
+state, each running the pass (:func:`~mc2.engine.function.forward_stages`) up to its next wait:
+
+====================  ==================================  =========================================
+stage                 forward                             backward
+====================  ==================================  =========================================
+``begin`` (dispatch)  plan, gather, issue the dispatch,   wait for the gradients' combine, scatter
+                      shared experts under it             them into ``grad x``; the weight grads
+``experts``           wait, experts, issue the combine    wait for the gradients' dispatch, expert
+                                                          backward, issue their combine, weight
+                                                          gradients under it
+``end`` (combine)     wait, scatter, weighted top-k sum   routing-weight gradient, gather, issue
+                                                          the gradients' dispatch, shared experts
+====================  ==================================  =========================================
+
+The three are chained by empty tensors, so autograd runs their backwards in reverse; between
+them it runs whatever else is ready, by the order the forward created it: with two micro-batches
+interleaved stage by stage, the backward interleaves too, and each gradient exchange travels
+while the other micro-batch computes. Each stage runs one micro-batch of the call (``K = 1``):
+the other micro-batch of the batch provides the overlap.
+
+The activations stay in the state between forward and backward (not ``save_for_backward``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generator, Iterator
+
+import torch
+from torch import Tensor
+
+from ..observation.profiler import active_timeline
+from .call_plan import plan_call
+from .config import MC2Config
+from .deadline import deadline, resolve_timeout
+from .experts import ExpertWeights
+from .function import (
+    CallPlan,
+    _Forward,
+    _shared_weights,
+    _weighted_sum,
+    backward_stages,
+    forward_stages,
+)
+
+
+def _advance(stages: Generator[str, None, Any]) -> tuple[bool, Any]:
+    """Run to the next stop: ``(done, the pass's result when done)``."""
+    try:
+        next(stages)
+        return False, None
+    except StopIteration as stop:
+        return True, stop.value
+
+
+@dataclass
+class _State:
+    """One staged call, from its plan to its last backward stage."""
+
+    call: CallPlan
+    weights: ExpertWeights
+    shared: ExpertWeights | None
+    shape: torch.Size
+    seconds: float | None
+    needs_experts: tuple[bool, ...] = ()
+    needs_shared: tuple[bool, ...] = ()
+    forward: Generator[str, None, _Forward] | None = None
+    forward_result: _Forward | None = None
+    backward: Generator[str, None, Any] | None = None
+    backward_result: Any = None
+    saved: dict[str, Any] = field(default_factory=dict)
+
+    def step_forward(self) -> None:
+        if self.forward_result is None and self.forward is not None:
+            with deadline(self.seconds), torch.autocast(self.weights.device.type,
+                                                        enabled=False):
+                done, value = _advance(self.forward)
+            if done:
+                self.forward_result = value
+
+    def step_backward(self) -> None:
+        if self.backward_result is None and self.backward is not None:
+            with deadline(self.seconds), torch.autocast(self.weights.device.type,
+                                                        enabled=False):
+                done, value = _advance(self.backward)
+            if done:
+                self.backward_result = value
+
+
+def _token(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+class _Begin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, state: _State, *weights: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.state = state
+        state.needs_shared = tuple(ctx.needs_input_grad[2:5]) if state.shared is not None \
+            else ()
+        state.needs_experts = tuple(ctx.needs_input_grad[2 + 3 * (state.shared is not None):])
+        flat = x.reshape(-1, x.shape[-1])
+        state.forward = forward_stages(flat, state.weights, state.shared, state.call)
+        state.saved["x"] = flat
+        state.step_forward()
+        return _token(x)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        state: _State = ctx.state
+        while state.backward_result is None:
+            state.step_backward()
+        grad_x, expert_grads, shared_grads = state.backward_result
+        state.call.workspace.tick()
+        ctx.state = None
+        shared = tuple(shared_grads) if state.shared is not None else ()
+        return (grad_x.view(state.shape), None, *shared, *expert_grads)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, state: _State) -> Tensor:  # type: ignore[override]
+        ctx.state = state
+        state.step_forward()
+        return _token(token)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        ctx.state.step_backward()
+        return _token(_), None
+
+
+class _End(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, routing_weights: Tensor, s_scale: Tensor | None,
+                state: _State) -> Tensor:  # type: ignore[override]
+        ctx.state = state
+        while state.forward_result is None:
+            state.step_forward()
+        result = state.forward_result
+        flat = state.saved["x"]
+        out = _weighted_sum(result, routing_weights, state.call, flat, state.shape, s_scale)
+        if state.call.keep_activations:
+            state.saved.update(routing_weights=routing_weights, scale=s_scale)
+        else:
+            state.saved.clear()
+            state.forward_result = None
+            state.call.workspace.tick()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        state: _State = ctx.state
+        call, result = state.call, state.forward_result
+        tokens, topk = call.handle.num_tokens, call.handle.topk
+        hidden = grad_out.shape[-1]
+        grad_out = grad_out.contiguous().view(-1, hidden)
+        routing_weights, scale = state.saved["routing_weights"], state.saved["scale"]
+        grad_weights = grad_scale = None
+        if ctx.needs_input_grad[1]:
+            grad_weights = torch.bmm(result.expert_out.view(tokens, topk, hidden),
+                                     grad_out.view(tokens, hidden, 1)).view(tokens, topk)
+        if ctx.needs_input_grad[2]:
+            grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
+                                   result.shared_out.view(tokens, hidden, 1)).view(tokens, 1)
+        state.backward = backward_stages(
+            grad_out, routing_weights, state.weights, state.shared, result.activations,
+            result.shared_activations, call, state.needs_experts, state.needs_shared, scale)
+        state.forward_result, state.saved = None, {}
+        state.step_backward()
+        return _token(grad_out), grad_weights, grad_scale, None
+
+
+class StagedCall:
+    """A fused call of one micro-batch, run as :meth:`experts` and :meth:`end` after its
+    :func:`begin`; call them in that order, once each."""
+
+    def __init__(self, token: Tensor, state: _State, combine: Tensor,
+                 scale: Tensor | None) -> None:
+        self._token, self._state, self._combine, self._scale = token, state, combine, scale
+
+    def experts(self) -> None:
+        """Wait for the dispatch, run the experts, issue the combine."""
+        self._token = _Experts.apply(self._token, self._state)
+
+    def end(self) -> Tensor:
+        """Wait for the combine; the output, shaped like the input."""
+        return _End.apply(self._token, self._combine, self._scale, self._state)
+
+
+_LABEL: contextvars.ContextVar[int] = contextvars.ContextVar("mc2_staged_micro_batch", default=0)
+
+
+@contextmanager
+def micro_batch_label(label: int) -> Iterator[None]:
+    """Calls begun inside file their spans under micro-batch ``label`` (batch overlap's two
+    micro-batches are 0 and 1, so a trace shows both of every layer)."""
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+class _Labelled:
+    """A timeline that files every span under one micro-batch label."""
+
+    def __init__(self, timeline: Any, label: int) -> None:
+        self._timeline, self._label = timeline, label
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._timeline, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:  # e.g. sync_fallback: the timeline's, not the label's
+            setattr(self._timeline, name, value)
+
+    def span(self, kind: Any, name: str, phase: str, micro_batch: int = -1) -> Any:
+        return self._timeline.span(kind, name, phase, self._label)
+
+    def add(self, kind: Any, name: str, phase: str, micro_batch: int, start: Any,
+            end: Any) -> None:
+        self._timeline.add(kind, name, phase, self._label, start, end)
+
+    def mark(self, kind: Any, name: str, phase: str, micro_batch: int = -1) -> None:
+        self._timeline.mark(kind, name, phase, self._label)
+
+
+def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
+                 routing_weights: Tensor, *, group: Any, config: MC2Config,
+                 shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+                 shared_scale: Tensor | None = None) -> StagedCall:
+    """Plan a :func:`mc2.fused_expert_packed` call and issue its dispatch (one micro-batch,
+    ``K = 1``); see the module docstring. Planning runs the handshake and the counts exchange
+    now, as every call does."""
+    from .ops import _function_inputs
+
+    config = config.replace(micro_batches=1)
+    seconds = resolve_timeout(config.timeout)
+    named = {"weights_gate_up": gate_up, "weights_down": down}
+    full_shared = (*shared, shared_scale)
+    timeline = active_timeline()
+    if timeline is not None:
+        timeline = _Labelled(timeline, _LABEL.get())
+    with deadline(seconds), torch.autocast(x.device.type, enabled=False):
+        call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=config,
+                                           packed=True, group=group, shared=full_shared,
+                                           timeout=seconds, timeline=timeline)
+    _, (s_up, s_gate, s_down, s_scale) = _function_inputs(x, expert_ids, None, full_shared)
+    state = _State(call, weights, _shared_weights(s_up, s_gate, s_down), x.shape, seconds)
+    shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
+    token = _Begin.apply(x, state, *shared_tensors, *weights.tensors())
+    return StagedCall(token, state, combine, s_scale)

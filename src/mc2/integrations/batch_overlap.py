@@ -1,0 +1,383 @@
+"""Batch overlap: two micro-batches through the decoder layers, stage by stage.
+
+Overlap inside one MoE layer hides an All-to-All behind that layer's experts at best, and pays a
+pipeline fill and drain in every layer; during attention the link is idle. Here the batch is
+split into two micro-batches (whole sequences) and every decoder layer runs as *stages*: the
+part before the MoE block (attention, norms, router, and the dispatch issued), the experts (the
+combine issued), and the part after (the combine waited for). The schedule of one step::
+
+    A: attention(0), dispatch(0)
+    B: attention(0)               <- A's dispatch travels
+    A: experts(0)                 <- B's dispatch travels
+    B: experts(0)                 <- A's combine travels
+    A: combine(0), attention(1)   <- B's combine travels
+    B: combine(0), attention(1)   <- A's dispatch travels
+    ...
+    B: combine(L-1)               (the step's only exposed transfer besides A's first dispatch)
+
+so each transfer of one micro-batch travels while the other computes, across layer boundaries:
+the bound is ``max(T_compute, T_comm)`` per step instead of a sum over layers. The backward
+interleaves the same way by itself (:mod:`mc2.engine.staged`). Results are those of the
+unsplit batch: attention, norms, router and experts act on each sequence or token alone.
+
+A layer's stages are a generator (:data:`LayerStages`): it runs the layer up to its MoE block,
+yields the begun call (:class:`mc2.engine.staged.StagedCall`), receives the block's output and
+returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face decoder layers;
+a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverlapStack`).
+
+When it runs: every rank must split or not (the two micro-batches make different collectives),
+so the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
+where it cannot or should not run: a batch of one sequence, fewer tokens than ``min_tokens``
+(too small to hide anything behind: the measured threshold is in ``docs/batch_overlap.md``), a
+KV cache (decoding), or a block that cannot be staged. ``"auto"`` also measures: the first
+forwards alternate with and without batch overlap, and the faster one stays.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from functools import partial
+from typing import Any, Callable, Generator, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.comm import all_reduce_max
+from ..engine.clock import clock_for
+from ..engine.staged import micro_batch_label
+
+LayerStages = Generator[Any, Tensor, Tensor]
+"""A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
+layer's output."""
+
+MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
+
+
+class BatchOverlapWarning(UserWarning):
+    """Batch overlap was asked for and does not run (said once per reason)."""
+
+
+_said: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        warnings.warn(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
+
+
+def _start(stages: LayerStages) -> tuple[Any, Tensor | None]:
+    """Run a layer up to its MoE call: ``(the begun call, None)``, or ``(None, output)`` for a
+    layer without one."""
+    try:
+        return next(stages), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
+def _finish(stages: LayerStages, call: Any) -> Tensor:
+    """Wait for the call's combine and run the rest of the layer."""
+    out = call.end()
+    try:
+        stages.send(out)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a layer's stages yielded more than one MoE call")
+
+
+def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
+                   layers_b: Sequence[Callable[[Tensor], LayerStages]], a: Tensor, b: Tensor
+                   ) -> tuple[Tensor, Tensor]:
+    """The two micro-batches ``a`` and ``b`` through their layers (each ``h -> stages``; the
+    same layers, with each micro-batch's own arguments) in the schedule of the module
+    docstring; their outputs."""
+    pending_b: tuple[LayerStages, Any] | None = None
+    for layer_a, layer_b in zip(layers_a, layers_b):
+        with micro_batch_label(0):
+            stages_a = layer_a(a)
+            call_a, done_a = _start(stages_a)
+        if pending_b is not None:  # B's previous combine travelled under A's attention
+            with micro_batch_label(1):
+                b, pending_b = _finish(*pending_b), None
+        with micro_batch_label(1):
+            stages_b = layer_b(b)
+            call_b, done_b = _start(stages_b)
+        if call_a is not None:
+            call_a.experts()
+        if call_b is not None:
+            call_b.experts()
+        if call_a is not None:
+            with micro_batch_label(0):
+                a = _finish(stages_a, call_a)
+        else:
+            a = done_a
+        if call_b is not None:
+            pending_b = (stages_b, call_b)
+        else:
+            b = done_b
+    if pending_b is not None:
+        with micro_batch_label(1):
+            b = _finish(*pending_b)
+    return a, b
+
+
+def split_point(batch: int) -> int:
+    """Sequences in the first micro-batch: half, so the token counts balance (equal lengths)."""
+    return batch // 2
+
+
+def split_value(value: Any, batch: int, cut: int) -> tuple[Any, Any]:
+    """A layer argument for each micro-batch: tensors (and tuples of them) whose first
+    dimension is the batch are cut; everything else goes to both."""
+    if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value[:cut], value[cut:]
+    if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
+        parts = [split_value(v, batch, cut) for v in value]
+        return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
+    return value, value
+
+
+class Decision:
+    """Whether a forward runs with batch overlap; the same answer on every rank.
+
+    Args:
+        mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
+        min_tokens: tokens per rank below which it is off.
+        group: the expert-parallel group the agreement runs on.
+        trials: forwards measured each way under ``"auto"``.
+    """
+
+    def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
+                 trials: int = 3) -> None:
+        if mode not in (True, False, "auto"):
+            raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
+        self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self.chosen: bool | None = None if mode == "auto" else bool(mode)
+
+    def wanted(self, batch: int, tokens: int, cached: bool, device: torch.device) -> bool:
+        """This forward's answer (one ``all_reduce`` when batch overlap may run)."""
+        if self.chosen is False:
+            return False
+        reason = None
+        if cached:
+            reason = "a KV cache is in use (decoding, or a prefill with use_cache=True)"
+        elif batch < 2:
+            reason = "a batch of one sequence cannot be split into two micro-batches"
+        elif tokens < self.min_tokens:
+            reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
+                      "(too few to hide communication behind)")
+        flag = torch.tensor([0 if reason is None else 1], device=device)
+        if all_reduce_max(flag, self.group, "batch overlap").item():  # one read a forward
+            _say_once(reason or "another rank cannot split its batch")
+            return False
+        if self.chosen is None:  # "auto": alternate until both sides are measured
+            return len(self.times[True]) <= len(self.times[False])
+        return self.chosen
+
+    def measured(self, overlapped: bool, seconds: float, device: torch.device) -> None:
+        """One forward's time, agreed over the group; decides ``"auto"`` once both sides have
+        ``trials`` times."""
+        if self.chosen is not None:
+            return
+        agreed = all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=device),
+                                self.group, "batch overlap")
+        self.times[overlapped].append(float(agreed.item()))
+        if min(len(t) for t in self.times.values()) >= self.trials:
+            on, off = (statistics.median(self.times[k]) for k in (True, False))
+            self.chosen = on < off * 0.97
+            if not self.chosen:
+                _say_once(f"measured slower here ({on * 1e3:.1f} ms against {off * 1e3:.1f} ms "
+                          "a forward)")
+
+
+def timed_forward(decision: Decision, overlapped: bool, run: Callable[[], Tensor],
+                  device: torch.device) -> Tensor:
+    """``run()``, timed for an undecided ``"auto"``."""
+    if decision.chosen is not None:
+        return run()
+    clock = clock_for(device)
+    start = clock.stamp()
+    out = run()
+    decision.measured(overlapped, clock.elapsed(start, clock.stamp()), device)
+    return out
+
+
+class BatchOverlapStack(nn.Module):
+    """A stack of your own layers, run with batch overlap.
+
+    Each layer gives ``forward_staged(x)``: a generator that runs the layer up to its MoE
+    block, yields the block's begun call (``MoELayer.begin_staged(h)``), receives its output
+    and returns the layer's output::
+
+        def forward_staged(self, x):
+            h = x + self.attention(self.norm1(x))
+            out = yield self.moe.begin_staged(self.norm2(h))
+            return h + out
+
+    and a plain ``forward`` (used when batch overlap is off). ``x`` is ``[batch, seq, H]``;
+    batches are split by sequence.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], *, batch_overlap: bool | str = True,
+                 min_tokens: int = MIN_TOKENS, group: Any = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        for layer in self.layers:
+            if not callable(getattr(layer, "forward_staged", None)):
+                raise ValueError(f"BatchOverlapStack: {type(layer).__name__} has no "
+                                 "forward_staged(x) (see the class docstring)")
+        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+        overlapped = self.decision.wanted(x.shape[0], tokens, False, x.device)
+
+        def plain() -> Tensor:
+            h = x
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+        def split() -> Tensor:
+            cut = split_point(x.shape[0])
+            stages = [layer.forward_staged for layer in self.layers]
+            return torch.cat(run_overlapped(stages, stages, x[:cut], x[cut:]))
+
+        return timed_forward(self.decision, overlapped, split if overlapped else plain,
+                             x.device)
+
+
+def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str, Any]
+                    ) -> LayerStages:
+    """A Hugging Face decoder layer (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``; Mixtral, Qwen2-MoE, Qwen3-MoE) in stages, as its
+    own ``forward`` computes it. With gradient checkpointing on, the part before the MoE block
+    is checkpointed (the block's rows are kept, as :func:`mc2.checkpoint_policy` keeps them)."""
+
+    def attention(h: Tensor) -> tuple[Tensor, Tensor]:
+        x, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), **kwargs)
+        h = h + x
+        return h, layer.post_attention_layernorm(h)
+
+    if getattr(layer, "gradient_checkpointing", False) and layer.training:
+        h, x = layer._gradient_checkpointing_func(attention, hidden_states)
+    else:
+        h, x = attention(hidden_states)
+    begin = getattr(layer.mlp, "begin_staged", None)
+    if begin is None:
+        return h + layer.mlp(x)
+    out = yield begin(x)
+    return h + out
+
+
+STAGED_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def stage_problem(layer: nn.Module) -> str | None:
+    """Why :func:`hf_layer_stages` cannot run ``layer``, or ``None``."""
+    missing = [p for p in STAGED_PARTS if not isinstance(getattr(layer, p, None), nn.Module)]
+    if missing:
+        return f"{type(layer).__name__} has no {missing}"
+    return None
+
+
+class _LayerCall:
+    """What the model's loop calls for one layer: records the layer's arguments; the last one
+    runs every layer (:class:`OverlappedLayers`). The others hand their input back unchanged:
+    the loop only threads it through."""
+
+    def __init__(self, loop: "_Loop", index: int) -> None:
+        self.loop, self.index = loop, index
+
+    def __call__(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self.index == 0:
+            self.loop.calls.clear()
+            self.loop.first = hidden_states
+        self.loop.calls.append((args, kwargs))
+        if self.index < len(self.loop.layers) - 1:
+            return hidden_states
+        return self.loop.run()
+
+
+class _Loop:
+    """One pass of the model's layer loop over ``layers``."""
+
+    def __init__(self, layers: list[nn.Module], decision: Decision) -> None:
+        self.layers, self.decision = layers, decision
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
+        self.first: Tensor | None = None
+
+    def run(self) -> Tensor:
+        hidden_states = self.first
+        assert hidden_states is not None
+        calls, self.first = list(self.calls), None
+        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+        cached = any(kw.get("cache") is not None or kw.get("past_key_values") is not None
+                     for _, kw in calls)
+        positional = any(args for args, _ in calls)
+        overlapped = not positional and self.decision.wanted(batch, batch * seq, cached,
+                                                             hidden_states.device)
+
+        def plain() -> Tensor:
+            h = hidden_states
+            for layer, (args, kwargs) in zip(self.layers, calls):
+                h = layer(h, *args, **kwargs)
+            return h
+
+        def split() -> Tensor:
+            cut = split_point(batch)
+            firsts, seconds = [], []
+            for _, kwargs in calls:
+                first, second = {}, {}
+                for key, value in kwargs.items():
+                    first[key], second[key] = split_value(value, batch, cut)
+                firsts.append(first)
+                seconds.append(second)
+            layers_a = [partial(hf_layer_stages, layer, kwargs=kw)
+                        for layer, kw in zip(self.layers, firsts)]
+            layers_b = [partial(hf_layer_stages, layer, kwargs=kw)
+                        for layer, kw in zip(self.layers, seconds)]
+            return torch.cat(run_overlapped(layers_a, layers_b, hidden_states[:cut],
+                                            hidden_states[cut:]))
+
+        return timed_forward(self.decision, overlapped, split if overlapped else plain,
+                             hidden_states.device)
+
+
+class _LoopView:
+    """``layers[:n]`` of :class:`OverlappedLayers`, as the model's forward loops over it."""
+
+    def __init__(self, layers: list[nn.Module], decision: Decision) -> None:
+        self.loop = _Loop(layers, decision)
+
+    def __iter__(self) -> Iterator[_LayerCall]:
+        return iter([_LayerCall(self.loop, i) for i in range(len(self.loop.layers))])
+
+    def __len__(self) -> int:
+        return len(self.loop.layers)
+
+
+class OverlappedLayers(nn.ModuleList):
+    """A Hugging Face model's decoder layers with batch overlap.
+
+    The same modules under the same names (state dicts and checkpoints do not change, and
+    iterating it gives the layers). What differs is the slice the model's forward loops over
+    (``for layer in self.layers[:n]: h = layer(h, **kwargs)``): its items record each layer's
+    arguments, and the last runs the whole stack through :func:`run_overlapped` (or layer by
+    layer when batch overlap is off for that forward). Hooks on the decoder layers' own
+    ``forward`` do not fire under batch overlap (the runner calls their parts).
+    """
+
+    def __init__(self, modules: Any = None, *, decision: Decision | None = None) -> None:
+        super().__init__(modules)
+        self.decision = decision if decision is not None else Decision(False)
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            layers = list(self._modules.values())[idx]
+            if self.decision.chosen is False:
+                return nn.ModuleList(layers)
+            return _LoopView(layers, self.decision)
+        return super().__getitem__(idx)

@@ -1,0 +1,81 @@
+"""Rank functions for batch overlap: the same model with and without it, gradients included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+from tests.workers_mesh import CONFIG
+
+
+class OneExpertRouter(MixtralTopKRouter):
+    """A hostile router: every token to experts 0 and 1 (both on rank 0), weights from a real
+    softmax so gradients still flow; a Mixtral router class, so Hugging Face records its
+    logits for the auxiliary loss."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = logits.float().softmax(-1)
+        ids = torch.arange(self.top_k, device=x.device).expand(x.shape[0], self.top_k)
+        return logits, probs.gather(1, ids).to(x.dtype), ids
+
+
+def _model(dtype: torch.dtype, hostile: bool, **mc2_options: Any):
+    import transformers
+
+    from mc2.integrations.transformers import enable_mc2
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**CONFIG, output_router_logits=True,
+                                        router_aux_loss_coef=0.02)
+    model = transformers.MixtralForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.3)
+    if hostile:
+        for layer in model.model.layers:
+            router = OneExpertRouter(config).to(dtype)
+            router.load_state_dict(layer.mlp.gate.state_dict())
+            layer.mlp.gate = router
+    enable_mc2(model, micro_batches=2, **mc2_options)
+    return model
+
+
+def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
+    import mc2
+
+    gradient_sync = mc2.GradientSync(model) if sync else None
+    with mc2.profile() as prof:
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+    if gradient_sync is not None:
+        gradient_sync.wait()
+    return {"labels": sorted({s.micro_batch for s in prof.spans}),"logits": out.logits.detach(), "loss": out.loss.detach(),
+            "aux": None if out.aux_loss is None else out.aux_loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None}}
+
+
+def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
+                     options: dict[str, Any], stack: dict[str, bool]) -> dict[str, Any]:
+    """One step of the same model and batch, without and with batch overlap; ``stack``:
+    ``checkpointing`` (Hugging Face's, non-reentrant) and ``sync`` (``mc2.GradientSync``) on
+    both."""
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
+    models = [_model(dtype, hostile, **options),
+              _model(dtype, hostile, batch_overlap=True, min_tokens=1, **options)]
+    if stack.get("checkpointing"):
+        for m in models:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = _step(models[0], ids, stack.get("sync", False))
+    model = models[1]
+    overlapped = _step(model, ids, stack.get("sync", False))
+    with torch.no_grad():  # a no-grad forward (prefill without a cache) takes it too
+        prefill = model(ids, use_cache=False).logits
+    return {"plain": plain, "overlapped": overlapped, "prefill": prefill,
+            "chosen": model.model.layers.decision.chosen}
