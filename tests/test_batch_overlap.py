@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mc2
+from mc2.integrations.batch_overlap import BatchOverlapStack
 from tests.workers_overlap import with_and_without
 
 
@@ -25,10 +26,13 @@ def _same(plain: dict, got: dict, rtol: float, atol: float) -> None:
     ("float64", False, {}, {}, 1e-12),
     ("float64", True, {}, {"checkpointing": True}, 1e-12),  # everything to experts 0 and 1
     ("float32", False, {"wire_dtype": "bf16", "shared": None}, {"sync": True}, 1e-6),
-], ids=["float64", "one-expert+checkpointing", "float32+bf16-wire+gradient-sync"])
+    ("float64", False, {"hierarchy": "2d"}, {"world": 4, "nodes": 2}, 1e-12),
+], ids=["float64", "one-expert+checkpointing", "float32+bf16-wire+gradient-sync",
+        "2d-on-2-nodes"])
 def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, tol) -> None:
     options = {k: v for k, v in options.items() if k != "shared"}
-    results = mc2.run_local(with_and_without, 2, args=(dtype, hostile, options, stack),
+    world = stack.get("world", 2)
+    results = mc2.run_local(with_and_without, world, args=(dtype, hostile, options, stack),
                             timeout_s=120)
     for r in results:
         assert r["chosen"] is True
@@ -36,3 +40,86 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
         assert -1 in r["plain"]["labels"]  # planning spans of plain calls carry no label
         _same(r["plain"], r["overlapped"], rtol=tol, atol=tol)
         torch.testing.assert_close(r["prefill"], r["plain"]["logits"], rtol=tol, atol=tol)
+
+
+def _stack(overlap: bool | str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [Block() for _ in range(2)]
+    if overlap is False:
+        return torch.nn.Sequential(*layers)
+    return BatchOverlapStack(layers, batch_overlap=overlap, min_tokens=1)
+
+
+class Block(torch.nn.Module):
+    """A decoder-layer stand-in with a forward_staged (BatchOverlapStack's protocol)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(16, 16, dtype=torch.float64)
+        self.moe = mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1, dtype=torch.float64)
+        self.moe.reset_parameters(std=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.tanh(self.mix(x))
+        return h + self.moe(h)
+
+    def forward_staged(self, x: torch.Tensor):
+        h = x + torch.tanh(self.mix(x))
+        out = yield self.moe.begin_staged(h)
+        return h + out
+
+
+def test_a_stack_of_your_own_layers_in_one_process() -> None:
+    x = torch.randn(4, 6, 16, dtype=torch.float64, requires_grad=True)
+    plain, staged = _stack(False), _stack(True)
+    a, b = plain(x), staged(x)
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    a.pow(2).sum().backward()
+    grad_plain = x.grad.clone()
+    x.grad = None
+    b.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, grad_plain, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), staged.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_it_turns_itself_off_and_says_so_once() -> None:
+    import warnings
+
+    from mc2.integrations import batch_overlap as bo
+
+    bo._said.clear()
+    decision = bo.Decision(True, min_tokens=64)
+    cpu = torch.device("cpu")
+    with pytest.warns(bo.BatchOverlapWarning, match="one sequence"):
+        assert not decision.wanted(1, 4096, False, cpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: no second warning
+        assert not decision.wanted(1, 4096, False, cpu)
+    with pytest.warns(bo.BatchOverlapWarning, match="fewer than min_tokens=64"):
+        assert not decision.wanted(4, 32, False, cpu)
+    with pytest.warns(bo.BatchOverlapWarning, match="KV cache"):
+        assert not decision.wanted(4, 4096, True, cpu)
+    assert decision.wanted(4, 4096, False, cpu)
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        bo.Decision("sometimes")
+
+
+def test_auto_keeps_the_faster_schedule() -> None:
+    from mc2.integrations import batch_overlap as bo
+
+    cpu = torch.device("cpu")
+    decision = bo.Decision("auto", min_tokens=1, trials=2)
+    picks = []
+    for _ in range(4):
+        on = decision.wanted(4, 4096, False, cpu)
+        picks.append(on)
+        decision.measured(on, 1.0 if on else 2.0, cpu)
+    assert sorted(picks) == [False, False, True, True]  # both sides measured, alternating
+    assert decision.chosen is True
+    slower = bo.Decision("auto", min_tokens=1, trials=1)
+    with pytest.warns(bo.BatchOverlapWarning, match="measured slower"):
+        for _ in range(2):
+            on = slower.wanted(4, 4096, False, cpu)
+            slower.measured(on, 2.0 if on else 1.0, cpu)
+    assert slower.chosen is False and not slower.wanted(4, 4096, False, cpu)

@@ -53,7 +53,8 @@ def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
         out.loss.backward()
     if gradient_sync is not None:
         gradient_sync.wait()
-    return {"labels": sorted({s.micro_batch for s in prof.spans}),"logits": out.logits.detach(), "loss": out.loss.detach(),
+    return {"labels": sorted({s.micro_batch for s in prof.spans}),
+            "logits": out.logits.detach(), "loss": out.loss.detach(),
             "aux": None if out.aux_loss is None else out.aux_loss.detach(),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None}}
@@ -64,6 +65,10 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
     """One step of the same model and batch, without and with batch overlap; ``stack``:
     ``checkpointing`` (Hugging Face's, non-reentrant) and ``sync`` (``mc2.GradientSync``) on
     both."""
+    import os
+
+    if stack.get("nodes"):  # ranks per node: a 2-D exchange across emulated nodes
+        os.environ["LOCAL_WORLD_SIZE"] = str(world // stack["nodes"])
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)

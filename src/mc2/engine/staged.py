@@ -244,6 +244,10 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     now, as every call does."""
     from .ops import _function_inputs
 
+    if any(type(t).__name__ == "DTensor" for t in (gate_up, down)):
+        raise ValueError("batch overlap does not run on FSDP2-sharded experts yet (their "
+                         "gather hooks wrap the experts module's forward, not its stages): use "
+                         "batch_overlap=False with mc2.fully_shard")
     config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     named = {"weights_gate_up": gate_up, "weights_down": down}
