@@ -261,7 +261,8 @@ def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str
         h = h + x
         return h, layer.post_attention_layernorm(h)
 
-    if getattr(layer, "gradient_checkpointing", False) and layer.training:
+    if getattr(layer, "gradient_checkpointing", False) and layer.training \
+            and torch.is_grad_enabled():
         h, x = layer._gradient_checkpointing_func(attention, hidden_states)
     else:
         h, x = attention(hidden_states)
