@@ -10,7 +10,9 @@ modes interleaved over ``--rounds``:
   measured from the calls' spans, is ``T_comm``, and ``T_comp = T_serial - T_comm``);
 - ``mc2``: MC2 inside each layer (``micro_batches="auto"``);
 - ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
-  interleaved across the layers, forward and backward.
+  interleaved across the layers, forward and backward;
+- ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
+  ways (warm-up here) and keeps the faster schedule.
 
 Columns (DESIGN.md section 6): step time (median), exposed communication
 ``step - T_comp``, the comm share ``exposed / step``, ``T_comp``, ``T_comm``, the bound
@@ -39,6 +41,7 @@ import mc2  # noqa: E402
 from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
+OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
 SHAPE = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
              num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -57,17 +60,28 @@ def _model() -> Any:
     return model
 
 
+_AUTO: dict[str, Any] = {}
+
+
 def _set_mode(model: Any, mode: str) -> None:
+    from mc2.integrations.batch_overlap import Decision
     from mc2.integrations.transformers import MC2SparseMoeBlock
 
-    for block in model.modules():
-        if isinstance(block, MC2SparseMoeBlock):
-            block.config = block.config.replace(
-                overlap=mode != "serial", micro_batches=1 if mode == "serial" else "auto")
-    model.model.layers.decision.chosen = mode == "batch"
+    blocks = [b for b in model.modules() if isinstance(b, MC2SparseMoeBlock)]
+    for block in blocks:
+        block.config = block.config.replace(
+            overlap=mode != "serial", micro_batches=1 if mode == "serial" else "auto")
+    layers = model.model.layers
+    if mode == "auto":  # one decision for the whole run, as a job would have
+        if "decision" not in _AUTO:
+            _AUTO["decision"] = Decision("auto", min_tokens=1, group=blocks[0].group)
+        layers.decision = _AUTO["decision"]
+        return
+    layers.decision = Decision(mode == "batch", min_tokens=1, group=blocks[0].group)
 
 
-def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int) -> dict[str, Any]:
+def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
+               modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     """Every mode's step times and the serial mode's communication time, on this rank."""
     from mc2.engine.clock import clock_for
 
@@ -76,14 +90,16 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int) -> d
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, SHAPE["vocab_size"], (tokens // SEQ, SEQ), generator=g)
     clock = clock_for(torch.device("cpu"))
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     comm: list[float] = []
-    for mode in MODES:  # warm up every mode (and let "auto" settle its K)
+    for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
             model(ids, labels=ids, use_cache=False).loss.backward()
+        while mode == "auto" and _AUTO["decision"].chosen is None:
+            model(ids, labels=ids, use_cache=False).loss.backward()
     for _ in range(rounds):
-        for mode in MODES:
+        for mode in modes:
             _set_mode(model, mode)
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
@@ -95,7 +111,8 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int) -> d
                 times[mode].append(elapsed)
                 if mode == "serial":
                     comm.append(prof.timeline.total("comm"))
-    return {"times": times, "comm": comm}
+    chosen = _AUTO["decision"].chosen if "decision" in _AUTO else None
+    return {"times": times, "comm": comm, "auto_chose_batch": chosen}
 
 
 def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
@@ -106,22 +123,25 @@ def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> l
 
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comm = statistics.median(_agreed(ranks, "comm"))
-    steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in MODES}
+    steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in ranks[0]["times"]}
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
     rows = {}
-    for mode in MODES:
+    for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
         rows[mode] = {"step_s": steps[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
                       "tokens_per_s_per_rank": tokens / steps[mode]}
     return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "rows": rows,
-            "batch_vs_mc2": steps["batch"] / steps["mc2"]}
+            "batch_vs_mc2": steps["batch"] / steps["mc2"],
+            "auto_chose_batch": ranks[0]["auto_chose_batch"]}
 
 
 def print_regime(name: str, result: dict[str, Any]) -> None:
+    auto = result.get("auto_chose_batch")
+    chose = "" if auto is None else f"; auto chose {'batch overlap' if auto else 'mc2'}"
     print(f"\n{name}: T_comp {result['T_comp']:.3f} s, T_comm {result['T_comm']:.3f} s, "
-          f"bound {result['bound']:.3f} s; batch / mc2 = {result['batch_vs_mc2']:.3f}")
+          f"bound {result['bound']:.3f} s; batch / mc2 = {result['batch_vs_mc2']:.3f}{chose}")
     print(f"{'mode':<8}{'step s':>9}{'exposed s':>11}{'comm share':>12}{'/ bound':>9}"
           f"{'tok/s/rank':>12}")
     for mode, row in result["rows"].items():
@@ -138,16 +158,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
     parser.add_argument("--steps", type=int, default=2, help="steps per mode and round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--auto", action="store_true",
+                        help="also run batch_overlap='auto' (its trial forwards are warm-up)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     if any(r != "plain" for r in regimes) and (why := can_shape()):
         raise SystemExit(f"shaped regimes: {why}")
     results = {}
+    modes = MODES + (OPTIONAL_MODES if args.auto else ())
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)
-        run = lambda: mc2.run_local(rank_steps, 2, args=(args.tokens, args.steps,  # noqa: E731
-                                                         args.rounds), timeout_s=3600)
+        run = lambda: mc2.run_local(rank_steps, 2, args=(  # noqa: E731
+            args.tokens, args.steps, args.rounds, modes), timeout_s=3600)
         if regime == "plain":
             ranks = run()
         else:

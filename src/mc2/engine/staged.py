@@ -79,20 +79,23 @@ class _State:
     saved: dict[str, Any] = field(default_factory=dict)
 
     def step_forward(self) -> None:
-        if self.forward_result is None and self.forward is not None:
-            with deadline(self.seconds), torch.autocast(self.weights.device.type,
-                                                        enabled=False):
-                done, value = _advance(self.forward)
-            if done:
-                self.forward_result = value
+        """Run the forward pass to its next stop (or its end)."""
+        if self.forward_result is None:
+            self.forward_result = self._advanced(self.forward)
 
     def step_backward(self) -> None:
-        if self.backward_result is None and self.backward is not None:
-            with deadline(self.seconds), torch.autocast(self.weights.device.type,
-                                                        enabled=False):
-                done, value = _advance(self.backward)
-            if done:
-                self.backward_result = value
+        """Run the backward pass to its next stop (or its end)."""
+        if self.backward_result is None:
+            self.backward_result = self._advanced(self.backward)
+
+    def _advanced(self, stages: Generator[str, None, Any] | None) -> Any:
+        """The pass's result when this step ended it, else ``None``; under the call's
+        deadline, autocast off (its GEMMs write into buffers of the call's dtype)."""
+        if stages is None:
+            return None
+        with deadline(self.seconds), torch.autocast(self.weights.device.type, enabled=False):
+            done, value = _advance(stages)
+        return value if done else None
 
 
 def _token(like: Tensor) -> Tensor:
