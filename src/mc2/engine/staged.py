@@ -91,8 +91,8 @@ class _State:
     def _advanced(self, stages: Generator[str, None, Any] | None) -> Any:
         """The pass's result when this step ended it, else ``None``; under the call's
         deadline, autocast off (its GEMMs write into buffers of the call's dtype)."""
-        if stages is None:
-            return None
+        if stages is None:  # a stage run out of order: a bug, never a silent loop
+            raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
         with deadline(self.seconds), torch.autocast(self.weights.device.type, enabled=False):
             done, value = _advance(stages)
         return value if done else None
