@@ -78,9 +78,13 @@ def test_a_stack_of_your_own_layers_in_one_process() -> None:
     grad_plain = x.grad.clone()
     x.grad = None
     b.pow(2).sum().backward()
-    torch.testing.assert_close(x.grad, grad_plain, rtol=1e-12, atol=1e-12)
-    for (name, p), q in zip(plain.named_parameters(), staged.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)
+    # relative to each gradient's norm: the two micro-batches sum the same terms in another
+    # order, and elements that cancel to near zero carry that rounding (~1e-16 of the terms)
+    pairs = [("x", x.grad, grad_plain)] + [
+        (name, q.grad, p.grad) for (name, p), q in zip(plain.named_parameters(),
+                                                       staged.parameters())]
+    for name, got, want in pairs:
+        assert float((got - want).norm() / want.norm()) <= 1e-12, name
 
 
 def test_it_turns_itself_off_and_says_so_once() -> None:
