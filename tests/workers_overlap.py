@@ -22,15 +22,26 @@ class OneExpertRouter(MixtralTopKRouter):
         return logits, probs.gather(1, ids).to(x.dtype), ids
 
 
-def _model(dtype: torch.dtype, hostile: bool, **mc2_options: Any):
+QWEN2_MOE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=24,
+                 shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                 decoder_sparse_step=1, norm_topk_prob=False, max_position_embeddings=64,
+                 experts_implementation="eager")
+
+
+def _model(dtype: torch.dtype, hostile: bool, kind: str = "Mixtral", **mc2_options: Any):
     import transformers
 
     from mc2.integrations.transformers import enable_mc2
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(**CONFIG, output_router_logits=True,
-                                        router_aux_loss_coef=0.02)
-    model = transformers.MixtralForCausalLM(config).to(dtype)
+    if kind == "Qwen2Moe":  # a gated shared expert in every block
+        config = transformers.Qwen2MoeConfig(**QWEN2_MOE, output_router_logits=True)
+        model = transformers.Qwen2MoeForCausalLM(config).to(dtype)
+    else:
+        config = transformers.MixtralConfig(**CONFIG, output_router_logits=True,
+                                            router_aux_loss_coef=0.02)
+        model = transformers.MixtralForCausalLM(config).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "experts" in name or "gate" in name:
@@ -72,8 +83,9 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
-    models = [_model(dtype, hostile, **options),
-              _model(dtype, hostile, batch_overlap=True, min_tokens=1, **options)]
+    kind = stack.get("kind", "Mixtral")
+    models = [_model(dtype, hostile, kind, **options),
+              _model(dtype, hostile, kind, batch_overlap=True, min_tokens=1, **options)]
     if stack.get("checkpointing"):
         for m in models:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
