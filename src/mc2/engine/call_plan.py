@@ -203,7 +203,7 @@ def plan_call(
     config: MC2Config,
     packed: bool,
     group: Any,
-    shared: tuple[Tensor | None, Tensor | None, Tensor | None],
+    shared: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
     problem: str | None = None,
     num_experts: int | None = None,
     timeline: Timeline | None = None,
@@ -216,7 +216,9 @@ def plan_call(
     weights. Raises ``ValueError`` on every rank when any rank's input is bad.
 
     ``problem``: what the caller already found wrong (a bad option), carried to the handshake
-    so that every rank raises with it.
+    so that every rank raises with it. ``shared``: the shared experts ``(up, gate, down)`` and
+    their per-token ``scale``, each or all ``None``. ``needs_grad``: whether a backward follows
+    (default: from autograd; a traced call says so itself).
     """
     timeline = timeline if timeline is not None else active_timeline()
     world = group_size(group)
