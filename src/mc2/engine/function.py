@@ -343,17 +343,9 @@ def _backward(result: ForwardResult, saved: list[Tensor | None], grad_out: Tenso
     routing_weights, expert_out, shared_out, s_up, s_gate, s_down, s_scale, *rest = saved
     experts, kept = rest[:result.num_experts_tensors], rest[result.num_experts_tensors:]
     activations, shared_activations = _activations_back(result.activation_layout, kept)
-    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
-    grad_out = grad_out.contiguous().view(-1, hidden)
-    grad_weights = None
-    if needed[1]:
-        grad_weights = torch.bmm(
-            expert_out.view(tokens, topk, hidden), grad_out.view(tokens, hidden, 1)
-        ).view(tokens, topk)
-    grad_scale = None
-    if needed[6]:  # d out / d scale = the shared output: its dot with grad_out per token
-        grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
-                               shared_out.view(tokens, hidden, 1)).view(tokens, 1)
+    grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
+    grad_weights, grad_scale = combine_grads(call, grad_out, expert_out, shared_out,
+                                             needed[1], needed[6])
     grad_x, expert_grads, shared_grads = _backward_pass(
         grad_out, routing_weights, ExpertWeights.in_order(tuple(experts)),
         _shared_weights(s_up, s_gate, s_down), activations, shared_activations,
@@ -363,6 +355,23 @@ def _backward(result: ForwardResult, saved: list[Tensor | None], grad_out: Tenso
         call.on_pass_done("backward", Interval(clock, started, clock.stamp()))
     return (grad_x.view(result.x_shape), grad_weights, None, *shared_grads, grad_scale,
             *expert_grads)
+
+
+def combine_grads(call: CallPlan, grad_out: Tensor, expert_out: Tensor | None,
+                  shared_out: Tensor | None, want_weights: bool, want_scale: bool
+                  ) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of the weighted sum's two local inputs, from ``grad_out [T, H]``: the
+    routing weights ``[T, topk]`` (each slot's expert output dotted with it) and the shared
+    experts' scale ``[T, 1]`` (the shared output dotted with it); ``None`` where not wanted."""
+    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, grad_out.shape[-1]
+    grad_weights = grad_scale = None
+    if want_weights:
+        grad_weights = torch.bmm(expert_out.view(tokens, topk, hidden),
+                                 grad_out.view(tokens, hidden, 1)).view(tokens, topk)
+    if want_scale:
+        grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
+                               shared_out.view(tokens, hidden, 1)).view(tokens, 1)
+    return grad_weights, grad_scale
 
 
 class FusedExpertFunction(torch.autograd.Function):

@@ -151,7 +151,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, combine_weights, _, experts, s_up, s_gate, s_down, s_scale = inputs[:8]
     tensors = [x, combine_weights, s_up, s_gate, s_down, s_scale, *experts]
     ctx.needed = list(inputs[12])
-    ctx.save_for_backward(output[1], *[t if t is not None else None for t in tensors])
+    ctx.save_for_backward(output[1], *tensors)
 
 
 def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:

@@ -21,6 +21,7 @@ from . import recompute
 from .call_plan import combine_weights, plan_call
 from .config import ConfigOptions, MC2Config
 from .deadline import CommTimeout, deadline, resolve_timeout
+from .experts import PACKED_ORDER, SPLIT_ORDER
 from .function import ForwardResult, FusedExpertFunction, run_forward
 from .planner import Planner
 from .workspace import Workspace
@@ -80,11 +81,11 @@ def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: 
     if cache is not None and cache.replaying:
         return _replayed(x, named, expert_ids, routing_weights, shared, cache)
     record = cache.record if cache is not None else None
-    return _guarded(lambda: _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg,
+    return guarded(lambda: _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg,
                                              problem, record=record, **runtime), cfg, x)
 
 
-def _guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
+def guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
     """``fn()`` under the call's deadline, with autocast off, a timeout named by its phase."""
     seconds = resolve_timeout(cfg.timeout)
     device_type = x.device.type if isinstance(x, Tensor) else "cpu"
@@ -97,7 +98,7 @@ def _guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
             raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
 
 
-def _function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
                      shared: tuple) -> tuple[Tensor, tuple]:
     """The combine weights ``[T, topk]`` and the shared experts as one expert of width
     ``S * shared_ffn`` with their scale ``[T, 1]``: the autograd Function's layout."""
@@ -122,7 +123,7 @@ def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
                                        timeout=resolve_timeout(config.timeout), **runtime)
     if record is not None:
         call = replace(call, record=record)
-    _, function_shared = _function_inputs(x, expert_ids, None, shared)
+    _, function_shared = function_inputs(x, expert_ids, None, shared)
     return FusedExpertFunction.apply(x, combine, call, *function_shared, *weights.tensors())
 
 
@@ -130,7 +131,7 @@ def _replayed(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
               routing_weights: Tensor | None, shared: tuple, cache: Any) -> Tensor:
     """A recompute under a policy that saved the call: its recorded forward, no row moves."""
     result = cache.next_result()
-    combine, function_shared = _function_inputs(x, expert_ids, routing_weights, shared)
+    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
     call = replace(result.call, replay=result, record=None)
     return FusedExpertFunction.apply(x, combine, call, *function_shared, *named.values())
 
@@ -140,9 +141,8 @@ def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
                      group: Any, num_experts: int | None, needs: tuple[bool, ...]
                      ) -> ForwardResult:
     """The forward of :data:`mc2.engine.operator.FUSED_EXPERT` (inputs already in the
-    Function's layout, see :func:`_function_inputs`)."""
-    names = ("weights_gate_up", "weights_down") if packed else \
-        ("weights_up", "weights_gate", "weights_down")
+    Function's layout, see :func:`function_inputs`)."""
+    names = ["weights_" + name for name in (PACKED_ORDER if packed else SPLIT_ORDER)]
 
     def run() -> ForwardResult:
         call, weights, _ = plan_call(x, dict(zip(names, experts)), expert_ids, combine,
@@ -151,7 +151,7 @@ def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
                                      timeout=resolve_timeout(config.timeout))
         return run_forward(x, combine, call, shared, weights.tensors(), needs)
 
-    return _guarded(run, config, x)
+    return guarded(run, config, x)
 
 
 def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
@@ -169,7 +169,7 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
                          "torch.export (the traced call uses the process's defaults)")
     hidden = x.shape[-1]
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
-    combine, function_shared = _function_inputs(x, expert_ids, routing_weights, shared)
+    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
     experts = list(named.values())
     grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
     needs = [grad and t is not None and t.requires_grad

@@ -48,8 +48,10 @@ from .function import (
     _shared_weights,
     _weighted_sum,
     backward_stages,
+    combine_grads,
     forward_stages,
 )
+from .ops import function_inputs, guarded
 
 
 def _advance(stages: Generator[str, None, Any]) -> tuple[bool, Any]:
@@ -162,17 +164,10 @@ class _End(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
         call, result = state.call, state.forward_result
-        tokens, topk = call.handle.num_tokens, call.handle.topk
-        hidden = grad_out.shape[-1]
-        grad_out = grad_out.contiguous().view(-1, hidden)
+        grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         routing_weights, scale = state.saved["routing_weights"], state.saved["scale"]
-        grad_weights = grad_scale = None
-        if ctx.needs_input_grad[1]:
-            grad_weights = torch.bmm(result.expert_out.view(tokens, topk, hidden),
-                                     grad_out.view(tokens, hidden, 1)).view(tokens, topk)
-        if ctx.needs_input_grad[2]:
-            grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
-                                   result.shared_out.view(tokens, hidden, 1)).view(tokens, 1)
+        grad_weights, grad_scale = combine_grads(call, grad_out, result.expert_out,
+                                                 result.shared_out, *ctx.needs_input_grad[1:3])
         state.backward = backward_stages(
             grad_out, routing_weights, state.weights, state.shared, result.activations,
             result.shared_activations, call, state.needs_experts, state.needs_shared, scale)
@@ -245,8 +240,6 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     """Plan a :func:`mc2.fused_expert_packed` call and issue its dispatch (one micro-batch,
     ``K = 1``); see the module docstring. Planning runs the handshake and the counts exchange
     now, as every call does."""
-    from .ops import _function_inputs
-
     if any(type(t).__name__ == "DTensor" for t in (gate_up, down)):
         raise ValueError("batch overlap does not run on FSDP2-sharded experts yet (their "
                          "gather hooks wrap the experts module's forward, not its stages): use "
@@ -258,11 +251,11 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     timeline = active_timeline()
     if timeline is not None:
         timeline = _Labelled(timeline, _LABEL.get())
-    with deadline(seconds), torch.autocast(x.device.type, enabled=False):
-        call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=config,
-                                           packed=True, group=group, shared=full_shared,
-                                           timeout=seconds, timeline=timeline)
-    _, (s_up, s_gate, s_down, s_scale) = _function_inputs(x, expert_ids, None, full_shared)
+    call, weights, combine = guarded(
+        lambda: plan_call(x, named, expert_ids, routing_weights, config=config, packed=True,
+                          group=group, shared=full_shared, timeout=seconds, timeline=timeline),
+        config, x)
+    _, (s_up, s_gate, s_down, s_scale) = function_inputs(x, expert_ids, None, full_shared)
     state = _State(call, weights, _shared_weights(s_up, s_gate, s_down), x.shape, seconds)
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
     token = _Begin.apply(x, state, *shared_tensors, *weights.tensors())

@@ -158,29 +158,26 @@ class MC2SparseMoeBlock(nn.Module):
             self.config = self.config.replace(gemm=gemm_for(chosen))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        if self.training and self.jitter_noise > 0:  # as Mixtral: router and experts see it
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        weights, ids = self._route(x)
-        shared, scale = self._shared(x)
-        out = self.experts(x, ids, weights.to(x.dtype), group=self.group, config=self.config,
-                           shared=shared, shared_scale=scale)
-        return out.reshape(shape)
+        x, call_args = self._call_args(hidden_states)
+        return self.experts(x, **call_args).reshape(hidden_states.shape)
 
     def begin_staged(self, hidden_states: Tensor) -> "_Reshaped":
         """:meth:`forward` in stages, for batch overlap
         (:mod:`mc2.integrations.batch_overlap`): routes, plans the call and issues its
         dispatch; ``.experts()`` then ``.end()`` (the output) finish it."""
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        x, call_args = self._call_args(hidden_states)
+        return _Reshaped(self.experts.begin_staged(x, **call_args), hidden_states.shape)
+
+    def _call_args(self, hidden_states: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        """The tokens ``[T, H]`` (with Mixtral's jitter in training: router and experts see it)
+        and the rest of the experts' call: routes, group, config, shared expert and scale."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         weights, ids = self._route(x)
         shared, scale = self._shared(x)
-        call = self.experts.begin_staged(x, ids, weights.to(x.dtype), group=self.group,
-                                         config=self.config, shared=shared, shared_scale=scale)
-        return _Reshaped(call, shape)
+        return x, {"expert_ids": ids, "routing_weights": weights.to(x.dtype), "group": self.group,
+                   "config": self.config, "shared": shared, "shared_scale": scale}
 
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(top_k_weights, top_k_index)`` of the router, checked by dtype and shape only (no
