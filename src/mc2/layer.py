@@ -211,8 +211,8 @@ class MoELayer(nn.Module):
         ``return_losses=True`` a :class:`MoEOutput` ``(output, losses)`` (the return type is
         fixed by the flag, as ``torch.max`` with and without ``dim``)."""
         ids, weights, logits = self.route(x)
-        shared = tuple(self.shared) if self.shared is not None else (None, None, None)
-        out = self.experts(x, ids, weights, group=self.group, config=self.config, shared=shared)
+        out = self.experts(x, ids, weights, group=self.group, config=self.config,
+                           shared=self._shared_tensors())
         if return_losses:
             return MoEOutput(out, self.router_losses(logits, ids))
         return out
@@ -222,9 +222,12 @@ class MoELayer(nn.Module):
         (:class:`mc2.integrations.batch_overlap.BatchOverlapStack`): routes ``x``, plans the
         call and issues its dispatch; ``.experts()`` then ``.end()`` (the output) finish it."""
         ids, weights, _ = self.route(x)
-        shared = tuple(self.shared) if self.shared is not None else (None, None, None)
         return self.experts.begin_staged(x, ids, weights, group=self.group, config=self.config,
-                                         shared=shared)
+                                         shared=self._shared_tensors())
+
+    def _shared_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The shared experts ``(up, gate, down)``, or ``None``s."""
+        return tuple(self.shared) if self.shared is not None else (None, None, None)
 
 
 def _renamed_flat_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.comm import all_reduce_max
+from ..engine.host import read, upload
 from ..engine.clock import clock_for
 from ..engine.staged import micro_batch_label
 
@@ -168,8 +169,8 @@ class Decision:
         elif tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
-        flag = torch.tensor([0 if reason is None else 1], device=device)
-        if all_reduce_max(flag, self.group, "batch overlap").item():  # one read a forward
+        flag = upload([0 if reason is None else 1], device)
+        if read(all_reduce_max(flag, self.group, "batch overlap"))[0]:  # one read a forward
             _say_once(reason or "another rank cannot split its batch")
             return False
         if self.chosen is None:  # "auto": alternate until both sides are measured
@@ -181,9 +182,9 @@ class Decision:
         ``trials`` times."""
         if self.chosen is not None:
             return
-        agreed = all_reduce_max(torch.tensor([seconds], dtype=torch.float64, device=device),
-                                self.group, "batch overlap")
-        self.times[overlapped].append(float(agreed.item()))
+        agreed = all_reduce_max(upload([seconds], device, torch.float64), self.group,
+                                "batch overlap")
+        self.times[overlapped].append(float(read(agreed)[0]))
         if min(len(t) for t in self.times.values()) >= self.trials:
             on, off = (statistics.median(self.times[k]) for k in (True, False))
             self.chosen = on < off * 0.97

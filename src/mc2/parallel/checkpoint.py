@@ -231,17 +231,20 @@ def load(model: nn.Module, path: str | os.PathLike, *,
         state.update({OPTIMIZER_PREFIX + k: v for k, v in optim_state.items()})
     state[EXTRA_KEY] = io.BytesIO()
     _dcp("load", state, path)
-    # the expert entries were loaded in place into the model's own tensors (plain, or FSDP2's
-    # DTensors), which is what load_state_dict takes; the rest DCP loaded as they are
-    model.load_state_dict({k: model_own[k] if model_state[k] is not model_own[k]
-                           else state[MODEL_PREFIX + k] for k in model_state})
+    model.load_state_dict(_as_loaded(model_state, model_own, state, MODEL_PREFIX))
     if optimizer is not None:
         set_optimizer_state_dict(
-            model, optimizer,
-            {k: optim_own[k] if optim_state[k] is not optim_own[k]
-             else state[OPTIMIZER_PREFIX + k] for k in optim_state},
+            model, optimizer, _as_loaded(optim_state, optim_own, state, OPTIMIZER_PREFIX),
             options=StateDictOptions(flatten_optimizer_state_dict=True))
     return _extra_of(state[EXTRA_KEY].getvalue(), path)
+
+
+def _as_loaded(for_dcp: dict[str, Any], own: dict[str, Any], loaded: dict[str, Any],
+               prefix: str) -> dict[str, Any]:
+    """What to hand back to ``load_state_dict``: the expert entries were loaded in place into
+    the model's own tensors (plain, or FSDP2's DTensors), which is what it takes; the rest
+    (non-tensor values DCP replaces too) as DCP loaded them."""
+    return {k: own[k] if for_dcp[k] is not own[k] else loaded[prefix + k] for k in for_dcp}
 
 
 def saved_keys(path: str | os.PathLike) -> list[str]:

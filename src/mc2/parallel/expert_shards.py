@@ -33,14 +33,17 @@ class ExpertShard:
     num_experts: int
 
 
+def mc2_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MC2 modules of ``model`` (those reporting expert shards), named, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if callable(getattr(m, "mc2_expert_parameters", None))]
+
+
 def expert_shards(model: nn.Module) -> list[ExpertShard]:
     """Every expert shard of ``model``, in module order (the same order on every rank)."""
     shards = []
-    for prefix, module in model.named_modules():
-        local = getattr(module, "mc2_expert_parameters", None)
-        if not callable(local):
-            continue
-        for name, param in local().items():
+    for prefix, module in mc2_modules(model):
+        for name, param in module.mc2_expert_parameters().items():
             full = f"{prefix}.{name}" if prefix else name
             shards.append(ExpertShard(full, param, module.layout, module.num_experts))
     return shards

@@ -30,19 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .expert_shards import expert_shards
+from .expert_shards import expert_shards, mc2_modules
 
 
 def _dtensor_type() -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor
-
-
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The MC2 blocks of ``model`` (modules that report expert shards), in module order."""
-    return [(name, m) for name, m in model.named_modules()
-            if callable(getattr(m, "mc2_expert_parameters", None))]
 
 
 def _experts_module(block: nn.Module) -> nn.Module:
@@ -118,7 +112,7 @@ def fully_shard(model: nn.Module, mesh: Any = None, *, mp_policy: Any = None,
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    blocks = _blocks(model)
+    blocks = mc2_modules(model)
     if not blocks:
         raise ValueError(f"mc2.fully_shard: {type(model).__name__} has no MC2 block "
                          "(enable_mc2 or MoELayer first)")
