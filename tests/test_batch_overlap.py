@@ -40,7 +40,10 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
         assert r["overlapped"]["labels"] == [0, 1]  # both micro-batches of every call traced
         assert -1 in r["plain"]["labels"]  # planning spans of plain calls carry no label
         _same(r["plain"], r["overlapped"], rtol=tol, atol=tol)
-        torch.testing.assert_close(r["prefill"], r["plain"]["logits"], rtol=tol, atol=tol)
+        plain, split = r["prefill"]  # no grad, with a KV cache, then a decoding step on it
+        torch.testing.assert_close(split["logits"], r["plain"]["logits"], rtol=tol, atol=tol)
+        for name in ("logits", "cache", "decode"):
+            torch.testing.assert_close(split[name], plain[name], rtol=tol, atol=tol, msg=name)
 
 
 def _stack(overlap: bool | str, seed: int = 0) -> torch.nn.Module:
@@ -97,15 +100,15 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
     decision = bo.Decision(True, min_tokens=64)
     cpu = torch.device("cpu")
     with pytest.warns(bo.BatchOverlapWarning, match="one sequence"):
-        assert not decision.wanted(1, 4096, False, cpu)
+        assert not decision.wanted(1, 4096, cpu)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: no second warning
-        assert not decision.wanted(1, 4096, False, cpu)
+        assert not decision.wanted(1, 4096, cpu)
     with pytest.warns(bo.BatchOverlapWarning, match="fewer than min_tokens=64"):
-        assert not decision.wanted(4, 32, False, cpu)
-    with pytest.warns(bo.BatchOverlapWarning, match="KV cache"):
-        assert not decision.wanted(4, 4096, True, cpu)
-    assert decision.wanted(4, 4096, False, cpu)
+        assert not decision.wanted(4, 32, cpu)
+    with pytest.warns(bo.BatchOverlapWarning, match="already holds tokens"):
+        assert not decision.wanted(4, 4096, cpu, "the KV cache already holds tokens")
+    assert decision.wanted(4, 4096, cpu)
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         bo.Decision("sometimes")
 
@@ -117,7 +120,7 @@ def test_auto_keeps_the_faster_schedule() -> None:
     decision = bo.Decision("auto", min_tokens=1, trials=2)
     picks = []
     for _ in range(4):
-        on = decision.wanted(4, 4096, False, cpu)
+        on = decision.wanted(4, 4096, cpu)
         picks.append(on)
         decision.measured(on, 1.0 if on else 2.0, cpu)
     assert sorted(picks) == [False, False, True, True]  # both sides measured, alternating
@@ -125,6 +128,6 @@ def test_auto_keeps_the_faster_schedule() -> None:
     slower = bo.Decision("auto", min_tokens=1, trials=1)
     with pytest.warns(bo.BatchOverlapWarning, match="measured slower"):
         for _ in range(2):
-            on = slower.wanted(4, 4096, False, cpu)
+            on = slower.wanted(4, 4096, cpu)
             slower.measured(on, 2.0 if on else 1.0, cpu)
-    assert slower.chosen is False and not slower.wanted(4, 4096, False, cpu)
+    assert slower.chosen is False and not slower.wanted(4, 4096, cpu)

@@ -37,6 +37,19 @@ def test_the_manual_pattern_trains_the_same(fsdp_run) -> None:
         assert r["manual_losses"] == pytest.approx([step[rank] for step in ref[:2]], rel=1e-5)
 
 
+def test_batch_overlap_under_fully_shard_trains_the_same(fsdp_run) -> None:
+    ref = fsdp_run["reference"]
+    for rank, r in enumerate(fsdp_run["results"]):
+        got = r["overlapped"]
+        assert got["chosen"] is True
+        assert got["losses"] == pytest.approx([step[rank] for step in ref["losses"][:2]],
+                                              rel=1e-5)
+        assert got["norms"] == pytest.approx(ref["norms"][:4], rel=1e-5)
+        assert got["freed"] == [True, True]  # layers freed after their forward, gathered again
+        assert got["sharded_after_no_grad"]
+        torch.testing.assert_close(*got["logits"], rtol=1e-5, atol=1e-6)  # no grad: a prefill
+
+
 def test_each_rank_holds_a_quarter_of_everything(fsdp_run) -> None:
     model = unpatched_model()
     total = {"dense": 0, "experts": 0}

@@ -90,6 +90,7 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
                     "finite": all(bool(torch.isfinite(g.to_local()).all()) for g in grads)}
 
     manual = _manual_pattern(mesh, data[:2], rank)
+    overlapped = _batch_overlap_steps(mesh, data[:2], rank)
     ep_only = _first_norm(mc2.expert_parallel_mesh(4), data[0, rank])
 
     torch.manual_seed(5)
@@ -106,6 +107,7 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
     (out.pow(2).sum() / x.numel()).backward()  # this rank's share of the mean over all ranks
     return {"losses": losses, "norms": norms, "held": held, "all_dtensors": all_dtensors,
             "mixed": mixed_result, "manual_losses": manual, "ep_only_norm": ep_only,
+            "overlapped": overlapped,
             "stack_out": out.detach(),
             "stack_gate_grad": stack[0].gate.weight.grad.full_tensor()}
 
@@ -120,6 +122,39 @@ def _first_norm(mesh: Any, ids: torch.Tensor) -> float:
     mc2.fully_shard(model)
     model(ids, labels=ids).loss.backward()
     return mc2.clip_grad_norm_(model, 1e9, norm_type=2.0).item()
+
+
+def _batch_overlap_steps(mesh: Any, data: torch.Tensor, rank: int) -> dict[str, Any]:
+    """The model of :func:`fsdp_world` with batch overlap under ``mc2.fully_shard``: AdamW
+    losses and gradient norms of two steps, whether every parameter is a shard again between
+    forward and backward (the layers were freed after their forward), and a no-grad forward."""
+    from torch.distributed.tensor import DTensor
+
+    import mc2
+    from mc2.integrations.transformers import enable_mc2
+
+    model = unpatched_model()
+    enable_mc2(model, mesh=mesh, micro_batches=2, batch_overlap=True, min_tokens=1)
+    mc2.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms, freed = [], [], []
+    for step_batches in data:
+        loss = model(step_batches[rank], labels=step_batches[rank]).loss
+        freed.append(all(isinstance(p, DTensor) for p in model.parameters()))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(mc2.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
+        norms.append(mc2.clip_grad_norm_(model, 1e9).item())
+        opt.step()
+        losses.append(loss.item())
+    chosen = model.model.layers.decision.chosen
+    with torch.no_grad():
+        logits = model(data[0, rank]).logits
+        sharded = all(isinstance(p, DTensor) for p in model.parameters())
+        model.model.layers.decision.chosen = False  # the same parameters, layer by layer
+        plain = model(data[0, rank]).logits
+    return {"losses": losses, "norms": norms, "freed": freed, "logits": (logits, plain),
+            "chosen": chosen, "sharded_after_no_grad": sharded}
 
 
 def _manual_pattern(mesh: Any, data: torch.Tensor, rank: int) -> list[float]:

@@ -60,7 +60,7 @@ def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
 
     gradient_sync = mc2.GradientSync(model) if sync else None
     with mc2.profile() as prof:
-        out = model(ids, labels=ids, use_cache=False)
+        out = model(ids, labels=ids)  # the default use_cache=True: a prefill's cache too
         out.loss.backward()
     if gradient_sync is not None:
         gradient_sync.wait()
@@ -92,7 +92,17 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
     plain = _step(models[0], ids, stack.get("sync", False))
     model = models[1]
     overlapped = _step(model, ids, stack.get("sync", False))
-    with torch.no_grad():  # a no-grad forward (prefill without a cache) takes it too
-        prefill = model(ids, use_cache=False).logits
-    return {"plain": plain, "overlapped": overlapped, "prefill": prefill,
+    return {"plain": plain, "overlapped": overlapped,
+            "prefill": [_prefill_and_decode(m, ids) for m in models],
             "chosen": model.model.layers.decision.chosen}
+
+
+def _prefill_and_decode(model, ids: torch.Tensor) -> dict[str, Any]:
+    """A no-grad prefill with a KV cache (split under batch overlap), then one decoding step
+    on that cache (never split: one token per sequence): logits and the cache's contents."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.cache
+        keys = [torch.cat([layer.keys, layer.values]) for layer in cache.layers]
+        step = model(ids[:, -1:], cache=cache, use_cache=True).logits
+    return {"logits": out.logits, "cache": keys, "decode": step}

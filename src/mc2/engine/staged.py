@@ -241,9 +241,9 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     ``K = 1``); see the module docstring. Planning runs the handshake and the counts exchange
     now, as every call does."""
     if any(type(t).__name__ == "DTensor" for t in (gate_up, down)):
-        raise ValueError("batch overlap does not run on FSDP2-sharded experts yet (their "
-                         "gather hooks wrap the experts module's forward, not its stages): use "
-                         "batch_overlap=False with mc2.fully_shard")
+        raise ValueError("mc2 staged call: the experts' parameters are FSDP2 shards; gather "
+                         "them first (batch overlap does, for the decoder layers it runs: "
+                         "mc2.parallel.layer_gather.LayerGathers)")
     config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     named = {"weights_gate_up": gate_up, "weights_down": down}

@@ -29,7 +29,8 @@ When it runs: every rank must split or not (the two micro-batches make different
 so the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
 where it cannot or should not run: a batch of one sequence, fewer tokens than ``min_tokens``
 (too small to hide anything behind: the measured threshold is in ``docs/batch_overlap.md``), a
-KV cache (decoding), or a block that cannot be staged. ``"auto"`` also measures: the first
+KV cache that already holds tokens (decoding) or cannot be split, or a block that cannot be
+staged. A prefill's empty cache is split and joined again (:mod:`.split_cache`). ``"auto"`` also measures: the first
 forwards alternate with and without batch overlap, and the faster one stays.
 """
 
@@ -47,6 +48,8 @@ from ..engine.comm import all_reduce_max
 from ..engine.host import read, upload
 from ..engine.clock import clock_for
 from ..engine.staged import micro_batch_label
+from ..parallel.layer_gather import LayerGathers
+from . import split_cache
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
@@ -88,19 +91,30 @@ def _finish(stages: LayerStages, call: Any) -> Tensor:
 
 
 def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
-                   layers_b: Sequence[Callable[[Tensor], LayerStages]], a: Tensor, b: Tensor
-                   ) -> tuple[Tensor, Tensor]:
+                   layers_b: Sequence[Callable[[Tensor], LayerStages]], a: Tensor, b: Tensor,
+                   gathers: LayerGathers | None = None) -> tuple[Tensor, Tensor]:
     """The two micro-batches ``a`` and ``b`` through their layers (each ``h -> stages``; the
     same layers, with each micro-batch's own arguments) in the schedule of the module
-    docstring; their outputs."""
+    docstring; their outputs. ``gathers``: the layers' FSDP2 units, gathered and freed at the
+    schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`)."""
     pending_b: tuple[LayerStages, Any] | None = None
-    for layer_a, layer_b in zip(layers_a, layers_b):
+
+    def finish_b(index: int) -> Tensor:  # B's layer ``index`` ends: the layer is done
+        out = _finish(*pending_b)
+        if gathers:
+            gathers.done(index, (a_out[index], out))
+        return out
+
+    a_out: dict[int, Tensor] = {}
+    for index, (layer_a, layer_b) in enumerate(zip(layers_a, layers_b)):
+        if gathers:
+            gathers.gather(index)
         with micro_batch_label(0):
             stages_a = layer_a(a)
             call_a, done_a = _start(stages_a)
         if pending_b is not None:  # B's previous combine travelled under A's attention
             with micro_batch_label(1):
-                b, pending_b = _finish(*pending_b), None
+                b, pending_b = finish_b(index - 1), None
         with micro_batch_label(1):
             stages_b = layer_b(b)
             call_b, done_b = _start(stages_b)
@@ -113,13 +127,16 @@ def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
                 a = _finish(stages_a, call_a)
         else:
             a = done_a
+        a_out[index] = a
         if call_b is not None:
             pending_b = (stages_b, call_b)
         else:
             b = done_b
+            if gathers:
+                gathers.done(index, (a, b))
     if pending_b is not None:
         with micro_batch_label(1):
-            b = _finish(*pending_b)
+            b = finish_b(len(a_out) - 1)
     return a, b
 
 
@@ -157,16 +174,16 @@ class Decision:
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self.chosen: bool | None = None if mode == "auto" else bool(mode)
 
-    def wanted(self, batch: int, tokens: int, cached: bool, device: torch.device) -> bool:
-        """This forward's answer (one ``all_reduce`` when batch overlap may run)."""
+    def wanted(self, batch: int, tokens: int, device: torch.device,
+               problem: str | None = None) -> bool:
+        """This forward's answer (one ``all_reduce`` when batch overlap may run); ``problem``:
+        why the caller cannot split this forward, if it cannot."""
         if self.chosen is False:
             return False
-        reason = None
-        if cached:
-            reason = "a KV cache is in use (decoding, or a prefill with use_cache=True)"
-        elif batch < 2:
+        reason = problem
+        if reason is None and batch < 2:
             reason = "a batch of one sequence cannot be split into two micro-batches"
-        elif tokens < self.min_tokens:
+        elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
         flag = upload([0 if reason is None else 1], device)
@@ -233,7 +250,7 @@ class BatchOverlapStack(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-        overlapped = self.decision.wanted(x.shape[0], tokens, False, x.device)
+        overlapped = self.decision.wanted(x.shape[0], tokens, x.device)
 
         def plain() -> Tensor:
             h = x
@@ -244,7 +261,8 @@ class BatchOverlapStack(nn.Module):
         def split() -> Tensor:
             cut = split_point(x.shape[0])
             stages = [layer.forward_staged for layer in self.layers]
-            return torch.cat(run_overlapped(stages, stages, x[:cut], x[cut:]))
+            return torch.cat(run_overlapped(stages, stages, x[:cut], x[cut:],
+                                            LayerGathers(self.layers)))
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
                              x.device)
@@ -273,6 +291,8 @@ def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str
     out = yield begin(x)
     return h + out
 
+
+CACHE_KEYS = ("cache", "past_key_values")  # the name of the KV cache argument, new and old
 
 STAGED_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -316,11 +336,16 @@ class _Loop:
         assert hidden_states is not None
         calls, self.first = list(self.calls), None
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-        cached = any(kw.get("cache") is not None or kw.get("past_key_values") is not None
-                     for _, kw in calls)
-        positional = any(args for args, _ in calls)
-        overlapped = not positional and self.decision.wanted(batch, batch * seq, cached,
-                                                             hidden_states.device)
+        caches = {id(kw[k]): (k, kw[k]) for _, kw in calls for k in CACHE_KEYS
+                  if kw.get(k) is not None}
+        problem = None
+        if any(args for args, _ in calls):
+            problem = "a decoder layer was given positional arguments besides hidden_states"
+        elif len(caches) > 1:
+            problem = "the decoder layers were given different KV caches"
+        elif caches:
+            problem = split_cache.unsplittable(next(iter(caches.values()))[1])
+        overlapped = self.decision.wanted(batch, batch * seq, hidden_states.device, problem)
 
         def plain() -> Tensor:
             h = hidden_states
@@ -330,19 +355,26 @@ class _Loop:
 
         def split() -> Tensor:
             cut = split_point(batch)
+            key, cache = next(iter(caches.values()), (None, None))
+            halves = split_cache.split(cache) if cache is not None else (None, None)
             firsts, seconds = [], []
             for _, kwargs in calls:
                 first, second = {}, {}
-                for key, value in kwargs.items():
-                    first[key], second[key] = split_value(value, batch, cut)
+                for name, value in kwargs.items():
+                    first[name], second[name] = split_value(value, batch, cut)
+                if key is not None:
+                    first[key], second[key] = halves
                 firsts.append(first)
                 seconds.append(second)
             layers_a = [partial(hf_layer_stages, layer, kwargs=kw)
                         for layer, kw in zip(self.layers, firsts)]
             layers_b = [partial(hf_layer_stages, layer, kwargs=kw)
                         for layer, kw in zip(self.layers, seconds)]
-            return torch.cat(run_overlapped(layers_a, layers_b, hidden_states[:cut],
-                                            hidden_states[cut:]))
+            out = torch.cat(run_overlapped(layers_a, layers_b, hidden_states[:cut],
+                                           hidden_states[cut:], LayerGathers(self.layers)))
+            if cache is not None:
+                split_cache.join(cache, *halves)
+            return out
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
                              hidden_states.device)
