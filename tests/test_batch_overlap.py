@@ -17,6 +17,9 @@ def _same(plain: dict, got: dict, rtol: float, atol: float) -> None:
     if plain["aux"] is not None:  # Hugging Face computes it in float32 whatever the model's
         # dtype; the two micro-batches' router logits are concatenated in another order
         torch.testing.assert_close(got["aux"], plain["aux"], rtol=max(rtol, 1e-6), atol=0)
+    assert len(got["router_logits"]) == len(plain["router_logits"])  # one per layer, whole batch
+    for mine, theirs in zip(got["router_logits"], plain["router_logits"]):
+        torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol)
     assert got["grads"].keys() == plain["grads"].keys()
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
@@ -41,8 +44,7 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
         assert -1 in r["plain"]["labels"]  # planning spans of plain calls carry no label
         _same(r["plain"], r["overlapped"], rtol=tol, atol=tol)
         plain, split = r["prefill"]  # no grad, with a KV cache, then a decoding step on it
-        torch.testing.assert_close(split["logits"], r["plain"]["logits"], rtol=tol, atol=tol)
-        for name in ("logits", "cache", "decode"):
+        for name in ("logits", "cache", "decode", "hidden"):
             torch.testing.assert_close(split[name], plain[name], rtol=tol, atol=tol, msg=name)
 
 

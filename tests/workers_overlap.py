@@ -60,13 +60,18 @@ def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
 
     gradient_sync = mc2.GradientSync(model) if sync else None
     with mc2.profile() as prof:
-        out = model(ids, labels=ids)  # the default use_cache=True: a prefill's cache too
+        # the default use_cache=True (a prefill's cache too), and padding: the auxiliary loss
+        # lines the router logits of every layer up against the mask
+        mask = torch.ones_like(ids)
+        mask[-1, :3] = 0
+        out = model(ids, labels=ids, attention_mask=mask)
         out.loss.backward()
     if gradient_sync is not None:
         gradient_sync.wait()
     return {"labels": sorted({s.micro_batch for s in prof.spans}),
             "logits": out.logits.detach(), "loss": out.loss.detach(),
             "aux": None if out.aux_loss is None else out.aux_loss.detach(),
+            "router_logits": [r.detach() for r in out.router_logits or ()],
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None}}
 
@@ -105,4 +110,6 @@ def _prefill_and_decode(model, ids: torch.Tensor) -> dict[str, Any]:
         cache = out.cache
         keys = [torch.cat([layer.keys, layer.values]) for layer in cache.layers]
         step = model(ids[:, -1:], cache=cache, use_cache=True).logits
-    return {"logits": out.logits, "cache": keys, "decode": step}
+        # every layer's hidden states: recorded by hooks on the layers, so not split (said)
+        hidden = torch.stack(model(ids, output_hidden_states=True, use_cache=False).hidden_states)
+    return {"logits": out.logits, "cache": keys, "decode": step, "hidden": hidden}

@@ -30,8 +30,11 @@ so the decision is agreed in one small ``all_reduce`` per forward. It is off, an
 where it cannot or should not run: a batch of one sequence, fewer tokens than ``min_tokens``
 (too small to hide anything behind: the measured threshold is in ``docs/batch_overlap.md``), a
 KV cache that already holds tokens (decoding) or cannot be split, or a block that cannot be
-staged. A prefill's empty cache is split and joined again (:mod:`.split_cache`). ``"auto"`` also measures: the first
-forwards alternate with and without batch overlap, and the faster one stays.
+staged, or a forward that asks for every layer's hidden states. A prefill's empty cache is
+split and joined again (:mod:`.split_cache`), and the router logits and attentions a model
+records are recorded per micro-batch and joined by layer (:mod:`.split_records`). ``"auto"``
+also measures: the first forwards alternate with and without batch overlap, and the faster
+one stays.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from __future__ import annotations
 import statistics
 import warnings
 from functools import partial
-from typing import Any, Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +54,7 @@ from ..engine.clock import clock_for
 from ..engine.staged import micro_batch_label
 from ..parallel.layer_gather import LayerGathers
 from . import split_cache
+from .split_records import SplitRecords
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
@@ -92,11 +97,15 @@ def _finish(stages: LayerStages, call: Any) -> Tensor:
 
 def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
                    layers_b: Sequence[Callable[[Tensor], LayerStages]], a: Tensor, b: Tensor,
-                   gathers: LayerGathers | None = None) -> tuple[Tensor, Tensor]:
+                   gathers: LayerGathers | None = None,
+                   label: Callable[[int], ContextManager[None]] = micro_batch_label
+                   ) -> tuple[Tensor, Tensor]:
     """The two micro-batches ``a`` and ``b`` through their layers (each ``h -> stages``; the
     same layers, with each micro-batch's own arguments) in the schedule of the module
     docstring; their outputs. ``gathers``: the layers' FSDP2 units, gathered and freed at the
-    schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`)."""
+    schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`); ``label(0)`` and
+    ``label(1)``: the context each micro-batch's parts run in (its trace label, and what else
+    the caller keeps per micro-batch)."""
     pending_b: tuple[LayerStages, Any] | None = None
 
     def finish_b(index: int) -> Tensor:  # B's layer ``index`` ends: the layer is done
@@ -109,13 +118,13 @@ def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
     for index, (layer_a, layer_b) in enumerate(zip(layers_a, layers_b)):
         if gathers:
             gathers.gather(index)
-        with micro_batch_label(0):
+        with label(0):
             stages_a = layer_a(a)
             call_a, done_a = _start(stages_a)
         if pending_b is not None:  # B's previous combine travelled under A's attention
-            with micro_batch_label(1):
+            with label(1):
                 b, pending_b = finish_b(index - 1), None
-        with micro_batch_label(1):
+        with label(1):
             stages_b = layer_b(b)
             call_b, done_b = _start(stages_b)
         if call_a is not None:
@@ -123,7 +132,7 @@ def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
         if call_b is not None:
             call_b.experts()
         if call_a is not None:
-            with micro_batch_label(0):
+            with label(0):
                 a = _finish(stages_a, call_a)
         else:
             a = done_a
@@ -135,7 +144,7 @@ def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
             if gathers:
                 gathers.done(index, (a, b))
     if pending_b is not None:
-        with micro_batch_label(1):
+        with label(1):
             b = finish_b(len(a_out) - 1)
     return a, b
 
@@ -323,6 +332,16 @@ class _LayerCall:
         return self.loop.run()
 
 
+def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple[str, Any]]
+                   ) -> str | None:
+    """Why the layer calls of one forward cannot be split into two micro-batches, or ``None``."""
+    if any(args for args, _ in calls):
+        return "a decoder layer was given positional arguments besides hidden_states"
+    if len(caches) > 1:
+        return "the decoder layers were given different KV caches"
+    return split_cache.unsplittable(caches[0][1]) if caches else None
+
+
 class _Loop:
     """One pass of the model's layer loop over ``layers``."""
 
@@ -338,13 +357,8 @@ class _Loop:
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         caches = {id(kw[k]): (k, kw[k]) for _, kw in calls for k in CACHE_KEYS
                   if kw.get(k) is not None}
-        problem = None
-        if any(args for args, _ in calls):
-            problem = "a decoder layer was given positional arguments besides hidden_states"
-        elif len(caches) > 1:
-            problem = "the decoder layers were given different KV caches"
-        elif caches:
-            problem = split_cache.unsplittable(next(iter(caches.values()))[1])
+        records = SplitRecords()
+        problem = records.problem() or _split_problem(calls, list(caches.values()))
         overlapped = self.decision.wanted(batch, batch * seq, hidden_states.device, problem)
 
         def plain() -> Tensor:
@@ -371,13 +385,22 @@ class _Loop:
             layers_b = [partial(hf_layer_stages, layer, kwargs=kw)
                         for layer, kw in zip(self.layers, seconds)]
             out = torch.cat(run_overlapped(layers_a, layers_b, hidden_states[:cut],
-                                           hidden_states[cut:], LayerGathers(self.layers)))
+                                           hidden_states[cut:], LayerGathers(self.layers),
+                                           partial(_recording, records)))
             if cache is not None:
                 split_cache.join(cache, *halves)
+            records.join()
             return out
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
                              hidden_states.device)
+
+
+@contextmanager
+def _recording(records: SplitRecords, label: int) -> Iterator[None]:
+    """Micro-batch ``label``'s part: traced under its label, recording into its own lists."""
+    with micro_batch_label(label), records.of(label):
+        yield
 
 
 class _LoopView:

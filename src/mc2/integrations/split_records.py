@@ -1,0 +1,72 @@
+"""Hugging Face's recorded outputs (router logits, attentions) under batch overlap.
+
+With ``output_router_logits`` (what the auxiliary load-balancing loss is computed from) or
+``output_attentions``, a Hugging Face model records the output of every router or attention
+module through forward hooks into one list per kind, in call order. Batch overlap calls those
+modules once per micro-batch, interleaved: the lists would hold twice as many entries, each of
+half the batch, in schedule order, and ``load_balancing_loss_func`` lines them up against the
+attention mask as one entry per layer: with padding, a wrong loss. So each micro-batch records
+into lists of its own, and afterwards each layer's two entries are concatenated along the
+batch (the first micro-batch holds the first sequences), which is exactly what the unsplit
+forward records.
+
+``output_hidden_states`` is recorded by hooks on the decoder layers themselves, which batch
+overlap does not call as a whole: such a forward runs without batch overlap (said once).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+
+def _collector_var() -> Any:
+    """Hugging Face's context variable of the active records, or ``None``."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # an older transformers, or none: nothing records
+        return None
+    return _active_collector
+
+
+class SplitRecords:
+    """The records of one forward, kept per micro-batch (label 0 and 1) and joined by layer."""
+
+    def __init__(self) -> None:
+        self._var = _collector_var()
+        active = self._var.get() if self._var is not None else None
+        self.target: dict[str, Any] | None = active or None
+        keys = [k for k, v in (active or {}).items() if isinstance(v, list)]
+        self._halves = ({k: [] for k in keys}, {k: [] for k in keys})
+
+    def problem(self) -> str | None:
+        """Why this forward cannot run with batch overlap, or ``None``."""
+        if self.target is not None and "hidden_states" in self.target:
+            return ("output_hidden_states asks for every decoder layer's output, recorded by "
+                    "hooks on the layers, which batch overlap runs in parts")
+        return None
+
+    @contextmanager
+    def of(self, label: int) -> Iterator[None]:
+        """Records made inside go to micro-batch ``label``'s lists."""
+        if self.target is None:
+            yield
+            return
+        token = self._var.set(self._halves[label])
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+    def join(self) -> None:
+        """Each layer's two entries, concatenated along the batch, into the forward's lists."""
+        if self.target is None:
+            return
+        first, second = self._halves
+        for key, entries in first.items():
+            if len(entries) != len(second[key]):
+                raise RuntimeError(f"batch overlap: the micro-batches recorded {len(entries)} "
+                                   f"and {len(second[key])} {key}")
+            self.target[key].extend(torch.cat([a, b]) for a, b in zip(entries, second[key]))
