@@ -424,7 +424,8 @@ class OverlappedLayers(nn.ModuleList):
     (``for layer in self.layers[:n]: h = layer(h, **kwargs)``): its items record each layer's
     arguments, and the last runs the whole stack through :func:`run_overlapped` (or layer by
     layer when batch overlap is off for that forward). Hooks on the decoder layers' own
-    ``forward`` do not fire under batch overlap (the runner calls their parts).
+    ``forward`` do not fire under batch overlap (the runner calls their parts; FSDP2's are
+    done by :class:`mc2.parallel.layer_gather.LayerGathers`).
     """
 
     def __init__(self, modules: Any = None, *, decision: Decision | None = None) -> None:
