@@ -54,13 +54,13 @@ from .function import (
 from .ops import function_inputs, guarded
 
 
-def _advance(stages: Generator[str, None, Any]) -> tuple[bool, Any]:
-    """Run to the next stop: ``(done, the pass's result when done)``."""
+def _advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
+    """Run to the next stop: ``(its name, None)``, or ``(None, the pass's result)`` at the
+    end."""
     try:
-        next(stages)
-        return False, None
+        return next(stages), None
     except StopIteration as stop:
-        return True, stop.value
+        return None, stop.value
 
 
 @dataclass
@@ -80,24 +80,28 @@ class _State:
     backward_result: Any = None
     saved: dict[str, Any] = field(default_factory=dict)
 
-    def step_forward(self) -> None:
-        """Run the forward pass to its next stop (or its end)."""
-        if self.forward_result is None:
-            self.forward_result = self._advanced(self.forward)
+    def step_forward(self, through: str | None = None) -> None:
+        """Run the forward pass to its next stop (or its end); with ``through``, on past
+        every stop of that name."""
+        while self.forward_result is None:
+            stop, self.forward_result = self._advanced(self.forward)
+            if stop != through:
+                return
 
-    def step_backward(self) -> None:
-        """Run the backward pass to its next stop (or its end)."""
-        if self.backward_result is None:
-            self.backward_result = self._advanced(self.backward)
+    def step_backward(self, through: str | None = None) -> None:
+        """Run the backward pass to its next stop (or its end), as :meth:`step_forward`."""
+        while self.backward_result is None:
+            stop, self.backward_result = self._advanced(self.backward)
+            if stop != through:
+                return
 
-    def _advanced(self, stages: Generator[str, None, Any] | None) -> Any:
-        """The pass's result when this step ended it, else ``None``; under the call's
-        deadline, autocast off (its GEMMs write into buffers of the call's dtype)."""
+    def _advanced(self, stages: Generator[str, None, Any] | None) -> tuple[str | None, Any]:
+        """:func:`_advance` under the call's deadline, autocast off (its GEMMs write into
+        buffers of the call's dtype)."""
         if stages is None:  # a stage run out of order: a bug, never a silent loop
             raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
         with deadline(self.seconds), torch.autocast(self.weights.device.type, enabled=False):
-            done, value = _advance(stages)
-        return value if done else None
+            return _advance(stages)
 
 
 def _token(like: Tensor) -> Tensor:
@@ -133,12 +137,12 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
-        state.step_forward()
+        state.step_forward(through="dispatch")  # every micro-batch's experts, up to a combine
         return _token(token)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        ctx.state.step_backward()
+        ctx.state.step_backward(through="dispatch")
         return _token(_), None
 
 
@@ -244,7 +248,6 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
         raise ValueError("mc2 staged call: the experts' parameters are FSDP2 shards; gather "
                          "them first (batch overlap does, for the decoder layers it runs: "
                          "mc2.parallel.layer_gather.LayerGathers)")
-    config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     named = {"weights_gate_up": gate_up, "weights_down": down}
     full_shared = (*shared, shared_scale)
