@@ -16,7 +16,10 @@ modes interleaved over ``--rounds``:
 
 Columns (DESIGN.md section 6): step time (median), exposed communication
 ``step - T_comp``, the comm share ``exposed / step``, ``T_comp``, ``T_comm``, the bound
-``max(T_comp, T_comm)``, step / bound, tokens/s per rank. Regimes: plain loopback and loopback
+``max(T_comp, T_comm)``, step / bound, tokens/s per rank; and the bound pass by pass,
+``max(fwd comp, fwd comm) + max(bwd comp, bwd comm)`` (a backward cannot start before its
+forward ends: a forward with more communication than compute cannot hide the excess under the
+backward's compute), with step / that bound. Regimes: plain loopback and loopback
 shaped with ``tc tbf`` (root; always removed; 800 ms of tbf latency at 100 Mbit)::
 
     sudo .venv/bin/python benchmarks/model_overlap.py --regimes plain,500mbit,200mbit,100mbit \\
@@ -91,7 +94,9 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     ids = torch.randint(0, SHAPE["vocab_size"], (tokens // SEQ, SEQ), generator=g)
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
+    forward: dict[str, list[float]] = {m: [] for m in modes}
     comm: list[float] = []
+    comm_forward: list[float] = []
     for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
@@ -106,13 +111,19 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                 torch.distributed.barrier()
                 with mc2.profile() as prof:
                     start = clock.stamp()
-                    model(ids, labels=ids, use_cache=False).loss.backward()
-                    elapsed = clock.elapsed(start, clock.stamp())
-                times[mode].append(elapsed)
+                    loss = model(ids, labels=ids, use_cache=False).loss
+                    middle = clock.stamp()
+                    loss.backward()
+                    end = clock.stamp()
+                times[mode].append(clock.elapsed(start, end))
+                forward[mode].append(clock.elapsed(start, middle))
                 if mode == "serial":
                     comm.append(prof.timeline.total("comm"))
+                    comm_forward.append(sum(s.duration for s in prof.spans
+                                            if s.kind == "comm" and s.phase == "forward"))
     chosen = _AUTO["decision"].chosen if "decision" in _AUTO else None
-    return {"times": times, "comm": comm, "auto_chose_batch": chosen}
+    return {"times": times, "forward": forward, "comm": comm, "comm_forward": comm_forward,
+            "auto_chose_batch": chosen}
 
 
 def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
@@ -121,18 +132,37 @@ def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> l
     return [max(values) for values in zip(*series)]
 
 
+def _pass_bound(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The bound pass by pass: a backward cannot start before its forward ends, so
+    communication the forward has too much of cannot hide under the backward's compute.
+    ``max(fwd comp, fwd comm) + max(bwd comp, bwd comm)``, from the serial steps."""
+    serial_fwd = statistics.median(_agreed(ranks, "forward", "serial"))
+    serial = statistics.median(_agreed(ranks, "times", "serial"))
+    comm_fwd = statistics.median(_agreed(ranks, "comm_forward"))
+    comm = statistics.median(_agreed(ranks, "comm"))
+    comp_fwd, comp_bwd = serial_fwd - comm_fwd, serial - serial_fwd - (comm - comm_fwd)
+    comm_bwd = comm - comm_fwd
+    return {"comp_forward": comp_fwd, "comm_forward": comm_fwd, "comp_backward": comp_bwd,
+            "comm_backward": comm_bwd,
+            "bound": max(comp_fwd, comm_fwd) + max(comp_bwd, comm_bwd)}
+
+
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comm = statistics.median(_agreed(ranks, "comm"))
     steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in ranks[0]["times"]}
+    forwards = {m: statistics.median(_agreed(ranks, "forward", m)) for m in ranks[0]["times"]}
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
+    by_pass = _pass_bound(ranks)
     rows = {}
     for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
-        rows[mode] = {"step_s": steps[mode], "exposed_s": exposed,
+        rows[mode] = {"step_s": steps[mode], "forward_s": forwards[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
+                      "vs_pass_bound": steps[mode] / by_pass["bound"],
                       "tokens_per_s_per_rank": tokens / steps[mode]}
-    return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "rows": rows,
+    return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "pass_bound": by_pass,
+            "rows": rows,
             "batch_vs_mc2": steps["batch"] / steps["mc2"],
             "auto_chose_batch": ranks[0]["auto_chose_batch"]}
 
@@ -140,13 +170,17 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
 def print_regime(name: str, result: dict[str, Any]) -> None:
     auto = result.get("auto_chose_batch")
     chose = "" if auto is None else f"; auto chose {'batch overlap' if auto else 'mc2'}"
+    p = result["pass_bound"]
     print(f"\n{name}: T_comp {result['T_comp']:.3f} s, T_comm {result['T_comm']:.3f} s, "
           f"bound {result['bound']:.3f} s; batch / mc2 = {result['batch_vs_mc2']:.3f}{chose}")
-    print(f"{'mode':<8}{'step s':>9}{'exposed s':>11}{'comm share':>12}{'/ bound':>9}"
-          f"{'tok/s/rank':>12}")
+    print(f"  by pass: forward comp {p['comp_forward']:.3f} comm {p['comm_forward']:.3f}, "
+          f"backward comp {p['comp_backward']:.3f} comm {p['comm_backward']:.3f}: "
+          f"pass bound {p['bound']:.3f} s")
+    print(f"{'mode':<8}{'step s':>9}{'fwd s':>8}{'exposed s':>11}{'comm share':>12}"
+          f"{'/ bound':>9}{'/ pass':>8}{'tok/s/rank':>12}")
     for mode, row in result["rows"].items():
-        print(f"{mode:<8}{row['step_s']:>9.3f}{row['exposed_s']:>11.3f}"
-              f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}"
+        print(f"{mode:<8}{row['step_s']:>9.3f}{row['forward_s']:>8.3f}{row['exposed_s']:>11.3f}"
+              f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}{row['vs_pass_bound']:>8.2f}"
               f"{row['tokens_per_s_per_rank']:>12.0f}")
 
 

@@ -21,8 +21,13 @@ stage                 forward                             backward
 The three are chained by empty tensors, so autograd runs their backwards in reverse; between
 them it runs whatever else is ready, by the order the forward created it: with two micro-batches
 interleaved stage by stage, the backward interleaves too, and each gradient exchange travels
-while the other micro-batch computes. Each stage runs one micro-batch of the call (``K = 1``):
-the other micro-batch of the batch provides the overlap.
+while the other micro-batch computes. A call runs ``K = 1`` by default (``micro_batches="auto"``):
+the other micro-batch of the batch provides the overlap. An explicit ``K`` splits each half
+again: the experts stage then runs every micro-batch's experts up to the first combine wait,
+so the first dispatch and the last combine of a pass (batch overlap's fill and drain) carry a
+K-th of the rows, for K times the messages (measured no faster at 200 Mbit:
+``docs/batch_overlap.md``). ``"auto"``'s trials time whole passes, which a staged call never
+runs alone, so they do not apply here.
 
 The activations stay in the state between forward and backward (not ``save_for_backward``).
 """
@@ -241,13 +246,15 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                  routing_weights: Tensor, *, group: Any, config: MC2Config,
                  shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
                  shared_scale: Tensor | None = None) -> StagedCall:
-    """Plan a :func:`mc2.fused_expert_packed` call and issue its dispatch (one micro-batch,
-    ``K = 1``); see the module docstring. Planning runs the handshake and the counts exchange
+    """Plan a :func:`mc2.fused_expert_packed` call and issue its dispatch (``K = 1`` unless
+    ``config`` sets it); see the module docstring. Planning runs the handshake and the counts exchange
     now, as every call does."""
     if any(type(t).__name__ == "DTensor" for t in (gate_up, down)):
         raise ValueError("mc2 staged call: the experts' parameters are FSDP2 shards; gather "
                          "them first (batch overlap does, for the decoder layers it runs: "
                          "mc2.parallel.layer_gather.LayerGathers)")
+    if config.micro_batches == "auto":
+        config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     named = {"weights_gate_up": gate_up, "weights_down": down}
     full_shared = (*shared, shared_scale)
