@@ -52,13 +52,13 @@ SEQ = 512
 LATENCY = {"100mbit": "800ms"}
 
 
-def _model() -> Any:
+def _model(layers: int = SHAPE["num_hidden_layers"]) -> Any:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from mc2.integrations.transformers import enable_mc2
 
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(**SHAPE))
+    model = MixtralForCausalLM(MixtralConfig(**(SHAPE | {"num_hidden_layers": layers})))
     enable_mc2(model, micro_batches="auto", batch_overlap=True, min_tokens=1)
     return model
 
@@ -84,11 +84,12 @@ def _set_mode(model: Any, mode: str) -> None:
 
 
 def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
-               modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+               modes: tuple[str, ...] = MODES, layers: int = SHAPE["num_hidden_layers"]
+               ) -> dict[str, Any]:
     """Every mode's step times and the serial mode's communication time, on this rank."""
     from mc2.engine.clock import clock_for
 
-    model = _model()
+    model = _model(layers)
     model.train()
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, SHAPE["vocab_size"], (tokens // SEQ, SEQ), generator=g)
@@ -163,7 +164,8 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
                       "tokens_per_s_per_rank": tokens / steps[mode]}
     return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "pass_bound": by_pass,
             "rows": rows,
-            "batch_vs_mc2": steps["batch"] / steps["mc2"],
+            "batch_vs_mc2": (steps["batch"] / steps["mc2"]
+                             if "batch" in steps and "mc2" in steps else None),
             "auto_chose_batch": ranks[0]["auto_chose_batch"]}
 
 
@@ -171,8 +173,10 @@ def print_regime(name: str, result: dict[str, Any]) -> None:
     auto = result.get("auto_chose_batch")
     chose = "" if auto is None else f"; auto chose {'batch overlap' if auto else 'mc2'}"
     p = result["pass_bound"]
+    ratio = result["batch_vs_mc2"]
+    versus = "" if ratio is None else f"; batch / mc2 = {ratio:.3f}"
     print(f"\n{name}: T_comp {result['T_comp']:.3f} s, T_comm {result['T_comm']:.3f} s, "
-          f"bound {result['bound']:.3f} s; batch / mc2 = {result['batch_vs_mc2']:.3f}{chose}")
+          f"bound {result['bound']:.3f} s{versus}{chose}")
     print(f"  by pass: forward comp {p['comp_forward']:.3f} comm {p['comm_forward']:.3f}, "
           f"backward comp {p['comp_backward']:.3f} comm {p['comm_backward']:.3f}: "
           f"pass bound {p['bound']:.3f} s")
@@ -194,17 +198,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--auto", action="store_true",
                         help="also run batch_overlap='auto' (its trial forwards are warm-up)")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                        help="decoder layers (the fill and drain of batch overlap's passes are "
+                             "paid once per pass, so their share falls with depth)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"modes to run, from {MODES} (serial is needed for the bound)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     if any(r != "plain" for r in regimes) and (why := can_shape()):
         raise SystemExit(f"shaped regimes: {why}")
     results = {}
-    modes = MODES + (OPTIONAL_MODES if args.auto else ())
+    modes = tuple(args.modes.split(",")) + (OPTIONAL_MODES if args.auto else ())
+    if "serial" not in modes or any(m not in MODES + OPTIONAL_MODES for m in modes):
+        raise SystemExit(f"--modes: from {MODES}, serial included (got {args.modes})")
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)
         run = lambda: mc2.run_local(rank_steps, 2, args=(  # noqa: E731
-            args.tokens, args.steps, args.rounds, modes), timeout_s=3600)
+            args.tokens, args.steps, args.rounds, modes, args.layers), timeout_s=3600,
+            deadline_s=6 * 3600)
         if regime == "plain":
             ranks = run()
         else:
@@ -213,10 +225,17 @@ def main() -> int:
         results[regime] = summarize(ranks, args.tokens)
         print_regime(regime, results[regime])
         sys.stdout.flush()
-    if args.json:
-        args.json.write_text(json.dumps({"shape": SHAPE, "seq": SEQ, "args": vars(args) | {
-            "json": str(args.json)}, "results": results}, indent=1))
+        if args.json:  # after every regime: a later one failing keeps the earlier ones
+            _write(args, results)
     return 0
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The run's arguments and every regime measured so far, as JSON."""
+    shape = SHAPE | {"num_hidden_layers": args.layers}
+    arguments = vars(args) | {"json": str(args.json)}
+    args.json.write_text(json.dumps({"shape": shape, "seq": SEQ, "args": arguments,
+                                     "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ with FSDP2's public ``unshard``/``reshard``:
 - once both micro-batches are through the layer, units built with ``reshard_after_forward``
   are freed again (always under ``no_grad``: nothing will come back for them);
 - in the backward, the first gradient that reaches the layer's outputs gathers them again
-  (FSDP2 reuses the same unsharded tensors, so what autograd saved is valid again);
+  (FSDP2 reuses the same unsharded tensors, so what autograd saved is valid again), and issues
+  the gather of the layer below, to travel under this layer's backward;
 - the gradients are reduce-scattered, and the units resharded, by FSDP2 itself at the end of
   the backward (the root's final callback runs the post-backward of every unit whose own
   hooks did not), not layer by layer: that exchange is not overlapped with the backward.
@@ -24,6 +25,7 @@ reduce-scatter, issued in the same order on every rank (the schedule is the same
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -55,7 +57,9 @@ class LayerGathers:
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.units = [fsdp_units(layer) for layer in layers]
-        self._pending: dict[int, list[Any]] = {}
+        self._pending: dict[int, list[Any]] = {}  # forward gathers in flight, by layer
+        self._freed: dict[int, list[Any]] = {}  # units freed after their forward, by layer
+        self._backward: dict[int, list[Any]] = {}  # backward gathers in flight, by layer
 
     def __bool__(self) -> bool:
         return any(self.units)
@@ -73,7 +77,8 @@ class LayerGathers:
 
     def done(self, index: int, outputs: Sequence[Tensor]) -> None:
         """Layer ``index`` is through its forward with ``outputs``: free what its units free
-        after a forward, and gather it again when the backward reaches those outputs."""
+        after a forward, and gather it again when the backward reaches those outputs (issuing
+        the gather of the layer below, the backward's next)."""
         units = self.units[index]
         if not units:
             return
@@ -81,9 +86,15 @@ class LayerGathers:
         freed = [u for u in units if _frees_after_forward(u) or not grad]
         for unit in freed:
             unit.reshard()
+        self._freed[index] = freed
         if grad and freed:
-            def gather_again(_grads: Any, units: list[Any] = freed) -> None:
-                for unit in units:
-                    unit.unshard()
+            torch.autograd.graph.register_multi_grad_hook(
+                grad, partial(self._gather_for_backward, index), mode="any")
 
-            torch.autograd.graph.register_multi_grad_hook(grad, gather_again, mode="any")
+    def _gather_for_backward(self, index: int, _grads: Any) -> None:
+        for handle in self._backward.pop(index, None) or [u.unshard(async_op=True)
+                                                          for u in self._freed[index]]:
+            handle.wait()
+        below = index - 1
+        if below >= 0 and self._freed.get(below) and below not in self._backward:
+            self._backward[below] = [u.unshard(async_op=True) for u in self._freed[below]]
