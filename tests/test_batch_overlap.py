@@ -25,6 +25,16 @@ def _same(plain: dict, got: dict, rtol: float, atol: float) -> None:
         torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
 
 
+def _weight_grads_wait_for_the_other(order: list[tuple[str, int]], micro_batches: int) -> None:
+    """The backward's first call leaves part of its weight gradients until the other
+    micro-batch's experts have run (and issued their combine): they do not delay it."""
+    first = order[0][1]
+    second = next(label for name, label in order if name == "experts" and label != first)
+    before = order[:order.index(("experts", second))]
+    assert 0 < before.count(("experts", first)) and \
+        before.count(("deferred", first)) < micro_batches, order
+
+
 @pytest.mark.parametrize("dtype,hostile,options,stack,tol", [
     ("float64", False, {}, {}, 1e-12),
     ("float64", True, {}, {"checkpointing": True}, 1e-12),  # everything to experts 0 and 1
@@ -43,6 +53,7 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
         assert r["overlapped"]["labels"] == [0, 1]  # both micro-batches of every call traced
         assert -1 in r["plain"]["labels"]  # planning spans of plain calls carry no label
         _same(r["plain"], r["overlapped"], rtol=tol, atol=tol)
+        _weight_grads_wait_for_the_other(r["overlapped"]["backward_order"], micro_batches=2)
         plain, split = r["prefill"]  # no grad, with a KV cache, then a decoding step on it
         for name in ("logits", "cache", "decode", "hidden"):
             torch.testing.assert_close(split[name], plain[name], rtol=tol, atol=tol, msg=name)

@@ -68,7 +68,10 @@ def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
         out.loss.backward()
     if gradient_sync is not None:
         gradient_sync.wait()
+    backward = sorted((s for s in prof.spans if s.phase == "backward" and s.kind == "compute"
+                       and s.name in ("experts", "deferred")), key=lambda s: s.start)
     return {"labels": sorted({s.micro_batch for s in prof.spans}),
+            "backward_order": [(s.name, s.micro_batch) for s in backward],
             "logits": out.logits.detach(), "loss": out.loss.detach(),
             "aux": None if out.aux_loss is None else out.aux_loss.detach(),
             "router_logits": [r.detach() for r in out.router_logits or ()],

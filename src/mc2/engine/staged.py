@@ -9,11 +9,12 @@ state, each running the pass (:func:`~mc2.engine.function.forward_stages`) up to
 ====================  ==================================  =========================================
 stage                 forward                             backward
 ====================  ==================================  =========================================
-``begin`` (dispatch)  plan, gather, issue the dispatch,   wait for the gradients' combine, scatter
-                      shared experts under it             them into ``grad x``; the weight grads
+``begin`` (dispatch)  plan, gather, issue the dispatch,   the weight gradients (while the other
+                      shared experts under it             micro-batch's transfers travel), wait
+                                                          for the gradients' combine, scatter
+                                                          them into ``grad x``
 ``experts``           wait, experts, issue the combine    wait for the gradients' dispatch, expert
-                                                          backward, issue their combine, weight
-                                                          gradients under it
+                                                          backward, issue their combine
 ``end`` (combine)     wait, scatter, weighted top-k sum   routing-weight gradient, gather, issue
                                                           the gradients' dispatch, shared experts
 ====================  ==================================  =========================================
