@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.integrations.batch_overlap import BatchOverlapStack
+from mc2.integrations.batch_overlap import BatchOverlapStack, BatchOverlapWarning
 from tests.workers_overlap import with_and_without
 
 
@@ -144,3 +144,54 @@ def test_auto_keeps_the_faster_schedule() -> None:
             on = slower.wanted(4, 4096, cpu)
             slower.measured(on, 2.0 if on else 1.0, cpu)
     assert slower.chosen is False and not slower.wanted(4, 4096, cpu)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        import time
+
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Lopsided(Block):
+    """Batch overlap's forward slower (a sleep), the plain backward much slower: only a
+    measure of forward and backward together finds batch overlap faster."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(super().forward(x), 0.15)
+
+    def forward_staged(self, x: torch.Tensor):
+        import time
+
+        time.sleep(0.03)
+        return (yield from super().forward_staged(x))
+
+
+def test_auto_times_the_backward_through_the_layers_too() -> None:
+    from mc2.integrations.batch_overlap import Decision
+
+    torch.manual_seed(0)
+    stack = BatchOverlapStack([_Lopsided()], min_tokens=1)
+    x = torch.randn(4, 6, 16, dtype=torch.float64, requires_grad=True)
+    for warm_up in (True, False):  # first calls of either path, outside the measure
+        stack.decision = Decision(warm_up, min_tokens=1)
+        stack(x).sum().backward()
+    stack.decision = Decision("auto", min_tokens=1, trials=1)
+    for _ in range(2):  # one step each way
+        stack(x).sum().backward()
+    assert stack.decision.chosen is True, stack.decision.times
+    assert min(stack.decision.times[False]) >= 0.15  # the plain backward was in the measure
+    stack.decision = Decision("auto", min_tokens=1, trials=1)
+    with torch.no_grad(), pytest.warns(BatchOverlapWarning, match="measured slower"):
+        for _ in range(2):  # no backward follows: the forward alone decides
+            stack(x)
+    assert stack.decision.chosen is False

@@ -33,8 +33,8 @@ KV cache that already holds tokens (decoding) or cannot be split, or a block tha
 staged, or a forward that asks for every layer's hidden states. A prefill's empty cache is
 split and joined again (:mod:`.split_cache`), and the router logits and attentions a model
 records are recorded per micro-batch and joined by layer (:mod:`.split_records`). ``"auto"``
-also measures: the first forwards alternate with and without batch overlap, and the faster
-one stays.
+also measures: the first forwards (with their backwards, in training) alternate with and
+without batch overlap, and the faster one stays.
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ class Decision:
         mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
         min_tokens: tokens per rank below which it is off.
         group: the expert-parallel group the agreement runs on.
-        trials: forwards measured each way under ``"auto"``.
+        trials: forwards measured each way under ``"auto"`` (each with its backward through
+            the layers, when one follows: :func:`timed_forward`).
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
@@ -204,8 +205,8 @@ class Decision:
         return self.chosen
 
     def measured(self, overlapped: bool, seconds: float, device: torch.device) -> None:
-        """One forward's time, agreed over the group; decides ``"auto"`` once both sides have
-        ``trials`` times."""
+        """One forward's time (with its backward's), agreed over the group; decides
+        ``"auto"`` once both sides have ``trials`` times."""
         if self.chosen is not None:
             return
         agreed = all_reduce_max(upload([seconds], device, torch.float64), self.group,
@@ -220,14 +221,39 @@ class Decision:
 
 
 def timed_forward(decision: Decision, overlapped: bool, run: Callable[[], Tensor],
-                  device: torch.device) -> Tensor:
-    """``run()``, timed for an undecided ``"auto"``."""
+                  device: torch.device, first: Tensor | None = None) -> Tensor:
+    """``run()``, timed for an undecided ``"auto"``.
+
+    A forward that a backward will follow (``first``, the layers' input, and the output
+    both need gradients) is timed with that backward through the layers: batch overlap
+    interleaves both passes, and on a link slow against the compute it can gain more in one
+    than in the other. The backward is timed from the moment the output's gradient reaches
+    the layers to the moment the input's gradient is complete (tensor hooks), so what the
+    caller does between forward and backward (the loss, the head) does not count. A forward
+    without a backward (inference, a no-grad prefill) is timed alone.
+    """
     if decision.chosen is not None:
         return run()
     clock = clock_for(device)
     start = clock.stamp()
     out = run()
-    decision.measured(overlapped, clock.elapsed(start, clock.stamp()), device)
+    forward = clock.elapsed(start, clock.stamp())
+    if first is None or not (first.requires_grad and out.requires_grad):
+        decision.measured(overlapped, forward, device)
+        return out
+    began: list[Any] = []
+
+    def backward_begins(grad: Tensor) -> None:
+        began.append(clock.stamp())
+
+    def backward_ends(grad: Tensor) -> None:
+        if len(began) == 1:  # once, also when a graph is run backward again
+            began.append(None)
+            decision.measured(overlapped, forward + clock.elapsed(began[0], clock.stamp()),
+                              device)
+
+    out.register_hook(backward_begins)
+    first.register_hook(backward_ends)
     return out
 
 
@@ -274,7 +300,7 @@ class BatchOverlapStack(nn.Module):
                                             LayerGathers(self.layers)))
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
-                             x.device)
+                             x.device, first=x)
 
 
 def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str, Any]
@@ -393,7 +419,7 @@ class _Loop:
             return out
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
-                             hidden_states.device)
+                             hidden_states.device, first=hidden_states)
 
 
 @contextmanager
