@@ -4,7 +4,8 @@
 A Mixtral-shaped Hugging Face model scaled to this machine (hidden 1024, ffn 2048, 8 experts,
 top-2, 8 attention heads, 2 decoder layers, sequences of 512, ``--tokens`` per rank), 2 ranks,
 plain processes, forward + backward (no optimizer step), one world per regime with the three
-modes interleaved over ``--rounds``:
+modes interleaved over ``--rounds`` (each mode's block of ``--steps`` after one untimed step:
+its steady state, as a job that runs one mode has it):
 
 - ``serial``: every fused call synchronous, K = 1 (the step ``T_serial``; its All-to-All time,
   measured from the calls' spans, is ``T_comm``, and ``T_comp = T_serial - T_comm``);
@@ -107,6 +108,12 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     for _ in range(rounds):
         for mode in modes:
             _set_mode(model, mode)
+            # one step untimed at every switch: batch overlap's calls use buffers of half the
+            # size, so the first step after a switch reallocates the workspace (page-faulted
+            # anew, mc2.engine.workspace); measured without it, "auto" having chosen MC2 (the
+            # same code as mc2) ran 1.5-8% slower than mc2, right after batch overlap's steps.
+            # A job runs one mode: its steady state is the one to compare
+            model(ids, labels=ids, use_cache=False).loss.backward()
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
                 torch.distributed.barrier()

@@ -138,6 +138,13 @@ def test_auto_keeps_the_faster_schedule() -> None:
         decision.measured(on, 1.0 if on else 2.0, cpu)
     assert sorted(picks) == [False, False, True, True]  # both sides measured, alternating
     assert decision.chosen is True
+    timed = bo.Decision("auto", min_tokens=1, trials=1)
+    sides, warm = [], []
+    while timed.chosen is None:  # through timed_forward: one untimed step at each switch
+        sides.append(timed.wanted(4, 4096, cpu))
+        warm.append(timed.warming)
+        bo.timed_forward(timed, sides[-1], lambda: torch.zeros(1), cpu)
+    assert sides == [True, True, False, False] and warm == [True, False, True, False]
     slower = bo.Decision("auto", min_tokens=1, trials=1)
     with pytest.warns(bo.BatchOverlapWarning, match="measured slower"):
         for _ in range(2):
@@ -186,12 +193,12 @@ def test_auto_times_the_backward_through_the_layers_too() -> None:
         stack.decision = Decision(warm_up, min_tokens=1)
         stack(x).sum().backward()
     stack.decision = Decision("auto", min_tokens=1, trials=1)
-    for _ in range(2):  # one step each way
+    for _ in range(4):  # one step each way, each after an untimed one
         stack(x).sum().backward()
     assert stack.decision.chosen is True, stack.decision.times
     assert min(stack.decision.times[False]) >= 0.15  # the plain backward was in the measure
     stack.decision = Decision("auto", min_tokens=1, trials=1)
     with torch.no_grad(), pytest.warns(BatchOverlapWarning, match="measured slower"):
-        for _ in range(2):  # no backward follows: the forward alone decides
+        for _ in range(4):  # no backward follows: the forward alone decides
             stack(x)
     assert stack.decision.chosen is False

@@ -26,8 +26,8 @@ while the other micro-batch computes. A call runs ``K = 1`` by default (``micro_
 the other micro-batch of the batch provides the overlap. An explicit ``K`` splits each half
 again: the experts stage then runs every micro-batch's experts up to the first combine wait,
 so the first dispatch and the last combine of a pass (batch overlap's fill and drain) carry a
-K-th of the rows, for K times the messages (measured no faster at 200 Mbit:
-``docs/batch_overlap.md``). ``"auto"``'s trials time whole passes, which a staged call never
+K-th of the rows, for K times the messages (an earlier sitting measured it no faster at
+200 Mbit). ``"auto"``'s trials time whole passes, which a staged call never
 runs alone, so they do not apply here.
 
 The activations stay in the state between forward and backward (not ``save_for_backward``).

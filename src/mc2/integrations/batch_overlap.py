@@ -183,6 +183,13 @@ class Decision:
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self.chosen: bool | None = None if mode == "auto" else bool(mode)
+        # "auto": the first forward after switching sides is not timed. It reallocates the
+        # workspace for the other side's buffer sizes; timed, batch overlap's trials (each
+        # right after a plain one) measured 11-15% over its steady state in
+        # benchmarks/model_overlap.py, and "auto" turned it off where it was 9% faster. A job
+        # runs the steady state.
+        self.warming: bool = False
+        self._last: bool | None = None
 
     def wanted(self, batch: int, tokens: int, device: torch.device,
                problem: str | None = None) -> bool:
@@ -201,7 +208,9 @@ class Decision:
             _say_once(reason or "another rank cannot split its batch")
             return False
         if self.chosen is None:  # "auto": alternate until both sides are measured
-            return len(self.times[True]) <= len(self.times[False])
+            side = len(self.times[True]) <= len(self.times[False])
+            self.warming, self._last = side != self._last, side
+            return side
         return self.chosen
 
     def measured(self, overlapped: bool, seconds: float, device: torch.device) -> None:
@@ -232,7 +241,7 @@ def timed_forward(decision: Decision, overlapped: bool, run: Callable[[], Tensor
     caller does between forward and backward (the loss, the head) does not count. A forward
     without a backward (inference, a no-grad prefill) is timed alone.
     """
-    if decision.chosen is not None:
+    if decision.chosen is not None or decision.warming:
         return run()
     clock = clock_for(device)
     start = clock.stamp()
