@@ -126,6 +126,7 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
         bo.Decision("sometimes")
 
 
+@pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")
 def test_auto_keeps_the_faster_schedule() -> None:
     from mc2.integrations import batch_overlap as bo
 
