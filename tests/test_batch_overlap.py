@@ -198,6 +198,7 @@ def test_auto_times_the_backward_through_the_layers_too() -> None:
         stack(x).sum().backward()
     assert stack.decision.chosen is True, stack.decision.times
     assert min(stack.decision.times[False]) >= 0.15  # the plain backward was in the measure
+    assert not x._backward_hooks  # the trials' timing hooks went with their backwards
     stack.decision = Decision("auto", min_tokens=1, trials=1)
     with torch.no_grad(), pytest.warns(BatchOverlapWarning, match="measured slower"):
         for _ in range(4):  # no backward follows: the forward alone decides

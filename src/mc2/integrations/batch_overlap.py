@@ -206,6 +206,7 @@ class Decision:
         flag = upload([0 if reason is None else 1], device)
         if read(all_reduce_max(flag, self.group, "batch overlap"))[0]:  # one read a forward
             _say_once(reason or "another rank cannot split its batch")
+            self._last = False  # the plain side runs: a trial of it next is no switch
             return False
         if self.chosen is None:  # "auto": alternate until both sides are measured
             side = len(self.times[True]) <= len(self.times[False])
@@ -256,13 +257,13 @@ def timed_forward(decision: Decision, overlapped: bool, run: Callable[[], Tensor
         began.append(clock.stamp())
 
     def backward_ends(grad: Tensor) -> None:
-        if len(began) == 1:  # once, also when a graph is run backward again
-            began.append(None)
+        for handle in handles:  # once: a caller's own input tensor keeps no hooks of ours
+            handle.remove()
+        if began:
             decision.measured(overlapped, forward + clock.elapsed(began[0], clock.stamp()),
                               device)
 
-    out.register_hook(backward_begins)
-    first.register_hook(backward_ends)
+    handles = [out.register_hook(backward_begins), first.register_hook(backward_ends)]
     return out
 
 
