@@ -20,7 +20,9 @@ Columns (DESIGN.md section 6): step time (median), exposed communication
 ``max(T_comp, T_comm)``, step / bound, tokens/s per rank; and the bound pass by pass,
 ``max(fwd comp, fwd comm) + max(bwd comp, bwd comm)`` (a backward cannot start before its
 forward ends: a forward with more communication than compute cannot hide the excess under the
-backward's compute), with step / that bound. Regimes: plain loopback and loopback
+backward's compute), with step / that bound; and the bound of any schedule of two
+micro-batches, ``T_comm`` plus the head and tail of one micro-batch, where the link has nothing
+to carry (:func:`_two_batch_bound`), with step / that bound. Regimes: plain loopback and loopback
 shaped with ``tc tbf`` (root; always removed; 800 ms of tbf latency at 100 Mbit)::
 
     sudo .venv/bin/python benchmarks/model_overlap.py --regimes plain,500mbit,200mbit,100mbit \\
@@ -99,6 +101,7 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     forward: dict[str, list[float]] = {m: [] for m in modes}
     comm: list[float] = []
     comm_forward: list[float] = []
+    ends: dict[str, list[float]] = {"head": [], "tail": []}
     for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
@@ -129,9 +132,17 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                     comm.append(prof.timeline.total("comm"))
                     comm_forward.append(sum(s.duration for s in prof.spans
                                             if s.kind == "comm" and s.phase == "forward"))
+                    spans = [s for s in prof.spans if s.kind == "comm"]
+                    last = max(s.end for s in spans)
+                    # the weight gradients the serial schedule runs after the last transfer
+                    # need nothing from it: an overlapped schedule runs them before
+                    movable = sum(s.duration for s in prof.spans
+                                  if s.name == "deferred" and s.start >= last)
+                    ends["head"].append(min(s.start for s in spans) - clock.seconds(start))
+                    ends["tail"].append(clock.seconds(end) - last - movable)
     chosen = _AUTO["decision"].chosen if "decision" in _AUTO else None
     return {"times": times, "forward": forward, "comm": comm, "comm_forward": comm_forward,
-            "auto_chose_batch": chosen}
+            "head": ends["head"], "tail": ends["tail"], "auto_chose_batch": chosen}
 
 
 def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
@@ -155,6 +166,22 @@ def _pass_bound(ranks: list[dict[str, Any]]) -> dict[str, float]:
             "bound": max(comp_fwd, comm_fwd) + max(comp_bwd, comm_bwd)}
 
 
+def _two_batch_bound(ranks: list[dict[str, Any]], t_comp: float, t_comm: float
+                     ) -> dict[str, float]:
+    """What no schedule of two micro-batches can beat, whatever it overlaps (1F1B, DualPipe).
+
+    The link carries ``T_comm``, and it is idle before the first micro-batch has computed what
+    it sends first (its embedding, layer 0's attention and router: the *head*) and after the
+    last transfer, which leaves its micro-batch's layer-0 attention backward (and the
+    embedding's) still to compute (the *tail*): ``max(T_comp, T_comm + (head + tail) / 2)``.
+    Head and tail come from the serial steps (the whole batch: from the step's start to its
+    first collective, and from its last collective's end to the step's end, less the expert
+    weight gradients the serial schedule runs there), halved for half the sequences."""
+    head = statistics.median(_agreed(ranks, "head"))
+    tail = statistics.median(_agreed(ranks, "tail"))
+    return {"head": head, "tail": tail, "bound": max(t_comp, t_comm + (head + tail) / 2)}
+
+
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comm = statistics.median(_agreed(ranks, "comm"))
     steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in ranks[0]["times"]}
@@ -162,14 +189,17 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
     by_pass = _pass_bound(ranks)
+    two = _two_batch_bound(ranks, t_comp, t_comm)
     rows = {}
     for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
         rows[mode] = {"step_s": steps[mode], "forward_s": forwards[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
                       "vs_pass_bound": steps[mode] / by_pass["bound"],
+                      "vs_two_batch_bound": steps[mode] / two["bound"],
                       "tokens_per_s_per_rank": tokens / steps[mode]}
     return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "pass_bound": by_pass,
+            "two_batch_bound": two,
             "rows": rows,
             "batch_vs_mc2": (steps["batch"] / steps["mc2"]
                              if "batch" in steps and "mc2" in steps else None),
@@ -187,11 +217,15 @@ def print_regime(name: str, result: dict[str, Any]) -> None:
     print(f"  by pass: forward comp {p['comp_forward']:.3f} comm {p['comm_forward']:.3f}, "
           f"backward comp {p['comp_backward']:.3f} comm {p['comm_backward']:.3f}: "
           f"pass bound {p['bound']:.3f} s")
+    two = result["two_batch_bound"]
+    print(f"  two micro-batches: head {two['head']:.3f} s, tail {two['tail']:.3f} s (whole "
+          f"batch): bound {two['bound']:.3f} s = {two['bound'] / result['bound']:.3f} of the bound")
     print(f"{'mode':<8}{'step s':>9}{'fwd s':>8}{'exposed s':>11}{'comm share':>12}"
-          f"{'/ bound':>9}{'/ pass':>8}{'tok/s/rank':>12}")
+          f"{'/ bound':>9}{'/ pass':>8}{'/ two':>7}{'tok/s/rank':>12}")
     for mode, row in result["rows"].items():
         print(f"{mode:<8}{row['step_s']:>9.3f}{row['forward_s']:>8.3f}{row['exposed_s']:>11.3f}"
               f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}{row['vs_pass_bound']:>8.2f}"
+              f"{row['vs_two_batch_bound']:>7.2f}"
               f"{row['tokens_per_s_per_rank']:>12.0f}")
 
 
