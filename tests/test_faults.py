@@ -127,7 +127,8 @@ def test_soak_keeps_memory_threads_and_descriptors_put() -> None:
     for rank, r in enumerate(results):
         (rss0, threads0, fds0), (rss1, threads1, fds1) = r["warm"], r["end"]
         assert rss1 <= rss0 * 1.05, (rank, rss0, rss1)
-        assert threads1 == threads0 and fds1 == fds0, (rank, r)
+        # nothing grows (a descriptor of the warm-up closed later is no leak)
+        assert threads1 <= threads0 and fds1 <= fds0, (rank, r)
 
 
 def _no_processes_left(session: int) -> list[str]:

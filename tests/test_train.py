@@ -27,24 +27,32 @@ def test_mc2_loss_curve_equals_serial_and_falls() -> None:
     assert mc2[-1] < mc2[0] - 0.3, mc2
 
 
-def test_resume_on_another_ep_size_continues_the_run(tmp_path) -> None:
+STRAIGHT = replace(TINY, steps=3, ep_size=2)  # 4 ranks as dp 2 x ep 2, no checkpoint
+
+
+@pytest.fixture(scope="module")
+def straight() -> list[float]:
+    """The losses of :data:`STRAIGHT` run through, which both resumes must continue (one
+    4-rank world for the two tests)."""
+    return run_training(STRAIGHT, world_size=4)["losses"]
+
+
+def test_resume_on_another_ep_size_continues_the_run(tmp_path, straight) -> None:
     """4 ranks: two steps as dp 2 x ep 2, then resumed as ep 4 from the DCP checkpoint (a
     same-size resume is in the kill -9 test below)."""
-    cfg = replace(TINY, steps=3, ep_size=2)
-    straight = run_training(cfg, world_size=4)["losses"]
-    first = replace(cfg, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    first = replace(STRAIGHT, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     run_training(first, world_size=4)
     resumed = run_training(replace(first, steps=3, ep_size=4, resume=True), world_size=4)
     assert resumed["losses"] == pytest.approx(straight, rel=1e-5)
     assert len(resumed["sync_s"]) == 3
 
 
-def test_fsdp_trains_like_gradient_sync_and_resumes_on_another_ep_size(tmp_path) -> None:
+def test_fsdp_trains_like_gradient_sync_and_resumes_on_another_ep_size(tmp_path,
+                                                                      straight) -> None:
     """``mc2 train --fsdp``: the same losses as replicated training with GradientSync, and a
     sharded checkpoint (model and AdamW state) saved at dp 2 x ep 2 resumes at ep 4."""
-    cfg = replace(TINY, steps=3, ep_size=2)
-    straight = run_training(cfg, world_size=4)["losses"]
-    first = replace(cfg, steps=2, fsdp=True, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    first = replace(STRAIGHT, steps=2, fsdp=True, checkpoint_dir=str(tmp_path),
+                    checkpoint_every=2)
     head = run_training(first, world_size=4)["losses"]
     resumed = run_training(replace(first, steps=3, ep_size=4, resume=True), world_size=4)
     assert head == pytest.approx(straight[:2], rel=1e-5)
