@@ -144,6 +144,14 @@ def _no_processes_left(session: int) -> list[str]:
     return left
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """``preexec_fn``: a program started from a terminal gets Ctrl-C's default action, but one
+    started under a test runner that was itself started in the background by a
+    non-interactive shell inherits SIGINT *ignored* (and Python then installs no
+    KeyboardInterrupt handler), so the Ctrl-C these tests send would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("command", [
     ["bench", "--tokens-per-rank", "2048", "--hidden", "256", "--ffn", "512", "--repeats", "50"],
     ["train", "--steps", "500", "--batch", "2", "--seq", "32"],
@@ -153,7 +161,7 @@ def test_ctrl_c_leaves_no_process_behind(command: list[str], tmp_path) -> None:
                             if command[0] == "train" else [sys.executable, "-m", "mc2.tools.cli",
                                                            *command],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 90
         seen = ""
@@ -209,7 +217,7 @@ def test_ctrl_c_during_bench_across_nodes_leaves_nothing_behind() -> None:
                              "--ranks-per-node", "1", "--inter-node-bandwidth", "100mbit",
                              "--tokens-per-rank", "2048", "--hidden", "256", "--repeats", "50"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
