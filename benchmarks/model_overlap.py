@@ -101,7 +101,8 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     forward: dict[str, list[float]] = {m: [] for m in modes}
     comm: list[float] = []
     comm_forward: list[float] = []
-    ends: dict[str, list[float]] = {"head": [], "tail": []}
+    head: list[float] = []  # serial steps: start to the first collective
+    tail: list[float] = []  # serial steps: the last collective's end to the end
     for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
@@ -129,20 +130,19 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                 times[mode].append(clock.elapsed(start, end))
                 forward[mode].append(clock.elapsed(start, middle))
                 if mode == "serial":
-                    comm.append(prof.timeline.total("comm"))
-                    comm_forward.append(sum(s.duration for s in prof.spans
-                                            if s.kind == "comm" and s.phase == "forward"))
                     spans = [s for s in prof.spans if s.kind == "comm"]
+                    comm.append(prof.timeline.total("comm"))
+                    comm_forward.append(sum(s.duration for s in spans if s.phase == "forward"))
                     last = max(s.end for s in spans)
                     # the weight gradients the serial schedule runs after the last transfer
                     # need nothing from it: an overlapped schedule runs them before
                     movable = sum(s.duration for s in prof.spans
                                   if s.name == "deferred" and s.start >= last)
-                    ends["head"].append(min(s.start for s in spans) - clock.seconds(start))
-                    ends["tail"].append(clock.seconds(end) - last - movable)
+                    head.append(min(s.start for s in spans) - clock.seconds(start))
+                    tail.append(clock.seconds(end) - last - movable)
     chosen = _AUTO["decision"].chosen if "decision" in _AUTO else None
     return {"times": times, "forward": forward, "comm": comm, "comm_forward": comm_forward,
-            "head": ends["head"], "tail": ends["tail"], "auto_chose_batch": chosen}
+            "head": head, "tail": tail, "auto_chose_batch": chosen}
 
 
 def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
