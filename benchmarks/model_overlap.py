@@ -11,7 +11,8 @@ its steady state, as a job that runs one mode has it):
   measured from the calls' spans, is ``T_comm``, and ``T_comp = T_serial - T_comm``);
 - ``mc2``: MC2 inside each layer (``micro_batches="auto"``);
 - ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
-  interleaved across the layers, forward and backward;
+  interleaved across the layers, forward and backward; ``batch3``, ``batch4``, ...: the same
+  with that many micro-batches (``batch_splits``), on request in ``--modes``;
 - ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
   ways (warm-up here) and keeps the faster schedule.
 
@@ -22,7 +23,8 @@ Columns (DESIGN.md section 6): step time (median), exposed communication
 forward ends: a forward with more communication than compute cannot hide the excess under the
 backward's compute), with step / that bound; and the bound of any schedule of two
 micro-batches, ``T_comm`` plus the head and tail of one micro-batch, where the link has nothing
-to carry (:func:`_two_batch_bound`), with step / that bound. Regimes: plain loopback and loopback
+to carry (:func:`_split_bound`), with step / that bound (and, for a batch mode, step / the
+bound of as many micro-batches as it runs). Regimes: plain loopback and loopback
 shaped with ``tc tbf`` (root; always removed; 800 ms of tbf latency at 100 Mbit)::
 
     sudo .venv/bin/python benchmarks/model_overlap.py --regimes plain,500mbit,200mbit,100mbit \\
@@ -48,6 +50,16 @@ from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
 OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
+
+
+def _splits(mode: str) -> int | None:
+    """Micro-batches of a batch mode (``batch``: 2, ``batch4``: 4), ``None`` for the others."""
+    if mode == "batch":
+        return 2
+    if mode.startswith("batch") and mode[5:].isdigit() and int(mode[5:]) >= 2:
+        return int(mode[5:])
+    return None
+
 SHAPE = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
              num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -83,7 +95,9 @@ def _set_mode(model: Any, mode: str) -> None:
             _AUTO["decision"] = Decision("auto", min_tokens=1, group=blocks[0].group)
         layers.decision = _AUTO["decision"]
         return
-    layers.decision = Decision(mode == "batch", min_tokens=1, group=blocks[0].group)
+    splits = _splits(mode)
+    layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group,
+                               splits=splits or 2)
 
 
 def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
@@ -166,20 +180,23 @@ def _pass_bound(ranks: list[dict[str, Any]]) -> dict[str, float]:
             "bound": max(comp_fwd, comm_fwd) + max(comp_bwd, comm_bwd)}
 
 
-def _two_batch_bound(ranks: list[dict[str, Any]], t_comp: float, t_comm: float
-                     ) -> dict[str, float]:
-    """What no schedule of two micro-batches can beat, whatever it overlaps (1F1B, DualPipe).
+def _split_bound(ranks: list[dict[str, Any]], t_comp: float, t_comm: float, splits: int = 2
+                 ) -> dict[str, float]:
+    """What no schedule of ``splits`` micro-batches can beat, whatever it overlaps (1F1B,
+    DualPipe); two unless said.
 
     The link carries ``T_comm``, and it is idle before the first micro-batch has computed what
     it sends first (its embedding, layer 0's attention and router: the *head*) and after the
     last transfer, which leaves its micro-batch's layer-0 attention backward (and the
-    embedding's) still to compute (the *tail*): ``max(T_comp, T_comm + (head + tail) / 2)``.
-    Head and tail come from the serial steps (the whole batch: from the step's start to its
-    first collective, and from its last collective's end to the step's end, less the expert
-    weight gradients the serial schedule runs there), halved for half the sequences."""
+    embedding's) still to compute (the *tail*):
+    ``max(T_comp, T_comm + (head + tail) / splits)``. Head and tail come from the serial steps
+    (the whole batch: from the step's start to its first collective, and from its last
+    collective's end to the step's end, less the expert weight gradients the serial schedule
+    runs there), divided among the micro-batches' sequences."""
     head = statistics.median(_agreed(ranks, "head"))
     tail = statistics.median(_agreed(ranks, "tail"))
-    return {"head": head, "tail": tail, "bound": max(t_comp, t_comm + (head + tail) / 2)}
+    return {"head": head, "tail": tail,
+            "bound": max(t_comp, t_comm + (head + tail) / splits)}
 
 
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
@@ -189,14 +206,17 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
     by_pass = _pass_bound(ranks)
-    two = _two_batch_bound(ranks, t_comp, t_comm)
+    two = _split_bound(ranks, t_comp, t_comm)
     rows = {}
     for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
+        splits = _splits(mode)
+        own = _split_bound(ranks, t_comp, t_comm, splits)["bound"] if splits else None
         rows[mode] = {"step_s": steps[mode], "forward_s": forwards[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
                       "vs_pass_bound": steps[mode] / by_pass["bound"],
                       "vs_two_batch_bound": steps[mode] / two["bound"],
+                      "vs_split_bound": None if own is None else steps[mode] / own,
                       "tokens_per_s_per_rank": tokens / steps[mode]}
     return {"T_comp": t_comp, "T_comm": t_comm, "bound": bound, "pass_bound": by_pass,
             "two_batch_bound": two,
@@ -221,11 +241,12 @@ def print_regime(name: str, result: dict[str, Any]) -> None:
     print(f"  two micro-batches: head {two['head']:.3f} s, tail {two['tail']:.3f} s (whole "
           f"batch): bound {two['bound']:.3f} s = {two['bound'] / result['bound']:.3f} of the bound")
     print(f"{'mode':<8}{'step s':>9}{'fwd s':>8}{'exposed s':>11}{'comm share':>12}"
-          f"{'/ bound':>9}{'/ pass':>8}{'/ two':>7}{'tok/s/rank':>12}")
+          f"{'/ bound':>9}{'/ pass':>8}{'/ two':>7}{'/ own':>7}{'tok/s/rank':>12}")
     for mode, row in result["rows"].items():
         print(f"{mode:<8}{row['step_s']:>9.3f}{row['forward_s']:>8.3f}{row['exposed_s']:>11.3f}"
               f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}{row['vs_pass_bound']:>8.2f}"
               f"{row['vs_two_batch_bound']:>7.2f}"
+              f"{'' if row['vs_split_bound'] is None else format(row['vs_split_bound'], '.2f'):>7}"
               f"{row['tokens_per_s_per_rank']:>12.0f}")
 
 
@@ -243,7 +264,9 @@ def main() -> int:
                         help="decoder layers (the fill and drain of batch overlap's passes are "
                              "paid once per pass, so their share falls with depth)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"modes to run, from {MODES} (serial is needed for the bound)")
+                        help=f"modes to run, from {MODES} and batch3, batch4, ... (batch "
+                             "overlap with that many micro-batches); serial is needed for the "
+                             "bound")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
@@ -251,7 +274,8 @@ def main() -> int:
         raise SystemExit(f"shaped regimes: {why}")
     results = {}
     modes = tuple(args.modes.split(",")) + (OPTIONAL_MODES if args.auto else ())
-    if "serial" not in modes or any(m not in MODES + OPTIONAL_MODES for m in modes):
+    if "serial" not in modes or any(m not in MODES + OPTIONAL_MODES and _splits(m) is None
+                                    for m in modes):
         raise SystemExit(f"--modes: from {MODES}, serial included (got {args.modes})")
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)

@@ -83,7 +83,7 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
                      options: dict[str, Any], stack: dict[str, bool]) -> dict[str, Any]:
     """One step of the same model and batch, without and with batch overlap; ``stack``:
     ``checkpointing`` (Hugging Face's, non-reentrant) and ``sync`` (``mc2.GradientSync``) on
-    both."""
+    both, ``splits`` (batch overlap's micro-batches; the batch holds 4 sequences)."""
     import os
 
     if stack.get("nodes"):  # ranks per node: a 2-D exchange across emulated nodes
@@ -93,7 +93,8 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
     kind = stack.get("kind", "Mixtral")
     models = [_model(dtype, hostile, kind, **options),
-              _model(dtype, hostile, kind, batch_overlap=True, min_tokens=1, **options)]
+              _model(dtype, hostile, kind, batch_overlap=True, min_tokens=1,
+                     batch_splits=stack.get("splits", 2), **options)]
     if stack.get("checkpointing"):
         for m in models:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

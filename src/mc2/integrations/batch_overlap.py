@@ -95,74 +95,80 @@ def _finish(stages: LayerStages, call: Any) -> Tensor:
     raise RuntimeError("a layer's stages yielded more than one MoE call")
 
 
-def run_overlapped(layers_a: Sequence[Callable[[Tensor], LayerStages]],
-                   layers_b: Sequence[Callable[[Tensor], LayerStages]], a: Tensor, b: Tensor,
-                   gathers: LayerGathers | None = None,
+def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
+                   inputs: Sequence[Tensor], gathers: LayerGathers | None = None,
                    label: Callable[[int], ContextManager[None]] = micro_batch_label
-                   ) -> tuple[Tensor, Tensor]:
-    """The two micro-batches ``a`` and ``b`` through their layers (each ``h -> stages``; the
-    same layers, with each micro-batch's own arguments) in the schedule of the module
-    docstring; their outputs. ``gathers``: the layers' FSDP2 units, gathered and freed at the
-    schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`); ``label(0)`` and
-    ``label(1)``: the context each micro-batch's parts run in (its trace label, and what else
-    the caller keeps per micro-batch)."""
-    pending_b: tuple[LayerStages, Any] | None = None
+                   ) -> list[Tensor]:
+    """The micro-batches ``inputs`` through their layers (``layers[i]``: micro-batch ``i``'s,
+    each ``h -> stages``; the same layers, with each micro-batch's own arguments) in the
+    schedule of the module docstring, round robin; their outputs.
 
-    def finish_b(index: int) -> Tensor:  # B's layer ``index`` ends: the layer is done
-        out = _finish(*pending_b)
-        if gathers:
-            gathers.done(index, (a_out[index], out))
-        return out
+    In every layer each micro-batch in turn waits for its previous combine (which travelled
+    while the others computed), runs its attention and issues its dispatch; then each runs
+    its experts and issues its combine. ``gathers``: the layers' FSDP2 units, gathered and
+    freed at the schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`);
+    ``label(i)``: the context micro-batch ``i``'s parts run in (its trace label, and what
+    else the caller keeps per micro-batch)."""
+    count = len(inputs)
+    if count < 2 or len(layers) != count:
+        raise ValueError(f"run_overlapped: {count} inputs for {len(layers)} lists of layers "
+                         "(two or more of each, as many of one as of the other)")
+    h = list(inputs)
+    pending: list[tuple[LayerStages, Any] | None] = [None] * count
+    through: dict[int, list[Tensor]] = {}  # layer -> outputs of the micro-batches through it
 
-    a_out: dict[int, Tensor] = {}
-    for index, (layer_a, layer_b) in enumerate(zip(layers_a, layers_b)):
-        if gathers:
-            gathers.gather(index)
-        with label(0):
-            stages_a = layer_a(a)
-            call_a, done_a = _start(stages_a)
-        if pending_b is not None:  # B's previous combine travelled under A's attention
-            with label(1):
-                b, pending_b = finish_b(index - 1), None
-        with label(1):
-            stages_b = layer_b(b)
-            call_b, done_b = _start(stages_b)
-        if call_a is not None:
-            call_a.experts()
-        if call_b is not None:
-            call_b.experts()
-        if call_a is not None:
-            with label(0):
-                a = _finish(stages_a, call_a)
-        else:
-            a = done_a
-        a_out[index] = a
-        if call_b is not None:
-            pending_b = (stages_b, call_b)
-        else:
-            b = done_b
+    def leave(index: int, i: int, out: Tensor) -> None:  # micro-batch i is through a layer
+        h[i] = out
+        outs = through.setdefault(index, [])
+        outs.append(out)
+        if len(outs) == count:
+            del through[index]
             if gathers:
-                gathers.done(index, (a, b))
-    if pending_b is not None:
-        with label(1):
-            b = finish_b(len(a_out) - 1)
-    return a, b
+                gathers.done(index, outs)
+
+    def finish(index: int, i: int) -> None:  # wait for i's combine, run the rest of its layer
+        if pending[i] is not None:
+            stages, call = pending[i]
+            pending[i] = None
+            with label(i):
+                leave(index, i, _finish(stages, call))
+
+    depth = 0
+    for depth, row in enumerate(zip(*layers)):
+        for i, layer in enumerate(row):
+            finish(depth - 1, i)  # its combine travelled under the others' work
+            if i == 0 and gathers:
+                gathers.gather(depth)
+            with label(i):
+                stages = layer(h[i])
+                call, done = _start(stages)
+            if call is None:
+                leave(depth, i, done)
+            else:
+                pending[i] = (stages, call)
+        for entry in pending:
+            if entry is not None:
+                entry[1].experts()
+    for i in range(count):
+        finish(depth, i)
+    return h
 
 
-def split_point(batch: int) -> int:
-    """Sequences in the first micro-batch: half, so the token counts balance (equal lengths)."""
-    return batch // 2
+def split_sizes(batch: int, parts: int) -> list[int]:
+    """Sequences in each of ``parts`` micro-batches: as equal as they can be, so the token
+    counts balance (equal lengths); the first ones take the remainder."""
+    return [batch // parts + (i < batch % parts) for i in range(parts)]
 
 
-def split_value(value: Any, batch: int, cut: int) -> tuple[Any, Any]:
+def split_value(value: Any, batch: int, sizes: Sequence[int]) -> list[Any]:
     """A layer argument for each micro-batch: tensors (and tuples of them) whose first
-    dimension is the batch are cut; everything else goes to both."""
+    dimension is the batch are cut into ``sizes``; everything else goes to all."""
     if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch:
-        return value[:cut], value[cut:]
+        return list(value.split(list(sizes)))
     if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
-        parts = [split_value(v, batch, cut) for v in value]
-        return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
-    return value, value
+        parts = [split_value(v, batch, sizes) for v in value]
+        return [tuple(p[i] for p in parts) for i in range(len(sizes))]
+    return [value] * len(sizes)
 
 
 class Decision:
@@ -171,16 +177,21 @@ class Decision:
     Args:
         mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
         min_tokens: tokens per rank below which it is off.
+        splits: micro-batches a forward is split into (two or more; a batch of fewer
+            sequences runs without batch overlap).
         group: the expert-parallel group the agreement runs on.
         trials: forwards measured each way under ``"auto"`` (each with its backward through
             the layers, when one follows: :func:`timed_forward`).
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
-                 trials: int = 3) -> None:
+                 trials: int = 3, splits: int = 2) -> None:
         if mode not in (True, False, "auto"):
             raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
+        if isinstance(splits, bool) or not isinstance(splits, int) or splits < 2:
+            raise ValueError(f"batch_splits must be an integer of 2 or more, got {splits!r}")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
+        self.splits = splits
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self.chosen: bool | None = None if mode == "auto" else bool(mode)
         # "auto": the first forward after switching sides is not timed. It reallocates the
@@ -198,8 +209,9 @@ class Decision:
         if self.chosen is False:
             return False
         reason = problem
-        if reason is None and batch < 2:
-            reason = "a batch of one sequence cannot be split into two micro-batches"
+        if reason is None and batch < self.splits:
+            reason = (f"a batch of fewer than {self.splits} sequences cannot be split into "
+                      f"{self.splits} micro-batches")
         elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
@@ -284,14 +296,15 @@ class BatchOverlapStack(nn.Module):
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, batch_overlap: bool | str = True,
-                 min_tokens: int = MIN_TOKENS, group: Any = None) -> None:
+                 min_tokens: int = MIN_TOKENS, group: Any = None, splits: int = 2) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         for layer in self.layers:
             if not callable(getattr(layer, "forward_staged", None)):
                 raise ValueError(f"BatchOverlapStack: {type(layer).__name__} has no "
                                  "forward_staged(x) (see the class docstring)")
-        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group)
+        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group,
+                                 splits=splits)
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
@@ -304,9 +317,9 @@ class BatchOverlapStack(nn.Module):
             return h
 
         def split() -> Tensor:
-            cut = split_point(x.shape[0])
+            parts = x.split(split_sizes(x.shape[0], self.decision.splits))
             stages = [layer.forward_staged for layer in self.layers]
-            return torch.cat(run_overlapped(stages, stages, x[:cut], x[cut:],
+            return torch.cat(run_overlapped([stages] * len(parts), parts,
                                             LayerGathers(self.layers)))
 
         return timed_forward(self.decision, overlapped, split if overlapped else plain,
@@ -370,7 +383,7 @@ class _LayerCall:
 
 def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple[str, Any]]
                    ) -> str | None:
-    """Why the layer calls of one forward cannot be split into two micro-batches, or ``None``."""
+    """Why the layer calls of one forward cannot be split into micro-batches, or ``None``."""
     if any(args for args, _ in calls):
         return "a decoder layer was given positional arguments besides hidden_states"
     if len(caches) > 1:
@@ -404,27 +417,24 @@ class _Loop:
             return h
 
         def split() -> Tensor:
-            cut = split_point(batch)
+            sizes = split_sizes(batch, self.decision.splits)
             key, cache = next(iter(caches.values()), (None, None))
-            halves = split_cache.split(cache) if cache is not None else (None, None)
-            firsts, seconds = [], []
-            for _, kwargs in calls:
-                first, second = {}, {}
+            parts = split_cache.split(cache, len(sizes)) if cache is not None else None
+            layers: list[list[Callable[[Tensor], LayerStages]]] = [[] for _ in sizes]
+            for layer, (_, kwargs) in zip(self.layers, calls):
+                each: list[dict[str, Any]] = [{} for _ in sizes]
                 for name, value in kwargs.items():
-                    first[name], second[name] = split_value(value, batch, cut)
-                if key is not None:
-                    first[key], second[key] = halves
-                firsts.append(first)
-                seconds.append(second)
-            layers_a = [partial(hf_layer_stages, layer, kwargs=kw)
-                        for layer, kw in zip(self.layers, firsts)]
-            layers_b = [partial(hf_layer_stages, layer, kwargs=kw)
-                        for layer, kw in zip(self.layers, seconds)]
-            out = torch.cat(run_overlapped(layers_a, layers_b, hidden_states[:cut],
-                                           hidden_states[cut:], LayerGathers(self.layers),
+                    for part, piece in zip(each, split_value(value, batch, sizes)):
+                        part[name] = piece
+                for i, part in enumerate(each):
+                    if parts is not None:
+                        part[key] = parts[i]
+                    layers[i].append(partial(hf_layer_stages, layer, kwargs=part))
+            out = torch.cat(run_overlapped(layers, hidden_states.split(sizes),
+                                           LayerGathers(self.layers),
                                            partial(_recording, records)))
-            if cache is not None:
-                split_cache.join(cache, *halves)
+            if parts is not None:
+                split_cache.join(cache, parts)
             records.join()
             return out
 

@@ -2,8 +2,8 @@
 
 Hugging Face models make a ``DynamicCache`` on every forward with ``use_cache=True`` (their
 default, training steps included), and each attention layer appends its keys and values to it
-along the sequence. The two micro-batches of batch overlap hold different sequences, so they
-cannot append to one cache: each gets an empty copy of it, and once both are through the
+along the sequence. The micro-batches of batch overlap hold different sequences, so they
+cannot append to one cache: each gets an empty copy of it, and once all are through the
 layers their keys and values are concatenated along the batch, in the batch's order, into the
 caller's cache, which then holds exactly what the unsplit forward would have put there.
 
@@ -15,13 +15,13 @@ static cache keeps state that a concatenation would not reproduce.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 
 def unsplittable(cache: Any) -> str | None:
-    """Why ``cache`` cannot be split over two micro-batches, or ``None``."""
+    """Why ``cache`` cannot be split over micro-batches, or ``None``."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     if cache.get_seq_length() != 0:
@@ -34,13 +34,14 @@ def unsplittable(cache: Any) -> str | None:
     return None
 
 
-def split(cache: Any) -> tuple[Any, Any]:
-    """Two empty caches like ``cache``, one per micro-batch."""
-    return copy.deepcopy(cache), copy.deepcopy(cache)
+def split(cache: Any, parts: int) -> list[Any]:
+    """``parts`` empty caches like ``cache``, one per micro-batch."""
+    return [copy.deepcopy(cache) for _ in range(parts)]
 
 
-def join(cache: Any, first: Any, second: Any) -> None:
-    """Fill ``cache`` with the two micro-batches' keys and values, ``first`` first."""
-    for index, (a, b) in enumerate(zip(first.layers, second.layers)):
-        if a.is_initialized:
-            cache.update(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]), index)
+def join(cache: Any, parts: Sequence[Any]) -> None:
+    """Fill ``cache`` with the micro-batches' keys and values, in the batch's order."""
+    for index, layers in enumerate(zip(*(part.layers for part in parts))):
+        if layers[0].is_initialized:
+            cache.update(torch.cat([layer.keys for layer in layers]),
+                         torch.cat([layer.values for layer in layers]), index)

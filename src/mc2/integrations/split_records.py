@@ -3,12 +3,12 @@
 With ``output_router_logits`` (what the auxiliary load-balancing loss is computed from) or
 ``output_attentions``, a Hugging Face model records the output of every router or attention
 module through forward hooks into one list per kind, in call order. Batch overlap calls those
-modules once per micro-batch, interleaved: the lists would hold twice as many entries, each of
-half the batch, in schedule order, and ``load_balancing_loss_func`` lines them up against the
-attention mask as one entry per layer: with padding, a wrong loss. So each micro-batch records
-into lists of its own, and afterwards each layer's two entries are concatenated along the
-batch (the first micro-batch holds the first sequences), which is exactly what the unsplit
-forward records.
+modules once per micro-batch, interleaved: the lists would hold an entry per micro-batch and
+layer, each of a part of the batch, in schedule order, and ``load_balancing_loss_func`` lines
+them up against the attention mask as one entry per layer: with padding, a wrong loss. So each
+micro-batch records into lists of its own, and afterwards each layer's entries are
+concatenated along the batch (the first micro-batch holds the first sequences), which is
+exactly what the unsplit forward records.
 
 ``output_hidden_states`` is recorded by hooks on the decoder layers themselves, which batch
 overlap does not call as a whole: such a forward runs without batch overlap (said once).
@@ -32,14 +32,15 @@ def _collector_var() -> Any:
 
 
 class SplitRecords:
-    """The records of one forward, kept per micro-batch (label 0 and 1) and joined by layer."""
+    """The records of one forward, kept per micro-batch (labels 0, 1, ...) and joined by
+    layer."""
 
     def __init__(self) -> None:
         self._var = _collector_var()
         active = self._var.get() if self._var is not None else None
         self.target: dict[str, Any] | None = active or None
-        keys = [k for k, v in (active or {}).items() if isinstance(v, list)]
-        self._halves = ({k: [] for k in keys}, {k: [] for k in keys})
+        self._keys = [k for k, v in (active or {}).items() if isinstance(v, list)]
+        self._parts: dict[int, dict[str, list[torch.Tensor]]] = {}
 
     def problem(self) -> str | None:
         """Why this forward cannot run with batch overlap, or ``None``."""
@@ -54,19 +55,22 @@ class SplitRecords:
         if self.target is None:
             yield
             return
-        token = self._var.set(self._halves[label])
+        lists = self._parts.setdefault(label, {k: [] for k in self._keys})
+        token = self._var.set(lists)
         try:
             yield
         finally:
             self._var.reset(token)
 
     def join(self) -> None:
-        """Each layer's two entries, concatenated along the batch, into the forward's lists."""
+        """Each layer's entries, one per micro-batch, concatenated along the batch (in label
+        order, the batch's) into the forward's lists."""
         if self.target is None:
             return
-        first, second = self._halves
-        for key, entries in first.items():
-            if len(entries) != len(second[key]):
-                raise RuntimeError(f"batch overlap: the micro-batches recorded {len(entries)} "
-                                   f"and {len(second[key])} {key}")
-            self.target[key].extend(torch.cat([a, b]) for a, b in zip(entries, second[key]))
+        parts = [self._parts[label] for label in sorted(self._parts)]
+        for key in self._keys:
+            counts = [len(part[key]) for part in parts]
+            if len(set(counts)) > 1:
+                raise RuntimeError(f"batch overlap: the micro-batches recorded {counts} {key}")
+            self.target[key].extend(torch.cat(entries)
+                                    for entries in zip(*(part[key] for part in parts)))
