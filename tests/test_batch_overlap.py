@@ -134,6 +134,13 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
             bo.Decision(True, splits=bad)
 
 
+def test_ranks_given_different_splits_all_raise() -> None:
+    from tests.workers_overlap import disagreeing_splits
+
+    errors = mc2.run_local(disagreeing_splits, 2, timeout_s=60)
+    assert all("different batch_splits (from 2 to 3)" in e for e in errors), errors
+
+
 @pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")
 def test_auto_keeps_the_faster_schedule() -> None:
     from mc2.integrations import batch_overlap as bo

@@ -117,3 +117,15 @@ def _prefill_and_decode(model, ids: torch.Tensor) -> dict[str, Any]:
         # every layer's hidden states: recorded by hooks on the layers, so not split (said)
         hidden = torch.stack(model(ids, output_hidden_states=True, use_cache=False).hidden_states)
     return {"logits": out.logits, "cache": keys, "decode": step, "hidden": hidden}
+
+
+def disagreeing_splits(rank: int, world: int) -> str:
+    """Each rank asks for a different number of micro-batches: the error every rank raises."""
+    from mc2.integrations.batch_overlap import Decision
+
+    decision = Decision(True, min_tokens=1, splits=2 + rank)
+    try:
+        decision.wanted(8, 4096, torch.device("cpu"))
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -15,7 +15,8 @@ combine issued), and the part after (the combine waited for). The schedule of on
     ...
     B: combine(L-1)               (the step's only exposed transfer besides A's first dispatch)
 
-so each transfer of one micro-batch travels while the other computes, across layer boundaries:
+(and with more micro-batches, ``splits``, the same round robin), so each transfer of one
+micro-batch travels while the other computes, across layer boundaries:
 the bound is ``max(T_compute, T_comm)`` per step instead of a sum over layers. The backward
 interleaves the same way by itself (:mod:`mc2.engine.staged`). Results are those of the
 unsplit batch: attention, norms, router and experts act on each sequence or token alone.
@@ -27,7 +28,7 @@ a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverl
 
 When it runs: every rank must split or not (the two micro-batches make different collectives),
 so the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
-where it cannot or should not run: a batch of one sequence, fewer tokens than ``min_tokens``
+where it cannot or should not run: a batch of fewer sequences than micro-batches, fewer tokens than ``min_tokens``
 (too small to hide anything behind: the measured threshold is in ``docs/batch_overlap.md``), a
 KV cache that already holds tokens (decoding) or cannot be split, or a block that cannot be
 staged, or a forward that asks for every layer's hidden states. A prefill's empty cache is
@@ -215,8 +216,14 @@ class Decision:
         elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
-        flag = upload([0 if reason is None else 1], device)
-        if read(all_reduce_max(flag, self.group, "batch overlap"))[0]:  # one read a forward
+        # one all_reduce and one read a forward: whether any rank cannot split, and the
+        # micro-batch counts (the ranks must run the same number, or their collectives differ)
+        flag = upload([0 if reason is None else 1, self.splits, -self.splits], device)
+        cannot, most, fewest = read(all_reduce_max(flag, self.group, "batch overlap"))
+        if most != -fewest:
+            raise ValueError(f"batch overlap: the ranks were given different batch_splits "
+                             f"(from {-fewest} to {most}); give every rank the same")
+        if cannot:
             _say_once(reason or "another rank cannot split its batch")
             self._last = False  # the plain side runs: a trial of it next is no switch
             return False
