@@ -13,6 +13,9 @@ its steady state, as a job that runs one mode has it):
 - ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
   interleaved across the layers, forward and backward; ``batch3``, ``batch4``, ...: the same
   with that many micro-batches (``batch_splits``), on request in ``--modes``;
+- ``cross``, ``cross3``, ...: cross-pass overlap (:func:`mc2.integrations.cross_pass.train_step`,
+  each micro-batch's forward inside the previous one's backward; 2 or that many micro-batches),
+  on request in ``--modes`` (no forward time: the passes run together);
 - ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
   ways (warm-up here) and keeps the faster schedule.
 
@@ -50,6 +53,12 @@ from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
 OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
+
+
+def _cross_splits(mode: str) -> int | None:
+    """Micro-batches of a cross-pass mode (``cross``: 2, ``cross4``: 4), ``None`` for the
+    others."""
+    return _splits("batch" + mode[5:]) if mode.startswith("cross") else None
 
 
 def _splits(mode: str) -> int | None:
@@ -95,9 +104,24 @@ def _set_mode(model: Any, mode: str) -> None:
             _AUTO["decision"] = Decision("auto", min_tokens=1, group=blocks[0].group)
         layers.decision = _AUTO["decision"]
         return
-    splits = _splits(mode)
+    splits = _splits(mode)  # a cross-pass step runs its layers itself (train_step)
     layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group,
                                splits=splits or 2)
+
+
+def _step(model: Any, mode: str, ids: torch.Tensor, clock: Any = None) -> Any:
+    """One training step's forward and backward in ``mode``; the clock's stamp between the
+    two (``None`` for a cross-pass step, whose passes run together)."""
+    cross = _cross_splits(mode)
+    if cross is not None:
+        from mc2.integrations.cross_pass import train_step
+
+        train_step(model, ids, labels=ids, splits=cross)
+        return None
+    loss = model(ids, labels=ids, use_cache=False).loss
+    middle = clock.stamp() if clock is not None else None
+    loss.backward()
+    return middle
 
 
 def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
@@ -120,9 +144,9 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
-            model(ids, labels=ids, use_cache=False).loss.backward()
+            _step(model, mode, ids)
         while mode == "auto" and _AUTO["decision"].chosen is None:
-            model(ids, labels=ids, use_cache=False).loss.backward()
+            _step(model, mode, ids)
     for _ in range(rounds):
         for mode in modes:
             _set_mode(model, mode)
@@ -131,18 +155,17 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
             # anew, mc2.engine.workspace); measured without it, "auto" having chosen MC2 (the
             # same code as mc2) ran 1.5-8% slower than mc2, right after batch overlap's steps.
             # A job runs one mode: its steady state is the one to compare
-            model(ids, labels=ids, use_cache=False).loss.backward()
+            _step(model, mode, ids)
             for _ in range(steps):
                 model.zero_grad(set_to_none=True)
                 torch.distributed.barrier()
                 with mc2.profile() as prof:
                     start = clock.stamp()
-                    loss = model(ids, labels=ids, use_cache=False).loss
-                    middle = clock.stamp()
-                    loss.backward()
+                    middle = _step(model, mode, ids, clock)
                     end = clock.stamp()
                 times[mode].append(clock.elapsed(start, end))
-                forward[mode].append(clock.elapsed(start, middle))
+                if middle is not None:
+                    forward[mode].append(clock.elapsed(start, middle))
                 if mode == "serial":
                     spans = [s for s in prof.spans if s.kind == "comm"]
                     comm.append(prof.timeline.total("comm"))
@@ -202,7 +225,8 @@ def _split_bound(ranks: list[dict[str, Any]], t_comp: float, t_comm: float, spli
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comm = statistics.median(_agreed(ranks, "comm"))
     steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in ranks[0]["times"]}
-    forwards = {m: statistics.median(_agreed(ranks, "forward", m)) for m in ranks[0]["times"]}
+    forwards = {m: statistics.median(_agreed(ranks, "forward", m)) if ranks[0]["forward"][m]
+                else None for m in ranks[0]["times"]}  # none for cross-pass steps
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
     by_pass = _pass_bound(ranks)
@@ -210,7 +234,7 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     rows = {}
     for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
-        splits = _splits(mode)
+        splits = _splits(mode) or _cross_splits(mode)
         own = _split_bound(ranks, t_comp, t_comm, splits)["bound"] if splits else None
         rows[mode] = {"step_s": steps[mode], "forward_s": forwards[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
@@ -243,7 +267,8 @@ def print_regime(name: str, result: dict[str, Any]) -> None:
     print(f"{'mode':<8}{'step s':>9}{'fwd s':>8}{'exposed s':>11}{'comm share':>12}"
           f"{'/ bound':>9}{'/ pass':>8}{'/ two':>7}{'/ own':>7}{'tok/s/rank':>12}")
     for mode, row in result["rows"].items():
-        print(f"{mode:<8}{row['step_s']:>9.3f}{row['forward_s']:>8.3f}{row['exposed_s']:>11.3f}"
+        fwd = "-" if row["forward_s"] is None else f"{row['forward_s']:.3f}"
+        print(f"{mode:<8}{row['step_s']:>9.3f}{fwd:>8}{row['exposed_s']:>11.3f}"
               f"{row['comm_share']:>12.0%}{row['vs_bound']:>9.2f}{row['vs_pass_bound']:>8.2f}"
               f"{row['vs_two_batch_bound']:>7.2f}"
               f"{'' if row['vs_split_bound'] is None else format(row['vs_split_bound'], '.2f'):>7}"
@@ -264,9 +289,10 @@ def main() -> int:
                         help="decoder layers (the fill and drain of batch overlap's passes are "
                              "paid once per pass, so their share falls with depth)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"modes to run, from {MODES} and batch3, batch4, ... (batch "
-                             "overlap with that many micro-batches); serial is needed for the "
-                             "bound")
+                        help=f"modes to run, from {MODES}; batch3, batch4, ... (batch "
+                             "overlap with that many micro-batches); cross, cross3, ... "
+                             "(cross-pass overlap, mc2.integrations.cross_pass.train_step, 2 or "
+                             "that many micro-batches); serial is needed for the bound")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
@@ -275,7 +301,7 @@ def main() -> int:
     results = {}
     modes = tuple(args.modes.split(",")) + (OPTIONAL_MODES if args.auto else ())
     if "serial" not in modes or any(m not in MODES + OPTIONAL_MODES and _splits(m) is None
-                                    for m in modes):
+                                    and _cross_splits(m) is None for m in modes):
         raise SystemExit(f"--modes: from {MODES}, serial included (got {args.modes})")
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)

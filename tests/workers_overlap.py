@@ -29,7 +29,8 @@ QWEN2_MOE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_interm
                  experts_implementation="eager")
 
 
-def _model(dtype: torch.dtype, hostile: bool, kind: str = "Mixtral", **mc2_options: Any):
+def _model(dtype: torch.dtype, hostile: bool, kind: str = "Mixtral", aux: bool = True,
+           **mc2_options: Any):
     import transformers
 
     from mc2.integrations.transformers import enable_mc2
@@ -39,7 +40,7 @@ def _model(dtype: torch.dtype, hostile: bool, kind: str = "Mixtral", **mc2_optio
         config = transformers.Qwen2MoeConfig(**QWEN2_MOE, output_router_logits=True)
         model = transformers.Qwen2MoeForCausalLM(config).to(dtype)
     else:
-        config = transformers.MixtralConfig(**CONFIG, output_router_logits=True,
+        config = transformers.MixtralConfig(**CONFIG, output_router_logits=aux,
                                             router_aux_loss_coef=0.02)
         model = transformers.MixtralForCausalLM(config).to(dtype)
     with torch.no_grad():
@@ -129,3 +130,70 @@ def disagreeing_splits(rank: int, world: int) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def cross_pass_step(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each case, one step of the same model and batch (with padding and unlabelled
+    tokens): ``model(...).loss.backward()`` without batch overlap, then ``train_step`` (cross-pass
+    overlap) on a copy with batch overlap; losses, gradients and the traced labels of both."""
+    import mc2
+    from mc2.integrations.cross_pass import train_step
+
+    out = []
+    for case in cases:
+        dtype = getattr(torch, case.get("dtype", "float64"))
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, CONFIG["vocab_size"], (case.get("batch", 4), 12), generator=g)
+        labels = ids.clone()
+        labels[0, :5] = -100  # the micro-batches hold different counts of labelled tokens
+        mask = torch.ones_like(ids)
+        mask[-1, :3] = 0
+        wire = case.get("options", {})
+        plain, overlapped = (_model(dtype, case.get("hostile", False), aux=False, **wire,
+                                    **options)
+                             for options in ({}, {"batch_overlap": True, "min_tokens": 1}))
+        if case.get("checkpointing"):
+            for m in (plain, overlapped):
+                m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        syncs = [mc2.GradientSync(m) if case.get("sync") else None for m in (plain, overlapped)]
+        loss = plain(ids, labels=labels, attention_mask=mask).loss
+        loss.backward()
+        if syncs[0] is not None:
+            syncs[0].wait()
+        with mc2.profile() as prof:
+            got = train_step(overlapped, ids, labels=labels, attention_mask=mask,
+                             splits=case.get("splits", 2), gradient_sync=syncs[1])
+        if syncs[1] is not None:
+            syncs[1].wait()
+        out.append({"loss": (loss.detach(), got),
+                    "labels": sorted({s.micro_batch for s in prof.spans}),
+                    "grads": [(n, p.grad, q.grad) for (n, p), q in zip(
+                        plain.named_parameters(), overlapped.parameters())]})
+    return out
+
+
+def cross_pass_refusals(rank: int, world: int) -> list[str]:
+    """What train_step refuses, on every rank: the errors' messages."""
+    from mc2.integrations.cross_pass import train_step
+
+    ids = torch.zeros(4, 12, dtype=torch.long)
+    refused = []
+    attempts = [
+        (_model(torch.float64, False, aux=True, batch_overlap=True, min_tokens=1), {}),
+        (_model(torch.float64, False, aux=False), {}),  # no batch overlap set up
+        (_model(torch.float64, False, aux=False, batch_overlap=True), {"use_cache": True}),
+        (_model(torch.float64, False, aux=False, batch_overlap=True), {"no_grad": True}),
+    ]
+    for model, extra in attempts:
+        try:
+            if extra.pop("no_grad", False):
+                with torch.no_grad():
+                    train_step(model, ids, labels=ids)
+            else:
+                train_step(model, ids, labels=ids, **extra)
+        except ValueError as error:
+            refused.append(str(error))
+        else:
+            refused.append("not refused")
+    return refused

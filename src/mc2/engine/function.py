@@ -29,6 +29,7 @@ from torch import Tensor
 from ..observation.timeline import Timeline, maybe_span
 from .clock import Interval, clock_for
 from .deadline import deadline
+from .fill import fill
 from .experts import (
     ExpertActivations,
     ExpertWeights,
@@ -123,13 +124,17 @@ def _stages(call: CallPlan, steps: PipelineSteps, phase: str) -> Iterator[str]:
                           wire=call.wire, workspace=call.workspace)
 
 
-def finished(stages: Generator[str, None, Any]) -> Any:
-    """Run a pass's stages to the end; its result."""
+def finished(stages: Generator[str, None, Any], at_stop: Callable[[], None] | None = None
+             ) -> Any:
+    """Run a pass's stages to the end; its result. ``at_stop``: run at each stop (before a
+    wait, with the transfers issued)."""
     while True:
         try:
             next(stages)
         except StopIteration as stop:
             return stop.value
+        if at_stop is not None:
+            at_stop()
 
 
 def _forward_pass(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,
@@ -188,7 +193,7 @@ def _weighted_sum(forward: _Forward, routing_weights: Tensor, call: CallPlan, li
 
 def _backward_pass(*args: Any) -> tuple[Tensor, tuple[Tensor | None, ...],
                                          tuple[Tensor | None, ...]]:
-    return finished(backward_stages(*args))
+    return finished(backward_stages(*args), at_stop=fill)  # cross-pass overlap, if any
 
 
 def backward_stages(grad_out: Tensor, routing_weights: Tensor, weights: ExpertWeights,

@@ -48,6 +48,7 @@ from .call_plan import plan_call
 from .config import MC2Config
 from .deadline import deadline, resolve_timeout
 from .experts import ExpertWeights
+from .fill import fill
 from .function import (
     CallPlan,
     _Forward,
@@ -98,6 +99,8 @@ class _State:
         """Run the backward pass to its next stop (or its end), as :meth:`step_forward`."""
         while self.backward_result is None:
             stop, self.backward_result = self._advanced(self.backward)
+            if stop is not None:
+                fill()  # cross-pass overlap: the next micro-batch's forward, if any
             if stop != through:
                 return
 
@@ -243,6 +246,23 @@ class _Labelled:
         self._timeline.mark(kind, name, phase, self._label)
 
 
+_auto_micro_batches = 1  # what "auto" means for a staged call: the others give the overlap
+
+
+@contextmanager
+def auto_micro_batches(count: int) -> Iterator[None]:
+    """Staged calls begun inside split their rows into ``count`` micro-batches of their own
+    under ``micro_batches="auto"``: for a call whose backward has no other micro-batch to
+    overlap with (cross-pass overlap's last, :mod:`mc2.integrations.cross_pass`). A module
+    global, as :mod:`mc2.engine.fill`."""
+    global _auto_micro_batches
+    previous, _auto_micro_batches = _auto_micro_batches, count
+    try:
+        yield
+    finally:
+        _auto_micro_batches = previous
+
+
 def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                  routing_weights: Tensor, *, group: Any, config: MC2Config,
                  shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
@@ -255,7 +275,7 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                          "them first (batch overlap does, for the decoder layers it runs: "
                          "mc2.parallel.layer_gather.LayerGathers)")
     if config.micro_batches == "auto":
-        config = config.replace(micro_batches=1)
+        config = config.replace(micro_batches=_auto_micro_batches)
     seconds = resolve_timeout(config.timeout)
     named = {"weights_gate_up": gate_up, "weights_down": down}
     full_shared = (*shared, shared_scale)

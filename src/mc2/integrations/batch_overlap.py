@@ -26,10 +26,11 @@ yields the begun call (:class:`mc2.engine.staged.StagedCall`), receives the bloc
 returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face decoder layers;
 a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverlapStack`).
 
-When it runs: every rank must split or not (the two micro-batches make different collectives),
-so the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
-where it cannot or should not run: a batch of fewer sequences than micro-batches, fewer tokens than ``min_tokens``
-(too small to hide anything behind: the measured threshold is in ``docs/batch_overlap.md``), a
+When it runs: every rank must split or not (the micro-batches make different collectives), so
+the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
+where it cannot or should not run: a batch of fewer sequences than micro-batches, fewer tokens
+than ``min_tokens`` (too small to hide anything behind: the measured threshold is in
+``docs/batch_overlap.md``), a
 KV cache that already holds tokens (decoding) or cannot be split, or a block that cannot be
 staged, or a forward that asks for every layer's hidden states. A prefill's empty cache is
 split and joined again (:mod:`.split_cache`), and the router logits and attentions a model
@@ -77,7 +78,7 @@ def _say_once(reason: str) -> None:
         warnings.warn(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
 
 
-def _start(stages: LayerStages) -> tuple[Any, Tensor | None]:
+def start_stages(stages: LayerStages) -> tuple[Any, Tensor | None]:
     """Run a layer up to its MoE call: ``(the begun call, None)``, or ``(None, output)`` for a
     layer without one."""
     try:
@@ -86,7 +87,7 @@ def _start(stages: LayerStages) -> tuple[Any, Tensor | None]:
         return None, stop.value
 
 
-def _finish(stages: LayerStages, call: Any) -> Tensor:
+def finish_stages(stages: LayerStages, call: Any) -> Tensor:
     """Wait for the call's combine and run the rest of the layer."""
     out = call.end()
     try:
@@ -132,7 +133,7 @@ def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
             stages, call = pending[i]
             pending[i] = None
             with label(i):
-                leave(index, i, _finish(stages, call))
+                leave(index, i, finish_stages(stages, call))
 
     depth = 0
     for depth, row in enumerate(zip(*layers)):
@@ -142,7 +143,7 @@ def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
                 gathers.gather(depth)
             with label(i):
                 stages = layer(h[i])
-                call, done = _start(stages)
+                call, done = start_stages(stages)
             if call is None:
                 leave(depth, i, done)
             else:
@@ -398,6 +399,26 @@ def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple
     return split_cache.unsplittable(caches[0][1]) if caches else None
 
 
+LayerRunner = Callable[[list[nn.Module], Tensor, list[tuple[tuple, dict[str, Any]]]], Tensor]
+"""What runs one forward's decoder layers instead of the loop below: ``(layers, hidden states,
+each layer's (args, kwargs)) -> output`` (:mod:`.cross_pass`)."""
+
+_runner: LayerRunner | None = None
+
+
+@contextmanager
+def running_layers(runner: LayerRunner) -> Iterator[None]:
+    """Forwards inside run their decoder layers through ``runner`` (a module global, not a
+    context variable: a cross-pass forward runs inside a backward, on the autograd engine's
+    device thread on an accelerator)."""
+    global _runner
+    previous, _runner = _runner, runner
+    try:
+        yield
+    finally:
+        _runner = previous
+
+
 class _Loop:
     """One pass of the model's layer loop over ``layers``."""
 
@@ -410,6 +431,8 @@ class _Loop:
         hidden_states = self.first
         assert hidden_states is not None
         calls, self.first = list(self.calls), None
+        if _runner is not None:
+            return _runner(self.layers, hidden_states, calls)
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         caches = {id(kw[k]): (k, kw[k]) for _, kw in calls for k in CACHE_KEYS
                   if kw.get(k) is not None}
@@ -488,7 +511,7 @@ class OverlappedLayers(nn.ModuleList):
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
             layers = list(self._modules.values())[idx]
-            if self.decision.chosen is False:
+            if self.decision.chosen is False and _runner is None:
                 return nn.ModuleList(layers)
             return _LoopView(layers, self.decision)
         return super().__getitem__(idx)

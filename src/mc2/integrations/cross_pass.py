@@ -1,0 +1,212 @@
+"""Cross-pass overlap: each micro-batch's forward runs inside the previous one's backward.
+
+Every schedule whose backward begins after its forward has ended (``model(...).loss.backward()``
+with or without batch overlap) is bounded by the *pass bound*, ``max(fwd comp, fwd comm) +
+max(bwd comp, bwd comm)``: a forward with more communication than compute (a slow link: the
+forward has a third of the compute and half of the All-to-All) leaves its excess exposed,
+since no backward compute exists yet to hide it behind. :func:`train_step` runs the forward and
+backward of a training step together, micro-batch by micro-batch::
+
+    F0             the first micro-batch's forward alone (MC2 inside each layer)
+    B0 | F1        F1 runs in stages at B0's stops: while B0's gradients travel, F1 computes
+                   its attention and experts; while F1's dispatch and combine travel, B0
+                   computes
+    B1 | F2
+    ...
+    B(n-1)         the last backward alone
+
+so one micro-batch's forward communication hides behind another's backward compute, across
+the pass boundary (as 1F1B and DualPipe schedules do).
+
+Exact: the loss is the sum of the micro-batches' losses, each Hugging Face's causal-LM loss
+over the *whole batch's* count of labelled tokens (``num_items_in_batch``), which is the
+unsplit batch's mean; the gradients are those of ``model(ids, labels=labels).loss.backward()``
+up to the order of the sums.
+
+Refused, with the reason: the router's auxiliary loss (it couples every token's routing over
+the whole batch, so no micro-batch's backward could begin before the last forward ended),
+FSDP2 units on the decoder layers, and a step without autograd. Where a rank cannot split its
+batch (fewer sequences than ``splits``, fewer tokens than ``min_tokens``), every rank runs the
+plain step instead and says so once (:class:`~mc2.integrations.batch_overlap.BatchOverlapWarning`).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import Any, ContextManager, Generator
+
+import torch
+from torch import Tensor, nn
+
+from ..engine.fill import filling
+from ..engine.staged import auto_micro_batches, micro_batch_label
+from ..parallel.layer_gather import LayerGathers
+from . import batch_overlap as bo
+
+IGNORE_INDEX = -100  # Hugging Face's label of a token without a loss
+LAST_MICRO_BATCHES = int(os.environ.get("MC2_CROSS_LAST_K", "2"))
+
+
+def train_step(model: nn.Module, input_ids: Tensor, *, labels: Tensor,
+               attention_mask: Tensor | None = None, splits: int = 2,
+               gradient_sync: Any = None, **model_kwargs: Any) -> Tensor:
+    """One training step's forward and backward of a Hugging Face causal LM, with cross-pass
+    overlap (module docstring); the step's loss, detached. The gradients are accumulated into
+    the parameters' ``.grad`` as ``model(input_ids, labels=labels, ...).loss.backward()``
+    would; the optimizer step is the caller's.
+
+    Args:
+        model: a model given ``enable_mc2(model, batch_overlap=True)`` (or ``"auto"``): its
+            decoder layers are an :class:`~mc2.integrations.batch_overlap.OverlappedLayers`.
+        input_ids, labels: ``[batch, seq]``; ``labels`` as for the model's own loss
+            (``-100``: no loss).
+        attention_mask: ``[batch, seq]`` or ``None``.
+        splits: micro-batches (whole sequences, as even as they go).
+        gradient_sync: your :class:`mc2.GradientSync`, if any: every micro-batch's backward
+            but the last runs in its ``no_sync()``, so the gradients are averaged once, over
+            the whole batch (call its ``wait()`` afterwards, as after a backward).
+        model_kwargs: passed to every micro-batch's forward (tensors whose first dimension is
+            the batch are split with it).
+
+    Raises:
+        ValueError: the model is not set up for it, or asks for what it cannot do (above).
+    """
+    layers = _overlapped_layers(model)
+    _check(model, layers, input_ids, labels, attention_mask, model_kwargs)
+    batch, seq = input_ids.shape[0], input_ids.shape[1]
+    decision = bo.Decision(True, min_tokens=layers.decision.min_tokens,
+                           group=layers.decision.group, splits=splits)
+    if not decision.wanted(batch, batch * seq, input_ids.device):
+        loss = model(input_ids, labels=labels, attention_mask=attention_mask, use_cache=False,
+                     **model_kwargs).loss
+        loss.backward()
+        return loss.detach()
+    sizes = bo.split_sizes(batch, splits)
+    labelled = (labels[..., 1:] != IGNORE_INDEX).sum()  # the whole batch's, on the device
+    pieces: dict[str, list[Any]] = {
+        name: bo.split_value(value, batch, sizes)
+        for name, value in {"input_ids": input_ids, "labels": labels,
+                            "attention_mask": attention_mask, **model_kwargs}.items()}
+    step = _Step(input_ids.device.type, gradient_sync)
+    total: Tensor | None = None
+    with bo.running_layers(step.run_layers):
+        for i in range(len(sizes)):
+            step.label, step.last = i, i == len(sizes) - 1
+            loss = model(**{name: values[i] for name, values in pieces.items()},
+                         use_cache=False, num_items_in_batch=labelled).loss
+            total = loss.detach() if total is None else total + loss.detach()
+            step.pending = loss  # its backward runs inside the next forward's layers
+    last, step.pending = step.pending, None
+    assert last is not None and total is not None
+    last.backward()
+    return total
+
+
+def _overlapped_layers(model: nn.Module) -> "bo.OverlappedLayers":
+    found = [m for m in model.modules() if isinstance(m, bo.OverlappedLayers)]
+    if len(found) != 1:
+        raise ValueError("train_step: the model's decoder layers are not set up for it; call "
+                         "enable_mc2(model, ..., batch_overlap=True) (or 'auto') first")
+    return found[0]
+
+
+def _check(model: nn.Module, layers: "bo.OverlappedLayers", input_ids: Tensor, labels: Tensor,
+           attention_mask: Tensor | None, model_kwargs: dict[str, Any]) -> None:
+    """Everything cross-pass overlap cannot do, refused alike on every rank (the model and the
+    arguments' shapes are the same everywhere)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) or model_kwargs.get("output_router_logits"):
+        raise ValueError(
+            "train_step: the router's auxiliary loss (output_router_logits) couples every "
+            "token's routing over the whole batch, so no micro-batch's backward could begin "
+            "before the last forward ended; train with model(...).loss.backward() (batch "
+            "overlap keeps it exact), or without the auxiliary loss")
+    if LayerGathers(layers):
+        raise ValueError("train_step: the decoder layers are FSDP2 units; cross-pass overlap "
+                         "does not gather them (use model(...).loss.backward())")
+    if not torch.is_grad_enabled():
+        raise ValueError("train_step: gradients are disabled (torch.no_grad); it runs the "
+                         "backward")
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape or (
+            attention_mask is not None and attention_mask.shape != input_ids.shape):
+        raise ValueError(f"train_step: input_ids, labels and attention_mask must be "
+                         f"[batch, seq] alike, got {tuple(input_ids.shape)}, "
+                         f"{tuple(labels.shape)} and "
+                         f"{None if attention_mask is None else tuple(attention_mask.shape)}")
+    for name in ("past_key_values", "cache", "use_cache", "num_items_in_batch"):
+        if name in model_kwargs:
+            raise ValueError(f"train_step: {name} is train_step's own to set (a training "
+                             "step has no KV cache; the labelled tokens are counted over the "
+                             "whole batch)")
+
+
+class _Step:
+    """The micro-batches of one step: the one whose backward is still to run, and how the
+    next one's layers run."""
+
+    def __init__(self, device_type: str, gradient_sync: Any = None) -> None:
+        self.pending: Tensor | None = None
+        self.gradient_sync = gradient_sync
+        self.label = 0
+        self.last = False  # the step's last micro-batch: its backward runs alone
+        # the caller's autocast, for forward stages run inside a backward (which runs none)
+        self.autocast = (device_type, torch.is_autocast_enabled(device_type),
+                         torch.get_autocast_dtype(device_type))
+
+    def run_layers(self, layers: list[nn.Module], hidden_states: Tensor,
+                   calls: list[tuple[tuple, dict[str, Any]]]) -> Tensor:
+        """One micro-batch through the decoder layers (:func:`bo.running_layers`)."""
+        if self.pending is None:  # the first: nothing to overlap with but itself
+            h = hidden_states
+            for layer, (args, kwargs) in zip(layers, calls):
+                h = layer(h, *args, **kwargs)
+            return h
+        stages = _forward_stages(layers, calls, hidden_states, self.label, self.last)
+        result: list[Tensor] = []
+        device_type, enabled, dtype = self.autocast
+
+        def advance() -> None:  # one stage of this forward, at a stop of the backward
+            if result:
+                return
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype,
+                                                     enabled=enabled):
+                try:
+                    next(stages)
+                except StopIteration as stop:
+                    result.append(stop.value)
+
+        pending, self.pending = self.pending, None
+        with filling(advance), self._accumulating():
+            pending.backward()
+        while not result:
+            advance()
+        return result[0]
+
+
+    def _accumulating(self) -> ContextManager[None]:
+        """An early micro-batch's backward: accumulated, not yet averaged over the ranks."""
+        return self.gradient_sync.no_sync() if self.gradient_sync is not None else nullcontext()
+
+
+def _forward_stages(layers: list[nn.Module], calls: list[tuple[tuple, dict[str, Any]]],
+                    h: Tensor, label: int, last: bool) -> Generator[None, None, Tensor]:
+    """One micro-batch's forward through the layers, stopping after each issue (its dispatch,
+    its combine) so that the backward it fills runs while they travel; the layers' output.
+    ``last``: the step's last micro-batch, whose backward runs alone, so its calls overlap
+    inside themselves (``LAST_MICRO_BATCHES``)."""
+    for layer, (_, kwargs) in zip(layers, calls):
+        rows = auto_micro_batches(LAST_MICRO_BATCHES) if last else nullcontext()
+        with micro_batch_label(label), rows:
+            stages = bo.hf_layer_stages(layer, h, kwargs=kwargs)
+            call, done = bo.start_stages(stages)
+        if call is None:
+            h = done
+            continue
+        yield  # the dispatch travels
+        call.experts()
+        yield  # the combine travels
+        with micro_batch_label(label):
+            h = bo.finish_stages(stages, call)
+    return h
+

@@ -1,0 +1,65 @@
+"""Cross-pass overlap (each micro-batch's forward inside the previous one's backward) changes
+nothing but the schedule: the same loss and gradients as ``model(...).loss.backward()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from mc2.engine.fill import fill, filling
+from tests.workers_overlap import cross_pass_refusals, cross_pass_step
+
+CASES = [
+    {},
+    # everything to experts 0 and 1, 4 sequences in 3 micro-batches, checkpointing on
+    {"splits": 3, "hostile": True, "checkpointing": True},
+    {"dtype": "float32", "sync": True, "options": {"wire_dtype": "bf16"}},
+    {"batch": 2, "splits": 3},  # too few sequences: the plain step, on every rank
+]
+
+
+@pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")
+def test_train_step_equals_the_plain_backward() -> None:
+    results = mc2.run_local(cross_pass_step, 2, args=(CASES,), timeout_s=180)
+    for rank in results:
+        for case, got in zip(CASES, rank):
+            # the loss is Hugging Face's, in float32 whatever the model's dtype
+            plain, split = got["loss"]
+            torch.testing.assert_close(split, plain, rtol=1e-6, atol=0, msg=str(case))
+            tol = 1e-6 if case.get("dtype") == "float32" else 1e-12
+            for name, want, mine in got["grads"]:
+                assert (want is None) == (mine is None), name
+                if want is not None:  # relative to the gradient's norm (sums reordered)
+                    assert float((mine - want).norm()) <= tol * float(want.norm()), \
+                        (case, name)  # zero where no token reached the expert
+            if case.get("batch", 4) >= case.get("splits", 2):  # split: every micro-batch traced
+                assert set(range(case.get("splits", 2))) <= set(got["labels"]), case
+
+
+def test_what_it_refuses_it_refuses_on_every_rank() -> None:
+    results = mc2.run_local(cross_pass_refusals, 2, timeout_s=120)
+    assert results[0] == results[1]
+    aux, not_set_up, cache, no_grad = results[0]
+    assert "auxiliary loss" in aux
+    assert "batch_overlap=True" in not_set_up
+    assert "use_cache is train_step's own" in cache
+    assert "gradients are disabled" in no_grad
+
+
+def test_a_fill_runs_once_per_stop_and_never_inside_itself() -> None:
+    ran: list[int] = []
+
+    def work() -> None:
+        ran.append(1)
+        fill()  # a stop of the work's own forward: not filled again
+
+    fill()  # nothing installed: nothing runs
+    with filling(work):
+        fill()
+        fill()
+        with pytest.raises(RuntimeError, match="already being filled"):
+            with filling(work):
+                pass
+    fill()
+    assert ran == [1, 1]
