@@ -190,5 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     return run_train_command(args)
 
 
+def _exit_now(code: int) -> None:
+    """End this rank without the interpreter's finalization, everything written first.
+
+    Under torchrun a rank that returned normally, its process group destroyed, aborted now
+    and then in PyTorch's teardown ("terminate called without an active exception", seen
+    twice in about ten full test runs): Gloo's worker threads can still hold objects with
+    Python references while the interpreter is torn down (pytorch/pytorch#179291). Nothing is
+    left to do at that point: the checkpoints and the history are written, so skip it."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m mc2.tools.train [mc2 train options]
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as stop:  # argparse's --help and errors: as Python would end
+        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    _exit_now(status)
