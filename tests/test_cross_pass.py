@@ -19,11 +19,25 @@ CASES = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")
-def test_train_step_equals_the_plain_backward() -> None:
-    results = mc2.run_local(cross_pass_step, 2, args=(CASES,), timeout_s=180)
-    for rank in results:
-        for case, got in zip(CASES, rank):
+def _both(rank: int, world: int) -> tuple[list, list[str]]:
+    return cross_pass_step(rank, world, CASES), cross_pass_refusals(rank, world)
+
+
+@pytest.fixture(scope="module")
+def world() -> list[tuple[list, list[str]]]:
+    """One 2-rank world for the whole file: the steps of every case, then the refusals."""
+    import warnings
+
+    from mc2.integrations.batch_overlap import BatchOverlapWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchOverlapWarning)
+        return mc2.run_local(_both, 2, timeout_s=180)
+
+
+def test_train_step_equals_the_plain_backward(world) -> None:
+    for steps, _ in world:
+        for case, got in zip(CASES, steps):
             # the loss is Hugging Face's, in float32 whatever the model's dtype
             plain, split = got["loss"]
             torch.testing.assert_close(split, plain, rtol=1e-6, atol=0, msg=str(case))
@@ -35,12 +49,19 @@ def test_train_step_equals_the_plain_backward() -> None:
                         (case, name)  # zero where no token reached the expert
             if case.get("batch", 4) >= case.get("splits", 2):  # split: every micro-batch traced
                 assert set(range(case.get("splits", 2))) <= set(got["labels"]), case
+                # every later micro-batch's forward ran inside the backward before it, all
+                # but its drain (the last combine and the rest of the last layer): 2 layers,
+                # 2 stops each, then the drain
+                filled = got["inside"]
+                assert len(filled) == 5 * (case.get("splits", 2) - 1), (case, filled)
+                assert sum(filled) >= 3 * (case.get("splits", 2) - 1), (case, filled)
+            else:
+                assert got["inside"] == [], case
 
 
-def test_what_it_refuses_it_refuses_on_every_rank() -> None:
-    results = mc2.run_local(cross_pass_refusals, 2, timeout_s=120)
-    assert results[0] == results[1]
-    aux, not_set_up, cache, no_grad = results[0]
+def test_what_it_refuses_it_refuses_on_every_rank(world) -> None:
+    assert world[0][1] == world[1][1]
+    aux, not_set_up, cache, no_grad = world[0][1]
     assert "auxiliary loss" in aux
     assert "batch_overlap=True" in not_set_up
     assert "use_cache is train_step's own" in cache

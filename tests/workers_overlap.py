@@ -137,8 +137,23 @@ def cross_pass_step(rank: int, world: int, cases: list[dict[str, Any]]) -> list[
     tokens): ``model(...).loss.backward()`` without batch overlap, then ``train_step`` (cross-pass
     overlap) on a copy with batch overlap; losses, gradients and the traced labels of both."""
     import mc2
+    from mc2.integrations import cross_pass
     from mc2.integrations.cross_pass import train_step
 
+    inside: list[bool] = []  # per stage of a filled forward: run inside a backward?
+    stages = cross_pass._forward_stages
+
+    def watched(*args: Any, **kwargs: Any):
+        inner = stages(*args, **kwargs)
+        while True:
+            inside.append(torch._C._current_graph_task_id() != -1)
+            try:
+                next(inner)
+            except StopIteration as stop:
+                return stop.value
+            yield
+
+    cross_pass._forward_stages = watched
     out = []
     for case in cases:
         dtype = getattr(torch, case.get("dtype", "float64"))
@@ -161,12 +176,13 @@ def cross_pass_step(rank: int, world: int, cases: list[dict[str, Any]]) -> list[
         loss.backward()
         if syncs[0] is not None:
             syncs[0].wait()
+        inside.clear()
         with mc2.profile() as prof:
             got = train_step(overlapped, ids, labels=labels, attention_mask=mask,
                              splits=case.get("splits", 2), gradient_sync=syncs[1])
         if syncs[1] is not None:
             syncs[1].wait()
-        out.append({"loss": (loss.detach(), got),
+        out.append({"loss": (loss.detach(), got), "inside": list(inside),
                     "labels": sorted({s.micro_batch for s in prof.spans}),
                     "grads": [(n, p.grad, q.grad) for (n, p), q in zip(
                         plain.named_parameters(), overlapped.parameters())]})
