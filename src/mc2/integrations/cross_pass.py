@@ -19,7 +19,7 @@ backward of a training step together, micro-batch by micro-batch::
 so one micro-batch's forward communication hides behind another's backward compute, across
 the pass boundary (as 1F1B and DualPipe schedules do). Measured at 200 Mbit on the benchmark's
 2-layer model it is not shown faster than MC2 inside the layers (0.956 and 1.067 of it in two
-worlds, ``docs/batch_overlap.md``).
+worlds; 1.048 at 4 layers, ``docs/batch_overlap.md``).
 
 Exact: the loss is the sum of the micro-batches' losses, each Hugging Face's causal-LM loss
 over the *whole batch's* count of labelled tokens (``num_items_in_batch``), which is the
