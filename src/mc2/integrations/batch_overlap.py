@@ -30,13 +30,12 @@ When it runs: every rank must split or not (the micro-batches make different col
 the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
 where it cannot or should not run: a batch of fewer sequences than micro-batches, fewer tokens
 than ``min_tokens`` (too small to hide anything behind: the measured threshold is in
-``docs/batch_overlap.md``), a
-KV cache that already holds tokens (decoding) or cannot be split, or a block that cannot be
-staged, or a forward that asks for every layer's hidden states. A prefill's empty cache is
-split and joined again (:mod:`.split_cache`), and the router logits and attentions a model
-records are recorded per micro-batch and joined by layer (:mod:`.split_records`). ``"auto"``
-also measures: the first forwards (with their backwards, in training) alternate with and
-without batch overlap, and the faster one stays.
+``docs/batch_overlap.md``), a KV cache that already holds tokens (decoding) or cannot be
+split, or a block that cannot be staged, or a forward that asks for every layer's hidden
+states. A prefill's empty cache is split and joined again (:mod:`.split_cache`), and the
+router logits and attentions a model records are recorded per micro-batch and joined by layer
+(:mod:`.split_records`). ``"auto"`` also measures: the first forwards (with their backwards,
+in training) alternate with and without batch overlap, and the faster one stays.
 """
 
 from __future__ import annotations
@@ -399,6 +398,16 @@ def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple
     return split_cache.unsplittable(caches[0][1]) if caches else None
 
 
+def run_in_turn(layers: Sequence[nn.Module], hidden_states: Tensor,
+                calls: Sequence[tuple[tuple, dict[str, Any]]]) -> Tensor:
+    """The layers one after the other, each with the arguments the model's loop gave it (no
+    split: each layer's own ``forward``, MC2 inside it)."""
+    h = hidden_states
+    for layer, (args, kwargs) in zip(layers, calls):
+        h = layer(h, *args, **kwargs)
+    return h
+
+
 LayerRunner = Callable[[list[nn.Module], Tensor, list[tuple[tuple, dict[str, Any]]]], Tensor]
 """What runs one forward's decoder layers instead of the loop below: ``(layers, hidden states,
 each layer's (args, kwargs)) -> output`` (:mod:`.cross_pass`)."""
@@ -441,10 +450,7 @@ class _Loop:
         overlapped = self.decision.wanted(batch, batch * seq, hidden_states.device, problem)
 
         def plain() -> Tensor:
-            h = hidden_states
-            for layer, (args, kwargs) in zip(self.layers, calls):
-                h = layer(h, *args, **kwargs)
-            return h
+            return run_in_turn(self.layers, hidden_states, calls)
 
         def split() -> Tensor:
             sizes = split_sizes(batch, self.decision.splits)

@@ -163,10 +163,7 @@ class _Step:
                    calls: list[tuple[tuple, dict[str, Any]]]) -> Tensor:
         """One micro-batch through the decoder layers (:func:`bo.running_layers`)."""
         if self.pending is None:  # the first: nothing to overlap with but itself
-            h = hidden_states
-            for layer, (args, kwargs) in zip(layers, calls):
-                h = layer(h, *args, **kwargs)
-            return h
+            return bo.run_in_turn(layers, hidden_states, calls)
         stages = _forward_stages(layers, calls, hidden_states, self.label, self.last)
         result: list[Tensor] = []
         device_type, enabled, dtype = self.autocast
