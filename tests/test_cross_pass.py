@@ -16,6 +16,7 @@ CASES = [
     {"splits": 3, "hostile": True, "checkpointing": True},
     {"dtype": "float32", "sync": True, "options": {"wire_dtype": "bf16"}},
     {"batch": 2, "splits": 3},  # too few sequences: the plain step, on every rank
+    {"every": 2},  # the forward's stages at every other stop of the backward (_Pace)
 ]
 
 
@@ -54,7 +55,8 @@ def test_train_step_equals_the_plain_backward(world) -> None:
                 # 2 stops each, then the drain
                 filled = got["inside"]
                 assert len(filled) == 5 * (case.get("splits", 2) - 1), (case, filled)
-                assert sum(filled) >= 3 * (case.get("splits", 2) - 1), (case, filled)
+                inside = 1 if case.get("every") else 3  # spaced: fewer before its end
+                assert sum(filled) >= inside * (case.get("splits", 2) - 1), (case, filled)
             else:
                 assert got["inside"] == [], case
 
@@ -84,3 +86,36 @@ def test_a_fill_runs_once_per_stop_and_never_inside_itself() -> None:
                 pass
     fill()
     assert ran == [1, 1]
+
+
+def test_the_forward_is_spread_over_the_backward_stops_it_learned() -> None:
+    from mc2.integrations.cross_pass import _Pace
+
+    layers = torch.nn.Module()
+    pace = _Pace.of(layers, 1)
+    assert pace.every == 1  # nothing learned yet: a stage at every stop
+    ran: list[int] = []
+    left = [4]  # a forward of four stages
+
+    def advance() -> bool:
+        if not left[0]:
+            return False
+        left[0] -= 1
+        ran.append(pace.stops)
+        return True
+
+    at_stop = pace.spaced(advance)
+    for _ in range(12):
+        at_stop()
+    assert ran == [1, 2, 3, 4] and (pace.stops, pace.stages) == (12, 4)
+    pace.learn()
+    assert pace.every == 3
+    again = _Pace.of(layers, 1)  # the next step: the same pace, its counts anew
+    assert again is pace and (again.every, again.stops, again.stages) == (3, 0, 0)
+    ran.clear()
+    left[0] = 4
+    at_stop = again.spaced(advance)
+    for _ in range(8):
+        at_stop()
+    assert ran == [1, 4, 7]  # the fourth stage runs after the backward (train_step's loop)
+    assert _Pace.of(layers, 2).every == 1  # each micro-batch's own

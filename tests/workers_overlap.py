@@ -172,6 +172,10 @@ def cross_pass_step(rank: int, world: int, cases: list[dict[str, Any]]) -> list[
                 m.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
         syncs = [mc2.GradientSync(m) if case.get("sync") else None for m in (plain, overlapped)]
+        if case.get("every"):  # as if learned in an earlier step: a stage every few stops
+            layers = overlapped.model.layers
+            for label in range(case.get("splits", 2)):
+                cross_pass._Pace.of(layers, label).every = case["every"]
         loss = plain(ids, labels=labels, attention_mask=mask).loss
         loss.backward()
         if syncs[0] is not None:
