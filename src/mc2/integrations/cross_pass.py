@@ -20,7 +20,7 @@ so one micro-batch's forward communication hides behind another's backward compu
 the pass boundary (as 1F1B and DualPipe schedules do). The forward's stages are spread over
 the backward's stops (:class:`_Pace`). Measured on the benchmark's 2-layer model it is not
 shown faster than MC2 inside the layers (1.032 of it at 200 Mbit, 0.997 at 500 Mbit, in the
-last sitting; 1.048 at 4 layers, ``docs/batch_overlap.md``).
+last sitting; 0.992 at 4 layers, where batch overlap is 0.916, ``docs/batch_overlap.md``).
 
 Exact: the loss is the sum of the micro-batches' losses, each Hugging Face's causal-LM loss
 over the *whole batch's* count of labelled tokens (``num_items_in_batch``), which is the
