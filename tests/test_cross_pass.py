@@ -117,5 +117,7 @@ def test_the_forward_is_spread_over_the_backward_stops_it_learned() -> None:
     at_stop = again.spaced(advance)
     for _ in range(8):
         at_stop()
-    assert ran == [1, 4, 7]  # the fourth stage runs after the backward (train_step's loop)
+    assert ran == [1, 4, 7]  # the fourth stage runs after the backward:
+    again.finish(advance)
+    assert len(ran) == 4 and again.stages == 4 and again.every == 2  # 8 stops, 4 stages
     assert _Pace.of(layers, 2).every == 1  # each micro-batch's own

@@ -186,9 +186,7 @@ class _Step:
         pending, self.pending = self.pending, None
         with filling(pace.spaced(advance)), self._accumulating():
             pending.backward()
-        while advance():
-            pace.stages += 1
-        pace.learn()
+        pace.finish(advance)
         return result[0]
 
     def _accumulating(self) -> ContextManager[None]:
@@ -232,8 +230,15 @@ class _Pace:
                 self.stages += 1
         return at_stop
 
+    def finish(self, advance: Callable[[], bool]) -> None:
+        """After the backward: the stages it left, run now, then the pace for the next step
+        learned from this one's counts."""
+        while advance():
+            self.stages += 1
+        self.learn()
+
     def learn(self) -> None:
-        """After the step: the pace for the next one."""
+        """The pace for the next step: this one's stops over its stages."""
         self.every = max(1, self.stops // max(1, self.stages))
 
 
