@@ -159,8 +159,8 @@ def sync_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, An
     report["transfers"] = len(transfers)
     report["transfer_ms"] = 1e3 * statistics.median(transfers) if transfers else 0.0
     report["clock"] = type(tl.clock).__name__
-    report["backend"] = mc2.engine.backend.backend_for(None, device)
-    report["stream"] = mc2.engine.backend.comm_style(None, device).stream
+    report["backend"] = mc2.engine.transport.backend.backend_for(None, device)
+    report["stream"] = mc2.engine.transport.backend.comm_style(None, device).stream
     return report
 
 
@@ -188,7 +188,7 @@ def check_syncs(dry_run: bool, device: str) -> bool:
 
 
 def _time(fn: Any, device: str, repeats: int = 5) -> float:
-    from mc2.engine.clock import clock_for
+    from mc2.device.clock import clock_for
 
     clock = clock_for(device)
     fn()

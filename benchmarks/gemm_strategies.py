@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from mc2.engine.experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
-from mc2.engine.workspace import Workspace
+from mc2.engine.compute.experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from mc2.engine.transport.workspace import Workspace
 
 
 def make(layout: str, dtype: torch.dtype, args: argparse.Namespace, device: str = "cpu"):

@@ -13,9 +13,6 @@ its steady state, as a job that runs one mode has it):
 - ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
   interleaved across the layers, forward and backward; ``batch3``, ``batch4``, ...: the same
   with that many micro-batches (``batch_splits``), on request in ``--modes``;
-- ``cross``, ``cross3``, ...: cross-pass overlap (:func:`mc2.integrations.cross_pass.train_step`,
-  each micro-batch's forward inside the previous one's backward; 2 or that many micro-batches),
-  on request in ``--modes`` (no forward time: the passes run together);
 - ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
   ways (warm-up here) and keeps the faster schedule.
 
@@ -53,12 +50,6 @@ from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
 OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
-
-
-def _cross_splits(mode: str) -> int | None:
-    """Micro-batches of a cross-pass mode (``cross``: 2, ``cross4``: 4), ``None`` for the
-    others."""
-    return _splits("batch" + mode[5:]) if mode.startswith("cross") else None
 
 
 def _splits(mode: str) -> int | None:
@@ -104,20 +95,14 @@ def _set_mode(model: Any, mode: str) -> None:
             _AUTO["decision"] = Decision("auto", min_tokens=1, group=blocks[0].group)
         layers.decision = _AUTO["decision"]
         return
-    splits = _splits(mode)  # a cross-pass step runs its layers itself (train_step)
+    splits = _splits(mode)
     layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group,
                                splits=splits or 2)
 
 
 def _step(model: Any, mode: str, ids: torch.Tensor, clock: Any = None) -> Any:
     """One training step's forward and backward in ``mode``; the clock's stamp between the
-    two (``None`` for a cross-pass step, whose passes run together)."""
-    cross = _cross_splits(mode)
-    if cross is not None:
-        from mc2.integrations.cross_pass import train_step
-
-        train_step(model, ids, labels=ids, splits=cross)
-        return None
+    two."""
     loss = model(ids, labels=ids, use_cache=False).loss
     middle = clock.stamp() if clock is not None else None
     loss.backward()
@@ -128,7 +113,7 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                modes: tuple[str, ...] = MODES, layers: int = SHAPE["num_hidden_layers"]
                ) -> dict[str, Any]:
     """Every mode's step times and the serial mode's communication time, on this rank."""
-    from mc2.engine.clock import clock_for
+    from mc2.device.clock import clock_for
 
     model = _model(layers)
     model.train()
@@ -152,7 +137,7 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
             _set_mode(model, mode)
             # one step untimed at every switch: batch overlap's calls use buffers of half the
             # size, so the first step after a switch reallocates the workspace (page-faulted
-            # anew, mc2.engine.workspace); measured without it, "auto" having chosen MC2 (the
+            # anew, mc2.engine.transport.workspace); measured without it, "auto" having chosen MC2 (the
             # same code as mc2) ran 1.5-8% slower than mc2, right after batch overlap's steps.
             # A job runs one mode: its steady state is the one to compare
             _step(model, mode, ids)
@@ -225,8 +210,7 @@ def _split_bound(ranks: list[dict[str, Any]], t_comp: float, t_comm: float, spli
 def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     t_comm = statistics.median(_agreed(ranks, "comm"))
     steps = {m: statistics.median(_agreed(ranks, "times", m)) for m in ranks[0]["times"]}
-    forwards = {m: statistics.median(_agreed(ranks, "forward", m)) if ranks[0]["forward"][m]
-                else None for m in ranks[0]["times"]}  # none for cross-pass steps
+    forwards = {m: statistics.median(_agreed(ranks, "forward", m)) for m in ranks[0]["times"]}
     t_comp = steps["serial"] - t_comm
     bound = max(t_comp, t_comm)
     by_pass = _pass_bound(ranks)
@@ -234,7 +218,7 @@ def summarize(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     rows = {}
     for mode in steps:
         exposed = max(steps[mode] - t_comp, 0.0)
-        splits = _splits(mode) or _cross_splits(mode)
+        splits = _splits(mode)
         own = _split_bound(ranks, t_comp, t_comm, splits)["bound"] if splits else None
         rows[mode] = {"step_s": steps[mode], "forward_s": forwards[mode], "exposed_s": exposed,
                       "comm_share": exposed / steps[mode], "vs_bound": steps[mode] / bound,
@@ -290,9 +274,7 @@ def main() -> int:
                              "paid once per pass, so their share falls with depth)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"modes to run, from {MODES}; batch3, batch4, ... (batch "
-                             "overlap with that many micro-batches); cross, cross3, ... "
-                             "(cross-pass overlap, mc2.integrations.cross_pass.train_step, 2 or "
-                             "that many micro-batches); serial is needed for the bound")
+                             "overlap with that many micro-batches); serial is needed for the bound")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
@@ -301,7 +283,7 @@ def main() -> int:
     results = {}
     modes = tuple(args.modes.split(",")) + (OPTIONAL_MODES if args.auto else ())
     if "serial" not in modes or any(m not in MODES + OPTIONAL_MODES and _splits(m) is None
-                                    and _cross_splits(m) is None for m in modes):
+                                    for m in modes):
         raise SystemExit(f"--modes: from {MODES}, serial included (got {args.modes})")
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)

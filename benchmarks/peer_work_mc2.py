@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import mc2
-from mc2.engine.wire import parse_wire_dtype
+from mc2.engine.transport.wire import parse_wire_dtype
 
 E, TOPK, H, FFN, WARMUP = 8, 2, 1024, 2048, 2
 

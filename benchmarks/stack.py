@@ -73,7 +73,7 @@ def _checkpointing(model: Any, kind: str) -> None:
 def rank_run(rank: int, world: int, config: str, steps: int, seq: int, micro_batches: int
              ) -> dict[str, Any]:
     """One configuration on this rank: step times, losses, peak RSS."""
-    from mc2.engine.clock import clock_for
+    from mc2.device.clock import clock_for
     from mc2.integrations.transformers import enable_mc2
 
     sharding, _, ac = config.partition("+")

@@ -27,7 +27,7 @@ import mc2
 def as_stream_backend() -> None:
     """Before the group exists: treat Gloo as a stream backend (its 2-D exchange then chains
     in the caller's thread; its waits are plain ``wait()`` calls, which block on Gloo)."""
-    from mc2.engine.backend import register_stream_backend
+    from mc2.engine.transport.backend import register_stream_backend
 
     register_stream_backend("gloo")
 

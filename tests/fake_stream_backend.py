@@ -94,8 +94,8 @@ class FakeStreamGroup(dist.ProcessGroup):
 def install() -> None:
     """Register the backend with torch.distributed and declare it a stream backend to mc2;
     aborts from mc2's watchdog reach the emulated communicator."""
-    from mc2.engine.backend import register_stream_backend
-    from mc2.engine.watchdog import watchdog
+    from mc2.engine.transport.backend import register_stream_backend
+    from mc2.engine.transport.watchdog import watchdog
 
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, FakeStreamGroup, devices=["cpu"])

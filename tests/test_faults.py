@@ -98,7 +98,7 @@ def test_zero_tokens_everywhere_and_k_above_the_tokens() -> None:
 
 
 def test_a_timeout_names_its_setting_and_env(monkeypatch) -> None:
-    from mc2.engine.deadline import CommTimeout, resolve_timeout
+    from mc2.engine.transport.deadline import CommTimeout, resolve_timeout
 
     monkeypatch.setenv("MC2_TIMEOUT", "7.5")
     assert resolve_timeout(None) == 7.5 and resolve_timeout(2) == 2.0

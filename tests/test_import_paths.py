@@ -1,6 +1,6 @@
 """Every import path the README, the docs and the docstrings show resolves.
 
-A user copies ``import mc2.checkpoint`` or ``mc2.engine.wire.parse_wire_dtype`` from the text;
+A user copies ``import mc2.checkpoint`` or ``mc2.engine.transport.wire.parse_wire_dtype`` from the text;
 when a module moves, the text must move with it (or the old path must keep working). This test
 collects every dotted ``mc2.…`` path and every ``from mc2… import …`` line from ``README.md``,
 ``docs/*.md`` and the package's own sources, and resolves each one.

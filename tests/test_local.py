@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.engine.routing import expert_grouping_index, micro_batch_bounds
+from mc2.engine.decide.routing import expert_grouping_index, micro_batch_bounds
 from tests.problems import make_problem
 from tests.reference import dense_moe
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import mc2
-from mc2.engine.pipeline_cost import overlapped_pass
-from mc2.engine.planner import Calibration, Workload, choose, predict
-from mc2.engine.routing import micro_batch_fractions
+from mc2.engine.decide.pipeline_cost import overlapped_pass
+from mc2.engine.decide.planner import Calibration, Workload, choose, predict
+from mc2.engine.decide.routing import micro_batch_fractions
 from tests.workers import auto_choice, auto_trials
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
@@ -111,7 +111,7 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
 
 
 def test_trials_keep_k1_unless_a_split_gains_min_gain() -> None:
-    from mc2.engine.planner import trial_winner
+    from mc2.engine.decide.planner import trial_winner
 
     assert trial_winner((1, 2, 4), [1.00, 0.99, 1.20], 0.02) == 1  # 1% is within trial noise
     assert trial_winner((1, 2, 4), [1.00, 0.97, 1.20], 0.02) == 2

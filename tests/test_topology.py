@@ -17,5 +17,5 @@ def test_two_nodes_of_two() -> None:
 
 
 def test_single_process_is_one_node() -> None:
-    topo = mc2.engine.topology.discover()
+    topo = mc2.engine.transport.topology.discover()
     assert (topo.nodes, topo.node, topo.local_rank, topo.source) == (1, 0, 0, "single")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.engine.wire import WireFormat, parse_wire_dtype, wire_problem
+from mc2.engine.transport.wire import WireFormat, parse_wire_dtype, wire_problem
 from tests.problems import make_problem
 from tests.test_fused_expert_distributed import reference
 from tests.workers import run_cases, run_cases_as_nodes, run_with_shared

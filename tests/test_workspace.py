@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import mc2
-from mc2.engine.workspace import Workspace
+from mc2.engine.transport.workspace import Workspace
 
 BIG = (256, 1024)  # above the size served by the allocator directly
 

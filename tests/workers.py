@@ -175,9 +175,9 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
     out.sum().backward()
     used = 1 + max((s.micro_batch for s in tl.spans), default=0)
     cal = next(iter(planner._cache.values()))
-    work = planner.workload(max(tokens), 2, mc2.engine.experts.ExpertWeights.split_of(*ws), None)
+    work = planner.workload(max(tokens), 2, mc2.engine.compute.experts.ExpertWeights.split_of(*ws), None)
     return {"used": used, "calibration": cal,
-            "predicted": {k: mc2.engine.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
+            "predicted": {k: mc2.engine.decide.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
 
 
 def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int,
@@ -235,7 +235,7 @@ def forced_sync(rank: int, world: int) -> dict:
     del os.environ["MC2_FORCE_SYNC"]
     kinds = {s.kind for s in prof.spans}
     return {"out": out, "warned": [str(w.message) for w in caught
-                                   if issubclass(w.category, mc2.engine.env.SyncFallbackWarning)],
+                                   if issubclass(w.category, mc2.engine.transport.env.SyncFallbackWarning)],
             "fallback": prof.sync_fallback, "kinds": kinds}
 
 
@@ -244,7 +244,7 @@ def topology_of(rank: int, world: int, local_world: int) -> dict:
     import os
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
-    topo = mc2.engine.topology.discover()
+    topo = mc2.engine.transport.topology.discover()
     intra, inter = topo.subgroups()
     a = torch.tensor([float(rank)])
     b = torch.tensor([float(rank)])
@@ -303,16 +303,16 @@ def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: P
     """For each wire format in turn, ``hierarchy="auto"``: the row widths (bytes) it measured."""
     import os
 
-    import mc2.engine.hierarchy
+    import mc2.engine.transport.hierarchy
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     seen = []
     for wire in wires:
-        mc2.engine.hierarchy._CHOICES.clear()
+        mc2.engine.transport.hierarchy._CHOICES.clear()
         mc2.fused_expert(problem.xs[rank], *problem.local_weights(rank), problem.ids[rank],
                          problem.rws[rank], micro_batches=2, hierarchy="auto", wire_dtype=wire,
                          wire_block=8)
-        seen.append(sorted({key[-1] for key in mc2.engine.hierarchy._CHOICES}))
+        seen.append(sorted({key[-1] for key in mc2.engine.transport.hierarchy._CHOICES}))
     return seen
 
 
@@ -325,7 +325,7 @@ class _FixedPlanner(mc2.Planner):
         self.k = k
 
     def choose(self, **_: Any) -> Any:
-        from mc2.engine.planner import Choice
+        from mc2.engine.decide.planner import Choice
 
         return Choice(self.k)
 

@@ -79,9 +79,9 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]
         results.append({"out": step["out"], "x": step["x"]})
     return {"results": results, "waits": list(fake.WAITS),
             "transfers": sum(s.kind == "transfer" for s in timeline.spans),
-            "backend": mc2.engine.backend.backend_for(None, "cpu"),
-            "style": mc2.engine.backend.comm_style(None, "cpu").stream,
-            "watched_now": mc2.engine.watchdog.watchdog().in_flight}
+            "backend": mc2.engine.transport.backend.backend_for(None, "cpu"),
+            "style": mc2.engine.transport.backend.comm_style(None, "cpu").stream,
+            "watched_now": mc2.engine.transport.watchdog.watchdog().in_flight}
 
 
 def fake_stream_stall(rank: int, world: int) -> dict[str, Any]:
@@ -109,10 +109,10 @@ def backend_by_device(rank: int, world: int) -> dict[str, Any]:
                                micro_batches=2, timeline=tl)
         out.backward(p.grad_outs[rank])
     return {"get_backend": str(dist.get_backend()),
-            "serving_cpu": mc2.engine.backend.backend_for(None, "cpu"),
+            "serving_cpu": mc2.engine.transport.backend.backend_for(None, "cpu"),
             "fallback": tl.sync_fallback, "kinds": sorted({s.kind for s in tl.spans}),
             "warnings": [str(w.message) for w in caught
-                         if issubclass(w.category, mc2.engine.env.SyncFallbackWarning)],
+                         if issubclass(w.category, mc2.engine.transport.env.SyncFallbackWarning)],
             "out": out.detach()}
 
 

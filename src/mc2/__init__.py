@@ -12,21 +12,21 @@ first use (it pulls in torch.distributed.checkpoint), or with ``import mc2.check
 
 from typing import Any
 
-from .engine.config import MC2Config
-from .engine.deadline import CommTimeout
-from .engine.env import SyncFallbackWarning
-from .engine.ops import fused_expert, fused_expert_packed
-from .engine.recompute import checkpoint_policy
-from .engine.planner import Planner, WireFormatWarning
-from .engine.workspace import Workspace
-from .layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
-from .observation.profiler import Profiler, profile
-from .observation.timeline import Span, Timeline
-from .parallel.fsdp import clip_grad_norm_, fully_shard
-from .parallel.grad_sync import average_gradients
-from .parallel.gradient_buckets import GradientSync
-from .parallel.mesh import ParallelLayout, expert_parallel_mesh
-from .tools.launch import run_local
+from mc2.engine.decide.config import MC2Config
+from mc2.engine.transport.deadline import CommTimeout
+from mc2.engine.transport.env import SyncFallbackWarning
+from mc2.engine.autograd.ops import fused_expert, fused_expert_packed
+from mc2.engine.autograd.recompute import checkpoint_policy
+from mc2.engine.decide.planner import Planner, WireFormatWarning
+from mc2.engine.transport.workspace import Workspace
+from mc2.layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
+from mc2.observation.profiler import Profiler, profile
+from mc2.observation.timeline import Span, Timeline
+from mc2.parallel.fsdp import clip_grad_norm_, fully_shard
+from mc2.parallel.grad_sync import average_gradients
+from mc2.parallel.gradient_buckets import GradientSync
+from mc2.parallel.mesh import ParallelLayout, expert_parallel_mesh
+from mc2.tools.launch import run_local
 
 __all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
            "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",

@@ -7,6 +7,6 @@ so there is one module object, one set of functions, whichever path a user write
 
 import sys
 
-from .parallel import checkpoint as _implementation
+from mc2.parallel import checkpoint as _implementation
 
 sys.modules[__name__] = _implementation

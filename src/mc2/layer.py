@@ -21,11 +21,11 @@ from typing import Any, Literal, NamedTuple, Unpack, overload
 import torch
 from torch import Tensor, nn
 
-from .engine.config import ConfigOptions, MC2Config
-from .engine.ops import fused_expert_packed
-from .engine.routing import count_on_device
-from .engine.staged import StagedCall, begin_packed
-from .parallel.mesh import resolve_layout
+from mc2.engine.decide.config import ConfigOptions, MC2Config
+from mc2.engine.autograd.ops import fused_expert_packed
+from mc2.engine.decide.routing import count_on_device
+from mc2.engine.autograd.staged import StagedCall, begin_packed
+from mc2.parallel.mesh import resolve_layout
 
 EXPERT_KEYS = ("experts.w_gate_up", "experts.w_down")
 _FLAT_KEYS = {"w_gate_up": "experts.w_gate_up", "w_down": "experts.w_down"}  # before 0.2
@@ -69,7 +69,7 @@ class PackedExperts(nn.Module):
                      shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None,
                                                                                    None),
                      shared_scale: Tensor | None = None) -> StagedCall:
-        """:meth:`forward` in stages (batch overlap, :mod:`mc2.engine.staged`): plans the
+        """:meth:`forward` in stages (batch overlap, :mod:`mc2.engine.autograd.staged`): plans the
         call and issues its dispatch; ``.experts()`` and ``.end()`` do the rest."""
         gate_up, down = self.weights()
         return begin_packed(x, gate_up, down, expert_ids, routing_weights, group=group,

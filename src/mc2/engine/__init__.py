@@ -1,11 +1,14 @@
-"""The engine: one ``fused_expert`` call, from checking its input to the pipelined exchanges.
+"""The engine: one ``fused_expert`` call, in four floors that import only downwards.
 
-``ops`` is the public call; ``call_plan`` validates it, agrees with the other ranks and chooses
-K, the routes and the hierarchy; ``function`` is the autograd function that runs the plan;
-``pipeline`` orders dispatch, compute and combine of the micro-batches and owns no math;
-``routing`` splits tokens into micro-batches and routes; ``experts`` is the SwiGLU math;
-``comm``, ``hierarchy`` and ``topology`` move bytes (flat or two-stage) and own no schedule;
-``wire`` is the format rows travel in; ``planner`` and ``pipeline_cost`` price a split;
-``workspace``, ``validation``, ``deadline`` and ``env`` are the call's buffers, checks,
-timeouts and environment switches.
+``transport``  moving rows: collectives, waits, backends, host reads, watchdog, deadlines,
+               the 2-D exchange, wire formats, buffers. Owns no schedule.
+``compute``    the expert math (SwiGLU forward and backward, grouped or looped GEMMs).
+``decide``     everything settled before a row moves: config, validation and the handshake,
+               routing into micro-batches, the planner and its cost model, the call's plan.
+``passes``     one forward or backward pass over a plan: the pipeline orders dispatch,
+               experts and combine of the micro-batches; :mod:`.passes.run` names the state
+               a forward leaves for its backward.
+``autograd``   thin adapters over one pass: the autograd Function (eager), the staged
+               Functions (batch overlap), the custom op (compile/export), the recompute
+               records (selective checkpointing), and the public call that picks among them.
 """

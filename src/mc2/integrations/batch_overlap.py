@@ -18,11 +18,11 @@ combine issued), and the part after (the combine waited for). The schedule of on
 (and with more micro-batches, ``splits``, the same round robin), so each transfer of one
 micro-batch travels while the other computes, across layer boundaries:
 the bound is ``max(T_compute, T_comm)`` per step instead of a sum over layers. The backward
-interleaves the same way by itself (:mod:`mc2.engine.staged`). Results are those of the
+interleaves the same way by itself (:mod:`mc2.engine.autograd.staged`). Results are those of the
 unsplit batch: attention, norms, router and experts act on each sequence or token alone.
 
 A layer's stages are a generator (:data:`LayerStages`): it runs the layer up to its MoE block,
-yields the begun call (:class:`mc2.engine.staged.StagedCall`), receives the block's output and
+yields the begun call (:class:`mc2.engine.autograd.staged.StagedCall`), receives the block's output and
 returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face decoder layers;
 a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverlapStack`).
 
@@ -49,13 +49,13 @@ from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..engine.comm import all_reduce_max
-from ..engine.host import read, upload
-from ..engine.clock import clock_for
-from ..engine.staged import micro_batch_label
-from ..parallel.layer_gather import LayerGathers
-from . import split_cache
-from .split_records import SplitRecords
+from mc2.engine.transport.comm import all_reduce_max
+from mc2.engine.transport.host import read, upload
+from mc2.device.clock import clock_for
+from mc2.engine.autograd.staged import micro_batch_label
+from mc2.parallel.layer_gather import LayerGathers
+from mc2.integrations import split_cache
+from mc2.integrations.split_records import SplitRecords
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
@@ -408,26 +408,6 @@ def run_in_turn(layers: Sequence[nn.Module], hidden_states: Tensor,
     return h
 
 
-LayerRunner = Callable[[list[nn.Module], Tensor, list[tuple[tuple, dict[str, Any]]]], Tensor]
-"""What runs one forward's decoder layers instead of the loop below: ``(layers, hidden states,
-each layer's (args, kwargs)) -> output`` (:mod:`.cross_pass`)."""
-
-_runner: LayerRunner | None = None
-
-
-@contextmanager
-def running_layers(runner: LayerRunner) -> Iterator[None]:
-    """Forwards inside run their decoder layers through ``runner`` (a module global, not a
-    context variable: a cross-pass forward runs inside a backward, on the autograd engine's
-    device thread on an accelerator)."""
-    global _runner
-    previous, _runner = _runner, runner
-    try:
-        yield
-    finally:
-        _runner = previous
-
-
 class _Loop:
     """One pass of the model's layer loop over ``layers``."""
 
@@ -440,8 +420,6 @@ class _Loop:
         hidden_states = self.first
         assert hidden_states is not None
         calls, self.first = list(self.calls), None
-        if _runner is not None:
-            return _runner(self.layers, hidden_states, calls)
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         caches = {id(kw[k]): (k, kw[k]) for _, kw in calls for k in CACHE_KEYS
                   if kw.get(k) is not None}
@@ -517,7 +495,7 @@ class OverlappedLayers(nn.ModuleList):
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
             layers = list(self._modules.values())[idx]
-            if self.decision.chosen is False and _runner is None:
+            if self.decision.chosen is False:
                 return nn.ModuleList(layers)
             return _LoopView(layers, self.decision)
         return super().__getitem__(idx)

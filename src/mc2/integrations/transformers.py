@@ -43,11 +43,11 @@ from typing import Any, Unpack
 import torch
 from torch import Tensor, nn
 
-from ..engine.config import ConfigOptions, MC2Config
-from ..parallel.expert_shards import expert_shards
-from ..parallel.grad_sync import average_gradients
-from ..layer import PackedExperts
-from ..parallel.mesh import resolve_layout
+from mc2.engine.decide.config import ConfigOptions, MC2Config
+from mc2.parallel.expert_shards import expert_shards
+from mc2.parallel.grad_sync import average_gradients
+from mc2.layer import PackedExperts
+from mc2.parallel.mesh import resolve_layout
 
 __all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
            "LocalExperts", "EXPERTS_IMPLEMENTATIONS"]
@@ -461,7 +461,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
 def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None, splits: int,
                     blocks: list["MC2SparseMoeBlock"]) -> None:
     """Put the decoder layers that hold the MC2 blocks into an :class:`OverlappedLayers`."""
-    from .batch_overlap import MIN_TOKENS, Decision, OverlappedLayers, stage_problem
+    from mc2.integrations.batch_overlap import MIN_TOKENS, Decision, OverlappedLayers, stage_problem
 
     holders = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.ModuleList) and any(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from .timeline import Span
+from mc2.observation.timeline import Span
 
 _LANES = {"compute": 0, "wait": 0, "comm": 1, "transfer": 1}
 

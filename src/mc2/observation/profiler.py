@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..engine.comm import gather_objects
-from .timeline import Span, Timeline
+import torch.distributed as dist
+
+from mc2.observation.timeline import Span, Timeline
 
 _ACTIVE: contextvars.ContextVar["Profiler | None"] = contextvars.ContextVar(
     "mc2_active_profiler", default=None
@@ -109,7 +110,12 @@ class Profiler:
         """Every rank's spans, in rank order, on a common wall clock (a collective)."""
         shifted = [Span(s.kind, s.name, s.phase, s.micro_batch, s.start + self.wall_offset,
                         s.end + self.wall_offset) for s in self.spans]
-        return gather_objects(shifted, group)
+        if not dist.is_available() or not dist.is_initialized() or \
+                dist.get_world_size(group) == 1:
+            return [shifted]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, shifted, group=group)
+        return out
 
     def metrics(self, *, tokens: int = 0) -> RankMetrics:
         """This rank's metrics; ``tokens`` is the local tokens per step, for tokens/s."""

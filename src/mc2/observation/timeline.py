@@ -2,7 +2,7 @@
 
 The pipeline reports spans to a :class:`Timeline` when one is passed (``fused_expert(...,
 timeline=tl)``); nothing is recorded otherwise and there is no global state. Spans are taken with
-the clock of the call's device (:mod:`mc2.engine.clock`): the host's ``perf_counter`` on CPU,
+the clock of the call's device (:mod:`mc2.device.clock`): the host's ``perf_counter`` on CPU,
 timing events in the device stream on an accelerator (the host only queues work there, so a
 host clock would time the queueing). Device spans are resolved onto the host's time axis when
 :attr:`Timeline.spans` is read, which waits for the device once.
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal
 
-from ..engine.clock import HOST, HostClock, clock_for
+from mc2.device.clock import HOST, HostClock, clock_for
 
 SpanKind = Literal["compute", "comm", "wait", "transfer", "step"]
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..engine.comm import initialized
-from .expert_shards import ExpertShard, expert_shards
+from mc2.engine.transport.comm import initialized
+from mc2.parallel.expert_shards import ExpertShard, expert_shards
 
 EXTRA_KEY = "mc2.extra"
 MODEL_PREFIX = "model."

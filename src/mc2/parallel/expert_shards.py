@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .mesh import ParallelLayout
+from mc2.parallel.mesh import ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .expert_shards import expert_shards, mc2_modules
+from mc2.parallel.expert_shards import expert_shards, mc2_modules
 
 
 def _dtensor_type() -> Any:

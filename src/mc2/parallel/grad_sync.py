@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..engine.comm import group_size
-from .expert_shards import expert_shards
-from .mesh import resolve_layout
+from mc2.engine.transport.comm import group_size
+from mc2.parallel.expert_shards import expert_shards
+from mc2.parallel.mesh import resolve_layout
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .grad_sync import SyncClass, divide_grads, flat_grads, sync_classes, write_back
+from mc2.parallel.grad_sync import SyncClass, divide_grads, flat_grads, sync_classes, write_back
 
 
 @dataclass

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..engine.backend import mesh_device_type
-from ..engine.comm import group_rank, group_size, initialized
+from mc2.engine.transport.backend import mesh_device_type
+from mc2.engine.transport.comm import group_rank, group_size, initialized
 
 MESH_DIMS = ("dp", "ep")
 

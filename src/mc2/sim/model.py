@@ -12,8 +12,8 @@ Per device and MoE layer:
   traffic in parallel; the hierarchical (``"2d"``) one sends one message per other node between
   same-local-rank peers, then redistributes inside the node (both stages in sequence).
 * the MC2 pipeline with K micro-batches, per pass (forward 1/3 of the expert math, backward
-  2/3), micro-batches with tapered ends (:func:`mc2.engine.routing.micro_batch_fractions`), costed by
-  :func:`mc2.engine.pipeline_cost.overlapped_pass`: the first dispatch and last combine are exposed;
+  2/3), micro-batches with tapered ends (:func:`mc2.engine.decide.routing.micro_batch_fractions`), costed by
+  :func:`mc2.engine.decide.pipeline_cost.overlapped_pass`: the first dispatch and last combine are exposed;
   in between two transfers run under each micro-batch's compute; each micro-batch pays a
   launch overhead and re-reads every local expert's weights (forward reads, backward reads and
   gradient read-modify-writes). Shared experts run while the first dispatch is in flight.
@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..engine.pipeline_cost import training_step
-from ..engine.routing import micro_batch_fractions
-from .presets import Hardware, Model
+from mc2.engine.decide.pipeline_cost import training_step
+from mc2.engine.decide.routing import micro_batch_fractions
+from mc2.sim.presets import Hardware, Model
 
 Hierarchy = Literal["flat", "2d"]
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from .model import Scenario, StepPrediction, best, simulate
-from .presets import Hardware, Model
+from mc2.sim.model import Scenario, StepPrediction, best, simulate
+from mc2.sim.presets import Hardware, Model
 
 # The article's table (Atlas 800I A2, Mixtral 8x7B): comm share, tokens/s per device.
 ARTICLE = {"no fusion": (0.47, 580.0), "MC2 one node": (0.18, 1420.0),
@@ -158,7 +158,7 @@ def format_scale(rows: Sequence[dict[str, float]]) -> str:
 
 
 def plot_scale(rows: Sequence[dict[str, float]], path: str | Path, title: str) -> Path:
-    from ..observation.plot import pyplot
+    from mc2.observation.plot import pyplot
 
     plt = pyplot()
 

@@ -2,7 +2,7 @@
 ``benchmarks/`` print.
 
 Every repeat runs every mode once, in a rotating order, so that machine noise hits all modes
-alike; each mode keeps its own :class:`~mc2.engine.workspace.Workspace`, so each is measured with its
+alike; each mode keeps its own :class:`~mc2.engine.transport.workspace.Workspace`, so each is measured with its
 buffers warm, as a job running only that mode would be; each step is forward + backward of
 :func:`mc2.fused_expert_packed`, timed from a barrier to the slowest rank's end. Where the time
 went comes from the :class:`~mc2.observation.timeline.Timeline` spans:
@@ -19,17 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.clock import clock_for
-from ..engine.config import MC2Config
-from ..engine.experts import ExpertWeights
-from ..engine.ops import fused_expert_packed
-from ..engine.planner import planner_for, predict
-from ..engine.wire import parse_wire_dtype, wire_problem
-from ..engine.workspace import Workspace
-from ..observation import metrics
-from ..observation.profiler import profile
-from ..observation.timeline import Span, Timeline
-from .launch import run_local
+from mc2.device.clock import clock_for
+from mc2.engine.decide.config import MC2Config
+from mc2.engine.compute.experts import ExpertWeights
+from mc2.engine.autograd.ops import fused_expert_packed
+from mc2.engine.decide.planner import planner_for, predict
+from mc2.engine.transport.wire import parse_wire_dtype, wire_problem
+from mc2.engine.transport.workspace import Workspace
+from mc2.observation import metrics
+from mc2.observation.profiler import profile
+from mc2.observation.timeline import Span, Timeline
+from mc2.tools.launch import run_local
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -55,7 +55,7 @@ class BenchConfig:
     hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
     malloc_tuned: bool = False  # glibc told to keep freed memory (off: a plain process)
-    wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.engine.wire names)
+    wire_dtypes: tuple[str, ...] = ("none",)  # formats MC2 rows travel in (mc2.engine.transport.wire names)
     wire_block: int = 128  # channels per scale of the quantised formats
     device: str = "cpu"  # "cuda": each rank on its local device (shared when fewer than ranks)
     timeout: float | None = None  # MC2Config.timeout of every call
@@ -189,8 +189,8 @@ def _problem(rank: int, cfg: BenchConfig):
 
 def _device() -> torch.device:
     """The rank's device: the accelerator :func:`~mc2.tools.launch.use_device` set, else CPU."""
-    from ..engine.backend import default_device_type
-    from ..engine.streams import full_device
+    from mc2.engine.transport.backend import default_device_type
+    from mc2.device.streams import full_device
 
     return full_device(default_device_type())
 

@@ -28,11 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine.clock import clock_for
-from ..engine.ops import fused_expert
-from ..observation import metrics
-from ..observation.timeline import Timeline
-from .launch import run_local
+from mc2.device.clock import clock_for
+from mc2.engine.autograd.ops import fused_expert
+from mc2.observation import metrics
+from mc2.observation.timeline import Timeline
+from mc2.tools.launch import run_local
 
 PARTS = ("embedding + gate", "dispatch", "experts", "combine", "attention + residual + norm")
 

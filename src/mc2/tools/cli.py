@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .bench import (
+from mc2.tools.bench import (
     BenchConfig,
     BenchReport,
     format_plan,
@@ -17,9 +17,9 @@ from .bench import (
     run_bench,
     write_csv,
 )
-from ..engine.config import MC2Config
-from .config_args import add_config_arguments, config_from_arguments
-from .train import add_train_parser, run_train_command
+from mc2.engine.decide.config import MC2Config
+from mc2.tools.config_args import add_config_arguments, config_from_arguments
+from mc2.tools.train import add_train_parser, run_train_command
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
 DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
     if args.breakdown:
         return _breakdown(args, cfg)
     if args.nodes:
-        from .netns import EmulatedCluster, NetnsError
+        from mc2.tools.netns import EmulatedCluster, NetnsError
 
         per_node = args.ranks_per_node or 1
         try:
@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
 
 
 def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
-    from .breakdown import BreakdownConfig, format_breakdown, run_breakdown
+    from mc2.tools.breakdown import BreakdownConfig, format_breakdown, run_breakdown
 
     seq = min(128, max(cfg.tokens_per_rank, 1))
     bcfg = BreakdownConfig(batch=max(1, cfg.tokens_per_rank // seq), seq=seq, hidden=cfg.hidden,
@@ -164,8 +164,8 @@ def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
 
 def write_traces(report: BenchReport, folder: Path) -> list[Path]:
     """Chrome trace of every mode, Gantt of serial vs best MC2, per-rank metrics."""
-    from ..observation.plot import plot_gantt
-    from ..observation.profiler import metrics_dict, metrics_of, write_chrome_trace
+    from mc2.observation.plot import plot_gantt
+    from mc2.observation.profiler import metrics_dict, metrics_of, write_chrome_trace
 
     folder.mkdir(parents=True, exist_ok=True)
     tokens = report.config.tokens_per_rank
@@ -252,7 +252,7 @@ def _add_simulate_parser(sub: Any) -> None:
 
 
 def _doctor() -> int:
-    from .doctor import report
+    from mc2.tools.doctor import report
 
     facts, advice = report()
     print("\n".join(facts))
@@ -265,7 +265,7 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
     """Bytes per element of a wire format for the simulator (``None``: the model's dtype)."""
     import torch
 
-    from ..engine.wire import WireFormat, parse_wire_dtype, wire_problem
+    from mc2.engine.transport.wire import WireFormat, parse_wire_dtype, wire_problem
 
     kind = parse_wire_dtype(name)
     if kind is None:
@@ -277,8 +277,8 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ..sim.presets import PresetError, load_hardware, load_model
-    from ..sim.report import (
+    from mc2.sim.presets import PresetError, load_hardware, load_model
+    from mc2.sim.report import (
         article_check,
         article_rows,
         format_best,
@@ -290,7 +290,7 @@ def _simulate(args: argparse.Namespace) -> int:
     )
 
     if args.calibrate:
-        from .simulate_check import format_checks, validate
+        from mc2.tools.simulate_check import format_checks, validate
 
         print("mc2 simulate --calibrate: measuring this machine's Gloo worlds "
               "(2 and 4 ranks; a few minutes)", file=sys.stderr, flush=True)
@@ -330,7 +330,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .requirements import missing_for
+    from mc2.tools.requirements import missing_for
 
     if (problem := missing_for(args)) is not None:
         print(f"mc2 {args.command}: {problem}", file=sys.stderr)

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import GEMMS, HIERARCHIES, MC2Config
+from mc2.engine.decide.config import GEMMS, HIERARCHIES, MC2Config
 
 FIELDS = tuple(f.name for f in dataclasses.fields(MC2Config))
 

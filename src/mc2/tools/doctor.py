@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..engine.backend import ASYNC_BACKENDS, STREAM_BACKENDS
-from ..engine.env import force_sync
+from mc2.engine.transport.backend import ASYNC_BACKENDS, STREAM_BACKENDS
+from mc2.engine.transport.env import force_sync
 
 
 def _read(path: Path) -> str:

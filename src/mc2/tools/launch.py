@@ -99,7 +99,7 @@ def _worker(
                       LOCAL_WORLD_SIZE=str(per_node))
     os.environ.update(extra_env)
     if "MC2_NETNS" in extra_env:
-        from .netns import enter_namespace
+        from mc2.tools.netns import enter_namespace
 
         try:
             enter_namespace(extra_env["MC2_NETNS"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bench import BenchConfig, run_bench
+from mc2.tools.bench import BenchConfig, run_bench
 
 # (world size, tokens per rank): each is measured serial and with K = 2 and 4
 CONFIGS = ((2, 512), (2, 2048), (4, 512))

@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import MC2Config
-from .config_args import add_config_arguments, config_arguments, config_from_arguments
-from .training import (  # noqa: F401 - re-exported: mc2.tools.train is their documented home
+from mc2.engine.decide.config import MC2Config
+from mc2.tools.config_args import add_config_arguments, config_arguments, config_from_arguments
+from mc2.tools.training import (  # noqa: F401 - re-exported: mc2.tools.train is their documented home
     TrainConfig,
     launched,
     load_corpus,
@@ -109,7 +109,7 @@ def run_train_command(args: argparse.Namespace) -> int:
 
 
 def _on_emulated_nodes(args: argparse.Namespace) -> int:
-    from .netns import EmulatedCluster, NetnsError, torchrun_on_nodes
+    from mc2.tools.netns import EmulatedCluster, NetnsError, torchrun_on_nodes
 
     args.out.mkdir(parents=True, exist_ok=True)
     try:

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.config import MC2Config
-from .launch import run_local
+from mc2.engine.decide.config import MC2Config
+from mc2.tools.launch import run_local
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class TrainConfig:
     timeout: float | None = None
     check_finite: bool = False
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
-    wire_dtype: Any = "none"  # format routed rows travel in (mc2.engine.wire names)
+    wire_dtype: Any = "none"  # format routed rows travel in (mc2.engine.transport.wire names)
     grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
     fsdp: bool = False  # mc2.fully_shard: everything sharded, FSDP2 reduces the gradients
     checkpoint_dir: str | None = None
@@ -132,8 +132,8 @@ def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, 
     """
     import shutil
 
-    from ..engine.env import debug_save_delay
-    from ..parallel import checkpoint
+    from mc2.engine.transport.env import debug_save_delay
+    from mc2.parallel import checkpoint
 
     assert cfg.checkpoint_dir is not None
     root = Path(cfg.checkpoint_dir)
@@ -157,10 +157,10 @@ def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, 
 
 def _setup(rank: int, world: int, cfg: TrainConfig) -> tuple[Any, ...]:
     """This rank's device, mesh, MC2 model, optimizer and gradient sync."""
-    from ..integrations.transformers import enable_mc2
-    from ..parallel.gradient_buckets import GradientSync
-    from ..parallel.mesh import expert_parallel_mesh
-    from .launch import use_device
+    from mc2.integrations.transformers import enable_mc2
+    from mc2.parallel.gradient_buckets import GradientSync
+    from mc2.parallel.mesh import expert_parallel_mesh
+    from mc2.tools.launch import use_device
 
     device = torch.device(use_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank))))
     mesh = expert_parallel_mesh(cfg.ep_size or world, device.type, num_experts=cfg.experts)
@@ -168,7 +168,7 @@ def _setup(rank: int, world: int, cfg: TrainConfig) -> tuple[Any, ...]:
     enable_mc2(model, mesh=mesh, config=cfg.mc2_config())
     model.train()
     if cfg.fsdp:
-        from ..parallel.fsdp import fully_shard
+        from mc2.parallel.fsdp import fully_shard
 
         fully_shard(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -192,7 +192,7 @@ def _train_step(model: Any, opt: Any, sync: Any, mesh: Any, ids: torch.Tensor, c
                 fsdp: bool = False) -> tuple[torch.Tensor, float, float]:
     """Forward, backward, gradient sync, optimizer step: ``(loss, step s, sync s)`` timed on
     the device's clock. Under FSDP2 the backward reduced the gradients already."""
-    from ..parallel.grad_sync import average_gradients
+    from mc2.parallel.grad_sync import average_gradients
 
     t0 = clock.stamp()
     loss = model(ids, labels=ids).loss
@@ -210,8 +210,8 @@ def _train_step(model: Any, opt: Any, sync: Any, mesh: Any, ids: torch.Tensor, c
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """One rank's training loop; the global loss, tokens/s and gradient-sync time of each step."""
-    from ..engine.clock import clock_for
-    from ..parallel import checkpoint
+    from mc2.device.clock import clock_for
+    from mc2.parallel import checkpoint
 
     device, mesh, model, opt, sync = _setup(rank, world, cfg)
     start_step = 0
@@ -262,7 +262,7 @@ def run_launched(cfg: TrainConfig, backend: str | None = "gloo") -> dict[str, An
     _check_ep_size(cfg, world)
     own = not dist.is_initialized()
     if own:
-        from .launch import use_device
+        from mc2.tools.launch import use_device
 
         use_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
@@ -287,7 +287,7 @@ def _check_ep_size(cfg: TrainConfig, world: int) -> None:
 
 def plot_losses(curves: dict[str, list[float]], path: str | Path,
                 title: str = "tiny Mixtral on Python's standard library") -> Path:
-    from ..observation.plot import pyplot
+    from mc2.observation.plot import pyplot
 
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, losses in curves.items():

@@ -1,0 +1,312 @@
+"""``mc2.fused_expert``: dispatch All-to-All -> SwiGLU experts -> combine All-to-All, overlapped.
+
+Two entry points, one pipeline: :func:`fused_expert` takes the article's separate
+``weights_up/weights_gate/weights_down`` (``[L, H, F]``, ``[L, F, H]``);
+:func:`fused_expert_packed` takes the packed ``nn.Linear`` layout of Hugging Face, Megatron and
+DeepSpeed experts (``gate_up [L, 2F, H]``, ``down [L, H, F]``), which runs gate and up as one
+GEMM and measured faster (:mod:`mc2.engine.compute.experts`). :mod:`mc2.engine.decide.call_plan` plans a call,
+:mod:`mc2.engine.autograd.function` runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Unpack
+
+import torch
+from torch import Tensor
+
+from mc2.observation.timeline import Timeline
+from mc2.engine.autograd import recompute
+from mc2.engine.decide.call_plan import combine_weights, plan_call
+from mc2.engine.decide.config import ConfigOptions, MC2Config
+from mc2.engine.transport.deadline import CommTimeout, deadline, resolve_timeout
+from mc2.engine.compute.experts import PACKED_ORDER, SPLIT_ORDER
+from mc2.engine.autograd.function import ForwardResult, FusedExpertFunction, run_forward
+from mc2.engine.decide.planner import Planner
+from mc2.engine.transport.workspace import Workspace
+
+
+def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
+              ) -> tuple[Any, dict[str, Any], Any, tuple]:
+    """Under ``torch.autocast``, the call computes in the autocast dtype, as a matmul would:
+    floating inputs are cast (differentiably: gradients reach the parameters in their own
+    dtype) and the call itself runs with autocast off (its GEMMs write into buffers)."""
+    if not isinstance(x, Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return x, named, routing_weights, shared
+    dtype = torch.get_autocast_dtype(x.device.type)
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+    return (cast(x), {k: cast(v) for k, v in named.items()}, cast(routing_weights),
+            tuple(cast(t) for t in shared))
+
+
+@torch.compiler.assume_constant_result
+def _config_while_tracing(config: MC2Config | None, options: tuple) -> MC2Config:
+    """A config built from keyword options, as a constant of the traced graph (Dynamo does
+    not trace the dataclass machinery; the options are constants anyway)."""
+    return MC2Config.of(config, **dict(options))
+
+
+def _config(config: MC2Config | None, options: dict[str, Any]) -> tuple[MC2Config, str | None]:
+    """The call's config, or the defaults and what is wrong: a bad value must reach the
+    handshake (an error on every rank), not stop this rank alone before it."""
+    try:
+        if options and torch.compiler.is_compiling():
+            return _config_while_tracing(config, tuple(sorted(options.items()))), None
+        return MC2Config.of(config, **options), None
+    except ValueError as exc:
+        return MC2Config(), str(exc).removeprefix("MC2Config: ")
+
+
+def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: Tensor | None,
+         shared: tuple, config: MC2Config | None, options: dict[str, Any],
+         **runtime: Any) -> Tensor:
+    """Both entry points' call. ``shared``: ``(up, gate, down, scale)``, each or all ``None``;
+    they travel together through the checks (:func:`~mc2.engine.decide.validation.shared_problem`)
+    and the autograd inputs, so a trainable ``scale`` alone already makes the call keep
+    what its backward needs.
+
+    Under ``torch.compile``/``torch.export`` tracing the call is one operator
+    (:mod:`mc2.engine.autograd.operator`); under selective activation checkpointing a recompute hands
+    back what its forward recorded (:mod:`mc2.engine.autograd.recompute`)."""
+    cfg, problem = _config(config, options)
+    x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
+    if torch.compiler.is_compiling():
+        return _through_operator(x, named, expert_ids, routing_weights, shared, cfg, problem,
+                                 **runtime)
+    cache = recompute.active_cache()
+    if cache is not None and cache.replaying:
+        return _replayed(x, named, expert_ids, routing_weights, shared, cache)
+    record = cache.record if cache is not None else None
+    return guarded(lambda: _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg,
+                                             problem, record=record, **runtime), cfg, x)
+
+
+def guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
+    """``fn()`` under the call's deadline, with autocast off, a timeout named by its phase."""
+    seconds = resolve_timeout(cfg.timeout)
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    with deadline(seconds), torch.autocast(device_type, enabled=False):
+        try:
+            return fn()
+        except CommTimeout as exc:
+            if exc.phase is not None:
+                raise
+            raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
+
+
+def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+                     shared: tuple) -> tuple[Tensor, tuple]:
+    """The combine weights ``[T, topk]`` and the shared experts as one expert of width
+    ``S * shared_ffn`` with their scale ``[T, 1]``: the autograd Function's layout."""
+    hidden = x.shape[-1]
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    s_up, s_gate, s_down, s_scale = shared
+    if s_up is not None:
+        n, _, f = s_up.shape
+        s_up, s_gate, s_down = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
+                                s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
+                                s_down.reshape(1, n * f, hidden))
+    if s_scale is not None:  # [..., 1] -> [T, 1], the layout of the flattened tokens
+        s_scale = s_scale.reshape(-1, 1)
+    return combine_weights(routing_weights, ids2d, x), (s_up, s_gate, s_down, s_scale)
+
+
+def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+                     routing_weights: Tensor | None, shared: tuple, config: MC2Config,
+                     problem: str | None, record: Any = None, **runtime: Any) -> Tensor:
+    call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=config,
+                                       problem=problem, shared=shared,
+                                       timeout=resolve_timeout(config.timeout), **runtime)
+    if record is not None:
+        call = replace(call, record=record)
+    _, function_shared = function_inputs(x, expert_ids, None, shared)
+    return FusedExpertFunction.apply(x, combine, call, *function_shared, *weights.tensors())
+
+
+def _replayed(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+              routing_weights: Tensor | None, shared: tuple, cache: Any) -> Tensor:
+    """A recompute under a policy that saved the call: its recorded forward, no row moves."""
+    result = cache.next_result()
+    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
+    call = replace(result.call, replay=result, record=None)
+    return FusedExpertFunction.apply(x, combine, call, *function_shared, *named.values())
+
+
+def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
+                     combine: Tensor, shared: tuple, config: MC2Config, *, packed: bool,
+                     group: Any, num_experts: int | None, needs: tuple[bool, ...]
+                     ) -> ForwardResult:
+    """The forward of :data:`mc2.engine.autograd.operator.FUSED_EXPERT` (inputs already in the
+    Function's layout, see :func:`function_inputs`)."""
+    names = ["weights_" + name for name in (PACKED_ORDER if packed else SPLIT_ORDER)]
+
+    def run() -> ForwardResult:
+        call, weights, _ = plan_call(x, dict(zip(names, experts)), expert_ids, combine,
+                                     config=config, shared=shared, packed=packed, group=group,
+                                     num_experts=num_experts, needs_grad=any(needs),
+                                     timeout=resolve_timeout(config.timeout))
+        return run_forward(x, combine, call, shared, weights.tensors(), needs)
+
+    return guarded(run, config, x)
+
+
+def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+                      routing_weights: Tensor | None, shared: tuple, config: MC2Config,
+                      problem: str | None, *, group: Any = None, packed: bool,
+                      num_experts: int | None = None, **runtime: Any) -> Tensor:
+    """The traced call: one :data:`~mc2.engine.autograd.operator.FUSED_EXPERT` node."""
+    from mc2.engine.autograd.operator import fused_expert_op, group_name
+
+    if problem is not None:  # the config: the same on every rank, so every rank raises
+        raise ValueError(f"fused_expert: {problem}")
+    given = sorted(k for k, v in runtime.items() if v is not None)
+    if given:
+        raise ValueError(f"fused_expert: {given} cannot be passed under torch.compile or "
+                         "torch.export (the traced call uses the process's defaults)")
+    hidden = x.shape[-1]
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
+    experts = list(named.values())
+    grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
+    needs = [grad and t is not None and t.requires_grad
+             for t in (x, combine, *function_shared, *experts)]
+    out, _ = fused_expert_op(x.reshape(-1, hidden), combine, ids2d, experts, *function_shared,
+                             packed, group_name(group), config.json,
+                             -1 if num_experts is None else num_experts, needs)
+    return out.view(x.shape)
+
+
+def fused_expert(
+    x: Tensor,
+    weights_up: Tensor,
+    weights_gate: Tensor,
+    weights_down: Tensor,
+    expert_ids: Tensor,
+    routing_weights: Tensor | None = None,
+    *,
+    group: Any = None,
+    config: MC2Config | None = None,
+    num_experts: int | None = None,
+    shared_up: Tensor | None = None,
+    shared_gate: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    shared_scale: Tensor | None = None,
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    workspace: Workspace | None = None,
+    **options: Unpack[ConfigOptions],
+) -> Tensor:
+    """Expert-parallel SwiGLU MoE with the All-to-All hidden behind expert computation.
+
+    Expert ``e`` lives on rank ``e // local_experts`` of ``group``. Each token is sent to the
+    ranks of its top-k experts (dispatch), transformed there by
+    ``down(silu(x @ gate) * (x @ up))`` and sent back (combine); the result is the
+    ``routing_weights``-weighted sum over its top-k expert outputs, in the original token order.
+    Dropless: no capacity factor, no token is ever dropped.
+
+    Args:
+        x: ``[batch, seq, hidden]`` or ``[tokens, hidden]`` float tokens of this rank (may hold
+            zero tokens; the rank still takes part). Under ``torch.autocast`` the call computes
+            in the autocast dtype.
+        weights_up: ``[local_experts, hidden, ffn]`` this rank's experts' up projections.
+        weights_gate: ``[local_experts, hidden, ffn]`` gate projections.
+        weights_down: ``[local_experts, ffn, hidden]`` down projections.
+        expert_ids: ``x.shape[:-1] + (topk,)`` integer *global* expert ids in
+            ``[0, world * local_experts)``, on ``x``'s device.
+        routing_weights: like ``expert_ids``, float; the top-k combine weights (``None``: 1).
+        group: the expert-parallel process group (``None``: the default group). Without an
+            initialised ``torch.distributed`` or with one rank, runs locally without collectives.
+        config: how the call runs (:class:`mc2.MC2Config`: micro-batches, overlap, hierarchy,
+            wire format, GEMM strategy, deadline, finiteness check); every rank passes the same.
+        **options: :class:`mc2.MC2Config`'s fields as keywords, a shorthand that builds one
+            (or replaces fields of ``config``): ``fused_expert(..., micro_batches=4)``.
+        num_experts: optional check that the group holds exactly this many experts.
+        shared_up, shared_gate: ``[shared, hidden, shared_ffn]`` optional shared experts
+            (DeepSeek/Qwen style) that every token passes through; computed while the first
+            dispatch is in flight (forward) and the first gradient dispatch (backward).
+        shared_down: ``[shared, shared_ffn, hidden]``.
+        shared_scale: ``x.shape[:-1] + (1,)`` (or ``[tokens, 1]``), x's dtype and device: a
+            per-token factor on the shared experts' output (Qwen2-MoE's
+            ``sigmoid(shared_expert_gate(x))``), so the output is
+            ``routed + shared_scale * shared``; differentiable. Needs the shared experts.
+        timeline: a :class:`~mc2.observation.timeline.Timeline` that receives compute/comm/
+            wait/transfer spans (default: the one of the active :func:`mc2.profile`, if any).
+        planner: the :class:`~mc2.engine.decide.planner.Planner` for ``micro_batches="auto"``
+            (default: one shared per group, measuring on first use: a collective all ranks
+            enter together).
+        workspace: the :class:`~mc2.engine.transport.workspace.Workspace` large buffers come from on CPU
+            (default: the process's shared one), so steady-state calls allocate nothing.
+            Returned tensors (output, gradients) share its memory until you drop them.
+
+    Returns:
+        ``x``-shaped output, differentiable w.r.t. ``x``, the three weights,
+        ``routing_weights`` and the shared experts (and ``shared_scale``). Every rank must run
+        the backward when any rank does (as with DDP).
+
+    Memory kept for the backward: per micro-batch the received rows and their gate/up
+    projections (``rows * (hidden + 2 * ffn)`` elements), plus the combined expert outputs
+    ``tokens * topk * hidden`` for the ``routing_weights`` gradient. Nothing is kept when no
+    input requires a gradient.
+
+    Host synchronisation: two device-to-host reads per call (the handshake, the split sizes)
+    and one upload, none in the backward, whatever K (``docs/accelerators.md``).
+
+    Raises:
+        ValueError: on *every* rank of the group when any rank passes bad arguments (wrong
+            shape/dtype/device, expert id out of range, weights that do not match the group, a
+            bad option), or when ranks disagree on values that must be shared (options, the K
+            ``"auto"`` chose); no rank is left in a collective.
+        TypeError: an option that :class:`mc2.MC2Config` does not have.
+        CommTimeout: a peer did not answer within the deadline (stalled or gone); the process
+            group is unusable afterwards (restart from a checkpoint).
+
+    Non-finite input: a NaN or Inf in a token stays in that token's output row in the forward,
+    but its backward poisons the weight gradients of every expert the token visited.
+    ``check_finite=True`` raises ``ValueError`` on every rank instead (one pass over ``x`` and
+    ``routing_weights``, folded into the call's handshake: no extra collective).
+    """
+    return _run(x, {"weights_up": weights_up, "weights_gate": weights_gate,
+                    "weights_down": weights_down}, expert_ids, routing_weights,
+                (shared_up, shared_gate, shared_down, shared_scale), config, dict(options),
+                group=group, packed=False, num_experts=num_experts, timeline=timeline,
+                planner=planner, workspace=workspace)
+
+
+def fused_expert_packed(
+    x: Tensor,
+    weights_gate_up: Tensor,
+    weights_down: Tensor,
+    expert_ids: Tensor,
+    routing_weights: Tensor | None = None,
+    *,
+    group: Any = None,
+    config: MC2Config | None = None,
+    num_experts: int | None = None,
+    shared_up: Tensor | None = None,
+    shared_gate: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    shared_scale: Tensor | None = None,
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    workspace: Workspace | None = None,
+    **options: Unpack[ConfigOptions],
+) -> Tensor:
+    """:func:`fused_expert` with the experts in the packed ``nn.Linear`` layout.
+
+    Args:
+        weights_gate_up: ``[local_experts, 2 * ffn, hidden]``: rows ``[:ffn]`` are the gate
+            projection, rows ``[ffn:]`` the up projection (Hugging Face ``gate_up_proj``,
+            Megatron ``linear_fc1``), applied as ``x @ W.T``.
+        weights_down: ``[local_experts, hidden, ffn]`` (``down_proj``, ``linear_fc2``).
+
+    Everything else is as in :func:`fused_expert`; the result is the same function of the same
+    weights. Gate and up run as one GEMM and no weight is ever copied or transposed in memory.
+    """
+    return _run(x, {"weights_gate_up": weights_gate_up, "weights_down": weights_down},
+                expert_ids, routing_weights, (shared_up, shared_gate, shared_down, shared_scale),
+                config, dict(options), group=group, packed=True, num_experts=num_experts,
+                timeline=timeline, planner=planner, workspace=workspace)

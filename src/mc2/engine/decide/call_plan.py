@@ -1,0 +1,260 @@
+"""Planning one :func:`mc2.fused_expert` call: everything decided before any row moves.
+
+Validate (an error on every rank, never a hang), fall back to synchronous communication where
+asynchronous is impossible, agree on the shared values in one collective, choose K, sort the
+local (token, slot) pairs into micro-batches, exchange the per-micro-batch counts, and choose
+the All-to-All layout. The result is a :class:`~mc2.engine.autograd.function.CallPlan` that the autograd
+Function runs.
+
+Collectives and host synchronisations per call (counted, flat layout): one ``all_reduce`` (the
+handshake: errors, shared values, the group's largest token count, the expert-id range) and one
+``all_to_all`` of counts, each followed by one device-to-host read, with one upload of host
+integers before the first; then ``2K`` All-to-Alls of rows forward and ``2K`` backward, which
+read nothing back (:mod:`mc2.engine.transport.host`). The 2-D layout adds one ``all_gather`` of counts, read
+in the same copy as the others. ``"auto"`` adds one ``all_reduce`` and one read per shape once its
+trials are done (see :mod:`mc2.engine.decide.planner`), and its calibration once per group and weight
+shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.observation.profiler import active_timeline
+from mc2.observation.timeline import Timeline, maybe_span
+from mc2.engine.transport.backend import LOCAL, CommStyle
+from mc2.engine.transport.comm import exchange_counts, gather_counts, group_size, style_of
+from mc2.engine.decide.config import MC2Config
+from mc2.engine.transport.env import warn_sync_fallback
+from mc2.engine.compute.experts import ExpertWeights
+from mc2.engine.autograd.function import CallPlan
+from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
+from mc2.engine.transport.hierarchy import TwoStagePlan, two_stage_pays
+from mc2.engine.decide.planner import Planner, planner_for
+from mc2.engine.decide.routing import (
+    CountsExchange,
+    build_handle,
+    local_send_counts,
+    micro_batch_fractions,
+    read_counts,
+)
+from mc2.engine.transport.topology import topology_for
+from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
+from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
+from mc2.engine.transport.workspace import Workspace, default_workspace
+
+# what every rank must pass alike, agreed in the handshake (0 means 'auto' for micro_batches)
+SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hidden size",
+                "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
+                "wire_dtype (dispatch)", "wire_dtype (combine)")
+
+
+def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
+                     rows_per_rank: int, like: Tensor, wire: tuple[WireFormat, WireFormat]
+                     ) -> tuple[Any, Any] | None:
+    """``(topology, (intra, inter) groups)`` where the 2-D exchange is right, else ``None``.
+
+    ``"auto"`` takes the 2-D exchange only on several nodes of several ranks each, and only
+    where it measured faster than the flat one for this size (:func:`two_stage_pays`), with
+    rows as wide as the wire format makes them: fewer bytes can make the 2-D exchange's extra
+    stage cost more than it saves.
+    """
+    topo = topology_for(group)
+    per_node = len(topo.ranks_of_node(0))
+    if hierarchy == "auto" and (topo.nodes == 1 or per_node == 1 or not topo.uniform):
+        return None
+    if not topo.uniform:
+        raise ValueError(f"hierarchy='2d' needs the same ranks on every node: {topo.describe()}")
+    intra, inter = topo.subgroups(group)
+    if hierarchy == "auto":
+        with maybe_span(timeline, "comm", "choose_hierarchy", "forward"):
+            pays = two_stage_pays(group, rank=topo.rank, nodes=topo.nodes, per_node=per_node,
+                                  intra_group=intra, inter_group=inter,
+                                  rows_per_rank=rows_per_rank,
+                                  row_bytes=max(f.bytes_per_row(like.shape[-1], like.dtype)
+                                                for f in wire),
+                                  device=like.device)
+        if not pays:
+            return None
+    return topo, (intra, inter)
+
+
+def combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor) -> Tensor:
+    """``[T, topk]`` combine weights in ``like``'s dtype (ones when none are given)."""
+    if routing_weights is None:
+        return torch.ones(ids2d.shape, dtype=like.dtype, device=like.device)
+    return routing_weights.reshape(ids2d.shape).to(like.dtype)
+
+
+def _fall_back_if_needed(config: MC2Config, style: CommStyle, timeline: Timeline | None
+                         ) -> MC2Config:
+    """Synchronous collectives where asynchronous ones are impossible; says so once."""
+    if not config.overlap or style is LOCAL:
+        return config
+    reason = style.sync_reason
+    if reason is None:
+        return config
+    warn_sync_fallback(reason)
+    if timeline is not None:
+        timeline.sync_fallback = reason
+    return config.replace(overlap=False, micro_batches=1 if config.micro_batches == "auto"
+                          else config.micro_batches)
+
+
+def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing_weights: Any,
+                 shared: tuple, config: MC2Config, *, packed: bool, world: int,
+                 num_experts: int | None) -> tuple[str | None, ExpertWeights | None]:
+    """What is wrong with this rank's call (no tensor's values read), and its weights."""
+    problem = local_problem(
+        x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
+        num_experts=num_experts,
+    ) or shared_problem(x, *shared) or wire_problem(config.wire_dtype, config.wire_block,
+                                                     x.shape[-1]) \
+        or strategy_problem(config.gemm, x.dtype, x.device)
+    if problem is not None:
+        return problem, None
+    if packed:
+        return None, ExpertWeights.packed_of(named_weights["weights_gate_up"],
+                                             named_weights["weights_down"])
+    return None, ExpertWeights.split_of(named_weights["weights_up"], named_weights["weights_gate"],
+                                        named_weights["weights_down"])
+
+
+def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWeights | None,
+                  needs_grad: bool, wire: tuple[WireFormat, WireFormat]) -> dict[str, int]:
+    """The values every rank must share, as the handshake carries them (zeros when this rank's
+    input is bad: the same keys on every rank, valid or not)."""
+    facts = dict.fromkeys(SHARED_FACTS, 0)
+    if weights is not None:
+        auto = config.micro_batches == "auto"
+        facts.update(zip(SHARED_FACTS, (
+            0 if auto else config.micro_batches, capacity, x.shape[-1], weights.ffn,
+            weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
+            HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code)))
+    return facts
+
+
+def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: ExpertWeights,
+              group: Any, strategy: str, needs_grad: bool, wire: tuple[WireFormat, WireFormat],
+              timeline: Timeline | None) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
+    """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``."""
+    if config.micro_batches != "auto":
+        return int(config.micro_batches), None, wire
+    if planner is None:
+        return 1, None, wire
+    with maybe_span(timeline, "compute", "plan", "forward"):
+        choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
+                                weights=weights, group=group, strategy=strategy,
+                                needs_grad=needs_grad, wire=wire)
+    if choice.plain_rows:  # the format measured slower here; the planner said so
+        wire = (NONE, NONE)
+    if timeline is not None and choice.trial:  # exploration is visible, and bounded
+        timeline.mark("compute", f"auto trial K={choice.micro_batches}", "forward")
+    return choice.micro_batches, choice.on_pass_done, wire
+
+
+def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capacity: int,
+            style: CommStyle, agreement: Any, config: MC2Config,
+            wire: tuple[WireFormat, WireFormat], group: Any, timeline: Timeline | None,
+            workspace: Workspace) -> tuple[Any, Tensor]:
+    """Sort, exchange the counts (K agreed in the same message), read every split once, and
+    build the routes; returns the handle and the ``[T, topk]`` ids."""
+    world, local_experts = group_size(group), weights.local_experts
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    order, send_counts = local_send_counts(ids2d, world * local_experts, k)
+    send_totals = send_counts.view(k, world, local_experts).sum(-1)  # [K, world] rows to each
+    counts = CountsExchange(k, capacity, world, local_experts)
+    with maybe_span(timeline, "comm", "counts", "forward"):
+        payload = exchange_counts(counts.payload(send_counts), group)
+    two_d, totals = None, None
+    if config.hierarchy != "flat" and world > 1:
+        largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
+        two_d = _wants_two_stage(config.hierarchy, group, timeline, largest, x, wire)
+        if two_d is not None:  # padded to the agreed largest K: ranks that disagree on K
+            # still exchange tensors of one size, and learn it from the counts' headers
+            padded = torch.zeros(capacity, world, dtype=torch.int64, device=x.device)
+            padded[:k] = send_totals
+            with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
+                totals = gather_counts(padded, group)[:, :k].contiguous()
+    host = read_counts(counts, send_totals, payload, totals)
+    two_stage = None
+    if two_d is not None:
+        topo, (intra, inter) = two_d
+        flat = host.extra
+        nested = [[flat[(src * k + i) * world:(src * k + i + 1) * world] for i in range(k)]
+                  for src in range(world)]
+        two_stage = TwoStagePlan(nested, totals, topo.rank, topo.nodes,
+                                 len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
+    handle = build_handle(ids2d, order, host, counts.received(payload), world_size=world,
+                          local_experts=local_experts, group=group, two_stage=two_stage,
+                          workspace=workspace, style=style)
+    return handle, ids2d
+
+
+def plan_call(
+    x: Tensor,
+    named_weights: dict[str, Any],
+    expert_ids: Tensor,
+    routing_weights: Tensor | None,
+    *,
+    config: MC2Config,
+    packed: bool,
+    group: Any,
+    shared: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    problem: str | None = None,
+    num_experts: int | None = None,
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    workspace: Workspace | None = None,
+    timeout: float | None = None,
+    needs_grad: bool | None = None,
+) -> tuple[CallPlan, ExpertWeights, Tensor]:
+    """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
+    weights. Raises ``ValueError`` on every rank when any rank's input is bad.
+
+    ``problem``: what the caller already found wrong (a bad option), carried to the handshake
+    so that every rank raises with it. ``shared``: the shared experts ``(up, gate, down)`` and
+    their per-token ``scale``, each or all ``None``. ``needs_grad``: whether a backward follows
+    (default: from autograd; a traced call says so itself).
+    """
+    timeline = timeline if timeline is not None else active_timeline()
+    world = group_size(group)
+    device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+    if timeline is not None:
+        timeline.bind(device)
+    style = style_of(group, device)  # looked up once, handed to every exchange of the call
+    config = _fall_back_if_needed(config, style, timeline)
+    found, weights = _local_check(x, named_weights, expert_ids, routing_weights, shared, config,
+                                  packed=packed, world=world, num_experts=num_experts)
+    problem = problem or found
+    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
+    tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
+               if isinstance(t, Tensor)]
+    if needs_grad is None:  # a traced call says so itself: its graph runs without autograd
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    auto = config.micro_batches == "auto"
+    plan_with = (planner or planner_for(group)) if auto and config.overlap else None
+    capacity = max(plan_with.candidates) if plan_with is not None else \
+        (1 if auto else config.micro_batches)
+    with maybe_span(timeline, "comm", "handshake", "forward"):
+        agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
+                          shared=_shared_facts(config, capacity, x,
+                                               weights if problem is None else None,
+                                               needs_grad, wire),
+                          group=group,
+                          total_experts=world * (weights.local_experts if weights else 0),
+                          check_finite=config.check_finite)
+    assert weights is not None and problem is None
+    strategy = resolve_strategy(config.gemm, weights)
+    k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
+                                      needs_grad, wire, timeline)
+    pool = workspace or default_workspace()
+    handle, ids2d = _routes(x, expert_ids, weights, k, capacity, style, agreement, config, wire,
+                            group, timeline, pool)
+    call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
+                    keep_activations=needs_grad, timeline=timeline, workspace=pool,
+                    on_pass_done=on_pass_done, wire=wire, timeout=timeout)
+    return call, weights, combine_weights(routing_weights, ids2d, x)

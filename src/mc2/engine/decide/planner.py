@@ -1,0 +1,506 @@
+"""Choosing K: a cost model of the pipeline, fed by measurements on the running group.
+
+Why a model and not a rule: the article's rule (K = number of experts) ignores what splitting
+costs. Every micro-batch runs every local expert's GEMMs once more, so a small micro-batch pays
+the expert weights' memory traffic again (forward reads, backward reads and gradient
+read-modify-writes) for a handful of rows; every extra All-to-All pays the link's latency; and
+on a busy host the transfer threads slow the compute down. The model below has one term for each,
+each measured once per (hidden, ffn, local experts, dtype, group) and cached in the planner:
+
+* expert compute, forward + backward, of ``r`` rows on one expert: ``a + b * r`` seconds
+  (``a``: per-expert per-micro-batch cost, ``b``: per-row cost);
+* one All-to-All moving ``n`` bytes off-rank per rank: ``alpha + beta * n`` seconds;
+* interference: while a transfer runs under compute, compute slows by ``gamma`` times the
+  transfer time;
+* bookkeeping: the gathers, scatters and permutations of each routed row, ``rho`` seconds per
+  row, whatever K.
+* wire format (:mod:`mc2.engine.transport.wire`): a transfer moves the format's bytes per row, and encoding and
+  decoding cost ``kappa`` seconds per routed row, on the compute thread. ``kappa`` is measured
+  per format and width, never assumed: on a small CPU it can eat what the fewer bytes save,
+  and then the planner says so (:class:`WireFormatWarning`).
+
+For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts (tapered ends,
+:func:`mc2.engine.decide.routing.micro_batch_fractions`), one pass (forward: 1/3 of the expert math, backward:
+2/3) with compute ``c_i`` and per-transfer time ``x_i`` for micro-batch ``i`` takes::
+
+    serial (K = 1, synchronous):  sum(c_i + 2 x_i)
+    overlapped:                   x_0 + sum(c_i + max(0, l_i - c_i) + gamma min(l_i, c_i)) + x_K-1
+                                  with l_i = x_i+1 + x_i-1, the transfers under c_i
+
+(:func:`mc2.engine.decide.pipeline_cost.overlapped_pass`: the first dispatch and the last combine cannot
+hide; in between, two transfers run under each micro-batch's compute). K = 1 is kept unless
+the best K is predicted to gain at least ``min_gain``. All ranks agree: the measurements are
+reduced to the group's maximum before use, and the token count is the group-wide maximum the
+call's handshake already agreed on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mc2.device.clock import Interval, clock_for
+from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_size
+from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
+from mc2.engine.transport.host import read, upload
+from mc2.engine.decide.pipeline_cost import training_step
+from mc2.engine.decide.routing import micro_batch_fractions
+from mc2.engine.transport.sizes import bucket
+from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
+
+NO_WIRE = (NONE, NONE)
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured constants of the cost model (seconds; the group's maximum over ranks)."""
+
+    expert_fixed_s: float  # a: per expert per micro-batch, forward + backward
+    expert_row_s: float  # b: per row, forward + backward
+    link_latency_s: float  # alpha: per All-to-All
+    link_s_per_byte: float  # beta: per byte sent off-rank by each rank
+    interference: float  # gamma: compute slowdown per second of concurrent transfer
+    row_overhead_s: float = 0.0  # per routed row, forward + backward: gathers, scatters, permutes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted forward + backward time of one K (seconds)."""
+
+    micro_batches: int
+    step_s: float
+    compute_s: float
+    comm_s: float  # total All-to-All time, hidden or not
+    exposed_comm_s: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model needs to know about one call (all values agreed by the group)."""
+
+    rows_per_rank: int  # max tokens x topk
+    hidden: int
+    local_experts: int
+    world_size: int
+    element_size: int
+    wire_bytes_per_row: float | None = None  # mean of dispatch and combine; None: hidden x element
+    codec_s_per_row: float = 0.0  # kappa: encode + decode of all four transfers, per routed row
+
+    def off_rank_bytes(self, rows: float) -> float:
+        share = (self.world_size - 1) / self.world_size if self.world_size > 1 else 0.0
+        per_row = self.wire_bytes_per_row
+        if per_row is None:
+            per_row = self.hidden * self.element_size
+        return rows * per_row * share
+
+
+def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -> Prediction:
+    """The model's step time for ``k`` micro-batches (see the module docstring)."""
+    compute, transfer = [], []
+    for fraction in micro_batch_fractions(k):
+        rows = work.rows_per_rank * fraction
+        per_expert = rows / work.local_experts
+        compute.append(work.local_experts * (cal.expert_fixed_s + cal.expert_row_s * per_expert)
+                       + (cal.row_overhead_s + work.codec_s_per_row) * rows)
+        moved = cal.link_latency_s + cal.link_s_per_byte * work.off_rank_bytes(rows)
+        transfer.append(moved if work.world_size > 1 else 0.0)
+    step, exposed = training_step(compute, transfer, overlap=overlap,
+                                  interference=cal.interference)
+    return Prediction(k, step, sum(compute), 4 * sum(transfer), exposed)
+
+
+def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain: float,
+           max_tokens: int) -> int:
+    """The K to use: the predicted best, or 1 when the best does not gain ``min_gain``."""
+    allowed = [k for k in candidates if 1 <= k <= max(1, max_tokens)] or [1]
+    preds = {k: predict(cal, work, k).step_s for k in set(allowed) | {1}}
+    best = min(sorted(preds), key=lambda k: preds[k])
+    return best if preds[best] < preds[1] * (1 - min_gain) else 1
+
+
+def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]:
+    slope = max((t1 - t0) / (x1 - x0), 0.0)
+    return max(t0 - slope * x0, 0.0), slope
+
+
+class WireFormatWarning(UserWarning):
+    """The chosen wire format is predicted to cost more (encoding) than it saves (bytes)."""
+
+
+def _warn_wire_loses(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype, wire_s: float,
+                     plain_s: float, *, measured: bool) -> None:
+    """Say that rows in ``dtype`` beat the wire format here: measured by ``"auto"``'s trials
+    (the shape then sends plain rows) or predicted by the model (``explore=1``)."""
+    how, then = (("measured", "so this shape sends plain rows; pass a fixed micro_batches to "
+                  "force the format") if measured else
+                 ("is predicted", "consider wire_dtype=None"))
+    warnings.warn(
+        f"mc2: micro_batches='auto' {how} rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
+        f"than the wire format {describe_pair(wire)} on this shape ({1e3 * plain_s:.1f} vs "
+        f"{1e3 * wire_s:.1f} ms per call): encoding costs more than the bytes it saves here; "
+        f"{then}", WireFormatWarning, stacklevel=6)
+
+
+def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
+                   device: torch.device, repeats: int) -> float:
+    """Seconds per routed row to encode and decode the four transfers of a forward + backward."""
+    if all(f.kind is None for f in wire):
+        return 0.0
+    rows = 1024
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+
+    def round_trips() -> None:
+        for fmt in wire:
+            fmt.decode(fmt.encode(x), hidden, dtype)
+
+    round_trips()
+    return 2 * clock_for(device).median(round_trips, repeats) / rows
+
+
+def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
+                          repeats: int) -> float:
+    """Seconds per routed row for the row moves of a forward + backward.
+
+    Per row and pass the pipeline gathers it (``index_select``), reorders it to expert order and
+    back, and scatters the result (``index_copy_`` / ``index_add_``): about four row copies a
+    pass, measured here as one gather + one copy + one add, twice.
+    """
+    rows = 2048
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    out = torch.zeros_like(x)
+    index = torch.randperm(rows, device=device)
+
+    def moves() -> None:
+        y = x.index_select(0, index)
+        out.index_copy_(0, index, y)
+        out.index_add_(0, index, y)
+
+    moves()
+    return 2 * clock_for(device).median(moves, repeats) / rows
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The K for one call.
+
+    Attributes:
+        micro_batches: K.
+        trial: this call is one of ``"auto"``'s bounded trials (see :class:`Planner`).
+        on_pass_done: ``(phase, interval)`` to report each pass's time to (trials only).
+        plain_rows: the requested wire format measured slower than rows in the compute dtype
+            for this shape, so this call sends plain rows (the planner warned once).
+    """
+
+    micro_batches: int
+    trial: bool = False
+    on_pass_done: Callable[[str, Interval], None] | None = None
+    plain_rows: bool = False  # send rows in the compute dtype, not the requested wire format
+
+
+@dataclass
+class _Trials:
+    """``"auto"``'s measurements of the candidate K of one shape, then its decision."""
+
+    candidates: tuple[int, ...]
+    samples: dict[int, list[dict[str, Interval]]]  # K -> one {phase: time} per trial call
+    locked: int | None = None
+
+    def next_candidate(self, trials: int) -> int:
+        """The first candidate still short of trials: each K's trials run back to back, so only
+        one K's buffers are in use at a time."""
+        return next(k for k in self.candidates if len(self.samples[k]) < trials)
+
+    def explored(self, trials: int) -> bool:
+        return all(len(self.samples[k]) >= trials for k in self.candidates)
+
+    def scores(self) -> list[float]:
+        """Per candidate, its best trial's time: forward + backward where every candidate has a
+        complete trial, else forward only (the same rule on every rank)."""
+        complete = all(any("backward" in t for t in self.samples[k]) for k in self.candidates)
+        phases = ("forward", "backward") if complete else ("forward",)
+        return [min(sum(t[p].seconds for p in phases) for t in self.samples[k]
+                    if all(p in t for p in phases)) for k in self.candidates]
+
+
+def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
+    """The candidate to lock from its trial times (the group's slowest rank's).
+
+    The fastest, except that K = 1 stays unless a split measured at least ``min_gain`` faster:
+    K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within what two
+    trial calls on a busy host can tell apart. (A negative candidate, plain rows instead of the
+    wire format, wins on time alone.)
+    """
+    best = min(range(len(seconds)), key=seconds.__getitem__)
+    if candidates[best] > 1 and 1 in candidates:
+        serial = seconds[list(candidates).index(1)]
+        if seconds[best] > serial * (1 - min_gain):
+            return 1
+    return candidates[best]
+
+
+class Planner:
+    """Chooses ``micro_batches`` for ``"auto"``: the model ranks, the real calls decide.
+
+    For each new shape (token count within 1/16, weights, group) the cost model, calibrated
+    once per weight shape and group, ranks every candidate K. The first calls of that shape then
+    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, back to back;
+    every rank records each call's forward and backward time, one ``all_reduce`` takes the
+    slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
+    ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
+    timeline marks them (``auto trial K=...``). ``explore=1`` trusts the model alone.
+
+    With a wire format (:mod:`mc2.engine.transport.wire`), one more candidate is tried: the model's best K with
+    rows in the compute dtype. Where it wins, encoding costs more than the bytes save on this
+    link; the shape then sends plain rows (exact, and faster) and a :class:`WireFormatWarning`
+    says so once. A fixed ``micro_batches`` always honours the format.
+
+    Args:
+        candidates: the K values considered.
+        min_gain: keep K = 1 unless another K gains this much: as the model predicts it with
+            ``explore=1``, as the trial calls measured it otherwise (:func:`trial_winner`).
+        repeats: timing repeats per calibration measurement (medians are used).
+        explore: how many of the model's best K the real calls try (K = 1 always among them).
+        trials: calls per tried K (the best of them counts, so a cold first call does not).
+    """
+
+    def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
+                 repeats: int = 3, explore: int = 3, trials: int = 2) -> None:
+        if not candidates or min(candidates) < 1:
+            raise ValueError(f"candidates must be positive integers, got {candidates!r}")
+        if explore < 1 or trials < 1:
+            raise ValueError(f"explore and trials must be >= 1, got {explore}, {trials}")
+        self.candidates = tuple(candidates)
+        self.min_gain = min_gain
+        self.repeats = repeats
+        self.explore = explore
+        self.trials = trials
+        self._cache: dict[tuple, Calibration] = {}
+        self._codec: dict[tuple, float] = {}
+        self._shapes: dict[tuple, _Trials] = {}
+
+    def calibration(self, weights: ExpertWeights, group: Any, strategy: str = "loop"
+                    ) -> Calibration:
+        """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
+        key = (tuple(weights.down.shape), weights.packed, weights.dtype, weights.device.type,
+               group_size(group), id(group))
+        if key not in self._cache:
+            self._cache[key] = self._measure(weights, group, strategy)
+        return self._cache[key]
+
+    def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+             strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> int:
+        """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
+        the group), without trials."""
+        if group_size(group) == 1 or max_tokens <= 1:
+            return 1  # nothing to hide, or nothing to split
+        cal = self.calibration(weights, group, strategy)
+        return choose(cal, self.workload(max_tokens, topk, weights, group, wire),
+                      self.candidates, self.min_gain, max_tokens)
+
+    def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE
+               ) -> list[int]:
+        """The candidates the model allows, best predicted first."""
+        cal = self.calibration(weights, group, strategy)
+        work = self.workload(max_tokens, topk, weights, group, wire)
+        allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
+        return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
+
+    def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+               strategy: str = "loop", needs_grad: bool = True,
+               wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Choice:
+        """K for this call: a trial while the shape is explored, then the locked winner.
+
+        A collective whenever it calibrates or decides; every rank calls it with the same
+        agreed values, in the same order, so every rank takes the same branch.
+        """
+        if group_size(group) == 1 or max_tokens <= 1:
+            return Choice(1)
+        if self.explore == 1:
+            self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
+            return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
+                                    group=group, strategy=strategy, wire=wire))
+        key = (bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
+               weights.dtype, weights.device.type, group_size(group), id(group), strategy,
+               wire[0].code, wire[1].code)
+        state = self._shapes.get(key)
+        if state is None:
+            ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                                 strategy=strategy, wire=wire)
+            tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
+            if any(f.kind is not None for f in wire):  # the same K with plain rows: -K
+                plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
+                                    group=group, strategy=strategy)
+                tried.append(-plain[0])
+            state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
+                                                {k: [] for k in tried})
+        if state.locked is None and state.explored(self.trials):
+            times = upload(state.scores(), weights.device, torch.float64)
+            slowest = read(all_reduce_max(times, group))
+            state.locked = trial_winner(state.candidates, slowest, self.min_gain)
+            if state.locked < 0:
+                self._say_plain_rows_won(wire, weights, slowest, state)
+        if state.locked is not None:
+            return Choice(abs(state.locked), plain_rows=state.locked < 0)
+        k = state.next_candidate(self.trials)
+        sample: dict[str, Interval] = {}
+        state.samples[k].append(sample)
+        return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
+
+    @staticmethod
+    def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+                            slowest: list[float], state: _Trials) -> None:
+        best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
+        plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
+        _warn_wire_loses(wire, weights.dtype, best_wire, plain, measured=True)
+
+    def settled(self) -> bool:
+        """Whether every shape seen so far has finished its trials and locked a K."""
+        return all(s.locked is not None for s in self._shapes.values())
+
+    def decisions(self) -> dict[tuple, dict[str, Any]]:
+        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "plain_rows",
+        "times"}}`` (``times`` keys: K, negative for a trial of K with plain rows)."""
+        return {key: {"tried": tuple(abs(c) for c in s.candidates),
+                      "locked": None if s.locked is None else abs(s.locked),
+                      "plain_rows": s.locked is not None and s.locked < 0,
+                      "times": {k: [{p: i.seconds for p, i in t.items()} for t in v]
+                                for k, v in s.samples.items()}}
+                for key, s in self._shapes.items()}
+
+    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                 wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Workload:
+        hidden, dtype = weights.hidden, weights.dtype
+        per_row = None
+        if any(f.kind is not None for f in wire):
+            per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2
+        return Workload(rows_per_rank=max_tokens * topk, hidden=hidden,
+                        local_experts=weights.local_experts, world_size=group_size(group),
+                        element_size=weights.down.element_size(), wire_bytes_per_row=per_row,
+                        codec_s_per_row=self.codec_cost(wire, weights, group))
+
+    def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+                   group: Any) -> float:
+        """Measured seconds per routed row to encode + decode (the group's maximum; cached)."""
+        if all(f.kind is None for f in wire):
+            return 0.0
+        key = ("codec", wire[0].code, wire[1].code, weights.hidden, weights.dtype,
+               weights.device.type, id(group))
+        if key not in self._codec:
+            local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
+                                   self.repeats)
+            value = upload([local], weights.device, torch.float64)
+            self._codec[key] = read(all_reduce_max(value, group))[0]
+        return self._codec[key]
+
+    def wire_verdict(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                     strategy: str, wire: tuple[WireFormat, WireFormat]) -> tuple[float, float]:
+        """Predicted best step (seconds) with ``wire`` and with rows in the compute dtype."""
+        cal = self.calibration(weights, group, strategy)
+        best = {}
+        for name, w in (("wire", wire), ("plain", NO_WIRE)):
+            work = self.workload(max_tokens, topk, weights, group, w)
+            best[name] = min(predict(cal, work, k).step_s for k in self.candidates
+                             if k <= max(1, max_tokens))
+        return best["wire"], best["plain"]
+
+    def _judge_wire(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                    strategy: str, wire: tuple[WireFormat, WireFormat]) -> None:
+        """Warn (once per shape) where the wire format is predicted to lose."""
+        if all(f.kind is None for f in wire):
+            return
+        with_wire, plain = self.wire_verdict(max_tokens=max_tokens, topk=topk, weights=weights,
+                                             group=group, strategy=strategy, wire=wire)
+        if with_wire > plain * (1 + self.min_gain):
+            _warn_wire_loses(wire, weights.dtype, with_wire, plain, measured=False)
+
+    def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
+        """Every constant of the model, each rank's own, then the group's maximum."""
+        one = weights.detached().first(1)
+        probe = _Probe(one, strategy, group, self.repeats)
+        with torch.no_grad():
+            small, large = 4, 256  # large enough to see cache effects of big micro-batches
+            probe.expert_step(small)  # warm-up
+            fixed, per_row = _fit_line(small, probe.time(lambda: probe.expert_step(small)),
+                                       large, probe.time(lambda: probe.expert_step(large)))
+            link = (0.0, 0.0, 0.0)
+            if group_size(group) > 1:
+                link = probe.link(per_row, large)
+            row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device, self.repeats)
+        values = upload([fixed, per_row, *link, row_overhead], one.device, torch.float64)
+        return Calibration(*read(all_reduce_max(values, group)))
+
+
+@dataclass
+class _Probe:
+    """The measurements behind a :class:`Calibration`, on one expert of this rank's."""
+
+    one: ExpertWeights
+    strategy: str
+    group: Any
+    repeats: int
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        return clock_for(self.one.device).median(fn, self.repeats)
+
+    def expert_step(self, rows: int) -> None:
+        """Forward and backward of ``rows`` rows through one expert."""
+        x = torch.randn(rows, self.one.hidden, dtype=self.one.dtype, device=self.one.device)
+        forward_and_backward(x, [rows], self.one, strategy=self.strategy)
+
+    def a2a(self, rows_per_peer: int, async_op: bool = False) -> Any:
+        world = group_size(self.group)
+        rows = torch.zeros(rows_per_peer * world, self.one.hidden, dtype=self.one.dtype,
+                           device=self.one.device)
+        splits = [rows_per_peer] * world
+        return all_to_all_rows(rows, splits, splits, self.group, async_op=async_op,
+                               operation="planner measurement")
+
+    def timed_a2a(self, rows_per_peer: int) -> float:
+        barrier(self.group, "planner measurement", self.one.device)
+        return self.time(lambda: self.a2a(rows_per_peer).wait())
+
+    def link(self, per_row: float, large: int) -> tuple[float, float, float]:
+        """``(latency, seconds per byte, interference)`` of the group's All-to-All."""
+        row_small, row_large = 1, 256
+        self.a2a(row_small).wait()
+        t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
+        world = group_size(self.group)
+        bytes_per = lambda r: r * (world - 1) * self.one.hidden * self.one.down.element_size()  # noqa: E731
+        latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large), t_big)
+        # compute alone vs with a transfer in flight
+        rows = min(max(large, int(4 * t_big / max(per_row, 1e-9))), 4096)
+        alone = self.time(lambda: self.expert_step(rows))
+        barrier(self.group, "planner measurement", self.one.device)
+
+        def with_transfer() -> None:
+            pending = self.a2a(row_large * 4, async_op=True)
+            self.expert_step(rows)
+            pending.wait()
+
+        together = self.time(with_transfer)
+        moved = latency + per_byte * bytes_per(row_large * 4)
+        return latency, per_byte, min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
+
+
+_GROUP_PLANNERS: dict[tuple, Planner] = {}
+
+
+def planner_for(group: Any) -> Planner:
+    """The planner ``micro_batches="auto"`` uses when the caller passes none.
+
+    A process-wide cache keyed by the group's ranks and backend: the measurements describe the
+    machine and the group, not one call, so every layer and step of the model shares them.
+    Callers who want control hold their own :class:`Planner` and pass it as ``planner=``.
+    """
+    if group_size(group) > 1:
+        key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+               dist.get_backend(group))
+    else:
+        key = ("local",)
+    if key not in _GROUP_PLANNERS:
+        _GROUP_PLANNERS[key] = Planner()
+    return _GROUP_PLANNERS[key]

@@ -1,0 +1,288 @@
+"""Input checks that fail on every rank together, never leaving a peer inside a collective.
+
+Each rank first checks its own arguments locally (:func:`local_problem`: types, shapes, dtypes,
+devices, options; nothing that reads a tensor's values), then all ranks take part in one small
+``all_reduce`` (:func:`agree`, the handshake) that carries an error flag together with the values
+every rank must share (micro-batch request, hidden size, expert count, dtype, device type,
+overlap flag, whether gradients are needed, ...) and the checks that need the data itself,
+computed on the device: the range of the expert ids and, with ``check_finite=True``, whether
+any token holds NaN or Inf. If any rank found a problem, or the ranks disagree, *every* rank
+raises ``ValueError`` before the first data collective is issued. The same reduction also yields
+the global maximum token count and top-k that ``micro_batches="auto"`` plans with, so all ranks
+agree on K without a second message.
+
+The handshake costs the call one upload of host integers and one device-to-host read
+(:mod:`mc2.engine.transport.host`); only its error path reads more, to say which rank and which row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.decide.config import HIERARCHIES
+from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
+from mc2.engine.transport.host import read, upload
+
+DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+def _is_tensor(name: str, t: Any) -> str | None:
+    if not isinstance(t, Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    return None
+
+
+def _weights_problem(x: Any, weights: dict[str, Any], packed: bool) -> str | None:
+    """What is wrong with the expert weights (either layout, see :mod:`mc2.engine.compute.experts`), or ``None``."""
+    for name, w in weights.items():
+        if (msg := _is_tensor(name, w)) is not None:
+            return msg
+    hidden = x.shape[-1]
+    for name, w in weights.items():
+        if w.dtype != x.dtype:
+            return f"{name} must have x's dtype {x.dtype}, got {w.dtype}"
+        if w.device != x.device:
+            return f"{name} must be on x's device {x.device}, got {w.device}"
+        if w.dim() != 3:
+            return f"{name} must be 3-D [local_experts, ...], got shape {tuple(w.shape)}"
+    if packed:
+        gate_up, down = weights["weights_gate_up"], weights["weights_down"]
+        local, two_f, h = gate_up.shape
+        if local < 1:
+            return "weights_gate_up holds no expert (local_experts == 0); every rank needs one"
+        if h != hidden or two_f % 2:
+            return (f"weights_gate_up must be [local_experts, 2 * ffn, {hidden}] to match x, got "
+                    f"{tuple(gate_up.shape)}")
+        if tuple(down.shape) != (local, hidden, two_f // 2):
+            return f"weights_down must be {(local, hidden, two_f // 2)}, got {tuple(down.shape)}"
+        return None
+    w_up, w_gate, w_down = (weights[k] for k in ("weights_up", "weights_gate", "weights_down"))
+    local, h_up, ffn = w_up.shape
+    if local < 1:
+        return "weights_up holds no expert (local_experts == 0); every rank needs at least one"
+    if h_up != hidden:
+        return f"weights_up must be [local_experts, {hidden}, ffn] to match x, got {tuple(w_up.shape)}"
+    if tuple(w_gate.shape) != tuple(w_up.shape):
+        return f"weights_gate must match weights_up {tuple(w_up.shape)}, got {tuple(w_gate.shape)}"
+    if tuple(w_down.shape) != (local, ffn, hidden):
+        return f"weights_down must be {(local, ffn, hidden)}, got {tuple(w_down.shape)}"
+    return None
+
+
+def local_problem(
+    x: Any,
+    weights: dict[str, Any],
+    expert_ids: Any,
+    routing_weights: Any,
+    *,
+    packed: bool,
+    world_size: int,
+    num_experts: int | None,
+) -> str | None:
+    """A human-readable description of what is wrong with this rank's arguments, or ``None``.
+
+    ``weights`` maps argument names to the expert weights: ``weights_up``, ``weights_gate``,
+    ``weights_down`` (split layout) or ``weights_gate_up``, ``weights_down`` (``packed``).
+    Reads no tensor's values (the expert-id range is checked in the handshake, on the device).
+    """
+    if (msg := _is_tensor("x", x)) is not None or (msg := _is_tensor("expert_ids", expert_ids)):
+        return msg
+    if not x.is_floating_point() or x.dtype not in DTYPE_CODES:
+        return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
+    if x.dim() not in (2, 3):
+        return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
+    if (msg := _weights_problem(x, weights, packed)) is not None:
+        return msg
+    local = weights["weights_down"].shape[0]
+    total_experts = world_size * local
+    if num_experts is not None and num_experts != total_experts:
+        return (f"num_experts={num_experts} does not match the group: {world_size} ranks x "
+                f"{local} local experts = {total_experts}")
+    if expert_ids.dtype in (torch.bool,) or expert_ids.is_floating_point() or expert_ids.is_complex():
+        return f"expert_ids must be an integer tensor, got {expert_ids.dtype}"
+    if expert_ids.device != x.device:
+        return f"expert_ids must be on x's device {x.device}, got {expert_ids.device}"
+    if expert_ids.dim() != x.dim() or tuple(expert_ids.shape[:-1]) != tuple(x.shape[:-1]):
+        return (f"expert_ids must be {tuple(x.shape[:-1])} + (topk,) to match x, "
+                f"got {tuple(expert_ids.shape)}")
+    if expert_ids.shape[-1] < 1:
+        return "expert_ids has topk == 0; every token needs at least one expert"
+    if routing_weights is not None:
+        if (msg := _is_tensor("routing_weights", routing_weights)) is not None:
+            return msg
+        if not routing_weights.is_floating_point():
+            return f"routing_weights must be floating point, got {routing_weights.dtype}"
+        if routing_weights.device != x.device:
+            return f"routing_weights must be on x's device {x.device}, got {routing_weights.device}"
+        if tuple(routing_weights.shape) != tuple(expert_ids.shape):
+            return (f"routing_weights must have expert_ids' shape {tuple(expert_ids.shape)}, "
+                    f"got {tuple(routing_weights.shape)}")
+    return None
+
+
+def range_problem(expert_ids: Tensor, total_experts: int, world_size: int) -> str | None:
+    """Where this rank's expert ids leave ``[0, total_experts)`` (the handshake's error path:
+    it reads the ids)."""
+    if expert_ids.numel() == 0:
+        return None
+    lo, hi = int(expert_ids.min()), int(expert_ids.max())
+    if lo < 0 or hi >= total_experts:
+        bad = lo if lo < 0 else hi
+        return (f"expert id {bad} out of range [0, {total_experts}) "
+                f"({world_size} ranks x {total_experts // world_size} local experts)")
+    return None
+
+
+def nonfinite_problem(x: Tensor, routing_weights: Tensor | None) -> str | None:
+    """``check_finite=True``: where this rank's tokens hold NaN or Inf, or ``None``.
+
+    Without the check a NaN token stays in its own output row in the forward, but in the
+    backward it poisons the weight gradients of every expert it visited (a gradient is a sum
+    over rows). The check costs one pass over ``x`` on the device and rides on the call's
+    handshake (:func:`agree`), so every rank raises together and no collective or read is
+    added; this function only words the error, reading the rows.
+    """
+    for name, t in (("x", x), ("routing_weights", routing_weights)):
+        if t is None or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(-1)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten()
+            return (f"{name} holds NaN or Inf in {rows.numel()} token row(s), the first is "
+                    f"{int(rows[0])} (check_finite=True)")
+    return None
+
+
+def shared_problem(x: Any, s_up: Any, s_gate: Any, s_down: Any, s_scale: Any = None
+                   ) -> str | None:
+    """What is wrong with the optional shared experts and their per-token scale, or ``None``."""
+    given = [t is not None for t in (s_up, s_gate, s_down)]
+    if not any(given):
+        if s_scale is not None:
+            return "shared_scale scales the shared experts' output: pass shared_up/gate/down too"
+        return None
+    if not all(given):
+        return "shared_up, shared_gate and shared_down go together: pass all three or none"
+    for name, t in (("shared_up", s_up), ("shared_gate", s_gate), ("shared_down", s_down)):
+        if (msg := _is_tensor(name, t)) is not None:
+            return msg
+        if t.dtype != x.dtype or t.device != x.device or t.dim() != 3:
+            return (f"{name} must be a 3-D tensor with x's dtype and device, got "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    n, hidden, ffn = s_up.shape
+    if hidden != x.shape[-1] or tuple(s_gate.shape) != tuple(s_up.shape) or \
+            tuple(s_down.shape) != (n, ffn, hidden):
+        return (f"shared experts must be up/gate [shared, {x.shape[-1]}, ffn] and down "
+                f"[shared, ffn, {x.shape[-1]}], got {tuple(s_up.shape)}, {tuple(s_gate.shape)}, "
+                f"{tuple(s_down.shape)}")
+    return None if s_scale is None else _scale_problem(x, s_scale)
+
+
+def _scale_problem(x: Tensor, scale: Any) -> str | None:
+    """``shared_scale`` must be one factor per token: ``x.shape[:-1] + (1,)`` or ``[T, 1]``."""
+    if (msg := _is_tensor("shared_scale", scale)) is not None:
+        return msg
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    shapes = {tuple(x.shape[:-1]) + (1,), (tokens, 1)}
+    if tuple(scale.shape) not in shapes:
+        return (f"shared_scale must be one factor per token, {' or '.join(map(str, sorted(shapes)))}"
+                f", got {tuple(scale.shape)}")
+    if scale.dtype != x.dtype or scale.device != x.device:
+        return (f"shared_scale must have x's dtype {x.dtype} and device {x.device}, got "
+                f"{scale.dtype} on {scale.device}")
+    return None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the group agreed on: the largest local token count and top-k (for ``"auto"``)."""
+
+    max_tokens: int
+    max_topk: int
+
+
+HIERARCHY_CODES = {h: i for i, h in enumerate(HIERARCHIES)}
+_DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
+_NONE = -(2 ** 62)  # "nothing here" for a maximum
+
+
+def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+                 check_finite: bool) -> Tensor:
+    """``[max id, -min id, non-finite]`` computed on the device, nothing read back."""
+    device = x.device
+    if expert_ids.numel():
+        ids = expert_ids.reshape(-1).to(torch.int64)
+        stats = [ids.max(), ids.min().neg()]
+    else:
+        stats = [torch.full((), _NONE, dtype=torch.int64, device=device)] * 2
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    if check_finite:
+        for t in (x, routing_weights):
+            if t is not None and t.numel():
+                bad = bad + (~torch.isfinite(t)).any().to(torch.int64)
+    return torch.stack([*stats, bad])
+
+
+def agree(
+    problem: str | None,
+    *,
+    x: Any,
+    expert_ids: Any,
+    routing_weights: Any,
+    shared: dict[str, int],
+    group: Any,
+    total_experts: int = 0,
+    check_finite: bool = False,
+) -> Agreement:
+    """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
+
+    Args:
+        problem: what :func:`local_problem` (and friends) found wrong here, or ``None``.
+        shared: values every rank must pass alike, by name (only looked at when valid).
+        total_experts: the group's expert count, for the id range check.
+        check_finite: also reject NaN or Inf in ``x`` and ``routing_weights``.
+    """
+    names = list(shared)
+    if problem is None:
+        facts = [0, x.numel() // x.shape[-1], expert_ids.shape[-1],
+                 _DEVICE_CODES.get(x.device.type, 9), *shared.values()]
+        checks = _data_checks(x, expert_ids, routing_weights, check_finite)
+        device = x.device
+    else:
+        facts = [1, 0, 0, 0] + [0] * len(names)
+        device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+        checks = torch.full((3,), _NONE, dtype=torch.int64, device=device)
+    local = upload(facts + [-v for v in facts], device)
+    reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
+    n = len(facts)
+    highest, lowest = reduced[:n], [-v for v in reduced[n:2 * n]]
+    max_id, min_id, nonfinite = reduced[2 * n], -reduced[2 * n + 1], reduced[2 * n + 2]
+    if highest[0]:
+        _raise_for(problem, group)
+    for name, hi, lo in zip(["device type"] + names, highest[3:], lowest[3:]):
+        if hi != lo:
+            raise ValueError(
+                f"fused_expert: ranks disagree on {name} (values between {lo} and {hi}); every "
+                "rank of the group must pass the same value (0 means 'auto' for micro_batches)"
+            )
+    if max_id != _NONE and (min_id < 0 or max_id >= total_experts):
+        _raise_for(range_problem(expert_ids, total_experts, group_size(group)), group)
+    if nonfinite > 0:
+        _raise_for(nonfinite_problem(x, routing_weights), group)
+    return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]))
+
+
+def _raise_for(problem: str | None, group: Any) -> None:
+    """The error path: every rank learns every rank's problem and raises."""
+    messages = gather_objects(problem, group)
+    if problem is not None:
+        raise ValueError(f"fused_expert: {problem}")
+    culprits = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise ValueError(
+        f"fused_expert: another rank of the group rejected its input ({culprits}); "
+        f"rank {group_rank(group)} stops too so that no rank waits in a collective"
+    )

@@ -1,0 +1,295 @@
+"""Moving bytes between the ranks of an expert-parallel group; owns no schedule.
+
+Every function takes the group explicitly and never falls back to another communicator. A group
+of one rank (or no initialised ``torch.distributed``) is served locally without collectives, so
+the same code runs in a single process. Small control tensors (the handshake, the counts) live
+on the device of the call's data: the backend serving that device moves them (Gloo stages CUDA
+tensors through the host; NCCL moves them on the device).
+
+How a transfer is waited for depends on the backend serving the device
+(:mod:`mc2.engine.transport.backend`): on a host backend (Gloo) ``wait`` blocks the caller, with the call's
+deadline; on a stream backend (NCCL, HCCL) it makes the current stream wait and returns at once,
+and the deadline is kept by :mod:`mc2.engine.transport.watchdog`. Either way :class:`PendingTransfer` holds
+the send and receive buffers until its ``wait`` has been issued, and the backend keeps them
+alive on its stream until the transfer is done, so no memory is reused under a running transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mc2.engine.transport.backend import LOCAL, CommStyle, comm_style
+from mc2.device.clock import clock_for
+from mc2.engine.transport.deadline import current, wait_future, wait_work
+from mc2.engine.transport.env import force_collectives
+from mc2.device.streams import side_stream
+from mc2.engine.transport.watchdog import stream_wait, surfaced
+from mc2.engine.transport.workspace import Workspace
+
+# (issued, done) stamps of an asynchronous transfer: host seconds or device events
+OnComplete = Callable[[Any, Any], None]
+# transfers (or their buffers) given up after an error: held for good, so that no buffer a
+# backend may still write into is handed out again (after a timeout the process must end)
+_ABANDONED: list[Any] = []
+
+
+def abandon(*in_flight: Any) -> None:
+    """Keep ``in_flight`` transfers or buffers alive for the rest of the process."""
+    _ABANDONED.extend(in_flight)
+
+
+def initialized() -> bool:
+    """Whether ``torch.distributed`` is available and a process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
+    if not initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
+    if not initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def is_local(group: Any) -> bool:
+    """Whether ``group`` is served without collectives: one rank, unless
+    ``MC2_DEBUG_FORCE_COLLECTIVES`` asks for the distributed path anyway (a device check on a
+    world of one)."""
+    return group_size(group) == 1 and not (initialized() and force_collectives())
+
+
+def style_of(group: Any, device: torch.device) -> CommStyle:
+    """How ``group``'s collectives on ``device`` run (:func:`mc2.engine.transport.backend.comm_style`)."""
+    if is_local(group):
+        return LOCAL
+    return comm_style(group, device)
+
+
+@dataclass
+class PendingTransfer:
+    """An All-to-All in flight: ``wait()`` returns the received rows.
+
+    Attributes:
+        output: ``[sum(recv_splits), hidden]`` the receive buffer (valid after ``wait``).
+        work: the backend's work handle, ``None`` when the transfer already completed.
+        keep_alive: tensors that must not be freed while the transfer runs (the send buffer).
+        future: a ``concurrent.futures.Future`` whose result is the output (an exchange run on
+            the communication thread), instead of ``work``.
+        operation: what moves, for error messages.
+        stream: the work completes on a device stream (its wait is stream-ordered).
+        issued_at: ``time.monotonic()`` at issue: a stream backend's deadline counts from it.
+        group: the group the transfer runs on (what a timed-out stream wait aborts).
+    """
+
+    output: Tensor | None
+    work: Any = None
+    keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)
+    future: Any = None
+    operation: str = "exchange"
+    stream: bool = False
+    issued_at: float = 0.0
+    group: Any = None
+
+    def wait(self, *, micro_batch: int | None = None, phase: str | None = None) -> Tensor:
+        """The received rows; :class:`~mc2.engine.transport.deadline.CommTimeout` past the call's deadline.
+
+        On a stream backend the rows are ready for work queued on the current stream after this
+        returns; the host does not wait for them.
+        """
+        if self.work is not None:
+            _wait(self.work, self.operation, stream=self.stream, issued_at=self.issued_at,
+                  group=self.group, micro_batch=micro_batch, phase=phase)
+            self.work = None
+        if self.future is not None:
+            self.output = wait_future(self.future, self.operation)
+            self.future = None
+        self.keep_alive = ()
+        assert self.output is not None
+        return self.output
+
+
+def _wait(work: Any, operation: str, *, stream: bool, issued_at: float, group: Any,
+          micro_batch: int | None = None, phase: str | None = None) -> None:
+    """The one wait of an asynchronous collective: stream-ordered and watched on a stream
+    backend, blocking with the call's deadline on a host backend."""
+    if stream:
+        stream_wait(work, operation, deadline_s=current(), issued_at=issued_at,
+                    micro_batch=micro_batch, phase=phase, group=group)
+    else:
+        wait_work(work, operation)
+
+
+def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete) -> None:
+    """Report when an asynchronous transfer completes: from the backend's future on a host
+    backend, from an event behind the transfer on a side stream on a stream backend."""
+    if not style.stream:
+        issued = time.perf_counter()
+        work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
+        return
+    clock = clock_for(rows.device)
+    start = clock.stamp()  # the collective starts after the work queued before it
+    observer = side_stream(rows.device, "observer")
+    with observer:
+        work.wait()  # the observer stream, not the caller's, waits for the transfer
+        on_complete(start, clock.stamp(observer))
+
+
+def all_to_all_rows(
+    rows: Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Any,
+    *,
+    async_op: bool,
+    on_complete: OnComplete | None = None,
+    workspace: Workspace | None = None,
+    operation: str = "exchange",
+    output: Tensor | None = None,
+    style: CommStyle | None = None,
+) -> PendingTransfer:
+    """Variable-size All-to-All of rows (dropless): ``rows[sum(send_splits), H]`` out.
+
+    Rows ``[sum(send_splits[:j]), sum(send_splits[:j+1]))`` go to rank ``j``; the result holds
+    the rows from rank 0, then rank 1, ..., as ``[sum(recv_splits), H]``. ``on_complete(issued,
+    done)`` receives the transfer's stamps (host seconds or device events, see
+    :mod:`mc2.device.clock`) when it is asynchronous; used for profiling only. ``output``:
+    the receive buffer, when the caller already has one. ``style``: the group's
+    :class:`CommStyle` on the rows' device, when the caller knows it (else looked up).
+    """
+    style = style or style_of(group, rows.device)
+    if style is LOCAL:  # to itself: the rows are what arrives (in the caller's buffer if any)
+        return PendingTransfer(output=rows if output is None else output.copy_(rows))
+    rows = rows.contiguous()
+    if output is None:
+        shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
+        output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
+    if not async_op:
+        collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,
+                                                     group=group, async_op=a),
+                   group, operation, rows.device, style)
+        return PendingTransfer(output=output, operation=operation)
+    issued = time.monotonic()
+    with surfaced():  # an aborted communicator refuses new work: report the timeout instead
+        work = dist.all_to_all_single(
+            output, rows, recv_splits, send_splits, group=group, async_op=True
+        )
+    if on_complete is not None:
+        _observe(work, style, rows, on_complete)
+    return PendingTransfer(output=output, work=work, keep_alive=(rows,), operation=operation,
+                           stream=style.stream, issued_at=issued, group=group)
+
+
+@dataclass(frozen=True)
+class FlatExchange:
+    """One micro-batch's exchange as a single All-to-All over the whole group."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    group: Any
+    workspace: Workspace | None = None  # where receive buffers come from
+    style: CommStyle | None = None  # the group's, looked up once per call
+
+    def dispatch(self, rows: Tensor, *, async_op: bool,
+                 on_complete: OnComplete | None = None) -> PendingTransfer:
+        return all_to_all_rows(rows, self.send_splits, self.recv_splits, self.group,
+                               async_op=async_op, on_complete=on_complete,
+                               workspace=self.workspace, operation="dispatch", style=self.style)
+
+    def combine(self, rows: Tensor, *, async_op: bool,
+                on_complete: OnComplete | None = None) -> PendingTransfer:
+        return all_to_all_rows(rows, self.recv_splits, self.send_splits, self.group,
+                               async_op=async_op, on_complete=on_complete,
+                               workspace=self.workspace, operation="combine", style=self.style)
+
+
+def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
+    """The one up-front exchange of per-micro-batch, per-expert row counts.
+
+    Args:
+        send_counts: ``[world, n] int64``: what this rank tells each rank (destination-major).
+
+    Returns:
+        ``[world, n] int64``: what each rank told this one (source-major).
+    """
+    if is_local(group):
+        return send_counts.clone()
+    send = send_counts.contiguous()
+    recv = torch.empty_like(send)
+    collective(lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a), group,
+               "counts exchange", send.device)
+    return recv
+
+
+def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
+    """Every rank's tensor to every rank: ``[world, *send_totals.shape]``.
+
+    Args:
+        send_totals: e.g. ``[K, world] int64`` rows this rank sends to each rank per
+            micro-batch.
+    """
+    if is_local(group):
+        return send_totals.unsqueeze(0).clone()
+    send = send_totals.contiguous()
+    parts = [torch.empty_like(send) for _ in range(group_size(group))]
+    collective(lambda a: dist.all_gather(parts, send, group=group, async_op=a), group,
+               "counts gather", send.device)
+    return torch.stack(parts)
+
+
+def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement") -> Tensor:
+    """Element-wise maximum over the group (identity for one rank)."""
+    if is_local(group):
+        return values
+    values = values.clone()
+    collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group,
+                                         async_op=a), group, operation, values.device)
+    return values
+
+
+def barrier(group: Any, operation: str = "barrier", device: torch.device | None = None) -> None:
+    """A barrier under the call's deadline: a one-element ``all_reduce`` on ``device`` (a
+    ``dist.barrier`` on NCCL guesses a device and may pick the wrong one)."""
+    if not is_local(group):
+        all_reduce_max(torch.zeros(1, device=device or "cpu"), group, operation)
+
+
+def collective(issue: Callable[[bool], Any], group: Any, operation: str,
+               device: torch.device | str | None = None, style: CommStyle | None = None) -> None:
+    """Run a collective to completion under the call's deadline (:mod:`mc2.engine.transport.deadline`).
+
+    ``issue(async_op)`` starts it. Without a deadline, or on a backend without asynchronous
+    collectives (or ``MC2_FORCE_SYNC``), it runs synchronously and only the process group's own
+    timeout applies. Otherwise it is issued asynchronously and waited for: on a host backend
+    with the deadline; on a stream backend stream-ordered, watched by the watchdog ("to
+    completion" then means: for every later use on the current stream).
+    """
+    style = style or style_of(group, torch.device(device or "cpu"))
+    if current() is None or not style.asynchronous:
+        with surfaced():
+            issue(False)
+        return
+    issued = time.monotonic()
+    with surfaced():
+        work = issue(True)
+    _wait(work, operation, stream=style.stream, issued_at=issued, group=group)
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (used only on the error path, where cost does not matter)."""
+    if is_local(group):
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

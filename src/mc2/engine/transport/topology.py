@@ -1,0 +1,110 @@
+"""Which ranks share a node: the fast link inside, the slow link between.
+
+Discovery, in order: ``LOCAL_WORLD_SIZE`` (set by ``torchrun`` and by :func:`mc2.run_local`,
+whose ranks are numbered node by node), else the host names of all ranks (a collective). The
+intra-node and inter-node sub-groups that a hierarchical All-to-All needs are made on request,
+once, by every rank together (``torch.distributed.new_group`` is a collective).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from mc2.engine.transport.comm import gather_objects, group_rank, group_size
+
+
+@dataclass
+class Topology:
+    """Node membership of the ranks of one process group.
+
+    Attributes:
+        node_of_rank: node index of every group rank (nodes numbered by first appearance).
+        rank: this process's rank in the group.
+        source: how it was discovered ("env", "hostname" or "single").
+    """
+
+    node_of_rank: list[int]
+    rank: int
+    source: str
+    _groups: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def nodes(self) -> int:
+        return max(self.node_of_rank) + 1 if self.node_of_rank else 1
+
+    @property
+    def node(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    def ranks_of_node(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks_of_node(self.node).index(self.rank)
+
+    @property
+    def uniform(self) -> bool:
+        """Every node holds the same number of ranks (what a 2-D All-to-All needs)."""
+        sizes = {len(self.ranks_of_node(n)) for n in range(self.nodes)}
+        return len(sizes) == 1
+
+    def subgroups(self, group: Any = None) -> tuple[Any, Any]:
+        """``(intra_node, inter_node)`` groups of this rank, made once (a collective).
+
+        ``intra_node``: the ranks of this node; ``inter_node``: the ranks of every node with
+        this local rank (the peers a 2-D All-to-All crosses the slow link with).
+        """
+        if "intra" not in self._groups:
+            if not self.uniform:
+                raise ValueError(f"a 2-D layout needs the same ranks per node: {self.describe()}")
+            members = dist.get_process_group_ranks(group or dist.group.WORLD)
+            per_node = [[members[r] for r in self.ranks_of_node(n)] for n in range(self.nodes)]
+            for n, ranks in enumerate(per_node):  # every rank creates every group, in order
+                g = dist.new_group(ranks)
+                if n == self.node:
+                    self._groups["intra"] = g
+            for local in range(len(per_node[0])):
+                g = dist.new_group([ranks[local] for ranks in per_node])
+                if local == self.local_rank:
+                    self._groups["inter"] = g
+        return self._groups["intra"], self._groups["inter"]
+
+    def describe(self) -> str:
+        sizes = [len(self.ranks_of_node(n)) for n in range(self.nodes)]
+        return (f"{len(self.node_of_rank)} ranks on {self.nodes} node(s) {sizes}, this is rank "
+                f"{self.rank} = node {self.node} local rank {self.local_rank} (from {self.source})")
+
+
+def discover(group: Any = None) -> Topology:
+    """The node layout of ``group`` (a collective unless the environment says it)."""
+    world, rank = group_size(group), group_rank(group)
+    if world == 1:
+        return Topology([0], 0, "single")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    global_world = dist.get_world_size()
+    if local and local.isdigit() and int(local) > 0 and global_world % int(local) == 0:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        return Topology([r // int(local) for r in ranks], rank, "env")
+    hosts = gather_objects(socket.gethostname(), group)
+    order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+    return Topology([order[h] for h in hosts], rank, "hostname")
+
+
+_TOPOLOGIES: dict[tuple, Topology] = {}
+
+
+def topology_for(group: Any = None) -> Topology:
+    """:func:`discover` once per group (cached with its sub-groups; every rank calls it)."""
+    if group_size(group) == 1:
+        return Topology([0], 0, "single")
+    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+           os.environ.get("LOCAL_WORLD_SIZE"))
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = discover(group)
+    return _TOPOLOGIES[key]
