@@ -16,7 +16,7 @@ def modes():
     return mc2.run_local(checkpointing_modes, 2, args=(x, full_state()), timeout_s=120)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_max"])
 def test_checkpointing_gives_the_same_outputs_and_gradients(modes, mode: str) -> None:
     for rank in modes:
         plain, got = rank["none"], rank[mode]
@@ -31,6 +31,7 @@ def test_the_policy_recomputes_without_collectives(modes) -> None:
         plain = rank["none"]["backward_collectives"]
         assert plain == 2 * 2 * 2  # 2 layers x K=2 x (dispatch, combine) of the gradients
         assert rank["selective"]["backward_collectives"] == plain  # the recompute made none
+        assert rank["selective_max"]["backward_collectives"] == plain
         # a full recompute plans and exchanges again: handshake, counts, 2K All-to-Alls a layer
         assert rank["full"]["backward_collectives"] == plain + 2 * (2 + 2 * 2)
 

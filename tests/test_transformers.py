@@ -5,6 +5,8 @@ adapter does not know are refused, never replaced without them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import transformers  # noqa: E402  (a dev dependency: make test installs it)
@@ -36,9 +38,9 @@ CASES = [(kind, world, dtype) for kind in ("Mixtral", "Qwen3Moe")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def reference(kind: str, dtype: torch.dtype):
+def reference(kind: str, dtype: torch.dtype, **changes: Any):
     torch.manual_seed(0)
-    cfg = getattr(transformers, f"{kind}Config")(**CONFIGS[kind])
+    cfg = getattr(transformers, f"{kind}Config")(**(CONFIGS[kind] | changes))
     model = getattr(transformers, f"{kind}ForCausalLM")(cfg).to(dtype)
     with torch.no_grad():  # larger random experts, so routing and experts matter
         for name, p in model.named_parameters():
@@ -48,7 +50,7 @@ def reference(kind: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (4, 12), generator=g)
     grad = torch.randn(4, 12, 64, generator=g, dtype=torch.float64).to(dtype)
-    ref = build(kind, CONFIGS[kind], state, dtype)
+    ref = build(kind, CONFIGS[kind] | changes, state, dtype)
     logits = ref(ids).logits
     (logits * grad).sum().backward()
     return state, ids, grad, logits.detach(), ref
@@ -62,10 +64,25 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) 
 
 @pytest.mark.parametrize("kind,world,dtype", CASES)
 def test_patched_model_equals_unpatched(kind: str, world: int, dtype: torch.dtype) -> None:
-    state, ids, grad, logits, ref = reference(kind, dtype)
+    _check_patched(kind, world, dtype, micro_batches=2, checkpointing=False)
+
+
+def test_full_checkpointing_with_the_default_config() -> None:
+    """Gradient checkpointing on, ``micro_batches="auto"`` (the default) while its trials
+    run: each recompute runs the K its forward ran (a call in a backward counts no trial),
+    where PyTorch raised ``CheckpointError`` on the saved shapes before."""
+    _check_patched("Mixtral", 2, torch.float64, micro_batches="auto", checkpointing=True,
+                   num_hidden_layers=3)
+
+
+def _check_patched(kind: str, world: int, dtype: torch.dtype, *, micro_batches: int | str,
+                   checkpointing: bool, **changes: Any) -> None:
+    state, ids, grad, logits, ref = reference(kind, dtype, **changes)
     results = mc2.run_local(patched_step, world,
-                            args=(kind, CONFIGS[kind], state, ids, grad, dtype, 2))
-    assert all(r["replaced"] == 2 for r in results)
+                            args=(kind, CONFIGS[kind] | changes, state, ids, grad, dtype,
+                                  micro_batches, checkpointing))
+    layers = (CONFIGS[kind] | changes)["num_hidden_layers"]
+    assert all(r["replaced"] == layers for r in results)
     close(torch.cat([r["logits"] for r in results]), logits, dtype, "logits")
     ref_params = dict(ref.named_parameters())
     experts = {n for n in ref_params if ".experts." in n}

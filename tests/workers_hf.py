@@ -18,11 +18,14 @@ def build(kind: str, config: dict[str, Any], state: dict, dtype: torch.dtype):
 
 def patched_step(rank: int, world: int, kind: str, config: dict, state: dict,
                  input_ids: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype,
-                 micro_batches: int) -> dict:
+                 micro_batches: int | str, checkpointing: bool = False) -> dict:
     from mc2.integrations.transformers import MC2SparseMoeBlock, enable_mc2
 
     model = build(kind, config, state, dtype)
     replaced = enable_mc2(model, micro_batches=micro_batches)
+    if checkpointing:  # full activation checkpointing: the recompute runs the call again
+        model.train()
+        model.gradient_checkpointing_enable()
     ids = input_ids.chunk(world)[rank]
     logits = model(ids).logits
     (logits * grad.chunk(world)[rank]).sum().backward()

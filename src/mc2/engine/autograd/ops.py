@@ -10,157 +10,68 @@ GEMM and measured faster (:mod:`mc2.engine.compute.experts`). :mod:`mc2.engine.d
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable, Unpack
+from typing import Any, Unpack
 
 import torch
 from torch import Tensor
 
-from mc2.observation.timeline import Timeline
-from mc2.engine.autograd import recompute
-from mc2.engine.decide.call_plan import combine_weights, plan_call
+from mc2.engine.autograd.function import FusedExpertFunction
+from mc2.engine.autograd.operator import fused_expert_op, group_name
+from mc2.engine.autograd.prepare import (
+    EAGER_RUNTIME,
+    autocast_inputs,
+    function_inputs,
+    guarded,
+    resolve_config,
+)
+from mc2.engine.autograd.recompute import selective_region
+from mc2.engine.decide.call_plan import plan_call
 from mc2.engine.decide.config import ConfigOptions, MC2Config
-from mc2.engine.transport.deadline import CommTimeout, deadline, resolve_timeout
-from mc2.engine.compute.experts import PACKED_ORDER, SPLIT_ORDER
-from mc2.engine.autograd.function import ForwardResult, FusedExpertFunction, run_forward
 from mc2.engine.decide.planner import Planner
+from mc2.engine.transport.deadline import resolve_timeout
 from mc2.engine.transport.workspace import Workspace
-
-
-def _autocast(x: Any, named: dict[str, Any], routing_weights: Any, shared: tuple
-              ) -> tuple[Any, dict[str, Any], Any, tuple]:
-    """Under ``torch.autocast``, the call computes in the autocast dtype, as a matmul would:
-    floating inputs are cast (differentiably: gradients reach the parameters in their own
-    dtype) and the call itself runs with autocast off (its GEMMs write into buffers)."""
-    if not isinstance(x, Tensor) or not torch.is_autocast_enabled(x.device.type):
-        return x, named, routing_weights, shared
-    dtype = torch.get_autocast_dtype(x.device.type)
-
-    def cast(t: Any) -> Any:
-        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-
-    return (cast(x), {k: cast(v) for k, v in named.items()}, cast(routing_weights),
-            tuple(cast(t) for t in shared))
-
-
-@torch.compiler.assume_constant_result
-def _config_while_tracing(config: MC2Config | None, options: tuple) -> MC2Config:
-    """A config built from keyword options, as a constant of the traced graph (Dynamo does
-    not trace the dataclass machinery; the options are constants anyway)."""
-    return MC2Config.of(config, **dict(options))
-
-
-def _config(config: MC2Config | None, options: dict[str, Any]) -> tuple[MC2Config, str | None]:
-    """The call's config, or the defaults and what is wrong: a bad value must reach the
-    handshake (an error on every rank), not stop this rank alone before it."""
-    try:
-        if options and torch.compiler.is_compiling():
-            return _config_while_tracing(config, tuple(sorted(options.items()))), None
-        return MC2Config.of(config, **options), None
-    except ValueError as exc:
-        return MC2Config(), str(exc).removeprefix("MC2Config: ")
+from mc2.observation.timeline import Timeline
 
 
 def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: Tensor | None,
          shared: tuple, config: MC2Config | None, options: dict[str, Any],
          **runtime: Any) -> Tensor:
-    """Both entry points' call. ``shared``: ``(up, gate, down, scale)``, each or all ``None``;
-    they travel together through the checks (:func:`~mc2.engine.decide.validation.shared_problem`)
-    and the autograd inputs, so a trainable ``scale`` alone already makes the call keep
-    what its backward needs.
-
-    Under ``torch.compile``/``torch.export`` tracing the call is one operator
-    (:mod:`mc2.engine.autograd.operator`); under selective activation checkpointing a recompute hands
-    back what its forward recorded (:mod:`mc2.engine.autograd.recompute`)."""
-    cfg, problem = _config(config, options)
-    x, named, routing_weights, shared = _autocast(x, named, routing_weights, shared)
+    """Both entry points' call, by one of two adapters over one pass: the autograd Function
+    (eager), or the operator ``torch.ops.mc2.fused_expert`` (under ``torch.compile`` or
+    ``torch.export`` tracing, and inside a selective-checkpointing region, where the call
+    must be one operator: :mod:`mc2.engine.autograd.recompute`). ``shared``: ``(up, gate,
+    down, scale)``, each or all ``None``; they travel together through the checks
+    (:func:`~mc2.engine.decide.validation.shared_problem`) and the autograd inputs, so a
+    trainable ``scale`` alone already makes the call keep what its backward needs."""
+    cfg, problem = resolve_config(config, options)
+    x, named, routing_weights, shared = autocast_inputs(x, named, routing_weights, shared)
     if torch.compiler.is_compiling():
         return _through_operator(x, named, expert_ids, routing_weights, shared, cfg, problem,
                                  **runtime)
-    cache = recompute.active_cache()
-    if cache is not None and cache.replaying:
-        return _replayed(x, named, expert_ids, routing_weights, shared, cache)
-    record = cache.record if cache is not None else None
-    return guarded(lambda: _planned_and_run(x, named, expert_ids, routing_weights, shared, cfg,
-                                             problem, record=record, **runtime), cfg, x)
-
-
-def guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
-    """``fn()`` under the call's deadline, with autocast off, a timeout named by its phase."""
-    seconds = resolve_timeout(cfg.timeout)
-    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
-    with deadline(seconds), torch.autocast(device_type, enabled=False):
+    if selective_region():
+        group, packed, num_experts = (runtime.pop(k) for k in ("group", "packed", "num_experts"))
+        token = EAGER_RUNTIME.set(runtime)
         try:
-            return fn()
-        except CommTimeout as exc:
-            if exc.phase is not None:
-                raise
-            raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
+            return _through_operator(x, named, expert_ids, routing_weights, shared, cfg, problem,
+                                     group=group, packed=packed, num_experts=num_experts)
+        finally:
+            EAGER_RUNTIME.reset(token)
 
+    def planned_and_run() -> Tensor:
+        call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
+                                           problem=problem, shared=shared,
+                                           timeout=resolve_timeout(cfg.timeout), **runtime)
+        _, function_shared = function_inputs(x, expert_ids, None, shared)
+        return FusedExpertFunction.apply(call, x, combine, *function_shared, *weights.tensors())
 
-def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
-                     shared: tuple) -> tuple[Tensor, tuple]:
-    """The combine weights ``[T, topk]`` and the shared experts as one expert of width
-    ``S * shared_ffn`` with their scale ``[T, 1]``: the autograd Function's layout."""
-    hidden = x.shape[-1]
-    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
-    s_up, s_gate, s_down, s_scale = shared
-    if s_up is not None:
-        n, _, f = s_up.shape
-        s_up, s_gate, s_down = (s_up.permute(1, 0, 2).reshape(1, hidden, n * f),
-                                s_gate.permute(1, 0, 2).reshape(1, hidden, n * f),
-                                s_down.reshape(1, n * f, hidden))
-    if s_scale is not None:  # [..., 1] -> [T, 1], the layout of the flattened tokens
-        s_scale = s_scale.reshape(-1, 1)
-    return combine_weights(routing_weights, ids2d, x), (s_up, s_gate, s_down, s_scale)
-
-
-def _planned_and_run(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
-                     routing_weights: Tensor | None, shared: tuple, config: MC2Config,
-                     problem: str | None, record: Any = None, **runtime: Any) -> Tensor:
-    call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=config,
-                                       problem=problem, shared=shared,
-                                       timeout=resolve_timeout(config.timeout), **runtime)
-    if record is not None:
-        call = replace(call, record=record)
-    _, function_shared = function_inputs(x, expert_ids, None, shared)
-    return FusedExpertFunction.apply(x, combine, call, *function_shared, *weights.tensors())
-
-
-def _replayed(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
-              routing_weights: Tensor | None, shared: tuple, cache: Any) -> Tensor:
-    """A recompute under a policy that saved the call: its recorded forward, no row moves."""
-    result = cache.next_result()
-    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
-    call = replace(result.call, replay=result, record=None)
-    return FusedExpertFunction.apply(x, combine, call, *function_shared, *named.values())
-
-
-def run_for_operator(x: Tensor, experts: list[Tensor], expert_ids: Tensor,
-                     combine: Tensor, shared: tuple, config: MC2Config, *, packed: bool,
-                     group: Any, num_experts: int | None, needs: tuple[bool, ...]
-                     ) -> ForwardResult:
-    """The forward of :data:`mc2.engine.autograd.operator.FUSED_EXPERT` (inputs already in the
-    Function's layout, see :func:`function_inputs`)."""
-    names = ["weights_" + name for name in (PACKED_ORDER if packed else SPLIT_ORDER)]
-
-    def run() -> ForwardResult:
-        call, weights, _ = plan_call(x, dict(zip(names, experts)), expert_ids, combine,
-                                     config=config, shared=shared, packed=packed, group=group,
-                                     num_experts=num_experts, needs_grad=any(needs),
-                                     timeout=resolve_timeout(config.timeout))
-        return run_forward(x, combine, call, shared, weights.tensors(), needs)
-
-    return guarded(run, config, x)
+    return guarded(planned_and_run, cfg, x)
 
 
 def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
                       routing_weights: Tensor | None, shared: tuple, config: MC2Config,
                       problem: str | None, *, group: Any = None, packed: bool,
                       num_experts: int | None = None, **runtime: Any) -> Tensor:
-    """The traced call: one :data:`~mc2.engine.autograd.operator.FUSED_EXPERT` node."""
-    from mc2.engine.autograd.operator import fused_expert_op, group_name
-
+    """The call as one :data:`~mc2.engine.autograd.operator.FUSED_EXPERT` node."""
     if problem is not None:  # the config: the same on every rank, so every rank raises
         raise ValueError(f"fused_expert: {problem}")
     given = sorted(k for k, v in runtime.items() if v is not None)

@@ -3,49 +3,28 @@
 Non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)``) drops what the backward needs and runs the forward again to get it
 back. For an MoE layer that recompute would plan, dispatch and combine again: the same two
-exchanges per micro-batch a second time, on every rank.
+exchanges per micro-batch a second time, on every rank (and it runs the K its forward ran:
+:meth:`mc2.Planner.again`).
 
 PyTorch's selective checkpointing (``create_selective_checkpoint_contexts(policy)``) lets a
-policy keep the outputs of chosen operators. To a policy the fused call is one operator,
-``torch.ops.mc2.fused_expert.default`` (:mod:`mc2.engine.autograd.operator`), and
-:func:`checkpoint_policy` saves it. Then the forward records what the call's backward reads
-(the exchanged rows in expert order, their gate/up projections, the routes) and the
-recompute hands that back instead of running the call: no collective in a recomputed step.
-Everything else in the checkpointed region is recomputed (or saved, as the policy says).
-
-How the call sees the policy: while selective checkpointing runs a region, its dispatch mode is
-on the mode stack and holds the policy and a storage shared by the forward and the recompute.
-The call asks the policy about itself in the forward and keeps its records in that storage, in
-call order, as PyTorch does for the operators it saves; the recompute takes them back in the
-same order. Policies that do not name the fused call leave it to
-run again in the recompute (correct, with its collectives).
+policy keep the outputs of chosen operators. While it runs a region, the fused call *is* one
+operator, ``torch.ops.mc2.fused_expert.default`` (:mod:`.operator`; :func:`selective_region`
+tells the public call to route through it), and :func:`checkpoint_policy` saves it: PyTorch's
+own caching mode keeps the operator's outputs (the output and the token of its saved state)
+and hands them back in the recompute, which then runs no collective. The operators the call
+runs inside are not seen by the policy, so a policy that also saves ``aten.mm`` or
+``aten.max`` saves the region's own, never the call's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from mc2.engine.autograd.function import ForwardResult
-
-_STORAGE_KEY = "mc2.fused_expert"  # beside PyTorch's per-operator keys in the shared storage
-
-
-def _mode_types() -> tuple[type, type]:
-    """PyTorch's two selective-checkpointing modes (forward, recompute); subclasses count."""
-    from torch.utils import checkpoint
-
-    return checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode
-
-
-def _fused_expert_op() -> Any:
-    from mc2.engine.autograd.operator import FUSED_EXPERT
-
-    return FUSED_EXPERT
+from mc2.engine.autograd.operator import FUSED_EXPERT
 
 
 def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
-    """A selective-checkpointing policy that keeps the fused call's exchanged rows.
+    """A selective-checkpointing policy that keeps the fused call's output and state.
 
     Use it with PyTorch's own contexts::
 
@@ -60,7 +39,7 @@ def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved = {_fused_expert_op(), *also_save}
+    saved = {FUSED_EXPERT, *also_save}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
@@ -68,62 +47,11 @@ def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     return policy
 
 
-def _calls(storage: Any) -> list[tuple[ForwardResult, int]]:
-    """Our records in the region's storage (a dict of dicts, keyed by operator in PyTorch)."""
-    return storage[_STORAGE_KEY].setdefault("calls", [])
-
-
-@dataclass
-class RecordedCalls:
-    """The fused calls of one checkpointed region, in call order (see the module docstring)."""
-
-    storage: Any
-    replaying: bool
-
-    def record(self, result: ForwardResult) -> None:
-        """Keep a forward's result for the recompute (the output detached: the recompute's
-        output is a new autograd node over the same values)."""
-        out = result.out.detach() if result.out is not None else None
-        # record=None: no cycle storage -> record -> call -> storage to hold the rows
-        kept = replace(result, out=out, call=replace(result.call, record=None))
-        _calls(self.storage).append((kept, out._version if out is not None else 0))
-
-    def next_result(self) -> ForwardResult:
-        results = _calls(self.storage)
-        if not results:
-            raise RuntimeError("mc2.fused_expert: the recompute makes more fused calls than its "
-                               "forward did (the checkpointed function must run the same calls)")
-        result, version = results.pop(0)
-        if result.out is not None and result.out._version != version:
-            raise RuntimeError("mc2.fused_expert: the output of a call kept for the recompute "
-                               "was modified in place after the forward; the recompute would "
-                               "hand back the modified values (clone it before editing)")
-        return result
-
-
-def active_cache() -> RecordedCalls | None:
-    """The records of the selective-checkpointing region being run, when its policy saves the
-    fused call; ``None`` otherwise (no region, or a policy that recomputes the call)."""
+def selective_region() -> bool:
+    """Whether a selective-checkpointing region is running (its forward or its recompute):
+    PyTorch's caching dispatch modes are on the mode stack."""
+    from torch.utils import checkpoint
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    caching, cached = _mode_types()
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        storage = getattr(mode, "storage", None)
-        if not isinstance(mode, (caching, cached)) or storage is None:
-            continue
-        if isinstance(mode, cached):  # the recompute: replay what the forward recorded, if anything
-            return RecordedCalls(storage, replaying=True) if _calls(storage) else None
-        policy = getattr(mode, "policy_fn", None)
-        return RecordedCalls(storage, replaying=False) if _saves_the_call(policy) else None
-    return None
-
-
-def _saves_the_call(policy: Callable[..., Any] | None) -> bool:
-    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
-
-    if policy is None:
-        return False
-    decision = policy(SelectiveCheckpointContext(is_recompute=False), _fused_expert_op())
-    if isinstance(decision, bool):
-        return decision
-    return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+    modes = (checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode)
+    return any(isinstance(mode, modes) for mode in _get_current_dispatch_mode_stack())

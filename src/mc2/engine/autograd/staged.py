@@ -4,7 +4,7 @@ Batch overlap (:mod:`mc2.integrations.batch_overlap`) splits a batch into two mi
 runs the decoder layers stage by stage: while micro-batch A's dispatch travels, B computes its
 attention; while B's dispatch travels, A computes its experts; and so on. The fused call of one
 micro-batch must then stop where it would wait. Here it is three autograd Functions over one
-state, each running the pass (:func:`~mc2.engine.autograd.function.forward_stages`) up to its next wait:
+state, each running the pass (:func:`~mc2.engine.passes.run.forward_stages`) up to its next wait:
 
 ====================  ==================================  =========================================
 stage                 forward                             backward
@@ -37,27 +37,28 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
 import torch
 from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
-from mc2.engine.decide.call_plan import plan_call
+from mc2.engine.autograd.prepare import function_inputs, guarded
+from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
-from mc2.engine.transport.deadline import deadline, resolve_timeout
-from mc2.engine.compute.experts import ExpertWeights
-from mc2.engine.autograd.function import (
-    CallPlan,
-    _Forward,
-    _shared_weights,
-    _weighted_sum,
+from mc2.engine.passes.run import (
+    CallInputs,
+    ForwardState,
+    PassOutput,
     backward_stages,
     combine_grads,
     forward_stages,
+    state_of,
+    weighted_sum,
 )
-from mc2.engine.autograd.ops import function_inputs, guarded
+from mc2.engine.transport.deadline import deadline, resolve_timeout
+from mc2.observation.profiler import active_timeline
 
 
 def _advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
@@ -71,33 +72,34 @@ def _advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
 
 @dataclass
 class _State:
-    """One staged call, from its plan to its last backward stage."""
+    """One staged call, from its plan to its last backward stage.
+
+    ``inputs`` holds what :func:`begin_packed` was given (the combine weights and the scale
+    arrive with :meth:`StagedCall.end`); ``needs`` which of them need a gradient, filled in by
+    the stages that take them."""
 
     call: CallPlan
-    weights: ExpertWeights
-    shared: ExpertWeights | None
-    shape: torch.Size
+    inputs: CallInputs[Any]
+    needs: CallInputs[bool]
     seconds: float | None
-    needs_experts: tuple[bool, ...] = ()
-    needs_shared: tuple[bool, ...] = ()
-    forward: Generator[str, None, _Forward] | None = None
-    forward_result: _Forward | None = None
+    forward: Generator[str, None, PassOutput] | None = None
+    output: PassOutput | None = None
+    state: ForwardState | None = None
     backward: Generator[str, None, Any] | None = None
-    backward_result: Any = None
-    saved: dict[str, Any] = field(default_factory=dict)
+    grads: Any = None
 
     def step_forward(self, through: str | None = None) -> None:
         """Run the forward pass to its next stop (or its end); with ``through``, on past
         every stop of that name."""
-        while self.forward_result is None:
-            stop, self.forward_result = self._advanced(self.forward)
+        while self.output is None:
+            stop, self.output = self._advanced(self.forward)
             if stop != through:
                 return
 
     def step_backward(self, through: str | None = None) -> None:
         """Run the backward pass to its next stop (or its end), as :meth:`step_forward`."""
-        while self.backward_result is None:
-            stop, self.backward_result = self._advanced(self.backward)
+        while self.grads is None:
+            stop, self.grads = self._advanced(self.backward)
             if stop != through:
                 return
 
@@ -106,7 +108,7 @@ class _State:
         buffers of the call's dtype)."""
         if stages is None:  # a stage run out of order: a bug, never a silent loop
             raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
-        with deadline(self.seconds), torch.autocast(self.weights.device.type, enabled=False):
+        with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
             return _advance(stages)
 
 
@@ -118,25 +120,28 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, state: _State, *weights: Tensor) -> Tensor:  # type: ignore[override]
         ctx.state = state
-        state.needs_shared = tuple(ctx.needs_input_grad[2:5]) if state.shared is not None \
-            else ()
-        state.needs_experts = tuple(ctx.needs_input_grad[2 + 3 * (state.shared is not None):])
+        flags = ctx.needs_input_grad
+        shared = state.inputs.shared_up is not None
+        state.needs.x = flags[0]
+        if shared:
+            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[2:5]
+        state.needs.experts = tuple(flags[2 + 3 * shared:])
         flat = x.reshape(-1, x.shape[-1])
-        state.forward = forward_stages(flat, state.weights, state.shared, state.call)
-        state.saved["x"] = flat
+        state.forward = forward_stages(flat, state.inputs.routed_weights(),
+                                       state.inputs.shared_weights(), state.call)
         state.step_forward()
         return _token(x)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
-        while state.backward_result is None:
+        while state.grads is None:
             state.step_backward()
-        grad_x, expert_grads, shared_grads = state.backward_result
+        grad_x, expert_grads, shared_grads = state.grads
         state.call.workspace.tick()
         ctx.state = None
-        shared = tuple(shared_grads) if state.shared is not None else ()
-        return (grad_x.view(state.shape), None, *shared, *expert_grads)
+        shared = tuple(shared_grads) if state.inputs.shared_up is not None else ()
+        return (grad_x.view(state.inputs.x.shape), None, *shared, *expert_grads)
 
 
 class _Experts(torch.autograd.Function):
@@ -154,34 +159,31 @@ class _Experts(torch.autograd.Function):
 
 class _End(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, token: Tensor, routing_weights: Tensor, s_scale: Tensor | None,
+    def forward(ctx: Any, token: Tensor, combine: Tensor, s_scale: Tensor | None,
                 state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
-        while state.forward_result is None:
+        while state.output is None:
             state.step_forward()
-        result = state.forward_result
-        flat = state.saved["x"]
-        out = _weighted_sum(result, routing_weights, state.call, flat, state.shape, s_scale)
+        x = state.inputs.x
+        out = weighted_sum(state.output, combine, state.call, x.reshape(-1, x.shape[-1]),
+                           x.shape, s_scale)
+        state.needs.combine, state.needs.shared_scale = ctx.needs_input_grad[1:3]
         if state.call.keep_activations:
-            state.saved.update(routing_weights=routing_weights, scale=s_scale)
+            state.inputs.combine, state.inputs.shared_scale = combine, s_scale
+            state.state = state_of(state.output, state.call, x.shape, state.needs)
         else:
-            state.saved.clear()
-            state.forward_result = None
+            state.inputs = CallInputs.of([None] * len(state.inputs.as_list()))
             state.call.workspace.tick()
+        state.output = None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
-        call, result = state.call, state.forward_result
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
-        routing_weights, scale = state.saved["routing_weights"], state.saved["scale"]
-        grad_weights, grad_scale = combine_grads(call, grad_out, result.expert_out,
-                                                 result.shared_out, *ctx.needs_input_grad[1:3])
-        state.backward = backward_stages(
-            grad_out, routing_weights, state.weights, state.shared, result.activations,
-            result.shared_activations, call, state.needs_experts, state.needs_shared, scale)
-        state.forward_result, state.saved = None, {}
+        grad_weights, grad_scale = combine_grads(state.state, grad_out, state.needs)
+        state.backward = backward_stages(grad_out, state.inputs, state.state, state.needs)
+        state.state = None
         state.step_backward()
         return _token(grad_out), grad_weights, grad_scale, None
 
@@ -267,7 +269,9 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                           group=group, shared=full_shared, timeout=seconds, timeline=timeline),
         config, x)
     _, (s_up, s_gate, s_down, s_scale) = function_inputs(x, expert_ids, None, full_shared)
-    state = _State(call, weights, _shared_weights(s_up, s_gate, s_down), x.shape, seconds)
+    experts = weights.tensors()
+    state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
+                   CallInputs(False, False, False, False, False, False, ()), seconds)
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
-    token = _Begin.apply(x, state, *shared_tensors, *weights.tensors())
+    token = _Begin.apply(x, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)

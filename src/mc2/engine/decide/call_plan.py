@@ -3,8 +3,7 @@
 Validate (an error on every rank, never a hang), fall back to synchronous communication where
 asynchronous is impossible, agree on the shared values in one collective, choose K, sort the
 local (token, slot) pairs into micro-batches, exchange the per-micro-batch counts, and choose
-the All-to-All layout. The result is a :class:`~mc2.engine.autograd.function.CallPlan` that the autograd
-Function runs.
+the All-to-All layout. The result is a :class:`CallPlan` that a pass runs (:mod:`mc2.engine.passes.run`).
 
 Collectives and host synchronisations per call (counted, flat layout): one ``all_reduce`` (the
 handshake: errors, shared values, the group's largest token count, the expert-id range) and one
@@ -18,7 +17,8 @@ shape.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -30,11 +30,12 @@ from mc2.engine.transport.comm import exchange_counts, gather_counts, group_size
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.transport.env import warn_sync_fallback
 from mc2.engine.compute.experts import ExpertWeights
-from mc2.engine.autograd.function import CallPlan
 from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
-from mc2.engine.transport.hierarchy import TwoStagePlan, two_stage_pays
+from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
+from mc2.device.clock import Interval
 from mc2.engine.decide.routing import (
+    DispatchHandle,
     CountsExchange,
     build_handle,
     local_send_counts,
@@ -49,7 +50,42 @@ from mc2.engine.transport.workspace import Workspace, default_workspace
 # what every rank must pass alike, agreed in the handshake (0 means 'auto' for micro_batches)
 SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hidden size",
                 "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
-                "wire_dtype (dispatch)", "wire_dtype (combine)")
+                "wire_dtype (dispatch)", "wire_dtype (combine)",
+                "the planner's calls on this group (a fresh planner on some ranks only)",
+                "the 2-D exchange's measurements on this group")
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything decided before any row moves; shared by the forward and backward of one call.
+
+    Attributes:
+        handle: the routes of every micro-batch.
+        group: the expert-parallel group.
+        overlap: asynchronous (pipelined) or synchronous collectives.
+        strategy: the expert GEMM strategy (``"loop"`` or ``"grouped"``).
+        keep_activations: whether a backward will follow (save what it needs).
+        timeline: where spans go, or ``None``.
+        workspace: where large buffers come from.
+        on_pass_done: ``(phase, interval)`` called after each pass, for ``"auto"``'s trials
+            (an :class:`~mc2.device.clock.Interval`, read only when the planner decides).
+        wire: ``(dispatch, combine)`` formats of each pass's two exchanges
+            (:mod:`mc2.engine.transport.wire`). The backward's exchanges use the same pair, and
+            treat the rounding as the identity (straight-through): the gradient of a quantised
+            transfer is taken to be 1.
+        timeout: seconds per wait (:mod:`mc2.engine.transport.deadline`); the backward's too.
+    """
+
+    handle: DispatchHandle
+    group: Any
+    overlap: bool
+    strategy: str
+    keep_activations: bool
+    timeline: Timeline | None
+    workspace: Workspace
+    on_pass_done: Callable[[str, Interval], None] | None = None
+    wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
+    timeout: float | None = None
 
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
@@ -124,16 +160,24 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWeights | None,
-                  needs_grad: bool, wire: tuple[WireFormat, WireFormat]) -> dict[str, int]:
+                  needs_grad: bool, wire: tuple[WireFormat, WireFormat],
+                  planner: Planner | None, group: Any) -> dict[str, int]:
     """The values every rank must share, as the handshake carries them (zeros when this rank's
-    input is bad: the same keys on every rank, valid or not)."""
+    input is bad: the same keys on every rank, valid or not).
+
+    The last two make the collectives *after* the handshake the same on every rank: a planner
+    that has chosen for fewer calls than its peers' would calibrate (collectives its peers do
+    not run), and so would a process that has not measured the 2-D exchange where its peers
+    have."""
     facts = dict.fromkeys(SHARED_FACTS, 0)
     if weights is not None:
         auto = config.micro_batches == "auto"
         facts.update(zip(SHARED_FACTS, (
             0 if auto else config.micro_batches, capacity, x.shape[-1], weights.ffn,
             weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
-            HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code)))
+            HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code,
+            planner.digest(group) if planner is not None else 0,
+            measured_sizes(group) if config.hierarchy == "auto" else 0)))
     return facts
 
 
@@ -145,10 +189,13 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
         return int(config.micro_batches), None, wire
     if planner is None:
         return 1, None, wire
-    with maybe_span(timeline, "compute", "plan", "forward"):
-        choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
-                                weights=weights, group=group, strategy=strategy,
-                                needs_grad=needs_grad, wire=wire)
+    if torch._C._current_graph_task_id() != -1:  # a recompute inside a backward: its forward's K
+        choice = planner.again(weights)
+    else:
+        with maybe_span(timeline, "compute", "plan", "forward"):
+            choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
+                                    weights=weights, group=group, strategy=strategy,
+                                    needs_grad=needs_grad, wire=wire)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
@@ -243,7 +290,7 @@ def plan_call(
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
                                                weights if problem is None else None,
-                                               needs_grad, wire),
+                                               needs_grad, wire, plan_with, group),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite)

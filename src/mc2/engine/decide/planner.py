@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mc2.device.clock import Interval, clock_for
 from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_size
@@ -280,12 +281,15 @@ class Planner:
         self._cache: dict[tuple, Calibration] = {}
         self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
+        self._calls: dict[tuple, int] = {}  # choose() calls per group: the handshake's digest
+        # the last forward's choice per weight tensor, for a call made again in a backward
+        self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def calibration(self, weights: ExpertWeights, group: Any, strategy: str = "loop"
                     ) -> Calibration:
         """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
         key = (tuple(weights.down.shape), weights.packed, weights.dtype, weights.device.type,
-               group_size(group), id(group))
+               group_key(group))
         if key not in self._cache:
             self._cache[key] = self._measure(weights, group, strategy)
         return self._cache[key]
@@ -315,8 +319,31 @@ class Planner:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
         A collective whenever it calibrates or decides; every rank calls it with the same
-        agreed values, in the same order, so every rank takes the same branch.
+        agreed values, in the same order, so every rank takes the same branch (the handshake
+        checks that every rank's planner has made as many choices for the group:
+        :meth:`digest`).
         """
+        choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                              strategy=strategy, wire=wire)
+        self._calls[group_key(group)] = self.digest(group) + 1
+        self._forward_choice[weights.down] = Choice(choice.micro_batches,
+                                                    plain_rows=choice.plain_rows)
+        return choice
+
+    def digest(self, group: Any) -> int:
+        """How many calls on ``group`` this planner has chosen K for. Ranks whose planners
+        differ here would take different branches (one calibrating, with collectives its
+        peers do not run), so the handshake makes them agree first."""
+        return self._calls.get(group_key(group), 0)
+
+    def again(self, weights: ExpertWeights) -> Choice:
+        """The choice of the last forward with these weights, for a call made again during a
+        backward (a recompute under activation checkpointing: it must run the K its forward
+        ran, or PyTorch finds other saved shapes). Counts no trial, runs no collective."""
+        return self._forward_choice.get(weights.down, Choice(1))
+
+    def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+                strategy: str, wire: tuple[WireFormat, WireFormat]) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
         if self.explore == 1:
@@ -324,7 +351,7 @@ class Planner:
             return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, wire=wire))
         key = (bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
-               weights.dtype, weights.device.type, group_size(group), id(group), strategy,
+               weights.dtype, weights.device.type, group_key(group), strategy,
                wire[0].code, wire[1].code)
         state = self._shapes.get(key)
         if state is None:
@@ -388,7 +415,7 @@ class Planner:
         if all(f.kind is None for f in wire):
             return 0.0
         key = ("codec", wire[0].code, wire[1].code, weights.hidden, weights.dtype,
-               weights.device.type, id(group))
+               weights.device.type, group_key(group))
         if key not in self._codec:
             local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
                                    self.repeats)
@@ -489,6 +516,15 @@ class _Probe:
 _GROUP_PLANNERS: dict[tuple, Planner] = {}
 
 
+def group_key(group: Any) -> tuple:
+    """What names a group alike on every rank, and after the group is rebuilt: its ranks and
+    backend (never ``id(group)``, which differs between processes)."""
+    if group_size(group) > 1:
+        return (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+                dist.get_backend(group))
+    return ("local",)
+
+
 def planner_for(group: Any) -> Planner:
     """The planner ``micro_batches="auto"`` uses when the caller passes none.
 
@@ -496,11 +532,7 @@ def planner_for(group: Any) -> Planner:
     machine and the group, not one call, so every layer and step of the model shares them.
     Callers who want control hold their own :class:`Planner` and pass it as ``planner=``.
     """
-    if group_size(group) > 1:
-        key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
-               dist.get_backend(group))
-    else:
-        key = ("local",)
+    key = group_key(group)
     if key not in _GROUP_PLANNERS:
         _GROUP_PLANNERS[key] = Planner()
     return _GROUP_PLANNERS[key]

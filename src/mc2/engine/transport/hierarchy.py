@@ -277,6 +277,14 @@ class TwoStagePlan:
 _CHOICES: dict[tuple, bool] = {}
 
 
+def measured_sizes(group: Any) -> int:
+    """How many sizes :func:`two_stage_pays` has measured on ``group`` in this process."""
+    if not dist.is_initialized():
+        return 0
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return sum(1 for key in _CHOICES if key[0] == ranks)
+
+
 def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_group: Any,
                    inter_group: Any, rows_per_rank: int, row_bytes: int,
                    device: torch.device, repeats: int = 3) -> bool:
