@@ -3,6 +3,10 @@ equal to eager (the fused call is the operator ``torch.ops.mc2.fused_expert``)."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,8 +15,13 @@ from tests.workers_compile import compile_and_export
 
 
 @pytest.fixture(scope="module")
-def captured():
-    return mc2.run_local(compile_and_export, 2, timeout_s=600)
+def saved_program(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("export") / "model.pt2"
+
+
+@pytest.fixture(scope="module")
+def captured(saved_program: Path):
+    return mc2.run_local(compile_and_export, 2, args=(str(saved_program),), timeout_s=600)
 
 
 def test_the_model_compiles_as_one_graph(captured) -> None:
@@ -31,6 +40,18 @@ def test_export_keeps_one_call_per_moe_layer(captured) -> None:
     for r in captured:
         assert r["exported_calls"] == 2  # two decoder layers
         assert r["export_diff"] <= 1e-6
+
+
+def test_an_exported_program_loads_after_import_mc2(captured, saved_program: Path) -> None:
+    """A fresh process that only imports mc2 finds the operator registered (it was registered
+    on a lazy import before, and ``torch.export.load`` failed)."""
+    code = ("import sys, torch, mc2\n"
+            f"program = torch.export.load({str(saved_program)!r})\n"
+            "print(sum('mc2.fused_expert' in str(n.target) for n in program.graph.nodes))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "2"
 
 
 def test_the_operator_refuses_runtime_objects_while_tracing() -> None:

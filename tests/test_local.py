@@ -88,3 +88,62 @@ def test_grouped_gemm_rejects_float64(problem) -> None:
     with pytest.raises(ValueError, match="gemm='grouped' needs"):
         mc2.fused_expert(problem.xs[0], *problem.local_weights(0), problem.ids[0],
                          gemm="grouped")
+
+
+def test_the_backward_frees_each_micro_batch_as_it_goes(problem, monkeypatch) -> None:
+    """Without a saved-tensor hook, a micro-batch's activations are gone once its backward
+    used them (they were held by ``ctx.saved_tensors`` until the whole backward returned)."""
+    import gc
+    import weakref
+
+    from mc2.engine.passes import run
+
+    used: list[weakref.ref] = []
+    alive_at_each: list[int] = []
+    original = run.swiglu_backward_input
+
+    def watching(rows, activations, *args, **kwargs):
+        gc.collect()
+        alive_at_each.append(sum(ref() is not None for ref in used))
+        used.append(weakref.ref(activations.gate_up))
+        return original(rows, activations, *args, **kwargs)
+
+    monkeypatch.setattr(run, "swiglu_backward_input", watching)
+    x = problem.xs[0].clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in problem.local_weights(0)]
+    out = mc2.fused_expert(x, *ws, problem.ids[0], problem.rws[0], micro_batches=4)
+    out.sum().backward()
+    assert len(alive_at_each) == 4  # one expert backward per micro-batch
+    assert alive_at_each == [0, 0, 0, 0]  # the earlier micro-batches' activations are freed
+
+
+def test_autocast_casts_each_parameter_once(problem) -> None:
+    """Under autocast the experts are cast through a cache: two calls with the same weights
+    (two micro-batches of batch overlap, two layers sharing experts) share one copy while it
+    is alive, and a changed parameter is cast again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ws = [w.float().clone().requires_grad_(True) for w in problem.local_weights(0)]
+    shapes = {tuple(w.shape) for w in ws}
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
+                CountCasts.casts += 1
+            return func(*args, **kwargs)
+
+    x, ids, rw = problem.xs[0].float(), problem.ids[0], problem.rws[0].float()
+    with torch.autocast("cpu", dtype=torch.bfloat16), CountCasts():
+        first = mc2.fused_expert(x, *ws, ids, rw)
+        second = mc2.fused_expert(x, *ws, ids, rw)
+        assert CountCasts.casts == len(ws)
+        with torch.no_grad():
+            ws[0].mul_(2)  # a new version: its copy is stale
+        third = mc2.fused_expert(x, *ws, ids, rw)
+        assert CountCasts.casts == len(ws) + 1
+    assert first.dtype == torch.bfloat16
+    (first.float().sum() + second.float().sum() + third.float().sum()).backward()
+    assert all(w.grad is not None and w.grad.dtype == torch.float32 for w in ws)

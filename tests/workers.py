@@ -338,6 +338,13 @@ def planners_disagree(rank: int, world: int, case: str) -> dict:
     p = make_problem(world, "uniform", tokens=24)
     if case == "k":
         planner = _FixedPlanner(2 if rank == 0 else 4)
+    elif case == "fresh":  # both warm one planner, then rank 1 passes a new one
+        planner = mc2.Planner(candidates=(1, 2), repeats=1)
+        for _ in range(2):
+            mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
+                             micro_batches="auto", planner=planner)
+        if rank == 1:
+            planner = mc2.Planner(candidates=(1, 2), repeats=1)
     else:
         planner = _FixedPlanner(2, candidates=(1, 2, 4, 8, 16) if rank == 0 else (1, 2))
     error = None

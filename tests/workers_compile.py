@@ -9,9 +9,10 @@ import torch
 from tests.workers_mesh import batches, unpatched_model
 
 
-def compile_and_export(rank: int, world: int) -> dict[str, Any]:
+def compile_and_export(rank: int, world: int, save_to: str | None = None) -> dict[str, Any]:
     """Eager, then ``torch.compile(fullgraph=True)`` (forward and backward), then
-    ``torch.export`` of the same enable_mc2 Mixtral; what differs, and the graph breaks."""
+    ``torch.export`` of the same enable_mc2 Mixtral; what differs, and the graph breaks.
+    Rank 0 saves the exported program to ``save_to`` (``torch.export.save``)."""
     import mc2
     from mc2.integrations.transformers import enable_mc2
 
@@ -33,6 +34,8 @@ def compile_and_export(rank: int, world: int) -> dict[str, Any]:
         exported_logits = exported.module()(ids, use_cache=False).logits
         eager_logits = model(ids, use_cache=False).logits
     calls = [n for n in exported.graph.nodes if "mc2.fused_expert" in str(n.target)]
+    if save_to is not None and rank == 0:
+        torch.export.save(exported, save_to)
     return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
             "loss_diff": float((compiled.loss - eager.loss).abs()),
             "logits_diff": float((compiled.logits - eager.logits).abs().max()),
