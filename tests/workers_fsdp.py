@@ -210,3 +210,95 @@ def stack_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fsdp_data() -> torch.Tensor:
     return batches(STEPS)
+
+
+DEEP_LAYERS = 4  # enough for "at most two layers at a time" to mean something
+
+
+def _deep_model(dtype: torch.dtype = torch.float64):
+    """The tiny Mixtral of the other tests with :data:`DEEP_LAYERS` decoder layers."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**dict(CONFIG, num_hidden_layers=DEEP_LAYERS))
+    model = transformers.MixtralForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+class HeldLayers:
+    """How many decoder layers hold gathered parameters (unsharded, or an all-gather in
+    flight, whose output buffer is already allocated), sampled after every gather FSDP2
+    issues or finishes and as every layer's post-backward (its reduce-scatter and reshard)
+    begins. ``phase`` is set by the caller around the forward and the backward."""
+
+    def __init__(self, layers: Any) -> None:
+        from mc2.parallel.layer_gather import fsdp_units
+
+        self.groups = [[g for unit in fsdp_units(layer)
+                        for g in unit._get_fsdp_state()._fsdp_param_groups]
+                       for layer in layers]
+        self.phase = "forward"
+        self.peak = {"forward": 0, "backward": 0}
+        self.events: list[tuple[str, int, int]] = []  # backward: (what, layer, layers held)
+        for index, groups in enumerate(self.groups):
+            for group in groups:
+                for name in ("unshard", "wait_for_unshard", "post_backward"):
+                    self._wrap(group, name, index)
+
+    def held(self) -> int:
+        return sum(any(g.is_unsharded or g._all_gather_result is not None for g in groups)
+                   for groups in self.groups)
+
+    def _wrap(self, group: Any, name: str, index: int) -> None:
+        method = getattr(group, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name == "post_backward":
+                self._sample("reduce", index)
+            out = method(*args, **kwargs)
+            if name != "post_backward":
+                self._sample("gather" if name == "wait_for_unshard" else "issue", index)
+            return out
+
+        setattr(group, name, wrapped)  # the instance's, shadowing FSDPParamGroup's
+
+    def _sample(self, what: str, index: int) -> None:
+        held = self.held()
+        self.peak[self.phase] = max(self.peak[self.phase], held)
+        if self.phase == "backward":
+            self.events.append((what, index, held))
+
+
+def layers_held_world(rank: int, world: int, ids: torch.Tensor) -> dict[str, Any]:
+    """A :data:`DEEP_LAYERS`-layer Mixtral (float64) under ``mc2.fully_shard`` on 2 ranks
+    (ep 2: the dense layers sharded over both ranks), one forward and backward with and
+    without batch overlap: the layers held at once in each pass, the backward's gathers and
+    post-backwards in order, and every sharded gradient."""
+    from torch.distributed.tensor import DTensor
+
+    import mc2
+    from mc2.integrations.transformers import enable_mc2
+
+    mesh = mc2.expert_parallel_mesh(2, num_experts=CONFIG["num_local_experts"])
+    out: dict[str, Any] = {}
+    for overlapped in (False, True):
+        model = _deep_model()
+        enable_mc2(model, mesh=mesh, micro_batches=2, batch_overlap=overlapped, min_tokens=1)
+        mc2.fully_shard(model)
+        held = HeldLayers(model.model.layers)
+        loss = model(ids[rank], labels=ids[rank]).loss
+        held.phase = "backward"
+        loss.backward()
+        out["overlapped" if overlapped else "plain"] = {
+            "loss": loss.item(), "peak": held.peak, "events": held.events,
+            "held_after": held.held(),
+            "sharded_after": all(isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+                                 for p in model.parameters()),
+            "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()},
+            "chosen": getattr(model.model.layers, "decision", None) is not None
+            and model.model.layers.decision.chosen}
+    return out
