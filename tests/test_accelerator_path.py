@@ -32,24 +32,49 @@ def _reference(p, rank_slices=True):
     return out.detach().split([x.shape[0] for x in p.xs]), [x.grad for x in xs]
 
 
+# docs/accelerators.md: per call, 2 device-to-host reads (handshake, counts) and 1 upload in the
+# forward, none of either in the backward, whatever K, flat or 2-D
+BUDGET = {"forward": {"reads": 2, "uploads": 1}, "backward": {"reads": 0, "uploads": 0}}
+# ExtraRead (tests/workers_accel.py) in front of the call: one read more each way
+WITH_EXTRA_READ = {"forward": {"reads": 3, "uploads": 1}, "backward": {"reads": 1, "uploads": 0}}
+
+
+def _assert_counts(rank: int, name: str, counted: dict, want: dict) -> None:
+    got = {phase: {kind: counted[phase][kind] for kind in ("reads", "uploads")}
+           for phase in ("forward", "backward")}
+    where = "\n".join(f"  {phase}: {w}" for phase in ("forward", "backward")
+                      for w in counted[phase]["where"])
+    assert got == want, f"rank {rank} {name}: counted {got}, budget {want}\n{where}"
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks, 2-D"])
 def counted(request):
     if request.param == 4:
-        return mc2.run_local(host_syncs, 4, ranks_per_node=2)
-    return mc2.run_local(host_syncs, 2)
+        return request.param, mc2.run_local(host_syncs, 4, ranks_per_node=2)
+    return request.param, mc2.run_local(host_syncs, 2)
 
 
 def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
-    """At most 2 device-to-host reads and 1 upload per forward, none in the backward, for any K,
-    serial or overlapped, flat or 2-D, wire formats, shared experts, MoELayer with losses."""
-    for rank, cases in enumerate(counted):
-        assert cases, "nothing was counted"
+    """Exactly 2 device-to-host reads and 1 upload per forward, none in the backward, on every
+    rank, for K = 1, 4, 8, serial or overlapped, flat or 2-D, wire formats, shared experts,
+    MoELayer with losses; and a call with one deliberate extra read each way counts exactly one
+    more (a counter that saw nothing, or missed the backward, would fail here)."""
+    world, results = counted
+    assert len(results) == world
+    names = set(results[0])
+    for rank, cases in enumerate(results):
+        assert set(cases) == names and cases, f"rank {rank} counted {sorted(cases)}"
         for name, c in cases.items():
-            fwd, bwd = c["forward"], c["backward"]
-            where = "\n".join(fwd["where"] + bwd["where"])
-            assert fwd["reads"] <= 2, f"rank {rank} {name}: {fwd['reads']} reads\n{where}"
-            assert fwd["uploads"] <= 1, f"rank {rank} {name}: {fwd['uploads']} uploads\n{where}"
-            assert bwd["reads"] == 0 and bwd["uploads"] == 0, f"rank {rank} {name}\n{where}"
+            want = WITH_EXTRA_READ if "extra read" in name else BUDGET
+            _assert_counts(rank, name, c, want)
+            if "extra read" in name:  # the one more is the deliberate one, on each side
+                for phase in ("forward", "backward"):
+                    probe = [w for w in c[phase]["where"] if "workers_accel.py" in w]
+                    assert len(probe) == 1, (rank, name, phase, c[phase]["where"])
+    if world == 2:
+        assert {"K1", "K4", "K8", "K1 + extra read", "K4 + extra read"} <= names
+    else:
+        assert {"K1 2d", "K4 2d"} <= names
 
 
 def test_counter_sees_what_a_gpu_would_stall_on() -> None:
@@ -61,6 +86,54 @@ def test_counter_sees_what_a_gpu_would_stall_on() -> None:
         torch.repeat_interleave(t, t), torch.tensor([1, 2]), t.unique()
         torch.repeat_interleave(t, t, output_size=15), torch.zeros(3), t.sum()  # not syncs
     assert c.reads == 8 and c.uploads == 1, c.by_op
+
+
+def test_an_upload_counts_once_on_a_device() -> None:
+    """On a device mc2's upload makes a CPU tensor of the host numbers, then copies it over: one
+    upload, not two (``meta`` stands in for the accelerator; on CPU there is no copy)."""
+    from mc2.engine.transport.host import upload
+    from mc2.observation.host_syncs import HostSyncCounter
+
+    for device in ("cpu", "meta"):
+        with HostSyncCounter() as c:
+            t = upload([1, 2, 3], torch.device(device))
+        assert t.device.type == device and dict(c.by_op) == {"upload:tensor": 1}, c.where
+    on_device = torch.empty(2, device="meta")
+    with HostSyncCounter() as c:
+        torch.tensor([1.0, 2.0]).to(torch.float64).contiguous().to("meta")  # made, sent: 1
+        on_device.copy_(torch.as_tensor([3.0, 4.0]))  # made, sent: 1
+        torch.zeros(2).to("meta", non_blocking=True)  # computed on the host, sent: 1
+    assert dict(c.by_op) == {"upload:tensor": 1, "upload:as_tensor": 1, "upload:to": 1}, c.where
+
+
+@pytest.mark.parametrize("entry", ["Tensor.backward", "autograd.backward", "autograd.grad",
+                                   "reentrant checkpoint"])
+def test_counter_sees_inside_the_backward(entry: str) -> None:
+    """Torch hands a TorchFunctionMode a whole backward as one call, with the mode off while it
+    runs: the counter must put itself back on, or every backward would count 0."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mc2.observation.host_syncs import HostSyncCounter
+    from tests.workers_accel import ExtraRead
+
+    x = torch.randn(4, requires_grad=True)
+    if entry == "reentrant checkpoint":  # the backward runs the forward again, then backward
+        y = checkpoint(ExtraRead.apply, x, use_reentrant=True)
+    else:
+        y = ExtraRead.apply(x)
+    checks = torch.autograd.has_torch_function
+    with HostSyncCounter() as c:
+        loss = (y * 2).sum()
+        if entry == "autograd.grad":
+            torch.autograd.grad(loss, x)
+        elif entry == "autograd.backward":
+            torch.autograd.backward(loss, retain_graph=False)
+        else:
+            loss.backward(gradient=torch.ones(()))
+    want = {"read:item": 1} if entry != "reentrant checkpoint" else {"read:item": 1,
+                                                                     "read:tolist": 1}
+    assert dict(c.by_op) == want, c.where
+    assert torch.autograd.has_torch_function is checks, "the entry's check was left bypassed"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +150,8 @@ def test_stream_backend_never_waits_with_a_timeout(fake_flat) -> None:
         assert len(r["waits"]) > 10, "the stream path was not taken"
         assert all(t is None for t in r["waits"]), r["waits"]
         assert r["transfers"] == 12, "3 micro-batches x 2 transfers x 2 passes observed"
+        for name, c in r["counted"].items():
+            _assert_counts(rank, f"stream flat {name}", c, BUDGET)
         for got in r["results"]:
             torch.testing.assert_close(got["out"], want[rank], rtol=0, atol=1e-10)
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)
@@ -91,8 +166,12 @@ def test_stream_backend_2d_chains_stages_without_a_thread(world: int, per_node: 
                             before_init=fake_stream_backend.install)
     p = make_problem(world, "uneven", seed=1)
     want, grads = _reference(p)
+    assert len(results) == world
     for rank, r in enumerate(results):
         assert all(t is None for t in r["waits"]) and r["waits"]
+        assert set(r["counted"]) == {"K1", "K3"}
+        for name, c in r["counted"].items():  # the chained 2-D stages add no read
+            _assert_counts(rank, f"stream 2-D {name}", c, BUDGET)
         for got in r["results"]:
             torch.testing.assert_close(got["out"], want[rank], rtol=0, atol=1e-10)
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)

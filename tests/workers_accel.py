@@ -19,11 +19,35 @@ def _counted(fn: Any) -> tuple[Any, dict[str, int]]:
     return result, {"reads": syncs.reads, "uploads": syncs.uploads, "where": syncs.where}
 
 
-def _fused_step(p: Any, rank: int, **options: Any) -> dict[str, Any]:
+class ExtraRead(torch.autograd.Function):
+    """The identity, plus one deliberate host read in its forward and one in its backward.
+
+    Put in front of a call inside the counted region, it must raise the counts by exactly one
+    read each way: the proof that the counter sees the forward and, through the autograd
+    engine, the backward (where mc2's own backward runs) at all.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        x.sum().tolist()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad.sum().item()
+        return grad
+
+
+def _fused_step(p: Any, rank: int, extra_read: bool = False, **options: Any) -> dict[str, Any]:
     """A forward (counted) and a backward (counted) of one fused_expert call."""
     x = p.xs[rank].clone().requires_grad_(True)
     ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
-    out, fwd = _counted(lambda: mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], **options))
+
+    def call() -> torch.Tensor:
+        rows = ExtraRead.apply(x) if extra_read else x
+        return mc2.fused_expert(rows, *ws, p.ids[rank], p.rws[rank], **options)
+
+    out, fwd = _counted(call)
     _, bwd = _counted(lambda: out.backward(p.grad_outs[rank]))
     return {"forward": fwd, "backward": bwd, "out": out.detach(), "x": x.grad}
 
@@ -42,6 +66,9 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
     shared = make_problem(1, "uniform", hidden=32, ffn=8, local_experts=1, seed=5)
     cases["K4 shared experts"] = {"micro_batches": 4, "shared_up": shared.w_up,
                                   "shared_gate": shared.w_gate, "shared_down": shared.w_down}
+    # must count one read more each way (forward and backward): the counter is live
+    cases["K1 + extra read"] = {"micro_batches": 1, "extra_read": True}
+    cases["K4 + extra read"] = {"micro_batches": 4, "extra_read": True}
     if world == 4:
         cases = {"K4 2d": {"micro_batches": 4, "hierarchy": "2d"},
                  "K1 2d": {"micro_batches": 1, "hierarchy": "2d"}}
@@ -77,7 +104,13 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]
         step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30,
                            timeline=timeline if k == 3 else None)
         results.append({"out": step["out"], "x": step["x"]})
-    return {"results": results, "waits": list(fake.WAITS),
+    # again, counted: on a stream backend the 2-D stages are chained in the caller's thread,
+    # so the counter sees all of the call (on Gloo its thread runs outside the counter's reach)
+    counted = {}
+    for k in (1, 3):
+        step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30)
+        counted[f"K{k}"] = {"forward": step["forward"], "backward": step["backward"]}
+    return {"results": results, "counted": counted, "waits": list(fake.WAITS),
             "transfers": sum(s.kind == "transfer" for s in timeline.spans),
             "backend": mc2.engine.transport.backend.backend_for(None, "cpu"),
             "style": mc2.engine.transport.backend.comm_style(None, "cpu").stream,

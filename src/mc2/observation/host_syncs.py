@@ -17,11 +17,14 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import traceback
+import weakref
 from collections import Counter
 from typing import Any
 
 import torch
+import torch.autograd
 from torch.overrides import TorchFunctionMode
 
 # operations that copy device data to the host, or need its values there to run
@@ -57,9 +60,14 @@ class HostSyncCounter(TorchFunctionMode):
         reads: device-to-host reads (operations in :data:`READS`, boolean-mask indexing,
             ``repeat_interleave`` without ``output_size``, copies to the CPU).
         uploads: tensors made from host data (:data:`FACTORIES` with non-tensor data) and
-            copies of CPU tensors to another device.
+            copies of CPU tensors to another device (one upload where host data is made into
+            a tensor and that tensor, pinned or not, is then copied to the device).
         by_op: counts per operation name (``"read:tolist"``, ``"upload:tensor"``, ...).
         where: the first mc2 (or caller) frame of each counted operation, for diagnostics.
+
+    A backward run inside it (``Tensor.backward``, ``torch.autograd.backward``/``grad``) is
+    counted too. A ``TorchFunctionMode`` belongs to the thread that enters it: work handed to
+    another thread (mc2's communication thread for the 2-D exchange on Gloo) is not counted.
     """
 
     def __init__(self) -> None:
@@ -67,6 +75,9 @@ class HostSyncCounter(TorchFunctionMode):
         self.by_op: Counter[str] = Counter()
         self.where: list[str] = []
         self._depth = 0
+        # CPU tensors made from host data (and their pinned copies): already counted as an
+        # upload, so their copy to the device is the same upload, not another
+        self._from_host: dict[int, weakref.ref] = {}
 
     @property
     def reads(self) -> int:
@@ -89,8 +100,25 @@ class HostSyncCounter(TorchFunctionMode):
         if name in FACTORIES and args and _is_host_data(args[0]):
             return "upload"
         if name in ("to", "cuda", "copy_"):
-            return self._copy_kind(name, args, kwargs)
+            kind = self._copy_kind(name, args, kwargs)
+            source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
+            if kind == "upload" and self._made_from_host(source):
+                return None
+            return kind
         return None
+
+    def _made_from_host(self, t: Any) -> bool:
+        ref = self._from_host.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return ref is not None and ref() is t
+
+    def _track(self, name: str, args: tuple, kind: str | None, result: Any) -> None:
+        """Remember the CPU tensors that carry host data on its way to the device."""
+        if not isinstance(result, torch.Tensor) or result.device.type != "cpu":
+            return
+        made = kind == "upload" and name in FACTORIES
+        if made or (name in ("pin_memory", "to", "contiguous")
+                    and args and self._made_from_host(args[0])):
+            self._from_host[id(result)] = weakref.ref(result)
 
     @staticmethod
     def _copy_kind(name: str, args: tuple, kwargs: dict) -> str | None:
@@ -120,6 +148,9 @@ class HostSyncCounter(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _AUTOGRAD_ENTRIES:
+            return self._backward(func, args, kwargs)
+        kind = None
         if self._depth == 0:  # count what the code asks for, not what torch does inside
             kind = self._kind(func, args, kwargs)
             if kind is not None:
@@ -127,9 +158,49 @@ class HostSyncCounter(TorchFunctionMode):
                 self.where.append(f"{kind}:{_name(func)} at {_caller()}")
         self._depth += 1
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         finally:
             self._depth -= 1
+        if self._depth == 0:
+            self._track(_name(func), args, kind, result)
+        return result
+
+    def _backward(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a backward (``Tensor.backward``, ``torch.autograd.backward`` or ``.grad``) with
+        this counter on inside it.
+
+        Torch hands a mode each of these as one call and takes the mode off its stack while it
+        handles it, so every Function's backward the engine then runs would go uncounted (the
+        backward would always count 0). The counter puts itself back on and calls
+        ``torch.autograd.backward`` / ``.grad`` past their own check for modes (which would
+        hand the call straight back here); everything the backward does is then counted like
+        any other code. A backward started inside one re-enters here the same way.
+        """
+        if func is torch.Tensor.backward:
+            bound = _TENSOR_BACKWARD.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            func, args, kwargs = torch.autograd.backward, (a["self"], a["gradient"]), {
+                "retain_graph": a["retain_graph"], "create_graph": a["create_graph"],
+                "inputs": a["inputs"]}
+        checks = torch.autograd.has_torch_function
+
+        def past_the_entry(*a: Any) -> bool:  # only the entry's own check: the first call
+            torch.autograd.has_torch_function = checks
+            return False
+
+        depth, self._depth = self._depth, 0
+        torch.autograd.has_torch_function = past_the_entry
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            torch.autograd.has_torch_function = checks
+            self._depth = depth
+
+
+_AUTOGRAD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_TENSOR_BACKWARD = inspect.signature(torch.Tensor.backward)
 
 
 def _caller() -> str:
@@ -138,5 +209,5 @@ def _caller() -> str:
         path = frame.filename
         if "/torch/" in path or path.endswith("host_syncs.py"):
             continue
-        return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+        return f"{'/'.join(path.split('/')[-2:])}:{frame.lineno} {frame.name}"
     return "?"
