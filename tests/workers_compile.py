@@ -9,6 +9,15 @@ import torch
 from tests.workers_mesh import batches, unpatched_model
 
 
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, use_cache=False).logits
+
+
 def compile_and_export(rank: int, world: int, save_to: str | None = None) -> dict[str, Any]:
     """Eager, then ``torch.compile(fullgraph=True)`` (forward and backward), then
     ``torch.export`` of the same enable_mc2 Mixtral; what differs, and the graph breaks.
@@ -29,9 +38,9 @@ def compile_and_export(rank: int, world: int, save_to: str | None = None) -> dic
     compiled.loss.backward()
     grad_diff = max(float((p.grad - eager_grads[n]).abs().max() / eager_grads[n].abs().max())
                     for n, p in model.named_parameters())
-    with torch.no_grad():
-        exported = torch.export.export(model, (ids,), kwargs={"use_cache": False})
-        exported_logits = exported.module()(ids, use_cache=False).logits
+    with torch.no_grad():  # the logits alone: a loader needs no transformers output types
+        exported = torch.export.export(_Logits(model), (ids,))
+        exported_logits = exported.module()(ids)
         eager_logits = model(ids, use_cache=False).logits
     calls = [n for n in exported.graph.nodes if "mc2.fused_expert" in str(n.target)]
     if save_to is not None and rank == 0:
