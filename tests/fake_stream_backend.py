@@ -6,8 +6,9 @@ stream backend. Its works record every ``wait`` and the timeout it was called wi
 what the tests check: mc2 must never wait on a stream backend with a timeout (that would
 busy-poll the host on NCCL). Two more behaviours of a stream backend are emulated:
 
-* ``abort()`` (what mc2's watchdog calls on a timeout) makes every blocked wait raise, as an
-  aborted NCCL communicator ends its kernels;
+* an abort (what mc2's watchdog does to every group on a timeout) makes every blocked wait
+  raise, as an aborted NCCL communicator ends its kernels (``STATE`` counts the aborts and the
+  groups of the last one);
 * ``MC2_FAKE_STALL="<rank>:<n>:<seconds>"`` delays that rank's ``n``-th All-to-All (0-based,
   counting the counts exchange), a peer that stalls in the middle of the pipeline.
 
@@ -100,4 +101,5 @@ def install() -> None:
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, FakeStreamGroup, devices=["cpu"])
     register_stream_backend(NAME)
-    watchdog().abort = lambda group: STATE.update(aborted=True)
+    watchdog().abort = lambda groups: STATE.update(aborted=True, aborted_groups=len(groups),
+                                                   aborts=STATE.get("aborts", 0) + 1)

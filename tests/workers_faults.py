@@ -90,3 +90,83 @@ def nonfinite_token(rank: int, world: int, value: float, check: bool) -> dict[st
     return {"error": None, "bad_rows": bad_rows, "bad_grad_rows": bad_x_rows,
             "poisoned_local_experts": experts_poisoned,
             "token_experts": p.ids[0][3].tolist() if rank == 0 else None}
+
+
+# the functions whose collectives a recorded call attributes, by what they send
+_SENDERS = {"agree": "handshake", "exchange_counts": "counts", "gather_counts": "counts",
+            "all_to_all_rows": "rows", "_new_control_group": "setup"}
+
+
+def _sender() -> str:
+    """Which of mc2's senders issued the collective being recorded (walks up the stack)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _SENDERS:
+            return _SENDERS[frame.f_code.co_name]
+        frame = frame.f_back
+    return "other"
+
+
+def control_messages(rank: int, world: int) -> dict[str, Any]:
+    """Which process group each collective of a call ran on: the handshake and the counts
+    (exchange and, with the 2-D exchange, gather) against the row transfers; the outputs and
+    input gradients of a flat and a 2-D call, for the dense reference."""
+    import torch.distributed as dist
+
+    from mc2.engine.transport import comm
+
+    seen: list[tuple[str, str]] = []
+
+    def name_of(group: Any) -> str:
+        return (group if group is not None else dist.group.WORLD).group_name
+
+    def recorded(real: Any) -> Any:
+        def collective(*args: Any, group: Any = None, **kwargs: Any) -> Any:
+            seen.append((_sender(), name_of(group)))
+            return real(*args, group=group, **kwargs)
+        return collective
+
+    for fn in ("all_reduce", "all_to_all_single", "all_gather"):
+        setattr(dist, fn, recorded(getattr(dist, fn)))
+    p = make_problem(world, "uneven", seed=3)
+    results = {}
+    for name, options in {"flat": {"micro_batches": 3},
+                          "2d": {"micro_batches": 2, "hierarchy": "2d"}}.items():
+        x = p.xs[rank].clone().requires_grad_(True)
+        ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
+        out = mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], timeout=30, **options)
+        out.backward(p.grad_outs[rank])
+        results[name] = {"out": out.detach(), "x": x.grad}
+    by_sender: dict[str, list[str]] = {}
+    for sender, group in seen:
+        by_sender.setdefault(sender, []).append(group)
+    make = getattr(comm, "control_group", None)
+    shared = None
+    if make is not None:  # a group made anew over the same ranks shares the control group
+        other = dist.new_group(list(range(world)))
+        shared = make(other) is make(None)
+    return {"by_sender": by_sender, "world": name_of(None), "results": results,
+            "control": make(None).group_name if make is not None else None,
+            "shared_by_ranks": shared}
+
+
+def stream_stall_aborts(rank: int, world: int) -> dict[str, Any]:
+    """On the emulated stream backend rank 1 stalls a dispatch past the deadline: what the
+    watchdog aborted, and the groups this process has."""
+    import torch.distributed as dist
+
+    from tests import fake_stream_backend as fake
+
+    p = make_problem(world, "uniform", tokens=20)
+    error = None
+    x = p.xs[rank].clone().requires_grad_(True)
+    try:
+        mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank], micro_batches=3,
+                         timeout=1.0).sum().backward()
+    except mc2.CommTimeout as exc:
+        error = exc.operation
+    return {"error": error, "aborts": fake.STATE.get("aborts", 0),
+            "aborted_groups": fake.STATE.get("aborted_groups", 0),
+            "groups": len(dist.distributed_c10d._world.pg_names)}

@@ -12,11 +12,18 @@ deadline; on a stream backend (NCCL, HCCL) it makes the current stream wait and 
 and the deadline is kept by :mod:`mc2.engine.transport.watchdog`. Either way :class:`PendingTransfer` holds
 the send and receive buffers until its ``wait`` has been issued, and the backend keeps them
 alive on its stream until the transfer is done, so no memory is reused under a running transfer.
+
+Control messages (the handshake, the counts exchange and gather) run on a communicator of their
+own over the same ranks, :func:`control_group`, never on the one that moves the rows. On a
+stream backend a communicator runs its collectives in order on one stream: under batch overlap
+the next micro-batch's handshake would otherwise queue behind the other micro-batch's dispatch,
+and the host read after it would wait for that transfer too.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,7 +36,8 @@ from mc2.device.clock import clock_for
 from mc2.engine.transport.deadline import current, wait_future, wait_work
 from mc2.engine.transport.env import force_collectives
 from mc2.device.streams import side_stream
-from mc2.engine.transport.watchdog import stream_wait, surfaced
+from mc2.engine.transport.host import read
+from mc2.engine.transport.watchdog import start_stamp, stream_wait, surfaced
 from mc2.engine.transport.workspace import Workspace
 
 # (issued, done) stamps of an asynchronous transfer: host seconds or device events
@@ -89,8 +97,10 @@ class PendingTransfer:
             the communication thread), instead of ``work``.
         operation: what moves, for error messages.
         stream: the work completes on a device stream (its wait is stream-ordered).
-        issued_at: ``time.monotonic()`` at issue: a stream backend's deadline counts from it.
-        group: the group the transfer runs on (what a timed-out stream wait aborts).
+        start: where a stream backend's deadline counts from
+            (:func:`~mc2.engine.transport.watchdog.start_stamp`, taken before the issue: a
+            device event on an accelerator, ``time.monotonic()`` seconds on CPU).
+        group: the group the transfer runs on.
     """
 
     output: Tensor | None
@@ -99,7 +109,7 @@ class PendingTransfer:
     future: Any = None
     operation: str = "exchange"
     stream: bool = False
-    issued_at: float = 0.0
+    start: Any = 0.0
     group: Any = None
 
     def wait(self, *, micro_batch: int | None = None, phase: str | None = None) -> Tensor:
@@ -109,7 +119,7 @@ class PendingTransfer:
         returns; the host does not wait for them.
         """
         if self.work is not None:
-            _wait(self.work, self.operation, stream=self.stream, issued_at=self.issued_at,
+            _wait(self.work, self.operation, stream=self.stream, start=self.start,
                   group=self.group, micro_batch=micro_batch, phase=phase)
             self.work = None
         if self.future is not None:
@@ -120,12 +130,13 @@ class PendingTransfer:
         return self.output
 
 
-def _wait(work: Any, operation: str, *, stream: bool, issued_at: float, group: Any,
+def _wait(work: Any, operation: str, *, stream: bool, start: Any, group: Any,
           micro_batch: int | None = None, phase: str | None = None) -> None:
     """The one wait of an asynchronous collective: stream-ordered and watched on a stream
-    backend, blocking with the call's deadline on a host backend."""
+    backend (the deadline counting from ``start``), blocking with the call's deadline on a
+    host backend."""
     if stream:
-        stream_wait(work, operation, deadline_s=current(), issued_at=issued_at,
+        stream_wait(work, operation, deadline_s=current(), start=start,
                     micro_batch=micro_batch, phase=phase, group=group)
     else:
         wait_work(work, operation)
@@ -180,7 +191,7 @@ def all_to_all_rows(
                                                      group=group, async_op=a),
                    group, operation, rows.device, style)
         return PendingTransfer(output=output, operation=operation)
-    issued = time.monotonic()
+    start = start_stamp(rows.device, style.stream)  # before the issue: the device gets there
     with surfaced():  # an aborted communicator refuses new work: report the timeout instead
         work = dist.all_to_all_single(
             output, rows, recv_splits, send_splits, group=group, async_op=True
@@ -188,7 +199,7 @@ def all_to_all_rows(
     if on_complete is not None:
         _observe(work, style, rows, on_complete)
     return PendingTransfer(output=output, work=work, keep_alive=(rows,), operation=operation,
-                           stream=style.stream, issued_at=issued, group=group)
+                           stream=style.stream, start=start, group=group)
 
 
 @dataclass(frozen=True)
@@ -214,8 +225,80 @@ class FlatExchange:
                                workspace=self.workspace, operation="combine", style=self.style)
 
 
+# operations of all_reduce_max that are control messages (run on the control group)
+CONTROL_OPERATIONS = frozenset({"handshake"})
+# control groups by (ranks, backend): what every member computes alike (an id() would not be)
+_CONTROL: dict[tuple[tuple[int, ...], str], Any] = {}
+
+
+def _group_key(group: Any) -> tuple[tuple[int, ...], str]:
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return ranks, str(dist.get_backend(group))
+
+
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is still a live group of this process (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def control_group(group: Any, device: torch.device | str | None = None) -> Any:
+    """The communicator of ``group``'s control messages: a process group over the same ranks
+    with the same backend, made once and cached by (ranks, backend), which every member
+    computes alike.
+
+    Made with ``dist.new_group(ranks, use_local_synchronization=True)``, so only the members
+    take part. Making a group is itself a collective of the members, so it is made at the
+    first control message on ``group``, which every member sends at the same point of the same
+    call. ``torch.distributed`` names such a group from its ranks and the number of groups the
+    process has already made: the members first agree on that number, on ``group`` itself (one
+    small collective, once); where they differ, the names would not match and the creation
+    would hang, so the control messages stay on ``group`` (with a warning). For the same reason
+    code that later makes groups with ``use_local_synchronization=True`` must have their
+    members in step (torch's own rule): a member that ran ``fused_expert`` on a group holds one
+    group more than one that did not. A local group (one rank, or no ``torch.distributed``) is
+    returned as it is and nothing is made.
+
+    Args:
+        device: where the agreement's tensor lives (the device of the call's data).
+    """
+    if is_local(group):
+        return group
+    key = _group_key(group)
+    made = _CONTROL.get(key)
+    if made is None or not _registered(made):
+        made = _CONTROL[key] = _new_control_group(group, key, device)
+    return made
+
+
+def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
+                       device: torch.device | str | None) -> Any:
+    ranks, backend = key
+    try:
+        made = len(dist.distributed_c10d._world.pg_names)
+    except AttributeError:  # a torch without the registry: trust the creation order
+        made = -1
+    groups = torch.tensor([made, -made], dtype=torch.int64, device=device or "cpu")
+    collective(lambda a: dist.all_reduce(groups, op=dist.ReduceOp.MAX, group=group,
+                                         async_op=a), group, "control group", groups.device)
+    most, fewest = read(groups)
+    if most != -fewest:
+        warnings.warn("mc2: the ranks of a group have made different numbers of process groups "
+                      f"({-fewest} to {most}), so a control group over ranks {list(ranks)} "
+                      "cannot be made; its handshake and counts share the row transfers' "
+                      "communicator", RuntimeWarning, stacklevel=3)
+        return group
+    same = backend == str(dist.get_backend())
+    return dist.new_group(list(ranks), backend=None if same else backend,
+                          use_local_synchronization=True)
+
+
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
-    """The one up-front exchange of per-micro-batch, per-expert row counts.
+    """The one up-front exchange of per-micro-batch, per-expert row counts (on the control
+    group, :func:`control_group`).
 
     Args:
         send_counts: ``[world, n] int64``: what this rank tells each rank (destination-major).
@@ -227,13 +310,15 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
         return send_counts.clone()
     send = send_counts.contiguous()
     recv = torch.empty_like(send)
-    collective(lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a), group,
+    control = control_group(group, send.device)
+    collective(lambda a: dist.all_to_all_single(recv, send, group=control, async_op=a), control,
                "counts exchange", send.device)
     return recv
 
 
 def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
-    """Every rank's tensor to every rank: ``[world, *send_totals.shape]``.
+    """Every rank's tensor to every rank: ``[world, *send_totals.shape]`` (on the control
+    group, :func:`control_group`).
 
     Args:
         send_totals: e.g. ``[K, world] int64`` rows this rank sends to each rank per
@@ -243,18 +328,27 @@ def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
         return send_totals.unsqueeze(0).clone()
     send = send_totals.contiguous()
     parts = [torch.empty_like(send) for _ in range(group_size(group))]
-    collective(lambda a: dist.all_gather(parts, send, group=group, async_op=a), group,
+    control = control_group(group, send.device)
+    collective(lambda a: dist.all_gather(parts, send, group=control, async_op=a), control,
                "counts gather", send.device)
     return torch.stack(parts)
 
 
-def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement") -> Tensor:
-    """Element-wise maximum over the group (identity for one rank)."""
+def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement", *,
+                   control: bool | None = None) -> Tensor:
+    """Element-wise maximum over the group (identity for one rank).
+
+    ``control``: run on the group's control communicator (:func:`control_group`); by default
+    for the operations in :data:`CONTROL_OPERATIONS` (the handshake), on ``group`` otherwise.
+    """
     if is_local(group):
         return values
+    if control is None:
+        control = operation in CONTROL_OPERATIONS
+    on = control_group(group, values.device) if control else group
     values = values.clone()
-    collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group,
-                                         async_op=a), group, operation, values.device)
+    collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=on,
+                                         async_op=a), on, operation, values.device)
     return values
 
 
@@ -280,10 +374,10 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
         with surfaced():
             issue(False)
         return
-    issued = time.monotonic()
+    start = start_stamp(device, style.stream)
     with surfaced():
         work = issue(True)
-    _wait(work, operation, stream=style.stream, issued_at=issued, group=group)
+    _wait(work, operation, stream=style.stream, start=start, group=group)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:

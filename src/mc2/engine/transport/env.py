@@ -7,6 +7,10 @@
 * ``MC2_TIMEOUT=<seconds>``: the deadline of every wait of ``fused_expert`` when its
   ``timeout=`` is not given (default 300; ``0``: none of mc2's own). Read by
   :func:`mc2.engine.transport.deadline.resolve_timeout`.
+* ``MC2_ABORT_GRACE_S=<seconds>``: on a stream backend, how long the watchdog lets the abort
+  of every process group take after a deadline passed (or, on a backend without abort, lets
+  the caller report the timeout) before it ends the process (default
+  :data:`mc2.engine.transport.watchdog.ABORT_GRACE_S`, 30). Read by :func:`abort_grace_s`.
 * ``MC2_DEBUG_FORCE_COLLECTIVES=1``: a group of one rank runs the distributed path anyway
   (handshake, counts exchange, All-to-Alls to itself) instead of computing locally; for a
   device check on a machine with one accelerator (an NCCL world of one exercises the streams,
@@ -48,3 +52,21 @@ def debug_save_delay() -> float:
     """``MC2_DEBUG_SAVE_DELAY_S`` in seconds (0 when unset)."""
     text = os.environ.get("MC2_DEBUG_SAVE_DELAY_S", "").strip()
     return float(text) if text else 0.0
+
+
+def abort_grace_s(default: float) -> float:
+    """``MC2_ABORT_GRACE_S`` in seconds, else ``default``.
+
+    Raises:
+        ValueError: the variable is not a non-negative number.
+    """
+    text = os.environ.get("MC2_ABORT_GRACE_S", "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"MC2_ABORT_GRACE_S must be a number of seconds >= 0, got {text!r}")
+    return seconds

@@ -4,27 +4,44 @@ On NCCL or HCCL a wait is stream-ordered: ``work.wait()`` returns at once and on
 waits. A wait with a timeout would poll the host until the transfer is done, which stops the
 host from queueing the next micro-batch (no overlap at all). So on those backends every wait of
 a call hands its work to the process's :class:`Watchdog`: a daemon thread that polls
-``is_completed()`` a few times a second, and when a work passes its deadline
+``is_completed()`` a few times a second.
 
-1. records a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the operation, the micro-batch and
-   the phase of the transfer that stalled, and
-2. aborts the work's process group (``ProcessGroup.abort``), so that a host thread blocked in a
-   device synchronisation behind the stalled collective wakes up instead of hanging.
+**Where a deadline starts.** On a stream backend the host runs far ahead of the device (in the
+backward by a whole pass), and a collective starts only when the device reaches it. So the
+deadline does not count from the host's issue: before each collective a device event is
+recorded on the current stream (:func:`start_stamp`), and the deadline counts from the first
+poll that finds that event reached, that is, from when the device could start the collective.
+A healthy job whose host ran ahead is not aborted however short ``timeout=`` is. On CPU the host
+clock is the device clock: the start is the host's ``time.monotonic()`` at issue, nothing else
+is recorded (and host backends such as Gloo do not use the watchdog at all: their waits block
+with the deadline).
+
+**When a deadline passes**, the watchdog
+
+1. records a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the operation, the
+   micro-batch and the phase of the transfer that stalled;
+2. aborts *every* process group of the process in one action, from one place
+   (:func:`abort_groups`: every registered group's ``abort()``, inside one NCCL group call where
+   the default group is NCCL, as ``torch.distributed``'s own abort of the world does; aborts of
+   communicators one by one can deadlock each other). A host thread blocked in a device
+   synchronisation behind the stalled collective then wakes up, and nothing else is left to
+   run on communicators that share the stalled peer;
+3. if that abort does not return within :data:`ABORT_GRACE_S` seconds (it hangs), or the
+   backend has no abort (it raises), ends the process: ``os._exit(`` :data:`EXIT_CODE` ``)``
+   with a message on stderr, ``ABORT_GRACE_S`` after the deadline passed. A host thread blocked
+   behind the collective would otherwise wait forever; the launcher restarts the job instead.
 
 The caller's thread raises the recorded timeout at its next check: every later wait, every host
 read of a call and the end of every pass (:func:`check`). This is what NCCL's own watchdog does
 with the group's timeout, with mc2's deadline and mc2's words.
-
-The deadline counts from the host's issue of the collective. On a stream backend the transfer
-starts only when the device reaches it, so a deadline must also cover the work queued before it:
-the default (300 s) is far above any queue; a ``timeout=`` of seconds on a busy device could
-abort a healthy group, and an abort is fatal to the group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +51,36 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mc2.device.streams import full_device
 from mc2.engine.transport.deadline import CommTimeout
+from mc2.engine.transport.env import abort_grace_s
+
+# seconds the abort of every group may take (or, without an abort, a caller has to report the
+# timeout) before the process is ended; MC2_ABORT_GRACE_S overrides it
+ABORT_GRACE_S = 30.0
+EXIT_CODE = 124  # the process's exit status when the watchdog ends it (as timeout(1))
+
+
+def start_stamp(device: torch.device | str | None, stream: bool) -> Any:
+    """Where the deadline of a collective about to be issued starts.
+
+    On a stream backend on an accelerator: a device event recorded on the current stream (the
+    collective starts when the device gets there). Elsewhere the host's ``time.monotonic()``:
+    on CPU the host is the device, and host backends wait with their own deadline.
+    """
+    if stream and device is not None and torch.device(device).type not in ("cpu", "meta"):
+        event = torch.Event(device=full_device(device))
+        event.record()
+        return event
+    return time.monotonic()
+
+
+def _reached(start: Any, now: float) -> float | None:
+    """The host time the deadline of a work counts from, ``None`` while its start event is not
+    reached (``start``: host seconds, or an event with ``query()``)."""
+    if isinstance(start, (int, float)):
+        return float(start)
+    return now if start.query() else None
 
 
 @dataclass
@@ -44,19 +90,73 @@ class _Watched:
     micro_batch: int | None
     phase: str | None
     deadline_s: float
-    issued_at: float
+    start: Any  # host seconds, or a device event recorded before the collective
     group: Any
     device_index: int | None = None  # the accelerator the work's events live on
+    started_at: float | None = None  # host time the start was found reached
 
 
-def abort_group(group: Any) -> None:
-    """Abort ``group`` (the default group for ``None``): its pending collectives end with an
-    error. Best effort: a backend without ``abort`` is left to its own timeout."""
+def process_groups() -> list[Any]:
+    """Every process group registered with ``torch.distributed`` in this process (the default
+    group, sub-groups, control groups), in the order ``torch.distributed``'s own abort of the
+    world uses; empty without an initialised default group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
     try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        pg.abort()
-    except Exception:  # noqa: BLE001 - nothing better to do from a watchdog
-        pass
+        names = dict(dist.distributed_c10d._world.pg_names)
+    except AttributeError:  # a torch without the registry: the default group at least
+        return [dist.distributed_c10d._get_default_group()]
+    return sorted(names, key=lambda pg: names[pg], reverse=True)
+
+
+def _nccl_of_default_group() -> Any:
+    """The default group's NCCL backend, or ``None`` (no NCCL, or not initialised)."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    if dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL):
+        return backend
+    return None
+
+
+def abort_groups(groups: list[Any]) -> None:
+    """Abort ``groups`` together: their pending collectives end with an error.
+
+    One action from one place: on NCCL inside one ``ncclGroupStart``/``ncclGroupEnd`` (aborts of
+    communicators in sequence can deadlock each other, pytorch#119797), as
+    ``torch.distributed``'s abort of the world does. The registry of groups is left as it is
+    (the caller's thread may be in the middle of a call; it raises the timeout at its next
+    check, and the process must end anyway).
+
+    Raises:
+        RuntimeError: a group could not be aborted (its backend has no abort); every other
+            group was aborted first.
+    """
+    nccl = _nccl_of_default_group()
+    failures = []
+    if nccl is not None:
+        nccl._group_start()
+    try:
+        for group in groups:
+            try:
+                group.abort()
+            except Exception as exc:  # noqa: BLE001 - reported together below
+                failures.append(f"{getattr(group, 'group_name', group)}: {exc!r}")
+    finally:
+        if nccl is not None:
+            nccl._group_end()
+    if failures:
+        raise RuntimeError("cannot abort " + "; ".join(failures))
+
+
+def end_process(message: str) -> None:
+    """Say why on stderr and end the process at once (no cleanup: threads may be blocked)."""
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_CODE)
 
 
 class Watchdog:
@@ -64,30 +164,41 @@ class Watchdog:
 
     Args:
         poll_s: seconds between two polls of the works in flight.
-        abort: called with the group of a work that passed its deadline.
+        abort: called once with every group to abort when a deadline passes
+            (default :func:`abort_groups`).
+        groups: the process's groups (default :func:`process_groups`); the groups of the
+            works in flight are added.
+        grace_s: seconds the abort may take before the process is ended (default
+            ``MC2_ABORT_GRACE_S``, else :data:`ABORT_GRACE_S`).
     """
 
     def __init__(self, poll_s: float = 0.05,
-                 abort: Callable[[Any], None] = abort_group) -> None:
+                 abort: Callable[[list[Any]], None] = abort_groups,
+                 groups: Callable[[], list[Any]] = process_groups,
+                 grace_s: float | None = None) -> None:
         self.poll_s = poll_s
         self.abort = abort
+        self.groups = groups
+        self.grace_s = abort_grace_s(ABORT_GRACE_S) if grace_s is None else grace_s
         self._watched: list[_Watched] = []
         self._expired: CommTimeout | None = None
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def watch(self, work: Any, operation: str, *, deadline_s: float, issued_at: float,
+    def watch(self, work: Any, operation: str, *, deadline_s: float, start: Any,
               micro_batch: int | None = None, phase: str | None = None,
               group: Any = None) -> None:
-        """Watch ``work`` until it completes or ``deadline_s`` after ``issued_at``
-        (``time.monotonic``). The caller's current accelerator is noted: the thread polls on
-        it (a fresh thread would otherwise query on device 0 and open a context there)."""
+        """Watch ``work`` until it completes or ``deadline_s`` after ``start`` is reached
+        (:func:`start_stamp`: host ``time.monotonic`` seconds, or a device event that counts
+        from when the device reaches it). The caller's current accelerator is noted: the thread
+        polls on it (a fresh thread would otherwise query on device 0 and open a context
+        there)."""
         index = None
         if torch.accelerator.is_available():
             index = torch.accelerator.current_device_index()
         with self._wake:
             self._watched.append(_Watched(work, operation, micro_batch, phase, deadline_s,
-                                          issued_at, group, index))
+                                          start, group, index))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="mc2-watchdog",
                                                 daemon=True)
@@ -106,29 +217,75 @@ class Watchdog:
         with self._wake:
             return len(self._watched)
 
+    def poll(self, now: float | None = None) -> _Watched | None:
+        """One poll: drop the completed works, start the clocks of works whose start was
+        reached, and return the first work past its deadline (``None`` if none)."""
+        now = time.monotonic() if now is None else now
+        with self._wake:
+            watched = list(self._watched)
+        done, expired = [], None
+        for item in watched:
+            if item.device_index is not None:
+                torch.accelerator.set_device_index(item.device_index)
+            if item.work.is_completed():
+                done.append(item)
+                continue
+            if item.started_at is None:
+                item.started_at = _reached(item.start, now)
+            if item.started_at is not None and now - item.started_at > item.deadline_s \
+                    and expired is None:
+                expired = item
+        with self._wake:
+            self._watched = [w for w in self._watched if all(w is not d for d in done)]
+        return expired
+
+    def expire(self, item: _Watched, now: float | None = None) -> None:
+        """``item`` passed its deadline: record the timeout, abort every group in one action,
+        and end the process if that abort hangs or fails for longer than the grace period."""
+        now = time.monotonic() if now is None else now
+        waited = now - (item.started_at if item.started_at is not None else now)
+        self._expired = CommTimeout(item.operation, waited, micro_batch=item.micro_batch,
+                                    phase=item.phase)
+        with self._wake:  # every group goes down: nothing in flight is worth watching
+            watched, self._watched = self._watched, []
+        groups: list[Any] = []
+        for group in [*self.groups(), item.group, *(w.group for w in watched)]:
+            if group is None and dist.is_available() and dist.is_initialized():
+                group = dist.distributed_c10d._get_default_group()
+            if group is not None and all(group is not g for g in groups):
+                groups.append(group)
+        ends = time.monotonic() + self.grace_s
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                self.abort(groups)
+                outcome["done"] = True
+            except BaseException as exc:  # noqa: BLE001 - a backend without abort
+                outcome["error"] = exc
+
+        aborter = threading.Thread(target=run, name="mc2-abort", daemon=True)
+        aborter.start()
+        aborter.join(self.grace_s)
+        if outcome.get("done"):
+            return
+        if aborter.is_alive():
+            why = f"aborting the process groups did not return within {self.grace_s:g}s"
+        else:
+            why = f"the process groups could not be aborted ({outcome.get('error')!r})"
+            time.sleep(max(0.0, ends - time.monotonic()))  # the caller's grace to report
+        end_process(f"{self._expired} -- and {why}, so a thread blocked behind the stalled "
+                    f"collective would wait forever: mc2 ends this process (exit status "
+                    f"{EXIT_CODE}; grace period MC2_ABORT_GRACE_S={self.grace_s:g}s)")
+
     def _loop(self) -> None:
         while True:
             with self._wake:
                 while not self._watched:
                     self._wake.wait()
-                watched = list(self._watched)
-            done, expired = [], None
-            now = time.monotonic()
-            for item in watched:
-                if item.device_index is not None:
-                    torch.accelerator.set_device_index(item.device_index)
-                if item.work.is_completed():
-                    done.append(item)
-                elif now - item.issued_at > item.deadline_s and expired is None:
-                    expired = item
+            expired = self.poll()
             if expired is not None:
-                self._expired = CommTimeout(expired.operation, now - expired.issued_at,
-                                            micro_batch=expired.micro_batch,
-                                            phase=expired.phase)
-                self.abort(expired.group)
-                done = [w for w in watched if w.group is expired.group] + done
-            with self._wake:
-                self._watched = [w for w in self._watched if all(w is not d for d in done)]
+                self.expire(expired)
             time.sleep(self.poll_s)
 
 
@@ -161,15 +318,16 @@ def surfaced() -> Iterator[None]:
     check()
 
 
-def stream_wait(work: Any, operation: str, *, deadline_s: float | None, issued_at: float,
+def stream_wait(work: Any, operation: str, *, deadline_s: float | None, start: Any,
                 micro_batch: int | None = None, phase: str | None = None,
                 group: Any = None) -> None:
     """A stream backend's wait: the current stream waits for ``work``; the host does not, and
-    never with a timeout. The deadline (if any) goes to the watchdog (before the wait, so that
-    a backend whose wait does block the host is watched too)."""
+    never with a timeout. The deadline (if any) goes to the watchdog, counted from ``start``
+    (:func:`start_stamp`, taken before the collective was issued), before the wait, so that a
+    backend whose wait does block the host is watched too."""
     check()
     if deadline_s is not None:
-        watchdog().watch(work, operation, deadline_s=deadline_s, issued_at=issued_at,
+        watchdog().watch(work, operation, deadline_s=deadline_s, start=start,
                          micro_batch=micro_batch, phase=phase, group=group)
     with surfaced():
         work.wait()
