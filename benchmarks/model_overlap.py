@@ -11,8 +11,7 @@ its steady state, as a job that runs one mode has it):
   measured from the calls' spans, is ``T_comm``, and ``T_comp = T_serial - T_comm``);
 - ``mc2``: MC2 inside each layer (``micro_batches="auto"``);
 - ``batch``: batch overlap (``enable_mc2(..., batch_overlap=True)``): two micro-batches
-  interleaved across the layers, forward and backward; ``batch3``, ``batch4``, ...: the same
-  with that many micro-batches (``batch_splits``), on request in ``--modes``;
+  interleaved across the layers, forward and backward;
 - ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
   ways (warm-up here) and keeps the faster schedule.
 
@@ -53,12 +52,8 @@ OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forward
 
 
 def _splits(mode: str) -> int | None:
-    """Micro-batches of a batch mode (``batch``: 2, ``batch4``: 4), ``None`` for the others."""
-    if mode == "batch":
-        return 2
-    if mode.startswith("batch") and mode[5:].isdigit() and int(mode[5:]) >= 2:
-        return int(mode[5:])
-    return None
+    """Micro-batches of a batch mode (2), ``None`` for the others."""
+    return 2 if mode == "batch" else None
 
 SHAPE = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
@@ -96,8 +91,7 @@ def _set_mode(model: Any, mode: str) -> None:
         layers.decision = _AUTO["decision"]
         return
     splits = _splits(mode)
-    layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group,
-                               splits=splits or 2)
+    layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group)
 
 
 def _step(model: Any, mode: str, ids: torch.Tensor, clock: Any = None) -> Any:

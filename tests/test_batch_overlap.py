@@ -37,12 +37,12 @@ def _weight_grads_wait_for_the_other(order: list[tuple[str, int]], micro_batches
 
 @pytest.mark.parametrize("dtype,hostile,options,stack,tol", [
     ("float64", False, {}, {}, 1e-12),
-    # everything to experts 0 and 1; 4 sequences in 3 micro-batches of 2, 1 and 1
-    ("float64", True, {}, {"checkpointing": True, "splits": 3}, 1e-12),
+    # everything to experts 0 and 1
+    ("float64", True, {}, {"checkpointing": True}, 1e-12),
     ("float32", False, {"wire_dtype": "bf16", "shared": None}, {"sync": True}, 1e-6),
     ("float64", False, {"hierarchy": "2d"}, {"world": 4, "nodes": 2}, 1e-12),
     ("float64", False, {}, {"kind": "Qwen2Moe"}, 1e-12),
-], ids=["float64", "one-expert+checkpointing+3-splits", "float32+bf16-wire+gradient-sync",
+], ids=["float64", "one-expert+checkpointing", "float32+bf16-wire+gradient-sync",
         "2d-on-2-nodes", "qwen2-moe-gated-shared-expert"])
 def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, tol) -> None:
     options = {k: v for k, v in options.items() if k != "shared"}
@@ -52,7 +52,7 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
     for r in results:
         assert r["chosen"] is True
         # every micro-batch of every call traced
-        assert r["overlapped"]["labels"] == list(range(stack.get("splits", 2)))
+        assert r["overlapped"]["labels"] == [0, 1]
         assert -1 in r["plain"]["labels"]  # planning spans of plain calls carry no label
         _same(r["plain"], r["overlapped"], rtol=tol, atol=tol)
         _weight_grads_wait_for_the_other(r["overlapped"]["backward_order"], micro_batches=2)
@@ -61,12 +61,12 @@ def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, to
             torch.testing.assert_close(split[name], plain[name], rtol=tol, atol=tol, msg=name)
 
 
-def _stack(overlap: bool | str, seed: int = 0, splits: int = 2) -> torch.nn.Module:
+def _stack(overlap: bool | str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     layers = [Block() for _ in range(2)]
     if overlap is False:
         return torch.nn.Sequential(*layers)
-    return BatchOverlapStack(layers, batch_overlap=overlap, min_tokens=1, splits=splits)
+    return BatchOverlapStack(layers, batch_overlap=overlap, min_tokens=1)
 
 
 class Block(torch.nn.Module):
@@ -88,10 +88,9 @@ class Block(torch.nn.Module):
         return h + out
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
-def test_a_stack_of_your_own_layers_in_one_process(splits: int) -> None:
+def test_a_stack_of_your_own_layers_in_one_process() -> None:
     x = torch.randn(5, 6, 16, dtype=torch.float64, requires_grad=True)  # 5 sequences
-    plain, staged = _stack(False), _stack(True, splits=splits)
+    plain, staged = _stack(False), _stack(True)
     a, b = plain(x), staged(x)
     torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     a.pow(2).sum().backward()
@@ -127,18 +126,6 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
     assert decision.wanted(4, 4096, cpu)
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         bo.Decision("sometimes")
-    with pytest.warns(bo.BatchOverlapWarning, match="fewer than 4 sequences cannot be split into 4"):
-        assert not bo.Decision(True, min_tokens=1, splits=4).wanted(3, 4096, cpu)
-    for bad in (1, 2.0, True):
-        with pytest.raises(ValueError, match="batch_splits must be an integer of 2 or more"):
-            bo.Decision(True, splits=bad)
-
-
-def test_ranks_given_different_splits_all_raise() -> None:
-    from tests.workers_overlap import disagreeing_splits
-
-    errors = mc2.run_local(disagreeing_splits, 2, timeout_s=60)
-    assert all("different batch_splits (from 2 to 3)" in e for e in errors), errors
 
 
 @pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")

@@ -84,7 +84,7 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
                      options: dict[str, Any], stack: dict[str, bool]) -> dict[str, Any]:
     """One step of the same model and batch, without and with batch overlap; ``stack``:
     ``checkpointing`` (Hugging Face's, non-reentrant) and ``sync`` (``mc2.GradientSync``) on
-    both, ``splits`` (batch overlap's micro-batches; the batch holds 4 sequences)."""
+    both."""
     import os
 
     if stack.get("nodes"):  # ranks per node: a 2-D exchange across emulated nodes
@@ -94,8 +94,7 @@ def with_and_without(rank: int, world: int, dtype_name: str, hostile: bool,
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
     kind = stack.get("kind", "Mixtral")
     models = [_model(dtype, hostile, kind, **options),
-              _model(dtype, hostile, kind, batch_overlap=True, min_tokens=1,
-                     batch_splits=stack.get("splits", 2), **options)]
+              _model(dtype, hostile, kind, batch_overlap=True, min_tokens=1, **options)]
     if stack.get("checkpointing"):
         for m in models:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -118,17 +117,3 @@ def _prefill_and_decode(model, ids: torch.Tensor) -> dict[str, Any]:
         # every layer's hidden states: recorded by hooks on the layers, so not split (said)
         hidden = torch.stack(model(ids, output_hidden_states=True, use_cache=False).hidden_states)
     return {"logits": out.logits, "cache": keys, "decode": step, "hidden": hidden}
-
-
-def disagreeing_splits(rank: int, world: int) -> str:
-    """Each rank asks for a different number of micro-batches: the error every rank raises."""
-    from mc2.integrations.batch_overlap import Decision
-
-    decision = Decision(True, min_tokens=1, splits=2 + rank)
-    try:
-        decision.wanted(8, 4096, torch.device("cpu"))
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-

@@ -15,8 +15,7 @@ combine issued), and the part after (the combine waited for). The schedule of on
     ...
     B: combine(L-1)               (the step's only exposed transfer besides A's first dispatch)
 
-(and with more micro-batches, ``splits``, the same round robin), so each transfer of one
-micro-batch travels while the other computes, across layer boundaries:
+so each transfer of one micro-batch travels while the other computes, across layer boundaries:
 the bound is ``max(T_compute, T_comm)`` per step instead of a sum over layers. The backward
 interleaves the same way by itself (:mod:`mc2.engine.autograd.staged`). Results are those of the
 unsplit batch: attention, norms, router and experts act on each sequence or token alone.
@@ -28,7 +27,7 @@ a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverl
 
 When it runs: every rank must split or not (the micro-batches make different collectives), so
 the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
-where it cannot or should not run: a batch of fewer sequences than micro-batches, fewer tokens
+where it cannot or should not run: a batch of fewer than two sequences, fewer tokens
 than ``min_tokens`` (too small to hide anything behind: the measured threshold is in
 ``docs/batch_overlap.md``), a KV cache that already holds tokens (decoding) or cannot be
 split, or a block that cannot be staged, or a forward that asks for every layer's hidden
@@ -62,6 +61,9 @@ LayerStages = Generator[Any, Tensor, Tensor]
 layer's output."""
 
 MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
+# micro-batches per forward: more shrank the fill and drain but not the step in any sitting
+# (its backward's weight gradients ran in GEMMs of half the rows; docs/batch_overlap.md)
+SPLITS = 2
 
 
 class BatchOverlapWarning(UserWarning):
@@ -178,21 +180,16 @@ class Decision:
     Args:
         mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
         min_tokens: tokens per rank below which it is off.
-        splits: micro-batches a forward is split into (two or more; a batch of fewer
-            sequences runs without batch overlap).
         group: the expert-parallel group the agreement runs on.
         trials: forwards measured each way under ``"auto"`` (each with its backward through
             the layers, when one follows: :func:`timed_forward`).
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
-                 trials: int = 3, splits: int = 2) -> None:
+                 trials: int = 3) -> None:
         if mode not in (True, False, "auto"):
             raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
-        if isinstance(splits, bool) or not isinstance(splits, int) or splits < 2:
-            raise ValueError(f"batch_splits must be an integer of 2 or more, got {splits!r}")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
-        self.splits = splits
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self.chosen: bool | None = None if mode == "auto" else bool(mode)
         # "auto": the first forward after switching sides is not timed. It reallocates the
@@ -210,19 +207,14 @@ class Decision:
         if self.chosen is False:
             return False
         reason = problem
-        if reason is None and batch < self.splits:
-            reason = (f"a batch of fewer than {self.splits} sequences cannot be split into "
-                      f"{self.splits} micro-batches")
+        if reason is None and batch < SPLITS:
+            reason = f"a batch of fewer than {SPLITS} sequences cannot be split in two"
         elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
-        # one all_reduce and one read a forward: whether any rank cannot split, and the
-        # micro-batch counts (the ranks must run the same number, or their collectives differ)
-        flag = upload([0 if reason is None else 1, self.splits, -self.splits], device)
-        cannot, most, fewest = read(all_reduce_max(flag, self.group, "batch overlap"))
-        if most != -fewest:
-            raise ValueError(f"batch overlap: the ranks were given different batch_splits "
-                             f"(from {-fewest} to {most}); give every rank the same")
+        # one all_reduce and one read a forward: whether any rank cannot split
+        flag = upload([0 if reason is None else 1], device)
+        (cannot,) = read(all_reduce_max(flag, self.group, "batch overlap"))
         if cannot:
             _say_once(reason or "another rank cannot split its batch")
             self._last = False  # the plain side runs: a trial of it next is no switch
@@ -303,15 +295,14 @@ class BatchOverlapStack(nn.Module):
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, batch_overlap: bool | str = True,
-                 min_tokens: int = MIN_TOKENS, group: Any = None, splits: int = 2) -> None:
+                 min_tokens: int = MIN_TOKENS, group: Any = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         for layer in self.layers:
             if not callable(getattr(layer, "forward_staged", None)):
                 raise ValueError(f"BatchOverlapStack: {type(layer).__name__} has no "
                                  "forward_staged(x) (see the class docstring)")
-        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group,
-                                 splits=splits)
+        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group)
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
@@ -324,7 +315,7 @@ class BatchOverlapStack(nn.Module):
             return h
 
         def split() -> Tensor:
-            parts = x.split(split_sizes(x.shape[0], self.decision.splits))
+            parts = x.split(split_sizes(x.shape[0], SPLITS))
             stages = [layer.forward_staged for layer in self.layers]
             return torch.cat(run_overlapped([stages] * len(parts), parts,
                                             LayerGathers(self.layers)))
@@ -431,7 +422,7 @@ class _Loop:
             return run_in_turn(self.layers, hidden_states, calls)
 
         def split() -> Tensor:
-            sizes = split_sizes(batch, self.decision.splits)
+            sizes = split_sizes(batch, SPLITS)
             key, cache = next(iter(caches.values()), (None, None))
             parts = split_cache.split(cache, len(sizes)) if cache is not None else None
             layers: list[list[Callable[[Tensor], LayerStages]]] = [[] for _ in sizes]

@@ -410,7 +410,7 @@ def _extend_hf_models(model: nn.Module) -> None:
 
 def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
                config: MC2Config | None = None, batch_overlap: bool | str = False,
-               min_tokens: int | None = None, batch_splits: int = 2,
+               min_tokens: int | None = None,
                **options: Unpack[ConfigOptions]) -> int:
     """Replace the model's sparse-MoE blocks in place; returns how many were replaced.
 
@@ -427,8 +427,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
     ``batch_overlap``: ``True`` or ``"auto"`` runs each forward as two micro-batches interleaved
     across the decoder layers, each one's All-to-All travelling while the other computes
     (:mod:`mc2.integrations.batch_overlap`, ``docs/batch_overlap.md``); ``min_tokens``: the
-    tokens per rank below which it is off; ``batch_splits``: micro-batches per forward (2, or
-    more to shrink the fill and drain of each pass, for more and smaller messages).
+    tokens per rank below which it is off.
 
     Raises:
         ValueError: the model has no block this adapter understands; a block holds a part
@@ -453,12 +452,12 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
                          f"experts found in {type(model).__name__}")
     _extend_hf_models(model)
     if batch_overlap:
-        _overlap_layers(model, batch_overlap, min_tokens, batch_splits, blocks=[
+        _overlap_layers(model, batch_overlap, min_tokens, blocks=[
             m for m in model.modules() if isinstance(m, MC2SparseMoeBlock)])
     return len(blocks)
 
 
-def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None, splits: int,
+def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
                     blocks: list["MC2SparseMoeBlock"]) -> None:
     """Put the decoder layers that hold the MC2 blocks into an :class:`OverlappedLayers`."""
     from mc2.integrations.batch_overlap import MIN_TOKENS, Decision, OverlappedLayers, stage_problem
@@ -474,7 +473,7 @@ def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None, 
     if problems:
         raise ValueError(f"batch_overlap: cannot run these layers in stages: {problems}")
     decision = Decision(mode, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
-                        group=blocks[0].group, splits=splits)
+                        group=blocks[0].group)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child,
             OverlappedLayers(list(layers), decision=decision))
