@@ -132,17 +132,15 @@ class WireFormatWarning(UserWarning):
 
 
 def _warn_wire_loses(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype, wire_s: float,
-                     plain_s: float, *, measured: bool) -> None:
-    """Say that rows in ``dtype`` beat the wire format here: measured by ``"auto"``'s trials
-    (the shape then sends plain rows) or predicted by the model (``explore=1``)."""
-    how, then = (("measured", "so this shape sends plain rows; pass a fixed micro_batches to "
-                  "force the format") if measured else
-                 ("is predicted", "consider wire_dtype=None"))
+                     plain_s: float) -> None:
+    """Say that rows in ``dtype`` measured faster than the wire format in ``"auto"``'s trials
+    (the shape then sends plain rows)."""
     warnings.warn(
-        f"mc2: micro_batches='auto' {how} rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
+        f"mc2: micro_batches='auto' measured rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
         f"than the wire format {describe_pair(wire)} on this shape ({1e3 * plain_s:.1f} vs "
         f"{1e3 * wire_s:.1f} ms per call): encoding costs more than the bytes it saves here; "
-        f"{then}", WireFormatWarning, stacklevel=6)
+        "so this shape sends plain rows; pass a fixed micro_batches to force the format",
+        WireFormatWarning, stacklevel=6)
 
 
 def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
@@ -251,7 +249,8 @@ class Planner:
     every rank records each call's forward and backward time, one ``all_reduce`` takes the
     slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
     ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
-    timeline marks them (``auto trial K=...``). ``explore=1`` trusts the model alone.
+    timeline marks them (``auto trial K=...``). (Trusting the model alone, without trials, was
+    an option that never measured better than the trials; it was removed.)
 
     With a wire format (:mod:`mc2.engine.transport.wire`), one more candidate is tried: the model's best K with
     rows in the compute dtype. Where it wins, encoding costs more than the bytes save on this
@@ -260,8 +259,8 @@ class Planner:
 
     Args:
         candidates: the K values considered.
-        min_gain: keep K = 1 unless another K gains this much: as the model predicts it with
-            ``explore=1``, as the trial calls measured it otherwise (:func:`trial_winner`).
+        min_gain: keep K = 1 unless another K gains this much, as the trial calls measured it
+            (:func:`trial_winner`).
         repeats: timing repeats per calibration measurement (medians are used).
         explore: how many of the model's best K the real calls try (K = 1 always among them).
         trials: calls per tried K (the best of them counts, so a cold first call does not).
@@ -271,8 +270,8 @@ class Planner:
                  repeats: int = 3, explore: int = 3, trials: int = 2) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
-        if explore < 1 or trials < 1:
-            raise ValueError(f"explore and trials must be >= 1, got {explore}, {trials}")
+        if explore < 2 or trials < 1:
+            raise ValueError(f"explore must be >= 2 and trials >= 1, got {explore}, {trials}")
         self.candidates = tuple(candidates)
         self.min_gain = min_gain
         self.repeats = repeats
@@ -346,10 +345,6 @@ class Planner:
                 strategy: str, wire: tuple[WireFormat, WireFormat]) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
-        if self.explore == 1:
-            self._judge_wire(max_tokens, topk, weights, group, strategy, wire)
-            return Choice(self.plan(max_tokens=max_tokens, topk=topk, weights=weights,
-                                    group=group, strategy=strategy, wire=wire))
         key = (bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
                weights.dtype, weights.device.type, group_key(group), strategy,
                wire[0].code, wire[1].code)
@@ -382,7 +377,7 @@ class Planner:
                             slowest: list[float], state: _Trials) -> None:
         best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
         plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
-        _warn_wire_loses(wire, weights.dtype, best_wire, plain, measured=True)
+        _warn_wire_loses(wire, weights.dtype, best_wire, plain)
 
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
@@ -422,27 +417,6 @@ class Planner:
             value = upload([local], weights.device, torch.float64)
             self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
-
-    def wire_verdict(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
-                     strategy: str, wire: tuple[WireFormat, WireFormat]) -> tuple[float, float]:
-        """Predicted best step (seconds) with ``wire`` and with rows in the compute dtype."""
-        cal = self.calibration(weights, group, strategy)
-        best = {}
-        for name, w in (("wire", wire), ("plain", NO_WIRE)):
-            work = self.workload(max_tokens, topk, weights, group, w)
-            best[name] = min(predict(cal, work, k).step_s for k in self.candidates
-                             if k <= max(1, max_tokens))
-        return best["wire"], best["plain"]
-
-    def _judge_wire(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
-                    strategy: str, wire: tuple[WireFormat, WireFormat]) -> None:
-        """Warn (once per shape) where the wire format is predicted to lose."""
-        if all(f.kind is None for f in wire):
-            return
-        with_wire, plain = self.wire_verdict(max_tokens=max_tokens, topk=topk, weights=weights,
-                                             group=group, strategy=strategy, wire=wire)
-        if with_wire > plain * (1 + self.min_gain):
-            _warn_wire_loses(wire, weights.dtype, with_wire, plain, measured=False)
 
     def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
         """Every constant of the model, each rank's own, then the group's maximum."""

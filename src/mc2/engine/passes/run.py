@@ -141,11 +141,6 @@ class ForwardState:
         return ForwardState(self.call, self.x_shape, activations, shared_gate_up, expert_out,
                             shared_out)
 
-    def free(self) -> None:
-        """Drop every tensor (a forward whose backward will not run)."""
-        self.activations = [None] * len(self.activations)
-        self.shared_gate_up = self.expert_out = self.shared_out = None
-
 
 @dataclass
 class PassOutput:
