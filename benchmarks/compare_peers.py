@@ -268,15 +268,17 @@ def main() -> int:
         log(f"[{len(rows) + 1}/{len(names)}] {name} ({time.monotonic() - started:.0f}s so far)")
         if regime.rate is None:
             rows.append(run_regime(regime, args))
-            continue
-        if why := can_shape():
+        elif why := can_shape():
             log(f"  skipped: {why}")
             continue
-        with ShapedLoopback(regime.rate):
-            rows.append(run_regime(regime, args))
+        else:
+            with ShapedLoopback(regime.rate):
+                rows.append(run_regime(regime, args))
+        log(format_table(rows[-1:]))  # each regime as it is done: a later one may not finish
+        if args.json:  # after every regime, for the same reason
+            args.json.write_text(json.dumps(rows, indent=2))
     print(format_table(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
         log(f"wrote {args.json}")
     return 0
 
