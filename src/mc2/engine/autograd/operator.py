@@ -86,7 +86,7 @@ def fused_expert_op(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
             x, dict(zip(names, experts)), expert_ids, combine_weights, config=cfg,
             shared=(shared_up, shared_gate, shared_down, shared_scale), packed=packed,
             group=_group_of(group), num_experts=None if num_experts < 0 else num_experts,
-            needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout), **EAGER_RUNTIME.get())
+            needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout), **(EAGER_RUNTIME.get() or {}))
         return run_forward(call, CallInputs(x, combine_weights, shared_up, shared_gate,
                                             shared_down, shared_scale, weights.tensors()), need)
 

@@ -116,5 +116,5 @@ def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | Non
 
 # The runtime objects (timeline, planner, workspace) of an eager call routed through the
 # custom op (under selective checkpointing): an op's schema carries no Python objects.
-EAGER_RUNTIME: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
-    "mc2_eager_runtime", default={})
+EAGER_RUNTIME: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "mc2_eager_runtime", default=None)

@@ -58,7 +58,6 @@ from mc2.engine.passes.run import (
     weighted_sum,
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
-from mc2.observation.profiler import active_timeline
 
 
 def _advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:

@@ -16,7 +16,7 @@ is uploaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
