@@ -41,11 +41,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mc2.device.clock import Interval, clock_for
-from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_size
+from mc2.engine.transport.comm import (
+    all_reduce_max,
+    all_to_all_rows,
+    barrier,
+    group_key,
+    group_size,
+)
 from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.pipeline_cost import training_step
@@ -488,15 +493,6 @@ class _Probe:
 
 
 _GROUP_PLANNERS: dict[tuple, Planner] = {}
-
-
-def group_key(group: Any) -> tuple:
-    """What names a group alike on every rank, and after the group is rebuilt: its ranks and
-    backend (never ``id(group)``, which differs between processes)."""
-    if group_size(group) > 1:
-        return (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
-                dist.get_backend(group))
-    return ("local",)
 
 
 def planner_for(group: Any) -> Planner:

@@ -231,7 +231,12 @@ CONTROL_OPERATIONS = frozenset({"handshake"})
 _CONTROL: dict[tuple[tuple[int, ...], str], Any] = {}
 
 
-def _group_key(group: Any) -> tuple[tuple[int, ...], str]:
+def group_key(group: Any) -> tuple:
+    """What names a group alike on every rank, and after the group is rebuilt: its ranks and
+    backend (never ``id(group)``, which differs between processes); ``("local",)`` without an
+    initialised ``torch.distributed``."""
+    if not initialized():
+        return ("local",)
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     return ranks, str(dist.get_backend(group))
 
@@ -267,7 +272,7 @@ def control_group(group: Any, device: torch.device | str | None = None) -> Any:
     """
     if is_local(group):
         return group
-    key = _group_key(group)
+    key = group_key(group)
     made = _CONTROL.get(key)
     if made is None or not _registered(made):
         made = _CONTROL[key] = _new_control_group(group, key, device)
