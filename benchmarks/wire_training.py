@@ -29,7 +29,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from mc2.tools.train import TrainConfig, plot_losses, run_training
+from mc2.tools.training import TrainConfig, plot_losses, run_training
 
 FORMATS = ("none", "bf16", "fp8")
 LABELS = {"none": "float32", "bf16": "bf16", "fp8": "fp8 e4m3 + scales", "int8": "int8 + scales",

@@ -75,7 +75,7 @@ def test_torchrun_across_two_emulated_nodes(tmp_path) -> None:
     runs = json.loads((out / "losses.json").read_text())["runs"]
     losses = runs["MC2 K=2"]["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
-    from mc2.tools.train import TrainConfig, run_training
+    from mc2.tools.training import TrainConfig, run_training
 
     local = run_training(TrainConfig(steps=3, batch=2, seq=32, ep_size=2, progress=False), 4)
     assert losses == pytest.approx(local["losses"], rel=1e-5)  # the same run, on loopback

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.engine.decide.routing import expert_grouping_index, micro_batch_bounds
+from mc2.engine.decide.routing import expert_grouping_indices, micro_batch_bounds
 from tests.problems import make_problem
 from tests.reference import dense_moe
 
@@ -32,8 +32,8 @@ def test_expert_grouping_index_hand_case() -> None:
     # received from rank 0: 2 rows for expert 0, 1 for expert 1; from rank 1: 1 row, 2 rows
     counts = torch.tensor([[2, 1], [1, 2]])
     # receive order rows: r0e0 r0e0 r0e1 r1e0 r1e1 r1e1 -> expert order: 0 1 3 | 2 4 5
-    assert expert_grouping_index(counts).tolist() == [0, 1, 3, 2, 4, 5]
-    assert expert_grouping_index(torch.tensor([[3, 4]])) is None
+    assert expert_grouping_indices(counts.unsqueeze(1), [6])[0].tolist() == [0, 1, 3, 2, 4, 5]
+    assert expert_grouping_indices(torch.tensor([[[3, 4]]]), [7]) is None
 
 
 @pytest.fixture

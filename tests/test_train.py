@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mc2.tools.train import TrainConfig, load_corpus, run_training
+from mc2.tools.training import TrainConfig, load_corpus, run_training
 
 TINY = TrainConfig(steps=6, batch=2, seq=32, hidden=32, ffn=48, layers=2, heads=4, kv_heads=2,
                    experts=4, topk=2, lr=1e-2, corpus_bytes=200_000, progress=False)

@@ -26,6 +26,14 @@ def pyplot() -> Any:
     return plt
 
 
+def saved(fig: Any, path: str | Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it; the path."""
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=110)
+    pyplot().close(fig)
+    return Path(path)
+
+
 def plot_gantt(runs: dict[str, Sequence[Sequence[Span]]], path: str | Path,
                title: str = "") -> Path:
     """Draw every run (e.g. serial, MC2) one above the other on one time axis (ms).
@@ -68,8 +76,4 @@ def plot_gantt(runs: dict[str, Sequence[Sequence[Span]]], path: str | Path,
                  Patch(facecolor="0.75", label="whole call")], loc="upper right", fontsize=7,
               ncol=3)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return saved(fig, path)

@@ -59,11 +59,24 @@ class Timeline:
         clock: what spans are timed with; a call on an accelerator binds its device's clock
             (:meth:`bind`).
         sync_fallback: why overlap was requested but ran synchronously, if it did.
+        label: the micro-batch every span is filed under (a :meth:`labelled` view), if any.
     """
 
     _records: list[tuple] = field(default_factory=list)
     sync_fallback: str | None = None
     clock: HostClock = HOST
+    label: int | None = None
+    _root: "Timeline | None" = None
+
+    def labelled(self, label: int) -> "Timeline":
+        """A view of this timeline that files every span under micro-batch ``label`` (batch
+        overlap's two micro-batches are 0 and 1, so a trace shows both of every layer); its
+        records and ``sync_fallback`` are this timeline's."""
+        return Timeline(self._records, clock=self.clock, label=label, _root=self._root or self)
+
+    def fell_back(self, reason: str) -> None:
+        """Note that overlap ran synchronously, and why."""
+        (self._root or self).sync_fallback = reason
 
     def bind(self, device: Any) -> None:
         """Time the following spans with ``device``'s clock."""
@@ -88,13 +101,14 @@ class Timeline:
         try:
             yield
         finally:
-            self._records.append((kind, name, phase, micro_batch, start, clock.stamp()))
+            self.add(kind, name, phase, micro_batch, start, clock.stamp())
 
     def add(self, kind: SpanKind, name: str, phase: str, micro_batch: int, start: Any,
             end: Any) -> None:
         """Record a span measured elsewhere (e.g. a transfer completed on a backend thread);
         ``start`` and ``end`` are host seconds or device events."""
-        self._records.append((kind, name, phase, micro_batch, start, end))
+        label = micro_batch if self.label is None else self.label
+        self._records.append((kind, name, phase, label, start, end))
 
     def mark(self, kind: SpanKind, name: str, phase: str, micro_batch: int = -1) -> None:
         """A zero-length span at "now" (e.g. ``auto trial K=...``)."""

@@ -158,7 +158,7 @@ def format_scale(rows: Sequence[dict[str, float]]) -> str:
 
 
 def plot_scale(rows: Sequence[dict[str, float]], path: str | Path, title: str) -> Path:
-    from mc2.observation.plot import pyplot
+    from mc2.observation.plot import pyplot, saved
 
     plt = pyplot()
 
@@ -177,8 +177,4 @@ def plot_scale(rows: Sequence[dict[str, float]], path: str | Path, title: str) -
     a.set_ylabel("comm share (%)")
     b.set_ylabel("tokens/s per device")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return saved(fig, path)

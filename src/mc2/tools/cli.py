@@ -9,14 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from mc2.tools.bench import (
-    BenchConfig,
-    BenchReport,
-    format_plan,
-    format_report,
-    run_bench,
-    write_csv,
-)
+from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report, run_bench, write_csv
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
 from mc2.tools.train import add_train_parser, run_train_command

@@ -1,7 +1,6 @@
 """``mc2 train``: its options, and where it runs (a local world, torchrun, emulated nodes).
 
-The training loop itself is :mod:`mc2.tools.training`; its names are re-exported here, so
-``from mc2.tools.train import TrainConfig, run_training`` keeps working. Under ``torchrun`` this
+The training loop itself is :mod:`mc2.tools.training`. Under ``torchrun`` this
 module is the program: ``torchrun --nproc-per-node 4 -m mc2.tools.train --ep-size 2``.
 """
 
@@ -16,17 +15,8 @@ from typing import Any
 
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_arguments, config_from_arguments
-from mc2.tools.training import (  # noqa: F401 - re-exported: mc2.tools.train is their documented home
-    TrainConfig,
-    launched,
-    load_corpus,
-    plot_losses,
-    run_launched,
-    run_training,
-    summarize,
-    train_rank,
-    write_json,
-)
+from mc2.tools.training import (TrainConfig, launched, plot_losses, run_launched, run_training,
+                                 summarize, write_json)
 
 DESCRIPTION = """\
 Hugging Face MixtralForCausalLM (4 layers, 8 experts, top-2, built from a local config) switched

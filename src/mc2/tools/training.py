@@ -287,7 +287,7 @@ def _check_ep_size(cfg: TrainConfig, world: int) -> None:
 
 def plot_losses(curves: dict[str, list[float]], path: str | Path,
                 title: str = "tiny Mixtral on Python's standard library") -> Path:
-    from mc2.observation.plot import pyplot
+    from mc2.observation.plot import pyplot, saved
 
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for label, losses in curves.items():
@@ -297,11 +297,7 @@ def plot_losses(curves: dict[str, list[float]], path: str | Path,
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
+    return saved(fig, path)
 
 
 def summarize(curves: dict[str, dict[str, Any]]) -> str:

@@ -18,11 +18,7 @@ from torch import Tensor
 from mc2.engine.autograd.function import FusedExpertFunction
 from mc2.engine.autograd.operator import fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
-    EAGER_RUNTIME,
-    autocast_inputs,
-    function_inputs,
-    guarded,
-    resolve_config,
+    EAGER_RUNTIME, autocast_inputs, function_inputs, guarded, resolve_config
 )
 from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.decide.call_plan import plan_call

@@ -48,25 +48,10 @@ from mc2.engine.autograd.prepare import function_inputs, guarded
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.run import (
-    CallInputs,
-    ForwardState,
-    PassOutput,
-    backward_stages,
-    combine_grads,
-    forward_stages,
-    state_of,
-    weighted_sum,
+    CallInputs, ForwardState, PassOutput, advance, backward_stages, combine_grads, forward_stages,
+    state_of, weighted_sum
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
-
-
-def _advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
-    """Run to the next stop: ``(its name, None)``, or ``(None, the pass's result)`` at the
-    end."""
-    try:
-        return next(stages), None
-    except StopIteration as stop:
-        return None, stop.value
 
 
 @dataclass
@@ -103,12 +88,12 @@ class _State:
                 return
 
     def _advanced(self, stages: Generator[str, None, Any] | None) -> tuple[str | None, Any]:
-        """:func:`_advance` under the call's deadline, autocast off (its GEMMs write into
+        """:func:`~mc2.engine.passes.run.advance` under the call's deadline, autocast off (its GEMMs write into
         buffers of the call's dtype)."""
         if stages is None:  # a stage run out of order: a bug, never a silent loop
             raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
         with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
-            return _advance(stages)
+            return advance(stages)
 
 
 def _token(like: Tensor) -> Tensor:
@@ -218,32 +203,6 @@ def micro_batch_label(label: int) -> Iterator[None]:
         _LABEL.reset(token)
 
 
-class _Labelled:
-    """A timeline that files every span under one micro-batch label."""
-
-    def __init__(self, timeline: Any, label: int) -> None:
-        self._timeline, self._label = timeline, label
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._timeline, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_"):
-            object.__setattr__(self, name, value)
-        else:  # e.g. sync_fallback: the timeline's, not the label's
-            setattr(self._timeline, name, value)
-
-    def span(self, kind: Any, name: str, phase: str, micro_batch: int = -1) -> Any:
-        return self._timeline.span(kind, name, phase, self._label)
-
-    def add(self, kind: Any, name: str, phase: str, micro_batch: int, start: Any,
-            end: Any) -> None:
-        self._timeline.add(kind, name, phase, self._label, start, end)
-
-    def mark(self, kind: Any, name: str, phase: str, micro_batch: int = -1) -> None:
-        self._timeline.mark(kind, name, phase, self._label)
-
-
 def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                  routing_weights: Tensor, *, group: Any, config: MC2Config,
                  shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
@@ -262,7 +221,7 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     full_shared = (*shared, shared_scale)
     timeline = active_timeline()
     if timeline is not None:
-        timeline = _Labelled(timeline, _LABEL.get())
+        timeline = timeline.labelled(_LABEL.get())
     call, weights, combine = guarded(
         lambda: plan_call(x, named, expert_ids, routing_weights, config=config, packed=True,
                           group=group, shared=full_shared, timeout=seconds, timeline=timeline),

@@ -35,12 +35,7 @@ from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_sta
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device.clock import Interval
 from mc2.engine.decide.routing import (
-    DispatchHandle,
-    CountsExchange,
-    build_handle,
-    local_send_counts,
-    micro_batch_fractions,
-    read_counts,
+    DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_fractions, read_counts
 )
 from mc2.engine.transport.topology import topology_for
 from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
@@ -135,7 +130,7 @@ def _fall_back_if_needed(config: MC2Config, style: CommStyle, timeline: Timeline
         return config
     warn_sync_fallback(reason)
     if timeline is not None:
-        timeline.sync_fallback = reason
+        timeline.fell_back(reason)
     return config.replace(overlap=False, micro_batches=1 if config.micro_batches == "auto"
                           else config.micro_batches)
 

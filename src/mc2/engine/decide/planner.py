@@ -44,13 +44,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mc2.device.clock import Interval, clock_for
-from mc2.engine.transport.comm import (
-    all_reduce_max,
-    all_to_all_rows,
-    barrier,
-    group_key,
-    group_size,
-)
+from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_key, group_size
 from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.pipeline_cost import training_step

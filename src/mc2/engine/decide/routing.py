@@ -154,15 +154,6 @@ def local_send_counts(
     return order, counts.view(num_micro_batches, num_experts)
 
 
-def expert_grouping_index(recv_counts: Tensor, arrival: tuple[int, int] | None = None
-                          ) -> Tensor | None:
-    """Gather index from arrival order to expert-grouped order (expert, then source rank), for
-    one micro-batch (see :func:`expert_grouping_indices`)."""
-    indices = expert_grouping_indices(recv_counts.unsqueeze(1), [int(recv_counts.sum())],
-                                      arrival)
-    return None if indices is None else indices[0]
-
-
 def expert_grouping_indices(recv_counts: Tensor, totals: list[int],
                             arrival: tuple[int, int] | None = None) -> list[Tensor] | None:
     """Per micro-batch, the gather index from arrival order to expert-grouped order.

@@ -40,12 +40,7 @@ from torch import Tensor
 
 from mc2.device.clock import Interval, clock_for
 from mc2.engine.compute.experts import (
-    ExpertActivations,
-    ExpertWeights,
-    WeightGradInputs,
-    WeightGrads,
-    swiglu_backward_input,
-    swiglu_forward,
+    ExpertActivations, ExpertWeights, WeightGradInputs, WeightGrads, swiglu_backward_input, swiglu_forward
 )
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.decide.routing import MicroBatchRoute
@@ -182,13 +177,20 @@ def _stages(call: CallPlan, steps: PipelineSteps, phase: str) -> Iterator[str]:
                           wire=call.wire, workspace=call.workspace)
 
 
+def advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
+    """Run a pass's stages to the next stop: ``(its name, None)``, or ``(None, the pass's
+    result)`` at the end."""
+    try:
+        return next(stages), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
 def finished(stages: Generator[str, None, Any]) -> Any:
     """Run a pass's stages to the end; its result."""
-    while True:
-        try:
-            next(stages)
-        except StopIteration as stop:
-            return stop.value
+    while (step := advance(stages))[0] is not None:
+        pass
+    return step[1]
 
 
 def forward_stages(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,

@@ -46,14 +46,7 @@ from torch import Tensor
 
 from mc2.device.clock import clock_for
 from mc2.engine.transport.comm import (
-    FlatExchange,
-    OnComplete,
-    PendingTransfer,
-    abandon,
-    all_reduce_max,
-    all_to_all_rows,
-    barrier,
-    style_of,
+    FlatExchange, OnComplete, PendingTransfer, abandon, all_reduce_max, all_to_all_rows, barrier, style_of
 )
 from mc2.engine.transport.host import read, upload
 from mc2.device.streams import current_stream, side_stream, wait_for_current
