@@ -15,7 +15,7 @@ from typing import Any
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.engine.transport.env import SyncFallbackWarning
-from mc2.engine.autograd.ops import fused_expert, fused_expert_packed
+from mc2.engine.autograd.ops import fused_expert, fused_expert_module, fused_expert_packed
 from mc2.engine.autograd.recompute import checkpoint_policy
 from mc2.engine.decide.planner import Planner, WireFormatWarning
 from mc2.engine.transport.workspace import Workspace
@@ -28,8 +28,8 @@ from mc2.parallel.gradient_buckets import GradientSync
 from mc2.parallel.mesh import ParallelLayout, expert_parallel_mesh
 from mc2.tools.launch import run_local
 
-__all__ = ["fused_expert", "fused_expert_packed", "MC2Config", "MoELayer", "MoEOutput",
-           "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
+__all__ = ["fused_expert", "fused_expert_packed", "fused_expert_module", "MC2Config", "MoELayer",
+           "MoEOutput", "RouterLosses", "Workspace", "Planner", "CommTimeout", "SyncFallbackWarning",
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync", "fully_shard", "clip_grad_norm_", "checkpoint_policy",
            "load_full_state_dict", "profile", "Profiler", "Timeline", "Span", "run_local",

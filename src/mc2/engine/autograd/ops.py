@@ -21,6 +21,7 @@ from mc2.engine.autograd.prepare import (
     EAGER_RUNTIME, autocast_inputs, function_inputs, guarded, resolve_config
 )
 from mc2.engine.autograd.recompute import selective_region
+from mc2.engine.compute.module_experts import ExpertsForward, ModuleExperts
 from mc2.engine.decide.call_plan import plan_call
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.engine.decide.planner import Planner
@@ -217,3 +218,64 @@ def fused_expert_packed(
                 expert_ids, routing_weights, (shared_up, shared_gate, shared_down, shared_scale),
                 config, dict(options), group=group, packed=True, num_experts=num_experts,
                 timeline=timeline, planner=planner, workspace=workspace)
+
+
+@torch.compiler.disable
+def fused_expert_module(
+    x: Tensor,
+    experts: torch.nn.Module,
+    expert_ids: Tensor,
+    routing_weights: Tensor | None = None,
+    *,
+    group: Any = None,
+    config: MC2Config | None = None,
+    num_experts: int | None = None,
+    local_experts: int | None = None,
+    forward: ExpertsForward | None = None,
+    timeline: Timeline | None = None,
+    planner: Planner | None = None,
+    workspace: Workspace | None = None,
+    **options: Unpack[ConfigOptions],
+) -> Tensor:
+    """:func:`fused_expert` with any experts module in place of mc2's SwiGLU.
+
+    The same pipeline (dispatch, experts, combine per micro-batch, overlapped; the backward
+    pipelined with the gradient exchanges), with ``experts``' own forward as the experts stage
+    and its backward by autograd, one micro-batch at a time
+    (:mod:`mc2.engine.compute.module_experts`).
+
+    Args:
+        experts: this rank's experts. Called as Hugging Face calls an experts module:
+            ``forward(rows [R, H], local_ids [R, 1] int64, weights [R, 1]) -> [R, H]``, with
+            rows grouped by local expert and unit weights (``routing_weights`` are applied
+            after the combine). Its floating-point parameters, as they are at the call, get
+            gradients.
+        local_experts: experts on this rank (default ``experts.num_experts``).
+        forward: the forward to run instead of ``experts.forward`` (a module whose ``forward``
+            was replaced, as Hugging Face's expert parallelism does, keeps the original).
+
+    Everything else is as in :func:`fused_expert` (no shared experts: a model computes them
+    beside the call). Under ``torch.compile`` the call runs eagerly (a graph break); inside a
+    selective-checkpointing region it is refused (its recompute would run its collectives
+    again): use full checkpointing, which runs the call again as a whole.
+    """
+    module = ModuleExperts.of(experts, x.shape[-1], forward=forward,
+                              local_experts=local_experts)
+    if selective_region():
+        raise ValueError("fused_expert_module cannot run inside a selective activation "
+                         "checkpointing region; checkpoint the whole layer instead")
+    cfg, problem = resolve_config(config, dict(options))
+    x, named, routing_weights, _ = autocast_inputs(
+        x, dict(zip(module.names, module.params)), routing_weights, ())
+    module = module.bound(tuple(named.values()))
+    shared = (None, None, None, None)
+
+    def planned_and_run() -> Tensor:
+        call, _, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
+                                     problem=problem, shared=shared, packed=False, group=group,
+                                     num_experts=num_experts, timeline=timeline,
+                                     planner=planner, workspace=workspace, module=module,
+                                     timeout=resolve_timeout(cfg.timeout))
+        return FusedExpertFunction.apply(call, x, combine, *shared, *module.tensors())
+
+    return guarded(planned_and_run, cfg, x)

@@ -111,8 +111,9 @@ class _Begin(torch.autograd.Function):
             state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[2:5]
         state.needs.experts = tuple(flags[2 + 3 * shared:])
         flat = x.reshape(-1, x.shape[-1])
-        state.forward = forward_stages(flat, state.inputs.routed_weights(),
-                                       state.inputs.shared_weights(), state.call)
+        state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
+                                       state.inputs.shared_weights(), state.call,
+                                       state.needs.experts)
         state.step_forward()
         return _token(x)
 

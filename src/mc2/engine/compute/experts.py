@@ -115,6 +115,29 @@ class ExpertWeights:
         return ExpertWeights(self.down.detach(), pick(self.gate_up), pick(self.gate),
                              pick(self.up))
 
+    @property
+    def element_size(self) -> int:
+        return self.down.element_size()
+
+    @property
+    def cache_key(self) -> tuple:
+        """What the planner's calibration depends on."""
+        return (tuple(self.down.shape), self.packed, self.dtype, self.device.type)
+
+    @property
+    def anchor(self) -> Tensor:
+        """What names these experts across a forward and its recompute."""
+        return self.down
+
+    def for_calibration(self) -> "ExpertWeights":
+        """One expert, detached: what the planner times."""
+        return self.detached().first(1)
+
+    def step(self, rows: int, strategy: str) -> None:
+        """A forward and backward of ``rows`` random rows through the first expert."""
+        x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
+        forward_and_backward(x, [rows], self, strategy=strategy)
+
 
 def _ranges(counts: list[int]) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` for every expert with at least one row."""

@@ -30,6 +30,7 @@ from mc2.engine.transport.comm import exchange_counts, gather_counts, group_size
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.transport.env import warn_sync_fallback
 from mc2.engine.compute.experts import ExpertWeights
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
 from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
@@ -69,6 +70,9 @@ class CallPlan:
             treat the rounding as the identity (straight-through): the gradient of a quantised
             transfer is taken to be 1.
         timeout: seconds per wait (:mod:`mc2.engine.transport.deadline`); the backward's too.
+        module: the routed experts as a module stage
+            (:mod:`~mc2.engine.compute.module_experts`), or ``None``: mc2's SwiGLU on the
+            call's weight tensors.
     """
 
     handle: DispatchHandle
@@ -81,6 +85,7 @@ class CallPlan:
     on_pass_done: Callable[[str, Interval], None] | None = None
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
     timeout: float | None = None
+    module: ModuleExperts | None = None
 
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
@@ -137,16 +142,19 @@ def _fall_back_if_needed(config: MC2Config, style: CommStyle, timeline: Timeline
 
 def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing_weights: Any,
                  shared: tuple, config: MC2Config, *, packed: bool, world: int,
-                 num_experts: int | None) -> tuple[str | None, ExpertWeights | None]:
+                 num_experts: int | None, module: ModuleExperts | None = None
+                 ) -> tuple[str | None, ExpertWeights | ModuleExperts | None]:
     """What is wrong with this rank's call (no tensor's values read), and its weights."""
     problem = local_problem(
         x, named_weights, expert_ids, routing_weights, packed=packed, world_size=world,
-        num_experts=num_experts,
+        num_experts=num_experts, module=module,
     ) or shared_problem(x, *shared) or wire_problem(config.wire_dtype, config.wire_block,
                                                      x.shape[-1]) \
         or strategy_problem(config.gemm, x.dtype, x.device)
     if problem is not None:
         return problem, None
+    if module is not None:
+        return None, module
     if packed:
         return None, ExpertWeights.packed_of(named_weights["weights_gate_up"],
                                              named_weights["weights_down"])
@@ -154,7 +162,7 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
                                         named_weights["weights_down"])
 
 
-def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWeights | None,
+def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: tuple[WireFormat, WireFormat],
                   planner: Planner | None, group: Any) -> dict[str, int]:
     """The values every rank must share, as the handshake carries them (zeros when this rank's
@@ -176,7 +184,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: ExpertWe
     return facts
 
 
-def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: ExpertWeights,
+def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
               group: Any, strategy: str, needs_grad: bool, wire: tuple[WireFormat, WireFormat],
               timeline: Timeline | None) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
     """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``."""
@@ -198,7 +206,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
     return choice.micro_batches, choice.on_pass_done, wire
 
 
-def _routes(x: Tensor, expert_ids: Tensor, weights: ExpertWeights, k: int, capacity: int,
+def _routes(x: Tensor, expert_ids: Tensor, weights: Any, k: int, capacity: int,
             style: CommStyle, agreement: Any, config: MC2Config,
             wire: tuple[WireFormat, WireFormat], group: Any, timeline: Timeline | None,
             workspace: Workspace) -> tuple[Any, Tensor]:
@@ -253,14 +261,16 @@ def plan_call(
     workspace: Workspace | None = None,
     timeout: float | None = None,
     needs_grad: bool | None = None,
-) -> tuple[CallPlan, ExpertWeights, Tensor]:
+    module: ModuleExperts | None = None,
+) -> tuple[CallPlan, ExpertWeights | ModuleExperts, Tensor]:
     """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
     weights. Raises ``ValueError`` on every rank when any rank's input is bad.
 
     ``problem``: what the caller already found wrong (a bad option), carried to the handshake
     so that every rank raises with it. ``shared``: the shared experts ``(up, gate, down)`` and
     their per-token ``scale``, each or all ``None``. ``needs_grad``: whether a backward follows
-    (default: from autograd; a traced call says so itself).
+    (default: from autograd; a traced call says so itself). ``module``: the routed experts as a
+    module stage (``named_weights`` then holds its parameters).
     """
     timeline = timeline if timeline is not None else active_timeline()
     world = group_size(group)
@@ -270,7 +280,8 @@ def plan_call(
     style = style_of(group, device)  # looked up once, handed to every exchange of the call
     config = _fall_back_if_needed(config, style, timeline)
     found, weights = _local_check(x, named_weights, expert_ids, routing_weights, shared, config,
-                                  packed=packed, world=world, num_experts=num_experts)
+                                  packed=packed, world=world, num_experts=num_experts,
+                                  module=module)
     problem = problem or found
     wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
@@ -298,5 +309,5 @@ def plan_call(
                             group, timeline, pool)
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
-                    on_pass_done=on_pass_done, wire=wire, timeout=timeout)
+                    on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module)
     return call, weights, combine_weights(routing_weights, ids2d, x)

@@ -79,6 +79,8 @@ def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights) -> str:
     """A concrete strategy for a validated ``strategy`` on these weights (their device)."""
     if strategy != "auto":
         return strategy
+    if not isinstance(weights, ExpertWeights):  # a module stage runs its own GEMMs
+        return "loop"
     if grouped_problem(weights.dtype, weights.device) is not None:
         return "loop"
     key = (weights.packed, tuple(weights.down.shape), weights.dtype, str(weights.device))

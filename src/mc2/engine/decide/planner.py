@@ -45,7 +45,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mc2.device.clock import Interval, clock_for
 from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_key, group_size
-from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
+from mc2.engine.compute.experts import ExpertWeights
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
@@ -283,16 +284,15 @@ class Planner:
         # the last forward's choice per weight tensor, for a call made again in a backward
         self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def calibration(self, weights: ExpertWeights, group: Any, strategy: str = "loop"
+    def calibration(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop"
                     ) -> Calibration:
         """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
-        key = (tuple(weights.down.shape), weights.packed, weights.dtype, weights.device.type,
-               group_key(group))
+        key = (weights.cache_key, group_key(group))
         if key not in self._cache:
             self._cache[key] = self._measure(weights, group, strategy)
         return self._cache[key]
 
-    def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+    def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
              strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> int:
         """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
         the group), without trials."""
@@ -302,7 +302,7 @@ class Planner:
         return choose(cal, self.workload(max_tokens, topk, weights, group, wire),
                       self.candidates, self.min_gain, max_tokens)
 
-    def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+    def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE
                ) -> list[int]:
         """The candidates the model allows, best predicted first."""
@@ -311,7 +311,7 @@ class Planner:
         allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
         return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
 
-    def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+    def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", needs_grad: bool = True,
                wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
@@ -324,7 +324,7 @@ class Planner:
         choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                               strategy=strategy, wire=wire)
         self._calls[group_key(group)] = self.digest(group) + 1
-        self._forward_choice[weights.down] = Choice(choice.micro_batches,
+        self._forward_choice[weights.anchor] = Choice(choice.micro_batches,
                                                     plain_rows=choice.plain_rows)
         return choice
 
@@ -334,18 +334,17 @@ class Planner:
         peers do not run), so the handshake makes them agree first."""
         return self._calls.get(group_key(group), 0)
 
-    def again(self, weights: ExpertWeights) -> Choice:
+    def again(self, weights: ExpertWeights | ModuleExperts) -> Choice:
         """The choice of the last forward with these weights, for a call made again during a
         backward (a recompute under activation checkpointing: it must run the K its forward
         ran, or PyTorch finds other saved shapes). Counts no trial, runs no collective."""
-        return self._forward_choice.get(weights.down, Choice(1))
+        return self._forward_choice.get(weights.anchor, Choice(1))
 
-    def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+    def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                 strategy: str, wire: tuple[WireFormat, WireFormat]) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
-        key = (bucket(max_tokens), topk, tuple(weights.down.shape), weights.packed,
-               weights.dtype, weights.device.type, group_key(group), strategy,
+        key = (bucket(max_tokens), topk, weights.cache_key, group_key(group), strategy,
                wire[0].code, wire[1].code)
         state = self._shapes.get(key)
         if state is None:
@@ -372,7 +371,7 @@ class Planner:
         return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
 
     @staticmethod
-    def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+    def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
                             slowest: list[float], state: _Trials) -> None:
         best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
         plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
@@ -392,7 +391,7 @@ class Planner:
                                 for k, v in s.samples.items()}}
                 for key, s in self._shapes.items()}
 
-    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights, group: Any,
+    def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                  wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Workload:
         hidden, dtype = weights.hidden, weights.dtype
         per_row = None
@@ -400,10 +399,10 @@ class Planner:
             per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2
         return Workload(rows_per_rank=max_tokens * topk, hidden=hidden,
                         local_experts=weights.local_experts, world_size=group_size(group),
-                        element_size=weights.down.element_size(), wire_bytes_per_row=per_row,
+                        element_size=weights.element_size, wire_bytes_per_row=per_row,
                         codec_s_per_row=self.codec_cost(wire, weights, group))
 
-    def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights,
+    def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
                    group: Any) -> float:
         """Measured seconds per routed row to encode + decode (the group's maximum; cached)."""
         if all(f.kind is None for f in wire):
@@ -417,9 +416,9 @@ class Planner:
             self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
 
-    def _measure(self, weights: ExpertWeights, group: Any, strategy: str) -> Calibration:
+    def _measure(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str) -> Calibration:
         """Every constant of the model, each rank's own, then the group's maximum."""
-        one = weights.detached().first(1)
+        one = weights.for_calibration()
         probe = _Probe(one, strategy, group, self.repeats)
         with torch.no_grad():
             small, large = 4, 256  # large enough to see cache effects of big micro-batches
@@ -438,7 +437,7 @@ class Planner:
 class _Probe:
     """The measurements behind a :class:`Calibration`, on one expert of this rank's."""
 
-    one: ExpertWeights
+    one: ExpertWeights | ModuleExperts
     strategy: str
     group: Any
     repeats: int
@@ -448,8 +447,7 @@ class _Probe:
 
     def expert_step(self, rows: int) -> None:
         """Forward and backward of ``rows`` rows through one expert."""
-        x = torch.randn(rows, self.one.hidden, dtype=self.one.dtype, device=self.one.device)
-        forward_and_backward(x, [rows], self.one, strategy=self.strategy)
+        self.one.step(rows, self.strategy)
 
     def a2a(self, rows_per_peer: int, async_op: bool = False) -> Any:
         world = group_size(self.group)
@@ -469,7 +467,7 @@ class _Probe:
         self.a2a(row_small).wait()
         t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
         world = group_size(self.group)
-        bytes_per = lambda r: r * (world - 1) * self.one.hidden * self.one.down.element_size()  # noqa: E731
+        bytes_per = lambda r: r * (world - 1) * self.one.hidden * self.one.element_size  # noqa: E731
         latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large), t_big)
         # compute alone vs with a transfer in flight
         rows = min(max(large, int(4 * t_big / max(per_row, 1e-9))), 4096)

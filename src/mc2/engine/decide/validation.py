@@ -82,12 +82,15 @@ def local_problem(
     packed: bool,
     world_size: int,
     num_experts: int | None,
+    module: Any = None,
 ) -> str | None:
     """A human-readable description of what is wrong with this rank's arguments, or ``None``.
 
     ``weights`` maps argument names to the expert weights: ``weights_up``, ``weights_gate``,
     ``weights_down`` (split layout) or ``weights_gate_up``, ``weights_down`` (``packed``).
-    Reads no tensor's values (the expert-id range is checked in the handshake, on the device).
+    ``module``: the routed experts as a module stage
+    (:class:`~mc2.engine.compute.module_experts.ModuleExperts`) instead of ``weights``. Reads no
+    tensor's values (the expert-id range is checked in the handshake, on the device).
     """
     if (msg := _is_tensor("x", x)) is not None or (msg := _is_tensor("expert_ids", expert_ids)):
         return msg
@@ -95,9 +98,16 @@ def local_problem(
         return f"x must be float64/float32/bfloat16/float16, got {x.dtype}"
     if x.dim() not in (2, 3):
         return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
-    if (msg := _weights_problem(x, weights, packed)) is not None:
+    if module is not None:
+        if module.hidden != x.shape[-1]:
+            return f"the experts module's hidden size {module.hidden} != x's {x.shape[-1]}"
+        if any(p.device != x.device for p in module.params):
+            return f"the experts module's parameters must be on x's device {x.device}"
+        local = module.local_experts
+    elif (msg := _weights_problem(x, weights, packed)) is not None:
         return msg
-    local = weights["weights_down"].shape[0]
+    else:
+        local = weights["weights_down"].shape[0]
     total_experts = world_size * local
     if num_experts is not None and num_experts != total_experts:
         return (f"num_experts={num_experts} does not match the group: {world_size} ranks x "

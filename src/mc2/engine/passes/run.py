@@ -42,6 +42,7 @@ from mc2.device.clock import Interval, clock_for
 from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGradInputs, WeightGrads, swiglu_backward_input, swiglu_forward
 )
+from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.decide.routing import MicroBatchRoute
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline, start_pass
@@ -90,7 +91,10 @@ class CallInputs(Generic[T]):
             return None
         return ExpertWeights.split_of(self.shared_up, self.shared_gate, self.shared_down)
 
-    def routed_weights(self) -> ExpertWeights:
+    def routed_weights(self, call: CallPlan | None = None) -> ExpertWeights | ModuleExperts:
+        """The routed experts: a module's (:attr:`CallPlan.module`) or mc2's SwiGLU."""
+        if call is not None and call.module is not None:
+            return call.module.bound(tuple(self.experts))
         return ExpertWeights.in_order(tuple(self.experts))
 
     @property
@@ -116,23 +120,25 @@ class ForwardState:
 
     call: CallPlan
     x_shape: torch.Size
-    activations: list[ExpertActivations | None]
+    activations: list[Any]
     shared_gate_up: Tensor | None = None
     expert_out: Tensor | None = None
     shared_out: Tensor | None = None
 
     def tensors(self) -> list[Tensor | None]:
         """Every tensor of the state (for ``save_for_backward``), in :meth:`with_tensors`'
-        order."""
-        rows = [t for a in self.activations if a is not None for t in (a.x, a.gate_up)]
+        order. A module stage's activations are its own autograd graph: they stay as they
+        are (:mod:`~mc2.engine.compute.module_experts`)."""
+        rows = [t for a in self.activations if isinstance(a, ExpertActivations)
+                for t in (a.x, a.gate_up)]
         return [self.shared_gate_up, self.expert_out, self.shared_out, *rows]
 
     def with_tensors(self, tensors: list[Tensor | None]) -> "ForwardState":
         """The state with :meth:`tensors` replaced (as a saved-tensor hook hands them back)."""
         shared_gate_up, expert_out, shared_out, *rows = tensors
         pairs = iter(zip(rows[0::2], rows[1::2]))
-        activations = [ExpertActivations(*next(pairs)) if a is not None else None
-                       for a in self.activations]
+        activations = [ExpertActivations(*next(pairs)) if isinstance(a, ExpertActivations)
+                       else a for a in self.activations]
         return ForwardState(self.call, self.x_shape, activations, shared_gate_up, expert_out,
                             shared_out)
 
@@ -193,10 +199,12 @@ def finished(stages: Generator[str, None, Any]) -> Any:
     return step[1]
 
 
-def forward_stages(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | None,
-                   call: CallPlan) -> Generator[str, None, PassOutput]:
+def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
+                   shared: ExpertWeights | None, call: CallPlan,
+                   needs: tuple[bool, ...] = ()) -> Generator[str, None, PassOutput]:
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
-    first dispatch), stopping before each wait; returns what the pass produced."""
+    first dispatch), stopping before each wait; returns what the pass produced. ``needs``:
+    which routed expert tensors need a gradient (a module stage records only those)."""
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
     result = PassOutput(ws.empty((tokens * topk, hidden), x.dtype, x.device),
@@ -210,10 +218,15 @@ def forward_stages(x: Tensor, weights: ExpertWeights, shared: ExpertWeights | No
 
     def compute(i: int, received: Tensor) -> Tensor:
         route = routes[i]
-        y, result.activations[i] = swiglu_forward(
-            _to_expert_order(ws, route, received), route.expert_counts, weights,
-            strategy=call.strategy, keep_activations=call.keep_activations, workspace=ws,
-            offsets=route.expert_offsets)
+        rows = _to_expert_order(ws, route, received)
+        if isinstance(weights, ModuleExperts):
+            y, result.activations[i] = weights.run(rows, route.expert_offsets,
+                                                   keep=call.keep_activations, needs=needs)
+        else:
+            y, result.activations[i] = swiglu_forward(
+                rows, route.expert_counts, weights, strategy=call.strategy,
+                keep_activations=call.keep_activations, workspace=ws,
+                offsets=route.expert_offsets)
         return _to_receive_order(ws, route, y)
 
     yield from _stages(call, PipelineSteps(
@@ -259,11 +272,12 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     call = state.call
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, hidden = call.handle.num_tokens, grad_out.shape[-1]
-    weights, shared = inputs.routed_weights(), inputs.shared_weights()
+    weights, shared = inputs.routed_weights(call), inputs.shared_weights()
     flat_x = inputs.x.reshape(-1, hidden)
     flat_weights = inputs.combine.reshape(-1)
     grad_x = ws.empty((tokens, hidden), grad_out.dtype, grad_out.device).zero_()
-    grads = WeightGrads(weights, tuple(needs.experts), ws)
+    grads = ModuleGrads(weights, tuple(needs.experts)) if isinstance(weights, ModuleExperts) \
+        else WeightGrads(weights, tuple(needs.experts), ws)
     shared_grads = WeightGrads(shared, needs.shared_needs, ws) if shared is not None else None
     pending: list[WeightGradInputs | None] = [None] * len(routes)
 
@@ -274,15 +288,20 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
 
     def compute(i: int, received: Tensor) -> Tensor:
         route = routes[i]
-        grad_in, pending[i] = swiglu_backward_input(
-            _to_expert_order(ws, route, received), state.activations[i], route.expert_counts,
-            weights, strategy=call.strategy, workspace=ws, offsets=route.expert_offsets)
+        rows = _to_expert_order(ws, route, received)
+        if isinstance(grads, ModuleGrads):  # inputs and parameters in one call
+            grad_in = grads.experts.backward(state.activations[i], rows, grads)
+        else:
+            grad_in, pending[i] = swiglu_backward_input(
+                rows, state.activations[i], route.expert_counts, weights,
+                strategy=call.strategy, workspace=ws, offsets=route.expert_offsets)
         state.activations[i] = None  # free as we go
         return _to_receive_order(ws, route, grad_in)
 
     def weight_grads(i: int) -> None:
-        grads.add(pending[i], strategy=call.strategy)
-        pending[i] = None
+        if pending[i] is not None:
+            grads.add(pending[i], strategy=call.strategy)
+            pending[i] = None
 
     def shared_experts() -> None:
         if state.shared_gate_up is None or shared_grads is None:
@@ -352,8 +371,8 @@ def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bo
     done = _timed(call, "forward", inputs.x.device)
     shape = inputs.x.shape
     flat = inputs.x.reshape(-1, shape[-1])
-    output = finished(forward_stages(flat, inputs.routed_weights(), inputs.shared_weights(),
-                                     call))
+    output = finished(forward_stages(flat, inputs.routed_weights(call), inputs.shared_weights(),
+                                     call, tuple(needs.experts)))
     out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
     state = state_of(output, call, shape, needs)
     if not call.keep_activations:

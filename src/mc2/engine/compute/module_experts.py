@@ -1,0 +1,200 @@
+"""Any experts module as a stage of the pipeline: rows in, rows out, its backward by autograd.
+
+mc2's own SwiGLU (:mod:`.experts`) has a hand-written backward and reuses its buffers; it stays
+the fast path where a model's experts are exactly that. Every other expert (biases, gpt-oss's
+clamped activation, another activation, a kernel of the model's own) runs here: the module's
+own forward on each micro-batch's rows, recorded by autograd as a graph of its own, whose
+backward runs when that micro-batch's gradient rows arrive, pipelined with the gradient
+exchanges exactly as the SwiGLU stage is.
+
+**The contract** is Hugging Face's experts forward, so that a model's experts module (any
+``experts_implementation``: ``eager``, ``grouped_mm``, ``batched_mm``) runs unchanged::
+
+    forward(rows [R, H], local_ids [R, 1] int64, weights [R, 1]) -> [R, H]
+
+Rows arrive grouped by local expert (ids ascending); ``weights`` are ones: the routing weights
+are applied where the token lives, after the combine, as in the SwiGLU stage.
+
+**Why a graph per micro-batch, and why one backward call for inputs and weights.** The rows'
+gradient must go back on the wire as soon as it exists; the SwiGLU stage computes the weight
+gradients afterwards, while it travels. Splitting an arbitrary module's backward the same way
+would run part of it twice (the gradient reaching the down projection's input is needed by
+both), about a quarter more backward work for a SwiGLU; one ``torch.autograd.grad`` per
+micro-batch computes both at once, and the gradient rows still leave before the next
+micro-batch's backward starts.
+
+**Parameters** are the module's tensors as the call sees them (Hugging Face's expert
+parallelism swaps its DTensor parameters for their local shards during the call): they are
+inputs of the call's autograd node, and the stage runs the module with detached leaves in
+their place (``torch.func.functional_call``'s reparametrisation), so gradients reach the
+originals through the node, whatever they are (parameters, views of DTensors, FSDP2 shards
+gathered for the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class ModuleActivations:
+    """One micro-batch's forward, kept for its backward: the rows as a leaf, the leaves that
+    stood for the parameters, and the module's output (the root of its autograd graph)."""
+
+    rows: Tensor
+    leaves: tuple[Tensor, ...]
+    out: Tensor
+
+
+@dataclass(frozen=True)
+class ModuleExperts:
+    """This rank's experts as a module (see the module docstring).
+
+    Attributes:
+        module: holds the parameters (by ``names``).
+        forward: the experts forward to run (default ``module.forward``; Hugging Face's expert
+            parallelism replaces ``module.forward`` and keeps the original, which is this).
+        local_experts: experts on this rank.
+        hidden: the rows' width.
+        names: the parameters' names in ``module``, in the order of :meth:`tensors`.
+        params: the parameters as this call sees them.
+    """
+
+    module: nn.Module
+    forward: ExpertsForward
+    local_experts: int
+    hidden: int
+    names: tuple[str, ...]
+    params: tuple[Tensor, ...]
+
+    @staticmethod
+    def of(module: nn.Module, hidden: int, *, forward: ExpertsForward | None = None,
+           local_experts: int | None = None) -> "ModuleExperts":
+        """The module's floating-point parameters, read now (inside any context that swapped
+        them, e.g. Hugging Face's local shards of DTensor parameters)."""
+        named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+        if local_experts is None:
+            local_experts = getattr(module, "num_experts", None)
+        if not isinstance(local_experts, int) or local_experts < 1:
+            raise ValueError("fused_expert_module: pass local_experts= (the module has no "
+                             "integer num_experts attribute)")
+        return ModuleExperts(module, forward or module.forward, local_experts, hidden,
+                             tuple(n for n, _ in named), tuple(p for _, p in named))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.params
+
+    def bound(self, tensors: tuple[Tensor, ...]) -> "ModuleExperts":
+        """The same experts with ``tensors`` as their parameters (the autograd node's)."""
+        return replace(self, params=tuple(tensors))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype if self.params else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    @property
+    def ffn(self) -> int:
+        """Elements per expert and hidden unit: what the handshake compares (ranks running
+        other experts must not exchange rows) and a width for the planner's sizes."""
+        return sum(p.numel() for p in self.params) // max(1, self.local_experts * self.hidden)
+
+    @property
+    def element_size(self) -> int:
+        return self.params[0].element_size() if self.params else 4
+
+    @property
+    def cache_key(self) -> tuple:
+        """What the planner's calibration depends on."""
+        return ("module", type(self.module).__qualname__,
+                tuple(tuple(p.shape) for p in self.params), self.dtype, self.device.type)
+
+    @property
+    def anchor(self) -> Any:
+        """What names these experts across a forward and its recompute."""
+        return self.module
+
+    def for_calibration(self) -> "ModuleExperts":
+        return self
+
+    def run(self, rows: Tensor, offsets: Tensor, *, keep: bool, needs: tuple[bool, ...]
+            ) -> tuple[Tensor, ModuleActivations | None]:
+        """The module on expert-grouped ``rows`` (``offsets``: each local expert's running end,
+        on the device); with ``keep``, what :meth:`backward` needs."""
+        ids = torch.searchsorted(offsets.to(torch.int64),
+                                 torch.arange(rows.shape[0], device=rows.device), right=True)
+        ids = ids.clamp_(max=self.local_experts - 1).unsqueeze(1)
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        if not keep:
+            with torch.no_grad():
+                return self._call(rows, ids, ones, self.params), None
+        leaf = rows.detach().requires_grad_(True)
+        leaves = tuple(p.detach().requires_grad_(need) for p, need in zip(self.params, needs))
+        # the module's own graph, whatever saved-tensor hooks surround the call (an offload or
+        # checkpoint hook would otherwise pack tensors this stage unpacks itself)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = self._call(leaf, ids, ones, leaves)
+        return out.detach(), ModuleActivations(leaf, leaves, out)
+
+    def _call(self, rows: Tensor, ids: Tensor, ones: Tensor, params: tuple[Tensor, ...]
+              ) -> Tensor:
+        with _reparametrize_module(self.module, dict(zip(self.names, params))):
+            out = self.forward(rows, ids, ones)
+        if tuple(out.shape) != tuple(rows.shape):
+            raise ValueError(f"fused_expert_module: the experts returned {tuple(out.shape)} "
+                             f"for rows {tuple(rows.shape)}; they must return one row per row")
+        return out
+
+    def backward(self, saved: ModuleActivations, grad_out: Tensor, grads: "ModuleGrads"
+                 ) -> Tensor:
+        """The rows' gradient; the parameters' gradients added to ``grads``."""
+        wanted = [saved.rows] + [leaf for leaf in saved.leaves if leaf.requires_grad]
+        if not saved.out.requires_grad:  # nothing in the module depends on a leaf
+            return torch.zeros_like(saved.rows)
+        found = torch.autograd.grad(saved.out, wanted, grad_out, allow_unused=True)
+        grads.add([g for g, leaf in zip(found[1:], wanted[1:])],
+                  [i for i, leaf in enumerate(saved.leaves) if leaf.requires_grad])
+        return found[0] if found[0] is not None else torch.zeros_like(saved.rows)
+
+    def step(self, rows: int, strategy: str) -> None:
+        """A forward and backward of ``rows`` random rows through the first expert (the
+        planner's calibration)."""
+        x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
+        offsets = torch.full((self.local_experts,), rows, dtype=torch.int64, device=self.device)
+        out, saved = self.run(x, offsets, keep=True, needs=(True,) * len(self.params))
+        assert saved is not None
+        self.backward(saved, torch.ones_like(out), ModuleGrads(self, (True,) * len(self.params)))
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+class ModuleGrads:
+    """The parameters' gradients of one backward, summed over its micro-batches (zeros for a
+    parameter no row reached)."""
+
+    def __init__(self, experts: ModuleExperts, needed: tuple[bool, ...]) -> None:
+        self.experts = experts
+        self.needed = tuple(needed) + (False,) * (len(experts.params) - len(needed))
+        self._grads: list[Tensor | None] = [None] * len(experts.params)
+
+    def add(self, grads: list[Tensor | None], indices: list[int]) -> None:
+        for i, g in zip(indices, grads):
+            if g is None:
+                continue
+            self._grads[i] = g if self._grads[i] is None else self._grads[i].add_(g)
+
+    def finish(self) -> tuple[Tensor | None, ...]:
+        return tuple((g if g is not None else torch.zeros_like(p)) if need else None
+                     for g, p, need in zip(self._grads, self.experts.params, self.needed))
