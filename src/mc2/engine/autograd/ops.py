@@ -220,7 +220,6 @@ def fused_expert_packed(
                 timeline=timeline, planner=planner, workspace=workspace)
 
 
-@torch.compiler.disable
 def fused_expert_module(
     x: Tensor,
     experts: torch.nn.Module,
@@ -255,10 +254,14 @@ def fused_expert_module(
             was replaced, as Hugging Face's expert parallelism does, keeps the original).
 
     Everything else is as in :func:`fused_expert` (no shared experts: a model computes them
-    beside the call). Under ``torch.compile`` the call runs eagerly (a graph break); inside a
-    selective-checkpointing region it is refused (its recompute would run its collectives
-    again): use full checkpointing, which runs the call again as a whole.
+    beside the call). Not traceable by ``torch.compile``/``torch.export`` (a module is no
+    operator argument: use :func:`fused_expert_packed` there), and refused inside a
+    selective-checkpointing region (its recompute would run its collectives again): use full
+    checkpointing, which runs the call again as a whole.
     """
+    if torch.compiler.is_compiling():
+        raise ValueError("fused_expert_module cannot be traced by torch.compile or torch.export "
+                         "(a module is no operator argument); use fused_expert_packed there")
     module = ModuleExperts.of(experts, x.shape[-1], forward=forward,
                               local_experts=local_experts)
     if selective_region():

@@ -130,7 +130,10 @@ class ModuleExperts:
     def run(self, rows: Tensor, offsets: Tensor, *, keep: bool, needs: tuple[bool, ...]
             ) -> tuple[Tensor, ModuleActivations | None]:
         """The module on expert-grouped ``rows`` (``offsets``: each local expert's running end,
-        on the device); with ``keep``, what :meth:`backward` needs."""
+        on the device); with ``keep``, what :meth:`backward` needs. No row: the module is not
+        called (some experts kernels refuse empty inputs), and nothing is kept."""
+        if rows.shape[0] == 0:
+            return rows.new_zeros(rows.shape), None
         ids = torch.searchsorted(offsets.to(torch.int64),
                                  torch.arange(rows.shape[0], device=rows.device), right=True)
         ids = ids.clamp_(max=self.local_experts - 1).unsqueeze(1)
@@ -155,9 +158,11 @@ class ModuleExperts:
                              f"for rows {tuple(rows.shape)}; they must return one row per row")
         return out
 
-    def backward(self, saved: ModuleActivations, grad_out: Tensor, grads: "ModuleGrads"
+    def backward(self, saved: ModuleActivations | None, grad_out: Tensor, grads: "ModuleGrads"
                  ) -> Tensor:
         """The rows' gradient; the parameters' gradients added to ``grads``."""
+        if saved is None:  # no row reached this rank's experts
+            return torch.zeros_like(grad_out)
         wanted = [saved.rows] + [leaf for leaf in saved.leaves if leaf.requires_grad]
         if not saved.out.requires_grad:  # nothing in the module depends on a leaf
             return torch.zeros_like(saved.rows)
