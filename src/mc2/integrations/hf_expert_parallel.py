@@ -28,7 +28,7 @@ pipeline runs five (handshake, counts, dispatch, combine, the gather of the slic
 ``2 (R-1)/R`` of the batch's rows against the pipeline's ``(R-1)/R (2k/R + 1)``: it is taken
 where it moves no more bytes (``R <= 2k``) or the batch is small (at most
 :data:`ALL_REDUCE_TOKENS` tokens per rank). :attr:`MC2ExpertParallel.last_choice` says what the
-last call ran.
+last call ran; each experts module holds its implementation as ``mc2_expert_parallel``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def _implementation(config: MC2Config) -> type:
             self.all_reduce = AllReduceEP(experts, ep_mesh, tp_mesh) if self.shares_batch \
                 else None
             self.last_choice: str | None = None
+            experts.mc2_expert_parallel = self  # where a user (or a test) finds the choice
 
         def __call__(self, hidden_states: Tensor, top_k_index: Tensor,
                      top_k_weights: Tensor) -> Tensor:

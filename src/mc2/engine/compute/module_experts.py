@@ -33,6 +33,7 @@ gathered for the forward).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -41,6 +42,9 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]
+# modules already tried on one row, by (hidden, dtype, device): a module that cannot take the
+# call's rows fails there, before the handshake, not on the ranks that got rows mid-pipeline
+_TRIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -90,6 +94,26 @@ class ModuleExperts:
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.params
+
+    def problem(self, like: Tensor) -> str | None:
+        """Why the module cannot take rows like ``like``'s, or ``None``: it runs once on one
+        zero row per (width, dtype, device), before the call's handshake, so that a module that
+        fails does so on every rank, as an error, and never mid-pipeline on some ranks while
+        the others wait in a transfer."""
+        key = (self.hidden, like.dtype, str(like.device))
+        if key in _TRIED.get(self.module, set()):
+            return None
+        row = torch.zeros(1, self.hidden, dtype=like.dtype, device=like.device)
+        ids = torch.zeros(1, 1, dtype=torch.int64, device=like.device)
+        try:
+            with torch.no_grad():
+                self._call(row, ids, torch.ones(1, 1, dtype=like.dtype, device=like.device),
+                           self.params)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by the handshake
+            return (f"the experts module {type(self.module).__name__} fails on a row of "
+                    f"width {self.hidden} and dtype {like.dtype}: {type(exc).__name__}: {exc}")
+        _TRIED.setdefault(self.module, set()).add(key)
+        return None
 
     def bound(self, tensors: tuple[Tensor, ...]) -> "ModuleExperts":
         """The same experts with ``tensors`` as their parameters (the autograd node's)."""

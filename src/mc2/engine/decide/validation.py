@@ -99,10 +99,10 @@ def local_problem(
     if x.dim() not in (2, 3):
         return f"x must be [batch, seq, hidden] or [tokens, hidden], got shape {tuple(x.shape)}"
     if module is not None:
-        if module.hidden != x.shape[-1]:
-            return f"the experts module's hidden size {module.hidden} != x's {x.shape[-1]}"
         if any(p.device != x.device for p in module.params):
             return f"the experts module's parameters must be on x's device {x.device}"
+        if (msg := module.problem(x)) is not None:
+            return msg
         local = module.local_experts
     elif (msg := _weights_problem(x, weights, packed)) is not None:
         return msg

@@ -1,0 +1,64 @@
+"""``DistributedConfig(ep_size=2, ep_implementation="mc2")``: Hugging Face's own expert
+parallelism running mc2's pipeline, on ten architectures (mixtral, qwen3_moe, qwen2_moe, olmoe,
+deepseek_v3, gpt_oss, glm4_moe, granitemoe, phimoe, jamba), in both of Hugging Face's layouts,
+float32: logits, loss and every gradient equal to the unsharded model within 1e-5. One world
+per layout runs all ten (mc2.tools.hf_ep_check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from mc2.tools.hf_ep_check import check
+
+ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss",
+                 "glm4_moe", "granitemoe", "phimoe", "jamba"]
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_ten_architectures_equal_the_unsharded_model(layout: str) -> None:
+    results = check(ARCHITECTURES, layout)
+    for model_type, errors in results.items():
+        assert not isinstance(errors, str), f"{model_type}: {errors}"
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-5, f"{model_type} ({layout}): {worst} off by {errors[worst]:.2e}"
+        assert any(k.startswith("grad ") and ".experts." in k for k in errors), model_type
+
+
+def _shared_batch_choices(rank: int, world: int, path: str) -> dict:
+    import os
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        distributed_config=DistributedConfig(tp_size=world, ep_size=world,
+                                             ep_implementation="mc2"))
+    model.eval()
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    impl = [m.mc2_expert_parallel for m in model.modules() if hasattr(m, "mc2_expert_parallel")]
+    with torch.no_grad():
+        no_grad = model(ids).logits
+    choices = {"no_grad": sorted({i.last_choice for i in impl})}
+    grad = model(ids).logits
+    choices["grad"] = sorted({i.last_choice for i in impl})
+    return {"choices": choices, "no_grad": no_grad, "grad": grad.detach()}
+
+
+def test_no_grad_on_a_shared_batch_takes_the_all_reduce_and_says_so(tmp_path) -> None:
+    from mc2.tools.hf_tiny import tiny_model
+
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    for r in mc2.run_local(_shared_batch_choices, 2, args=(str(tmp_path),)):
+        assert r["choices"] == {"no_grad": ["all_reduce"], "grad": ["mc2"]}
+        torch.testing.assert_close(r["no_grad"], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r["grad"], want, atol=1e-5, rtol=1e-5)
