@@ -47,3 +47,35 @@ def test_module_stage_on_one_process_and_its_errors() -> None:
     with pytest.raises(ValueError, match="fails on a row of width 8"):
         mc2.fused_expert_module(problem.xs[0][:, :8], experts, problem.ids[0],
                                 problem.rws[0], local_experts=2)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_enable_mc2_runs_blocks_it_does_not_compute_through_their_own_experts(
+        model_type: str) -> None:
+    """gpt-oss (expert biases, clamped activation) and DeepSeek-V3 (correction bias, shared
+    experts) were refused; now each block keeps its forward and its experts module runs as the
+    pipeline's stage: logits and every gradient equal the unpatched model's (float32)."""
+    from mc2.tools.hf_tiny import tiny_model
+    from tests.workers_module import enable_step
+
+    model = tiny_model(model_type)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 64, (4, 8), generator=g)
+    grad = torch.randn(4, 8, 64, generator=g)
+    logits = model(ids).logits
+    (logits * grad).sum().backward()
+    ref = dict(model.named_parameters())
+    results = mc2.run_local(enable_step, 2, args=(model_type, ids, grad))
+    assert all(r["staged"] == r["replaced"] >= 1 for r in results)
+
+    def close(got, want, what):
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        assert err <= 1e-5, f"{model_type} {what}: {err:.2e}"
+
+    close(torch.cat([r["logits"] for r in results]), logits.detach(), "logits")
+    for name in results[0]["replicated"]:
+        close(sum(r["replicated"][name] for r in results), ref[name].grad, name)
+    for name, (first, grad_local) in results[0]["experts"].items():
+        for r in results:
+            first, grad_local = r["experts"][name]
+            close(grad_local, ref[name].grad[first:first + grad_local.shape[0]], name)

@@ -68,3 +68,23 @@ def module_step(rank: int, world: int, problems: list[Problem], ks: list[int]) -
             results.append({"out": out.detach(), "grad_x": x.grad, "grad_rw": rw.grad,
                             "params": {n: p.grad for n, p in experts.named_parameters()}})
     return results
+
+
+def enable_step(rank: int, world: int, model_type: str, ids: Tensor, grad: Tensor) -> dict:
+    """enable_mc2 on a tiny Hugging Face model whose blocks mc2's SwiGLU does not compute:
+    this rank's logits and gradients (experts by global index)."""
+    from mc2.integrations.module_stage import ModuleStageExperts
+    from mc2.integrations.transformers import enable_mc2
+    from mc2.tools.hf_tiny import tiny_model
+
+    model = tiny_model(model_type)
+    replaced = enable_mc2(model)
+    staged = {n: m for n, m in model.named_modules() if isinstance(m, ModuleStageExperts)}
+    logits = model(ids.chunk(world)[rank]).logits
+    (logits * grad.chunk(world)[rank]).sum().backward()
+    experts = {f"{n}.{p}": (m.first_expert, param.grad)
+               for n, m in staged.items() for p, param in m.mc2_expert_parameters().items()}
+    replicated = {n: p.grad for n, p in model.named_parameters()
+                  if p.grad is not None and not any(n.startswith(s + ".") for s in staged)}
+    return {"logits": logits.detach(), "experts": experts, "replicated": replicated,
+            "replaced": replaced, "staged": len(staged)}

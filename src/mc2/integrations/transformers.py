@@ -12,8 +12,11 @@ Qwen2-MoE's gated shared expert (``shared_expert``, an MLP, and ``shared_expert_
 call as transposed *views* (gradients land on the ``nn.Linear`` weights) together with the
 per-token ``sigmoid(shared_expert_gate(x))``, so it is computed while the first dispatch is in
 flight. A block holding a parameter the adapter does not understand (an expert bias, a
-correction bias, a shared MLP without its gate, ...) is refused with a ``ValueError`` naming it,
-never replaced without it; the router's output is checked (dtypes and shapes, no host read).
+correction bias, a shared MLP without its gate, ...) is not replaced: its experts module, where
+the model's own expert-parallel plan names it, runs as the experts stage of mc2's pipeline with
+its own forward (:mod:`mc2.integrations.module_stage`), and the block's forward stays the
+model's. A block that is neither is refused with a ``ValueError`` naming what it holds; the
+router's output is checked (dtypes and shapes, no host read).
 
 Meta-device initialisation works: build the model under ``torch.device("meta")``, call
 ``enable_mc2``, then ``model.to_empty(device=...)`` and ``model.init_weights()`` (or any flow
@@ -44,6 +47,9 @@ import torch
 from torch import Tensor, nn
 
 from mc2.engine.decide.config import ConfigOptions, MC2Config
+from mc2.integrations.module_stage import (
+    ModuleStageExperts, ep_experts, experts_problem, shard_experts
+)
 from mc2.parallel.expert_shards import expert_shards
 from mc2.parallel.grad_sync import average_gradients
 from mc2.layer import PackedExperts
@@ -435,10 +441,17 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
             (see :func:`mc2.parallel.mesh.resolve_layout`); raised on every rank alike.
     """
     config = MC2Config.of(config, **options)
-    blocks = [(name, m) for name, m in model.named_modules()
-              if not isinstance(m, MC2SparseMoeBlock) and _is_candidate(m)]
+    candidates = [(name, m) for name, m in model.named_modules()
+                  if not isinstance(m, MC2SparseMoeBlock) and _is_candidate(m)]
+    blocks = [(name, m) for name, m in candidates if not block_problems(m)]
+    fast = {f"{name}.experts" if name else "experts" for name, _ in blocks}
+    staged = [(name, m) for name, m in ep_experts(model)
+              if name not in fast and not isinstance(m, ModuleStageExperts)]
+    covered = fast | {name for name, _ in staged}
     problems = [f"{name or '<the model itself>'} ({type(m).__name__}): {'; '.join(found)}"
-                for name, m in blocks if (found := block_problems(m))]
+                for name, m in candidates if (found := block_problems(m))
+                and f"{name}.experts" not in covered]
+    problems += [f"{name}: {why}" for name, m in staged if (why := experts_problem(m))]
     if any(name == "" for name, _ in blocks):
         problems.append("the model itself is a sparse-MoE block: pass the model that holds it")
     if problems:
@@ -447,14 +460,22 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child,
                 MC2SparseMoeBlock(module, group=group, mesh=mesh, config=config))
-    if not blocks:
+    for name, module in staged:  # the model's own experts, as the pipeline's experts stage
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                shard_experts(module, group=group, mesh=mesh, config=config))
+    if not blocks and not staged:
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "
-                         f"experts found in {type(model).__name__}")
+                         f"experts, and no experts module named by the model's expert-parallel "
+                         f"plan, found in {type(model).__name__}")
     _extend_hf_models(model)
+    if batch_overlap and staged:
+        raise ValueError("batch_overlap: runs MC2SparseMoeBlock's stages; these experts run "
+                         f"their own forward ({[name for name, _ in staged]})")
     if batch_overlap:
         _overlap_layers(model, batch_overlap, min_tokens, blocks=[
             m for m in model.modules() if isinstance(m, MC2SparseMoeBlock)])
-    return len(blocks)
+    return len(blocks) + len(staged)
 
 
 def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,

@@ -45,5 +45,6 @@ def expert_shards(model: nn.Module) -> list[ExpertShard]:
     for prefix, module in mc2_modules(model):
         for name, param in module.mc2_expert_parameters().items():
             full = f"{prefix}.{name}" if prefix else name
-            shards.append(ExpertShard(full, param, module.layout, module.num_experts))
+            total = getattr(module, "global_num_experts", None) or module.num_experts
+            shards.append(ExpertShard(full, param, module.layout, total))
     return shards

@@ -30,7 +30,8 @@ SMALL: dict[str, Any] = dict(
     qk_head_dim=16, index_head_dim=8, index_n_heads=2, index_topk=8,
     # state-space and linear-attention layers of the hybrids
     mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
-    mamba_num_heads=4, mamba_head_dim=16, mamba_n_heads=4, mamba_d_head=16, ssm_state_size=8, n_groups=1, mamba_n_groups=1,
+    mamba_num_heads=4, mamba_head_dim=16, mamba_n_heads=4, mamba_d_head=16, ssm_state_size=8,
+    n_groups=1, mamba_n_groups=1,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
     linear_value_head_dim=8, linear_conv_kernel_dim=4, attn_layer_period=2,
     attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,

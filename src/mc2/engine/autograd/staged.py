@@ -88,8 +88,8 @@ class _State:
                 return
 
     def _advanced(self, stages: Generator[str, None, Any] | None) -> tuple[str | None, Any]:
-        """:func:`~mc2.engine.passes.run.advance` under the call's deadline, autocast off (its GEMMs write into
-        buffers of the call's dtype)."""
+        """:func:`~mc2.engine.passes.run.advance` under the call's deadline, autocast off (its
+        GEMMs write into buffers of the call's dtype)."""
         if stages is None:  # a stage run out of order: a bug, never a silent loop
             raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
         with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
