@@ -49,6 +49,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "dots3_note_text": dict(num_key_value_heads=4),
     "glm5_next_text": dict(num_key_value_heads=4),
     "zaya": dict(num_experts_per_tok=1),
+    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2),
+    "beam": dict(mlp_layer_types=["sparse", "sparse"]),
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
 }
 
 
@@ -108,4 +111,11 @@ def tiny_model(model_type: str, seed: int = 0, **changes: Any) -> Any:
         for name, p in model.named_parameters():
             if any(part in name for part in ("experts", "gate", "router", "shared")):
                 p.normal_(0, 0.3)
+        for name, table in model.named_buffers():
+            if name.endswith("tid2eid"):  # hash routing: distinct experts per token id
+                experts = int(table.max()) + 1 if table.numel() else 0
+                experts = max(experts, getattr(config, "n_routed_experts", None)
+                              or getattr(config, "num_local_experts", None) or 4)
+                table.copy_(torch.stack([torch.randperm(experts)[:table.shape[1]]
+                                         for _ in range(table.shape[0])]))
     return model.eval()

@@ -1,0 +1,144 @@
+"""Hugging Face's own expert parallelism, ``ep_implementation`` against ``ep_implementation``.
+
+A Mixtral-shaped model (hidden 1024, ffn 2048, 8 experts, top-2, 2 layers, vocab 4096, 8 heads)
+loaded on 2 local ranks with ``DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation=...)``
+(the layout where ranks hold different batches), one copy per implementation in the same world
+and the same weights. Measured interleaved, implementation by implementation within each round
+(each after one untimed step), the median round counting:
+
+- ``train``: a training step's forward and backward, ``--tokens`` tokens per rank (sequences
+  of 512);
+- ``decode``: a no-grad forward of ``--decode-tokens`` tokens per rank (one token per
+  sequence), as a serving step runs.
+
+Regimes: plain loopback and loopback shaped with ``tc tbf`` (root; always removed)::
+
+    sudo .venv/bin/python benchmarks/hf_ep_step.py --regimes plain,200mbit --json docs/hf_ep_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_peers import ShapedLoopback, can_shape  # noqa: E402
+
+import mc2  # noqa: E402
+
+SHAPE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+             num_experts_per_tok=2, max_position_embeddings=1024)
+SEQ = 512
+
+
+def _save(path: str) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(**SHAPE)).save_pretrained(path)
+
+
+def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decode: int,
+          steps: int, rounds: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401 - registers "mc2"
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    torch.set_num_threads(1)
+    models = {i: AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=world, fsdp_size=world, ep_implementation=i)).train() for i in impls}
+    g = torch.Generator().manual_seed(1 + rank)
+    train_ids = torch.randint(0, SHAPE["vocab_size"], (max(1, tokens // SEQ), min(SEQ, tokens)),
+                              generator=g)
+    decode_ids = torch.randint(0, SHAPE["vocab_size"], (decode, 1), generator=g)
+
+    def train(model: Any) -> None:
+        model(train_ids, labels=train_ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def serve(model: Any) -> None:
+        with torch.no_grad():
+            model(decode_ids)
+
+    times: dict[str, dict[str, list[float]]] = {i: {"train": [], "decode": []} for i in impls}
+    for n in range(rounds):
+        order = impls if n % 2 == 0 else impls[::-1]
+        for impl in order:
+            for what, fn in (("train", train), ("decode", serve)):
+                fn(models[impl])  # untimed: this implementation's steady state
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    fn(models[impl])
+                torch.distributed.barrier()
+                times[impl][what].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
+    impls = args.impls.split(",")
+    call = lambda: mc2.run_local(  # noqa: E731
+        _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds),
+        deadline_s=7200, timeout_s=1800)
+    if regime == "plain":
+        results = call()
+    else:
+        with ShapedLoopback(regime):
+            results = call()
+    row: dict[str, Any] = {"regime": regime}
+    for impl in impls:
+        for what in ("train", "decode"):
+            rounds = [max(r[impl][what][k] for r in results) for k in range(args.rounds)]
+            row[f"{impl} {what}"] = {"median_s": statistics.median(rounds), "rounds_s": rounds}
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--regimes", default="plain", help="plain, or tc tbf rates such as 200mbit")
+    p.add_argument("--impls", default="all_to_all,mc2")
+    p.add_argument("--tokens", type=int, default=2048, help="training tokens per rank")
+    p.add_argument("--decode-tokens", type=int, default=4, help="no-grad tokens per rank")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as path:
+        _save(path)
+        for regime in args.regimes.split(","):
+            if regime != "plain" and (why := can_shape()):
+                print(f"{regime}: skipped ({why})", file=sys.stderr)
+                continue
+            print(f"== {regime}", file=sys.stderr, flush=True)
+            rows.append(run(regime, args, path))
+            impls = args.impls.split(",")
+            base = impls[0]
+            for what in ("train", "decode"):
+                ref = rows[-1][f"{base} {what}"]["median_s"]
+                line = ", ".join(f"{i} {rows[-1][f'{i} {what}']['median_s']:.3f} s "
+                                 f"({ref / rows[-1][f'{i} {what}']['median_s']:.2f}x)"
+                                 for i in impls)
+                print(f"{regime} {what}: {line}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
