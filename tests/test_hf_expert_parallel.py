@@ -62,3 +62,35 @@ def test_no_grad_on_a_shared_batch_takes_the_all_reduce_and_says_so(tmp_path) ->
         assert r["choices"] == {"no_grad": ["all_reduce"], "grad": ["mc2"]}
         torch.testing.assert_close(r["no_grad"], want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r["grad"], want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_generate_and_save_pretrained(tmp_path) -> None:
+    """The rest of Hugging Face's stack around ep_implementation="mc2": full gradient
+    checkpointing (the recompute runs the call again with its forward's K) gives the
+    unsharded gradients; greedy generate gives the unsharded tokens; save_pretrained writes a
+    model that loads unsharded with the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from mc2.tools.hf_tiny import tiny_model
+    from tests.workers_hf_ep import stack_step
+
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "in")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 64, (4, 8), generator=g)
+    prompt = torch.randint(3, 64, (2, 5), generator=g)
+    model(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        want_tokens = model.generate(prompt, max_new_tokens=3, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+    results = mc2.run_local(stack_step, 2, args=(str(tmp_path / "in"), str(tmp_path / "out"),
+                                                 ids, prompt))
+    assert results[0]["ran"] == ["mc2"]
+    for name, p in model.named_parameters():
+        got = results[0]["grads"][name]
+        err = ((got - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-6)).item()
+        assert err <= 1e-5, f"{name}: {err:.2e}"
+    assert torch.equal(torch.cat([r["generated"] for r in results]), want_tokens)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
