@@ -2,7 +2,8 @@
 
 A Mixtral-shaped model (hidden 1024, ffn 2048, 8 experts, top-2, 2 layers, vocab 4096, 8 heads)
 loaded on 2 local ranks with ``DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation=...)``
-(the layout where ranks hold different batches), one copy per implementation in the same world
+(``--layout dp``: ranks hold different batches; ``tp``: the EP group shares one batch,
+``tp_size=2``), one copy per implementation in the same world
 and the same weights. Measured interleaved, implementation by implementation within each round
 (each after one untimed step), the median round counting:
 
@@ -49,18 +50,22 @@ def _save(path: str) -> None:
 
 
 def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decode: int,
-          steps: int, rounds: int) -> dict[str, Any]:
+          steps: int, rounds: int, layout: str = "dp") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    import mc2.integrations.hf_expert_parallel  # noqa: F401 - registers "mc2"
+    from mc2.integrations.hf_expert_parallel import register
 
+    for impl in impls:  # "mc2_k2": mc2 with K fixed at 2, for diagnosis
+        if impl.startswith("mc2_k"):
+            register(impl, mc2.MC2Config(micro_batches=int(impl.removeprefix("mc2_k"))))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
+    sizes = dict(fsdp_size=world) if layout == "dp" else dict(tp_size=world)
     models = {i: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, fsdp_size=world, ep_implementation=i)).train() for i in impls}
-    g = torch.Generator().manual_seed(1 + rank)
+            ep_size=world, ep_implementation=i, **sizes)).train() for i in impls}
+    g = torch.Generator().manual_seed(1 + (rank if layout == "dp" else 0))  # tp: one batch
     train_ids = torch.randint(0, SHAPE["vocab_size"], (max(1, tokens // SEQ), min(SEQ, tokens)),
                               generator=g)
     decode_ids = torch.randint(0, SHAPE["vocab_size"], (decode, 1), generator=g)
@@ -91,7 +96,8 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
 def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     impls = args.impls.split(",")
     call = lambda: mc2.run_local(  # noqa: E731
-        _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds),
+        _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds,
+                        args.layout),
         deadline_s=7200, timeout_s=1800)
     if regime == "plain":
         results = call()
@@ -111,7 +117,11 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--regimes", default="plain", help="plain, or tc tbf rates such as 200mbit")
-    p.add_argument("--impls", default="all_to_all,mc2")
+    p.add_argument("--impls", default="all_to_all,mc2",
+                   help="registered implementations; mc2_k<N> is mc2 with micro_batches=N")
+    p.add_argument("--layout", default="dp", choices=("dp", "tp"),
+                   help="dp: ranks hold different batches (fsdp_size=2); tp: the EP group "
+                        "shares one batch (tp_size=2)")
     p.add_argument("--tokens", type=int, default=2048, help="training tokens per rank")
     p.add_argument("--decode-tokens", type=int, default=4, help="no-grad tokens per rank")
     p.add_argument("--steps", type=int, default=2)
