@@ -26,6 +26,17 @@ def test_ten_architectures_equal_the_unsharded_model(layout: str) -> None:
         assert any(k.startswith("grad ") and ".experts." in k for k in errors), model_type
 
 
+@pytest.mark.parametrize("experts_implementation", ["grouped_mm", "batched_mm"])
+def test_the_models_own_experts_implementation_runs_on_each_micro_batch(
+        experts_implementation: str) -> None:
+    """The experts forward mc2 runs per micro-batch is the model's, whichever kernel it is set
+    to: Mixtral and gpt-oss with grouped_mm and batched_mm equal the unsharded eager model."""
+    results = check(["mixtral", "gpt_oss"], "dp", experts_implementation=experts_implementation)
+    for model_type, errors in results.items():
+        assert not isinstance(errors, str), f"{model_type}: {errors}"
+        assert max(errors.values()) <= 1e-5, (model_type, max(errors, key=errors.get))
+
+
 def _shared_batch_choices(rank: int, world: int, path: str) -> dict:
     import os
 

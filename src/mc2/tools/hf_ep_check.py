@@ -76,7 +76,8 @@ def _distributed_config(layout: str, world: int, implementation: str) -> Any:
 
 
 def rank_step(rank: int, world: int, paths: dict[str, str], layout: str,
-              implementation: str, dtype: Any = None) -> dict[str, Any]:
+              implementation: str, dtype: Any = None,
+              experts_implementation: str = "eager") -> dict[str, Any]:
     """On each rank of a local world: every architecture in ``paths`` loaded with Hugging
     Face's expert parallelism and stepped once; logits, loss, full gradients (rank 0), or the
     error of an architecture that failed."""
@@ -95,11 +96,13 @@ def rank_step(rank: int, world: int, paths: dict[str, str], layout: str,
         try:
             config = _distributed_config(layout, world, implementation)
             try:
-                model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
-                                                             dtype=dtype or torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, distributed_config=config, dtype=dtype or torch.float32,
+                    experts_implementation=experts_implementation)
             except ValueError:
-                model = AutoModel.from_pretrained(path, distributed_config=config,
-                                                  dtype=dtype or torch.float32)
+                model = AutoModel.from_pretrained(
+                    path, distributed_config=config, dtype=dtype or torch.float32,
+                    experts_implementation=experts_implementation)
             model.eval()
             logits, loss = _loss(model, ids)
             loss.backward()
@@ -147,9 +150,11 @@ def _err(got: Any, want: Any) -> float:
 
 
 def check(model_types: list[str], layout: str, *, world: int = 2,
-          implementation: str = "mc2", dtype: Any = None) -> dict[str, dict[str, float] | str]:
+          implementation: str = "mc2", dtype: Any = None,
+          experts_implementation: str = "eager") -> dict[str, dict[str, float] | str]:
     """For each architecture: its errors against the unsharded model (see :func:`compare`), or
-    why it did not build or run."""
+    why it did not build or run. ``experts_implementation``: how the sharded model's experts
+    compute (the reference's run ``eager``)."""
     from mc2.tools.launch import run_local
 
     refs, out = {}, {}
@@ -159,7 +164,8 @@ def check(model_types: list[str], layout: str, *, world: int = 2,
         except Exception as exc:  # noqa: BLE001 - an architecture that does not build
             out[model_type] = f"does not build: {type(exc).__name__}: {exc}"
     paths = {m: r["path"] for m, r in refs.items()}
-    got = run_local(rank_step, world, args=(paths, layout, implementation, dtype),
+    got = run_local(rank_step, world, args=(paths, layout, implementation, dtype,
+                                            experts_implementation),
                     deadline_s=120 + 60 * len(paths))
     for model_type, ref in refs.items():
         out[model_type] = compare(model_type, ref, got, layout, implementation)
