@@ -166,6 +166,7 @@ class ModuleExperts:
             with torch.no_grad():
                 return self._call(rows, ids, ones, self.params), None
         leaf = rows.detach().requires_grad_(True)
+        needs = tuple(needs) + (True,) * (len(self.params) - len(needs))  # unsaid: wanted
         leaves = tuple(p.detach().requires_grad_(need) for p, need in zip(self.params, needs))
         # the module's own graph, whatever saved-tensor hooks surround the call (an offload or
         # checkpoint hook would otherwise pack tensors this stage unpacks itself)
