@@ -22,6 +22,7 @@ from mc2.engine.transport.workspace import Workspace
 from mc2.layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
 from mc2.observation.profiler import Profiler, profile
 from mc2.observation.timeline import Span, Timeline
+from mc2.observation.traffic import Traffic, count_traffic
 from mc2.parallel.fsdp import clip_grad_norm_, fully_shard
 from mc2.parallel.grad_sync import average_gradients
 from mc2.parallel.gradient_buckets import GradientSync
@@ -33,7 +34,7 @@ __all__ = ["fused_expert", "fused_expert_packed", "fused_expert_module", "MC2Con
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync", "fully_shard", "clip_grad_norm_", "checkpoint_policy",
            "load_full_state_dict", "profile", "Profiler", "Timeline", "Span", "run_local",
-           "checkpoint"]
+           "count_traffic", "Traffic", "checkpoint"]
 __version__ = "0.1.0"
 
 

@@ -102,14 +102,18 @@ def _token(like: Tensor) -> Tensor:
 
 class _Begin(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, state: _State, *weights: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, combine: Tensor, state: _State,  # type: ignore[override]
+                *weights: Tensor) -> Tensor:
+        """``combine``: an input here too, for where rows travel once per destination: the
+        routing weights are used by the dispatching ranks' experts, and their gradient comes
+        back with this stage's backward (``None`` from :class:`_End` then)."""
         ctx.state = state
         flags = ctx.needs_input_grad
         shared = state.inputs.shared_up is not None
         state.needs.x = flags[0]
         if shared:
-            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[2:5]
-        state.needs.experts = tuple(flags[2 + 3 * shared:])
+            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[3:6]
+        state.needs.experts = tuple(flags[3 + 3 * shared:])
         flat = x.reshape(-1, x.shape[-1])
         state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
                                        state.inputs.shared_weights(), state.call,
@@ -122,11 +126,11 @@ class _Begin(torch.autograd.Function):
         state: _State = ctx.state
         while state.grads is None:
             state.step_backward()
-        grad_x, expert_grads, shared_grads = state.grads
+        grad_x, expert_grads, shared_grads, grad_combine = state.grads
         state.call.workspace.tick()
         ctx.state = None
         shared = tuple(shared_grads) if state.inputs.shared_up is not None else ()
-        return (grad_x.view(state.inputs.x.shape), None, *shared, *expert_grads)
+        return (grad_x.view(state.inputs.x.shape), grad_combine, None, *shared, *expert_grads)
 
 
 class _Experts(torch.autograd.Function):
@@ -232,5 +236,5 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
-    token = _Begin.apply(x, state, *shared_tensors, *experts)
+    token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)

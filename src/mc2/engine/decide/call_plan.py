@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
 from mc2.observation.timeline import Timeline, maybe_span
+from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import LOCAL, CommStyle
 from mc2.engine.transport.comm import exchange_counts, gather_counts, group_size, style_of
 from mc2.engine.decide.config import MC2Config
@@ -35,8 +36,13 @@ from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
 from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device.clock import Interval
+from mc2.engine.decide.dedup import (
+    chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
+    rows_per_destination
+)
 from mc2.engine.decide.routing import (
-    DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_fractions, read_counts
+    DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_bounds,
+    micro_batch_fractions, read_counts
 )
 from mc2.engine.transport.topology import topology_for
 from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
@@ -48,7 +54,7 @@ SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hi
                 "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
                 "wire_dtype (dispatch)", "wire_dtype (combine)",
                 "the planner's calls on this group (a fresh planner on some ranks only)",
-                "the 2-D exchange's measurements on this group")
+                "the 2-D exchange's measurements on this group", "dedup")
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
             weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
             HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code,
             planner.digest(group) if planner is not None else 0,
-            measured_sizes(group) if config.hierarchy == "auto" else 0)))
+            measured_sizes(group) if config.hierarchy == "auto" else 0, int(config.dedup))))
     return facts
 
 
@@ -198,7 +204,8 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
         with maybe_span(timeline, "compute", "plan", "forward"):
             choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
                                     weights=weights, group=group, strategy=strategy,
-                                    needs_grad=needs_grad, wire=wire)
+                                    needs_grad=needs_grad, wire=wire,
+                                    sent_rows=agreement.max_rows)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
@@ -206,42 +213,83 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
     return choice.micro_batches, choice.on_pass_done, wire
 
 
-def _routes(x: Tensor, expert_ids: Tensor, weights: Any, k: int, capacity: int,
+def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, capacity: int,
             style: CommStyle, agreement: Any, config: MC2Config,
             wire: tuple[WireFormat, WireFormat], group: Any, timeline: Timeline | None,
-            workspace: Workspace) -> tuple[Any, Tensor]:
+            workspace: Workspace, hit: Tensor | None) -> DispatchHandle:
     """Sort, exchange the counts (K agreed in the same message), read every split once, and
-    build the routes; returns the handle and the ``[T, topk]`` ids."""
+    build the routes (with ``hit``, each token's destinations, rows go once per destination:
+    the slot tables are exchanged too, :mod:`mc2.engine.decide.dedup`)."""
     world, local_experts = group_size(group), weights.local_experts
-    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     order, send_counts = local_send_counts(ids2d, world * local_experts, k)
     send_totals = send_counts.view(k, world, local_experts).sum(-1)  # [K, world] rows to each
-    counts = CountsExchange(k, capacity, world, local_experts)
+    sent = None
+    if hit is not None:
+        chunk = chunk_of_token(ids2d.shape[0], micro_batch_bounds(ids2d.shape[0], k), x.device)
+        sent = rows_per_destination(hit, chunk, k)
+        send_totals = sent.counts
+    counts = CountsExchange(k, capacity, world, local_experts, rows=sent is not None)
     with maybe_span(timeline, "comm", "counts", "forward"):
-        payload = exchange_counts(counts.payload(send_counts), group)
-    two_d, totals = None, None
+        payload = exchange_counts(counts.payload(send_counts, send_totals if sent else None),
+                                  group)
+    two_d, totals, node_sent, nodes = None, None, None, 0
     if config.hierarchy != "flat" and world > 1:
         largest = int(agreement.max_tokens * agreement.max_topk * max(micro_batch_fractions(k)))
         two_d = _wants_two_stage(config.hierarchy, group, timeline, largest, x, wire)
         if two_d is not None:  # padded to the agreed largest K: ranks that disagree on K
             # still exchange tensors of one size, and learn it from the counts' headers
-            padded = torch.zeros(capacity, world, dtype=torch.int64, device=x.device)
-            padded[:k] = send_totals
-            with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, world(dst)]
+            nodes = two_d[0].nodes if hit is not None else 0
+            padded = torch.zeros(capacity, world + nodes, dtype=torch.int64, device=x.device)
+            padded[:k, :world] = send_totals
+            if hit is not None:  # rows once per node across the slow link
+                node_sent = rows_per_destination(node_destinations(hit, nodes), chunk, k)
+                padded[:k, world:] = node_sent.counts
+            with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, dst]
                 totals = gather_counts(padded, group)[:, :k].contiguous()
     host = read_counts(counts, send_totals, payload, totals)
-    two_stage = None
+    two_stage, once = None, None
     if two_d is not None:
         topo, (intra, inter) = two_d
-        flat = host.extra
-        nested = [[flat[(src * k + i) * world:(src * k + i + 1) * world] for i in range(k)]
+        width, flat = world + nodes, host.extra
+        nested = [[flat[(src * k + i) * width:(src * k + i + 1) * width] for i in range(k)]
                   for src in range(world)]
-        two_stage = TwoStagePlan(nested, totals, topo.rank, topo.nodes,
-                                 len(topo.ranks_of_node(0)), intra, inter).per_micro_batch()
-    handle = build_handle(ids2d, order, host, counts.received(payload), world_size=world,
-                          local_experts=local_experts, group=group, two_stage=two_stage,
-                          workspace=workspace, style=style)
-    return handle, ids2d
+        plan = TwoStagePlan([[row[:world] for row in r] for r in nested], totals[..., :world],
+                            topo.rank, topo.nodes, len(topo.ranks_of_node(0)), intra, inter,
+                            node_totals=[[row[world:] for row in r] for r in nested]
+                            if node_sent is not None else None)
+        if node_sent is None:
+            two_stage = plan.per_micro_batch()
+        else:
+            with maybe_span(timeline, "comm", "slots", "forward"):
+                rows = exchange_node_tables(
+                    sent, node_sent, k, ids2d, combine, rank_rows=plan.totals,
+                    node_rows=plan.node_totals, totals=totals, rank=topo.rank,
+                    nodes=topo.nodes, per_node=plan.per_node, local_experts=local_experts,
+                    intra_send=[sum(s["intra_send"]) for s in plan.splits()], group=group)
+            two_stage = plan.per_micro_batch(rows.gathers, (wire[1], x.shape[-1], x.dtype))
+            once = (rows.tokens, expand(rows.tables, host.recv, host.experts, local_experts,
+                                        x.dtype), rows.back)
+    if sent is not None and once is None:
+        with maybe_span(timeline, "comm", "slots", "forward"):
+            tokens, tables, back = exchange_tables(
+                sent, host.send, host.recv, counts.received_rows(payload), ids2d, combine,
+                local_experts=local_experts, world=world, group=group)
+        once = (tokens, expand(tables, host.recv, host.experts, local_experts, x.dtype), back)
+    return build_handle(ids2d, order, host, counts.received(payload), world_size=world,
+                        local_experts=local_experts, group=group, two_stage=two_stage,
+                        workspace=workspace, style=style, once=once)
+
+
+def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
+    """File the call's rows with the active :func:`mc2.count_traffic` counter."""
+    routes = handle.micro_batches
+    world = handle.world_size
+    sent = [sum(r.send_splits[d] for r in routes) for d in range(world)] if routes else []
+    inter = [sum(r.exchange.inter_send[n] for r in routes)
+             for n in range(len(routes[0].exchange.inter_send))] \
+        if routes and hasattr(routes[0].exchange, "inter_send") else None
+    traffic.add(pairs=handle.num_tokens * handle.topk, rows_sent=sent, row_bytes=row_bytes,
+                node_rows=inter)
 
 
 def plan_call(
@@ -292,6 +340,10 @@ def plan_call(
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None
     capacity = max(plan_with.candidates) if plan_with is not None else \
         (1 if auto else config.micro_batches)
+    hit = None
+    if config.dedup and problem is None and world > 1:  # counted now, agreed in the handshake
+        hit = destinations(expert_ids.reshape(-1, expert_ids.shape[-1]), weights.local_experts,
+                           world)
     with maybe_span(timeline, "comm", "handshake", "forward"):
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
@@ -299,15 +351,20 @@ def plan_call(
                                                needs_grad, wire, plan_with, group),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
-                          check_finite=config.check_finite)
+                          check_finite=config.check_finite,
+                          rows=hit.sum() if hit is not None else None)
     assert weights is not None and problem is None
     strategy = resolve_strategy(config.gemm, weights)
     k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
                                       needs_grad, wire, timeline)
     pool = workspace or default_workspace()
-    handle, ids2d = _routes(x, expert_ids, weights, k, capacity, style, agreement, config, wire,
-                            group, timeline, pool)
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    combine = combine_weights(routing_weights, ids2d, x)
+    handle = _routes(x, ids2d, combine, weights, k, capacity, style, agreement, config, wire,
+                     group, timeline, pool, hit)
+    if (traffic := active_traffic()) is not None:
+        _count(traffic, handle, wire[0].bytes_per_row(x.shape[-1], x.dtype))
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module)
-    return call, weights, combine_weights(routing_weights, ids2d, x)
+    return call, weights, combine

@@ -45,6 +45,7 @@ class ConfigOptions(TypedDict, total=False):
     gemm: GemmStrategy
     timeout: float | None
     check_finite: bool
+    dedup: bool
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class MC2Config:
             (``None``: ``MC2_TIMEOUT``, else 300; ``0``: no deadline of mc2's own).
         check_finite: raise ``ValueError`` on every rank when a token or routing weight holds
             NaN or Inf (one pass over ``x`` on the device, folded into the handshake).
+        dedup: a token travels once to each rank holding any of its experts, and that rank
+            sums its experts' weighted outputs into one row back (:mod:`mc2.engine.decide.dedup`);
+            ``False``: one row per (token, expert). Results agree to rounding.
     """
 
     micro_batches: MicroBatches = "auto"
@@ -89,6 +93,7 @@ class MC2Config:
     gemm: GemmStrategy = "auto"
     timeout: float | None = None
     check_finite: bool = False
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         wire = self.wire_dtype
@@ -110,7 +115,7 @@ class MC2Config:
         k = self.micro_batches
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             return f"micro_batches must be a positive int or 'auto', got {k!r}"
-        for name in ("overlap", "check_finite"):
+        for name in ("overlap", "check_finite", "dedup"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be a bool, got {getattr(self, name)!r}"
         if self.hierarchy not in HIERARCHIES:

@@ -89,13 +89,15 @@ class Workload:
     element_size: int
     wire_bytes_per_row: float | None = None  # mean of dispatch and combine; None: hidden x element
     codec_s_per_row: float = 0.0  # kappa: encode + decode of all four transfers, per routed row
+    sent_share: float = 1.0  # rows on the link per routed row (< 1 where rows go once per rank)
 
     def off_rank_bytes(self, rows: float) -> float:
+        """Bytes leaving the rank for ``rows`` routed rows (pairs)."""
         share = (self.world_size - 1) / self.world_size if self.world_size > 1 else 0.0
         per_row = self.wire_bytes_per_row
         if per_row is None:
             per_row = self.hidden * self.element_size
-        return rows * per_row * share
+        return rows * self.sent_share * per_row * share
 
 
 def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -> Prediction:
@@ -293,36 +295,40 @@ class Planner:
         return self._cache[key]
 
     def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-             strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> int:
+             strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+             sent_rows: int | None = None) -> int:
         """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
         the group), without trials."""
         if group_size(group) == 1 or max_tokens <= 1:
             return 1  # nothing to hide, or nothing to split
         cal = self.calibration(weights, group, strategy)
-        return choose(cal, self.workload(max_tokens, topk, weights, group, wire),
+        return choose(cal, self.workload(max_tokens, topk, weights, group, wire, sent_rows),
                       self.candidates, self.min_gain, max_tokens)
 
     def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE
-               ) -> list[int]:
+               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+               sent_rows: int | None = None) -> list[int]:
         """The candidates the model allows, best predicted first."""
         cal = self.calibration(weights, group, strategy)
-        work = self.workload(max_tokens, topk, weights, group, wire)
+        work = self.workload(max_tokens, topk, weights, group, wire, sent_rows)
         allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
         return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", needs_grad: bool = True,
-               wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Choice:
+               wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+               sent_rows: int | None = None) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
         A collective whenever it calibrates or decides; every rank calls it with the same
         agreed values, in the same order, so every rank takes the same branch (the handshake
         checks that every rank's planner has made as many choices for the group:
-        :meth:`digest`).
+        :meth:`digest`). ``sent_rows``: where rows go once per destination, the most rows any
+        rank sends (agreed in the handshake): the link is priced for those, the experts for
+        the pairs.
         """
         choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                              strategy=strategy, wire=wire)
+                              strategy=strategy, wire=wire, sent_rows=sent_rows)
         self._calls[group_key(group)] = self.digest(group) + 1
         self._forward_choice[weights.anchor] = Choice(choice.micro_batches,
                                                     plain_rows=choice.plain_rows)
@@ -341,19 +347,20 @@ class Planner:
         return self._forward_choice.get(weights.anchor, Choice(1))
 
     def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-                strategy: str, wire: tuple[WireFormat, WireFormat]) -> Choice:
+                strategy: str, wire: tuple[WireFormat, WireFormat],
+                sent_rows: int | None = None) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
         key = (bucket(max_tokens), topk, weights.cache_key, group_key(group), strategy,
-               wire[0].code, wire[1].code)
+               wire[0].code, wire[1].code, sent_rows is not None)
         state = self._shapes.get(key)
         if state is None:
             ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                                 strategy=strategy, wire=wire)
+                                 strategy=strategy, wire=wire, sent_rows=sent_rows)
             tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
             if any(f.kind is not None for f in wire):  # the same K with plain rows: -K
                 plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
-                                    group=group, strategy=strategy)
+                                    group=group, strategy=strategy, sent_rows=sent_rows)
                 tried.append(-plain[0])
             state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
                                                 {k: [] for k in tried})
@@ -392,15 +399,19 @@ class Planner:
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-                 wire: tuple[WireFormat, WireFormat] = NO_WIRE) -> Workload:
+                 wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+                 sent_rows: int | None = None) -> Workload:
         hidden, dtype = weights.hidden, weights.dtype
+        pairs = max_tokens * topk
         per_row = None
         if any(f.kind is not None for f in wire):
             per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2
-        return Workload(rows_per_rank=max_tokens * topk, hidden=hidden,
+        return Workload(rows_per_rank=pairs, hidden=hidden,
                         local_experts=weights.local_experts, world_size=group_size(group),
                         element_size=weights.element_size, wire_bytes_per_row=per_row,
-                        codec_s_per_row=self.codec_cost(wire, weights, group))
+                        codec_s_per_row=self.codec_cost(wire, weights, group),
+                        sent_share=1.0 if sent_rows is None or not pairs
+                        else min(1.0, sent_rows / pairs))
 
     def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
                    group: Any) -> float:

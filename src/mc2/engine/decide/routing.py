@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from mc2.engine.decide.dedup import SlotRoutes, WeightGradReturn, chunk_of_token
 from mc2.engine.transport.comm import FlatExchange
 from mc2.engine.transport.hierarchy import regroup_index
 from mc2.engine.transport.host import read
@@ -32,8 +33,9 @@ class MicroBatchRoute:
 
     Attributes:
         pair_order: ``[n] int64`` pair indices (``token * topk + slot``) sorted by global expert
-            id; the dispatch send buffer is ``x[pair_order // topk]`` in this order.
-        token_index: ``[n] int64`` ``pair_order // topk`` (the source row of each sent row).
+            id; the dispatch send buffer is ``x[pair_order // topk]`` in this order (``None``
+            when rows go once per destination: :attr:`slots`).
+        token_index: ``[n] int64`` the source token of each sent row.
         send_splits: rows sent to each rank (``len == world``), i.e. grouped by destination.
         recv_splits: rows received from each rank (``len == world``).
         expert_counts: rows each *local* expert processes (``len == local_experts``).
@@ -45,9 +47,11 @@ class MicroBatchRoute:
             :class:`~mc2.engine.transport.comm.FlatExchange` or a :class:`~mc2.engine.transport.hierarchy.TwoStageExchange`.
         expert_offsets: ``[local_experts] int32`` on the device, the running end of each
             expert's rows (what ``grouped_mm`` takes as ``offs``).
+        slots: where rows travel once per destination (:mod:`~mc2.engine.decide.dedup`): the
+            received rows' expansion to this rank's experts; ``None``: one row per pair.
     """
 
-    pair_order: Tensor
+    pair_order: Tensor | None
     token_index: Tensor
     send_splits: list[int]
     recv_splits: list[int]
@@ -55,6 +59,7 @@ class MicroBatchRoute:
     expert_gather: Tensor | None
     exchange: Any = None
     expert_offsets: Tensor | None = None
+    slots: SlotRoutes | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class DispatchHandle:
         world_size: ranks in the expert-parallel group.
         local_experts: experts held by each rank.
         micro_batches: the routes, one per micro-batch, the same count on every rank.
+        weight_grads: where rows travel once per destination, what returns the routing
+            weights' gradients at the end of a backward; ``None`` otherwise.
     """
 
     num_tokens: int
@@ -74,6 +81,12 @@ class DispatchHandle:
     world_size: int
     local_experts: int
     micro_batches: tuple[MicroBatchRoute, ...]
+    weight_grads: WeightGradReturn | None = None
+
+    @property
+    def once_per_destination(self) -> bool:
+        """Whether rows travel once per (token, destination) (:mod:`~mc2.engine.decide.dedup`)."""
+        return self.weight_grads is not None
 
     @property
     def num_micro_batches(self) -> int:
@@ -145,10 +158,9 @@ def local_send_counts(
     """
     num_tokens, topk = expert_ids.shape
     flat = expert_ids.reshape(-1).to(torch.int64)
-    chunk_of_token = torch.empty(num_tokens, dtype=torch.int64, device=flat.device)
-    for i, (start, stop) in enumerate(micro_batch_bounds(num_tokens, num_micro_batches)):
-        chunk_of_token[start:stop] = i
-    key = chunk_of_token.unsqueeze(1).expand(num_tokens, topk).reshape(-1) * num_experts + flat
+    chunk = chunk_of_token(num_tokens, micro_batch_bounds(num_tokens, num_micro_batches),
+                           flat.device)
+    key = chunk.unsqueeze(1).expand(num_tokens, topk).reshape(-1) * num_experts + flat
     order = torch.sort(key, stable=True).indices
     counts = count_on_device(key, num_micro_batches * num_experts)
     return order, counts.view(num_micro_batches, num_experts)
@@ -191,26 +203,42 @@ class CountsExchange:
     Why the header: the K of ``micro_batches="auto"`` comes from each rank's planner. Carried in
     the exchange every call makes anyway, a rank that chose another K (its own planner, one
     call more than the others) is an error on every rank, not All-to-Alls of mismatched sizes.
+
+    Where rows travel once per destination (``rows=True``), the rows themselves are counted
+    too (``capacity`` more values per destination): the pairs size the experts' work, the rows
+    the exchanges.
     """
 
     k: int
     capacity: int
     world: int
     local_experts: int
+    rows: bool = False
 
-    def payload(self, counts: Tensor) -> Tensor:
-        """``counts [K, E]`` -> ``[world, 1 + capacity * local_experts]`` (destination-major)."""
+    def payload(self, counts: Tensor, rows: Tensor | None = None) -> Tensor:
+        """``counts [K, E]`` (and ``rows [K, world]``) -> ``[world, 1 + capacity *
+        (local_experts + rows)]`` (destination-major)."""
         per_dest = counts.view(self.k, self.world, self.local_experts).transpose(0, 1)
-        out = torch.zeros(self.world, 1 + self.capacity * self.local_experts,
+        body = self.capacity * self.local_experts
+        out = torch.zeros(self.world, 1 + body + self.capacity * self.rows,
                           dtype=torch.int64, device=counts.device)
         out[:, 0] = self.k
         out[:, 1:1 + self.k * self.local_experts] = per_dest.reshape(self.world, -1)
+        if rows is not None:
+            out[:, 1 + body:1 + body + self.k] = rows.t()
         return out
 
     def received(self, payload: Tensor) -> Tensor:
         """The exchanged payload -> ``[world(src), K, local_experts]`` received counts."""
         body = payload[:, 1:1 + self.k * self.local_experts]
         return body.reshape(self.world, self.k, self.local_experts)
+
+    def received_rows(self, payload: Tensor) -> Tensor:
+        """``[world(src), K]`` rows received (``rows=True``), else pairs received."""
+        if not self.rows:
+            return self.received(payload).sum(-1)
+        start = 1 + self.capacity * self.local_experts
+        return payload[:, start:start + self.k]
 
 
 @dataclass(frozen=True)
@@ -241,7 +269,7 @@ def read_counts(exchange: CountsExchange, send_totals: Tensor, payload: Tensor,
     k, world, local = exchange.k, exchange.world, exchange.local_experts
     received = exchange.received(payload)
     parts = [payload[:, 0], send_totals.reshape(-1),
-             received.sum(-1).t().reshape(-1), received.sum(0).reshape(-1)]
+             exchange.received_rows(payload).t().reshape(-1), received.sum(0).reshape(-1)]
     if extra is not None:
         parts.append(extra.reshape(-1))
     values = read(torch.cat(parts))
@@ -275,6 +303,7 @@ def build_handle(
     two_stage: Callable[[int], tuple[Any, tuple[int, int]]] | None = None,
     workspace: Any = None,
     style: Any = None,
+    once: tuple[list[Tensor], list[SlotRoutes], WeightGradReturn] | None = None,
 ) -> DispatchHandle:
     """Assemble the per-micro-batch routes from the local sort and the exchanged counts.
 
@@ -289,6 +318,9 @@ def build_handle(
             ``None``: flat.
         workspace: the :class:`~mc2.engine.transport.workspace.Workspace` flat exchanges receive into.
         style: the group's :class:`~mc2.engine.transport.backend.CommStyle` (looked up once per call).
+        once: rows once per destination (:func:`mc2.engine.decide.dedup.exchange_tables` and
+            :func:`~mc2.engine.decide.dedup.expand`): per micro-batch the tokens to send and
+            the received rows' expansion, and the weights' gradient return.
     """
     num_tokens, topk = expert_ids.shape
     num_micro = len(counts.send)
@@ -300,9 +332,17 @@ def build_handle(
         else:
             exchange, arrival = two_stage(i)
             exchanges.append(exchange)
+    ends = torch.cumsum(recv_counts.sum(0), 1).to(torch.int32)  # [K, local] grouped_mm offs
+    if once is not None:
+        tokens, slots, weight_grads = once
+        return DispatchHandle(num_tokens, topk, world_size, local_experts, tuple(
+            MicroBatchRoute(pair_order=None, token_index=tokens[i], send_splits=counts.send[i],
+                            recv_splits=counts.recv[i], expert_counts=counts.experts[i],
+                            expert_gather=None, exchange=exchanges[i], expert_offsets=ends[i],
+                            slots=slots[i])
+            for i in range(num_micro)), weight_grads)
     totals = [sum(r) for r in counts.recv]
     gathers = expert_grouping_indices(recv_counts, totals, arrival)
-    ends = torch.cumsum(recv_counts.sum(0), 1).to(torch.int32)  # [K, local] grouped_mm offs
     routes = []
     for i, pairs in enumerate(torch.split(order, [sum(s) for s in counts.send])):
         routes.append(

@@ -213,6 +213,7 @@ class Agreement:
 
     max_tokens: int
     max_topk: int
+    max_rows: int | None = None  # rows once per destination: the most any rank sends
 
 
 HIERARCHY_CODES = {h: i for i, h in enumerate(HIERARCHIES)}
@@ -247,6 +248,7 @@ def agree(
     group: Any,
     total_experts: int = 0,
     check_finite: bool = False,
+    rows: Tensor | None = None,
 ) -> Agreement:
     """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
 
@@ -255,6 +257,8 @@ def agree(
         shared: values every rank must pass alike, by name (only looked at when valid).
         total_experts: the group's expert count, for the id range check.
         check_finite: also reject NaN or Inf in ``x`` and ``routing_weights``.
+        rows: where rows travel once per destination, the number this rank sends (a device
+            scalar; the group's largest is agreed in the same collective, for the planner).
     """
     names = list(shared)
     if problem is None:
@@ -266,6 +270,10 @@ def agree(
         facts = [1, 0, 0, 0] + [0] * len(names)
         device = x.device if isinstance(x, Tensor) else torch.device("cpu")
         checks = torch.full((3,), _NONE, dtype=torch.int64, device=device)
+    # always present, so ranks that disagree on dedup still reduce tensors of one size
+    checks = torch.cat([checks, rows.reshape(1).to(torch.int64) if rows is not None and
+                        problem is None else torch.full((1,), _NONE, dtype=torch.int64,
+                                                        device=device)])
     local = upload(facts + [-v for v in facts], device)
     reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
     n = len(facts)
@@ -283,7 +291,8 @@ def agree(
         _raise_for(range_problem(expert_ids, total_experts, group_size(group)), group)
     if nonfinite > 0:
         _raise_for(nonfinite_problem(x, routing_weights), group)
-    return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]))
+    return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]),
+                     max_rows=int(reduced[2 * n + 3]) if rows is not None else None)
 
 
 def _raise_for(problem: str | None, group: Any) -> None:

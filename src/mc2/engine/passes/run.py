@@ -116,6 +116,9 @@ class ForwardState:
         expert_out: ``[T * topk, H]`` each (token, slot)'s expert output, kept where the
             combine weights need a gradient.
         shared_out: ``[T, H]`` the shared experts' output, kept where their scale needs one.
+        pair_out: rows once per destination: per micro-batch, this rank's expert outputs in
+            expert order (``[P_i, H]``), kept where the combine weights need a gradient (it is
+            computed here, where they are: :mod:`~mc2.engine.decide.dedup`).
     """
 
     call: CallPlan
@@ -124,6 +127,7 @@ class ForwardState:
     shared_gate_up: Tensor | None = None
     expert_out: Tensor | None = None
     shared_out: Tensor | None = None
+    pair_out: list[Tensor | None] | None = None
 
     def tensors(self) -> list[Tensor | None]:
         """Every tensor of the state (for ``save_for_backward``), in :meth:`with_tensors`'
@@ -131,26 +135,58 @@ class ForwardState:
         are (:mod:`~mc2.engine.compute.module_experts`)."""
         rows = [t for a in self.activations if isinstance(a, ExpertActivations)
                 for t in (a.x, a.gate_up)]
-        return [self.shared_gate_up, self.expert_out, self.shared_out, *rows]
+        return [self.shared_gate_up, self.expert_out, self.shared_out, *(self.pair_out or ()),
+                *rows]
 
     def with_tensors(self, tensors: list[Tensor | None]) -> "ForwardState":
         """The state with :meth:`tensors` replaced (as a saved-tensor hook hands them back)."""
-        shared_gate_up, expert_out, shared_out, *rows = tensors
+        shared_gate_up, expert_out, shared_out, *rest = tensors
+        n = len(self.pair_out or ())
+        pair_out, rows = (rest[:n] if self.pair_out is not None else None), rest[n:]
         pairs = iter(zip(rows[0::2], rows[1::2]))
         activations = [ExpertActivations(*next(pairs)) if isinstance(a, ExpertActivations)
                        else a for a in self.activations]
         return ForwardState(self.call, self.x_shape, activations, shared_gate_up, expert_out,
-                            shared_out)
+                            shared_out, pair_out)
 
 
 @dataclass
 class PassOutput:
     """What the forward pass of one call produced, before the weighted sum."""
 
-    expert_out: Tensor  # [T * topk, H] each (token, slot)'s expert output
+    expert_out: Tensor | None  # [T * topk, H] each (token, slot)'s expert output
     activations: list[ExpertActivations | None]
     shared_out: Tensor | None = None
     shared_activations: ExpertActivations | None = None
+    summed: Tensor | None = None  # rows once per destination: [T, H] the weighted sum so far
+    pair_out: list[Tensor | None] | None = None  # ... and each micro-batch's expert outputs
+
+
+def _accumulates_in(dtype: torch.dtype) -> torch.dtype:
+    """Where rows are summed: float32 for 16-bit rows (as a GEMM would accumulate)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _expert_rows(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
+    """The received rows in expert order: reordered, or (once per destination) expanded."""
+    if route.slots is not None:
+        return _gather(ws, received, route.slots.rows)
+    return _to_expert_order(ws, route, received)
+
+
+def _rows_back(ws: Workspace, route: MicroBatchRoute, rows: Tensor, weighted: bool) -> Tensor:
+    """Expert-order rows as they go back: in receive order, or (once per destination) summed
+    per received row, times each pair's weight where ``weighted``."""
+    slots = route.slots
+    if slots is None:
+        return _to_receive_order(ws, route, rows)
+    acc = _accumulates_in(rows.dtype)
+    out = torch.zeros((slots.received, rows.shape[-1]), dtype=acc, device=rows.device)
+    terms = rows.to(acc)
+    if weighted:
+        terms = terms * slots.weights.to(acc).unsqueeze(1)
+    out.index_add_(0, slots.rows, terms)
+    return out if acc == rows.dtype else out.to(rows.dtype)
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
@@ -207,8 +243,13 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
     which routed expert tensors need a gradient (a module stage records only those)."""
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
-    result = PassOutput(ws.empty((tokens * topk, hidden), x.dtype, x.device),
+    once = call.handle.once_per_destination
+    result = PassOutput(None if once else ws.empty((tokens * topk, hidden), x.dtype, x.device),
                         [None] * len(routes))
+    if once:
+        result.summed = torch.zeros((tokens, hidden), dtype=_accumulates_in(x.dtype),
+                                    device=x.device)
+        result.pair_out = [None] * len(routes)
 
     def shared_experts() -> None:
         assert shared is not None
@@ -218,7 +259,7 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
 
     def compute(i: int, received: Tensor) -> Tensor:
         route = routes[i]
-        rows = _to_expert_order(ws, route, received)
+        rows = _expert_rows(ws, route, received)
         if isinstance(weights, ModuleExperts):
             y, result.activations[i] = weights.run(rows, route.expert_offsets,
                                                    keep=call.keep_activations, needs=needs)
@@ -227,12 +268,20 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
                 rows, route.expert_counts, weights, strategy=call.strategy,
                 keep_activations=call.keep_activations, workspace=ws,
                 offsets=route.expert_offsets)
-        return _to_receive_order(ws, route, y)
+        if result.pair_out is not None and call.keep_activations:
+            result.pair_out[i] = y.detach()
+        return _rows_back(ws, route, y, weighted=True)
+
+    def scatter(i: int, rows: Tensor) -> None:
+        if result.summed is not None:
+            result.summed.index_add_(0, routes[i].token_index, rows.to(result.summed.dtype))
+        else:
+            result.expert_out.index_copy_(0, routes[i].pair_order, rows)
 
     yield from _stages(call, PipelineSteps(
         gather=lambda i: _gather(ws, x, routes[i].token_index),
         compute=compute,
-        scatter=lambda i, rows: result.expert_out.index_copy_(0, routes[i].pair_order, rows),
+        scatter=scatter,
         local=shared_experts if shared is not None else None,
     ), "forward")
     return result
@@ -247,8 +296,11 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, like.shape[-1]
     with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
         out = call.workspace.empty(tuple(shape), like.dtype, like.device)
-        torch.bmm(combine.view(tokens, 1, topk),
-                  forward.expert_out.view(tokens, topk, hidden), out=out.view(tokens, 1, hidden))
+        if forward.summed is not None:  # weighted where the experts are (dedup)
+            out.view(tokens, hidden).copy_(forward.summed)
+        else:
+            torch.bmm(combine.view(tokens, 1, topk), forward.expert_out.view(tokens, topk, hidden),
+                      out=out.view(tokens, 1, hidden))
         if forward.shared_out is not None and shared_scale is not None:
             out.view(tokens, hidden).addcmul_(shared_scale, forward.shared_out)
         elif forward.shared_out is not None:
@@ -259,7 +311,7 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
 def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: ForwardState,
                     needs: CallInputs[bool]
                     ) -> Generator[str, None, tuple[Tensor, tuple[Tensor | None, ...],
-                                                    tuple[Tensor | None, ...]]]:
+                                                    tuple[Tensor | None, ...], Tensor | None]]:
     """The output gradients out along the dispatch routes, the input gradients back along the
     combine routes; the weight gradients while those travel. The shared experts see the output
     gradient times their ``[T, 1]`` scale, if any. Each micro-batch's activations are dropped
@@ -267,7 +319,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
 
     Returns:
         ``(grad_x [T, H], routed expert grads in the layout's order, shared grads (up, gate,
-        down))``.
+        down), the combine weights' ``[T, topk]`` gradient)``; the last is computed here only
+        where rows travel once per destination (else ``None``: :func:`combine_grads`).
     """
     call = state.call
     ws, routes = call.workspace, call.handle.micro_batches
@@ -280,15 +333,33 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         else WeightGrads(weights, tuple(needs.experts), ws)
     shared_grads = WeightGrads(shared, needs.shared_needs, ws) if shared is not None else None
     pending: list[WeightGradInputs | None] = [None] * len(routes)
+    once = call.handle.once_per_destination
+    weight_tables: list[Tensor] = []  # once per destination: [r_i, topk] weights' gradients
 
     def gather(i: int) -> Tensor:
         route = routes[i]
-        scale = flat_weights.index_select(0, route.pair_order).unsqueeze(1)
-        return _gather(ws, grad_out, route.token_index).mul_(scale)
+        rows = _gather(ws, grad_out, route.token_index)
+        if once:  # each destination scales by its own slots' weights
+            return rows
+        return rows.mul_(flat_weights.index_select(0, route.pair_order).unsqueeze(1))
+
+    def weighted(i: int, received: Tensor) -> Tensor:
+        """Once per destination: the output gradient of each pair, its weight's gradient
+        filed in the micro-batch's slot table."""
+        slots = routes[i].slots
+        rows = _gather(ws, received, slots.rows)
+        if needs.combine:
+            acc = _accumulates_in(rows.dtype)
+            table = torch.zeros(slots.received * call.handle.topk, dtype=acc, device=rows.device)
+            y = state.pair_out[i]
+            table.index_copy_(0, slots.slots, (y.to(acc) * rows.to(acc)).sum(-1))
+            weight_tables.append(table.view(slots.received, call.handle.topk))
+            state.pair_out[i] = None
+        return rows.mul_(slots.weights.unsqueeze(1))
 
     def compute(i: int, received: Tensor) -> Tensor:
         route = routes[i]
-        rows = _to_expert_order(ws, route, received)
+        rows = weighted(i, received) if once else _to_expert_order(ws, route, received)
         if isinstance(grads, ModuleGrads):  # inputs and parameters in one call
             grad_in = grads.experts.backward(state.activations[i], rows, grads)
         else:
@@ -296,7 +367,7 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
                 rows, state.activations[i], route.expert_counts, weights,
                 strategy=call.strategy, workspace=ws, offsets=route.expert_offsets)
         state.activations[i] = None  # free as we go
-        return _to_receive_order(ws, route, grad_in)
+        return _rows_back(ws, route, grad_in, weighted=False)
 
     def weight_grads(i: int) -> None:
         if pending[i] is not None:
@@ -325,7 +396,11 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         local=shared_experts if shared is not None else None,
     ), "backward")
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
-    return grad_x, grads.finish(), shared_out
+    grad_combine = None
+    if once and needs.combine:
+        with maybe_span(call.timeline, "comm", "weight_grads", "backward"):
+            grad_combine = call.handle.weight_grads.send_back(weight_tables, grad_out.dtype)
+    return grad_x, grads.finish(), shared_out, grad_combine
 
 
 def combine_grads(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]
@@ -336,7 +411,7 @@ def combine_grads(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]
     handle = state.call.handle
     tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
     grad_weights = grad_scale = None
-    if needs.combine:
+    if needs.combine and not handle.once_per_destination:  # else: computed by the backward
         grad_weights = torch.bmm(state.expert_out.view(tokens, topk, hidden),
                                  grad_out.view(tokens, hidden, 1)).view(tokens, topk)
     if needs.shared_scale:
@@ -352,7 +427,8 @@ def state_of(output: PassOutput, call: CallPlan, shape: torch.Size, needs: CallI
     return ForwardState(call, shape, output.activations,
                         shared.gate_up if shared is not None else None,
                         output.expert_out if needs.combine else None,
-                        output.shared_out if needs.shared_scale else None)
+                        output.shared_out if needs.shared_scale else None,
+                        output.pair_out if needs.combine else None)
 
 
 def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], None]:
@@ -392,8 +468,9 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_combine, grad_scale = combine_grads(state, grad_out, needs)
-        grad_x, expert_grads, (s_up, s_gate, s_down) = finished(
+        grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
             backward_stages(grad_out, inputs, state, needs))
+        grad_combine = returned if returned is not None else grad_combine
         call.workspace.tick()
         done()
     return CallInputs(grad_x.view(state.x_shape), grad_combine, s_up, s_gate, s_down,

@@ -321,6 +321,22 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     return recv
 
 
+def exchange_slots(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any
+                   ) -> Tensor:
+    """A variable-size exchange of small per-row tables (the slot tables of
+    :mod:`mc2.engine.decide.dedup`, and their gradients back), on the control group
+    (:func:`control_group`): rows ``[sum(send_splits), w]`` out, ``[sum(recv_splits), w]`` in."""
+    if is_local(group):
+        return send.clone()
+    send = send.contiguous()
+    recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+    control = control_group(group, send.device)
+    collective(lambda a: dist.all_to_all_single(recv, send, recv_splits, send_splits,
+                                                 group=control, async_op=a),
+               control, "slot exchange", send.device)
+    return recv
+
+
 def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
     """Every rank's tensor to every rank: ``[world, *send_totals.shape]`` (on the control
     group, :func:`control_group`).

@@ -120,6 +120,11 @@ class TwoStageExchange:
     intra_recv: list[int]  # rows from each local rank, stage 2
     intra_group: Any
     inter_group: Any
+    # rows once per node (mc2.engine.decide.dedup): intra_gather repeats a row for each rank
+    # of the node it goes to, and the combine sums the rows that come back for it (decoding
+    # and encoding again where the rows travel quantised: (format, hidden, dtype))
+    reduces: bool = False
+    codec: Any = None
 
     def _on_thread(self, fn: Callable[[], Tensor], on_complete: OnComplete | None,
                    device: torch.device) -> PendingTransfer:
@@ -191,9 +196,23 @@ class TwoStageExchange:
             return self._on_thread(run, on_complete, rows.device)
         return PendingTransfer(output=run())
 
+    def _summed(self, inside: Tensor, out: Tensor) -> Tensor:
+        """The combine's node reduction: the rows back from each rank, summed per stage-1
+        row (in float32 for 16-bit rows), into ``out``."""
+        fmt, hidden, dtype = self.codec if self.codec is not None else (None, None, None)
+        rows = inside if fmt is None or fmt.kind is None else fmt.decode(inside, hidden, dtype)
+        acc = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else rows.dtype
+        total = torch.zeros((out.shape[0],) + tuple(rows.shape[1:]), dtype=acc,
+                            device=rows.device).index_add_(0, self.intra_gather, rows.to(acc))
+        if fmt is not None and fmt.kind is not None:
+            return out.copy_(fmt.encode(total.to(dtype)))
+        return out.copy_(total)
+
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: OnComplete | None = None) -> PendingTransfer:
         def unpermute(inside: Tensor, out: Tensor) -> Tensor:
+            if self.reduces:
+                return self._summed(inside, out)
             return out.index_copy_(0, self.intra_gather, inside)
 
         intra = (self.intra_recv, self.intra_send, self.intra_group)
@@ -203,8 +222,8 @@ class TwoStageExchange:
 
         def run() -> Tensor:
             inside = all_to_all_rows(rows, *intra, async_op=False).wait()
-            return all_to_all_rows(unpermute(inside, torch.empty_like(inside)), *inter,
-                                   async_op=False).wait()
+            back = inside.new_empty((sum(self.inter_recv),) + tuple(inside.shape[1:]))
+            return all_to_all_rows(unpermute(inside, back), *inter, async_op=False).wait()
         if async_op:
             return self._on_thread(run, on_complete, rows.device)
         return PendingTransfer(output=run())
@@ -227,9 +246,11 @@ class TwoStagePlan:
     per_node: int
     intra_group: Any
     inter_group: Any
+    node_totals: list[list[list[int]]] | None = None  # rows once per node: [src][K][node]
 
     def _splits(self, micro_batch: int) -> dict[str, list[int]]:
-        """This rank's four split lists for one micro-batch (stage 1 and stage 2)."""
+        """This rank's four split lists for one micro-batch (stage 1 and stage 2). Rows once
+        per node: stage 1 moves :attr:`node_totals`, stage 2 the (row, rank) pairs."""
         t = [self.totals[src][micro_batch] for src in range(len(self.totals))]
         g, nodes = self.per_node, self.nodes
         node, local = divmod(self.rank, g)
@@ -237,9 +258,17 @@ class TwoStagePlan:
         def rows(src_node: int, src_local: int, dst_local: int, dst_node: int = node) -> int:
             return t[src_node * g + src_local][dst_node * g + dst_local]
 
+        if self.node_totals is not None:
+            per_node = [self.node_totals[src][micro_batch] for src in range(len(self.totals))]
+            inter = {"inter_send": per_node[self.rank],
+                     "inter_recv": [per_node[n * g + local][node] for n in range(nodes)]}
+        else:
+            inter = {
+                "inter_send": [sum(rows(node, local, d, n) for d in range(g))
+                               for n in range(nodes)],
+                "inter_recv": [sum(rows(n, local, d) for d in range(g)) for n in range(nodes)]}
         return {
-            "inter_send": [sum(rows(node, local, d, n) for d in range(g)) for n in range(nodes)],
-            "inter_recv": [sum(rows(n, local, d) for d in range(g)) for n in range(nodes)],
+            **inter,
             "intra_send": [sum(rows(n, local, d) for n in range(nodes)) for d in range(g)],
             "intra_recv": [sum(rows(n, src, local) for n in range(nodes)) for src in range(g)],
         }
@@ -254,16 +283,27 @@ class TwoStagePlan:
         sizes = [sum(s["intra_send"]) for s in splits]
         return list(torch.split(regroup_index(lengths, (2, 1), sum(sizes)), sizes))
 
-    def exchanges(self) -> list[TwoStageExchange]:
-        """This rank's exchange of every micro-batch."""
-        splits = [self._splits(i) for i in range(len(self.totals[0]))]
-        return [TwoStageExchange(intra_gather=gather, intra_group=self.intra_group,
-                                 inter_group=self.inter_group, **s)
-                for s, gather in zip(splits, self.gathers(splits))]
+    def splits(self) -> list[dict[str, list[int]]]:
+        """Every micro-batch's four split lists."""
+        return [self._splits(i) for i in range(len(self.totals[0]))]
 
-    def per_micro_batch(self) -> Callable[[int], tuple[TwoStageExchange, tuple[int, int]]]:
+    def exchanges(self, gathers: list[Tensor] | None = None, codec: Any = None
+                  ) -> list[TwoStageExchange]:
+        """This rank's exchange of every micro-batch. ``gathers``: rows once per node, the
+        stage-2 gathers (:func:`mc2.engine.decide.dedup.node_gathers`); ``codec``: the combine's
+        wire format, as the node reduction decodes it."""
+        splits = self.splits()
+        reduces = gathers is not None
+        gathers = gathers if gathers is not None else self.gathers(splits)
+        return [TwoStageExchange(intra_gather=gather, intra_group=self.intra_group,
+                                 inter_group=self.inter_group, reduces=reduces,
+                                 codec=codec if reduces else None, **s)
+                for s, gather in zip(splits, gathers)]
+
+    def per_micro_batch(self, gathers: list[Tensor] | None = None, codec: Any = None
+                        ) -> Callable[[int], tuple[TwoStageExchange, tuple[int, int]]]:
         """``i -> (exchange, arrival)`` as :func:`mc2.engine.decide.routing.build_handle` takes it."""
-        exchanges = self.exchanges()
+        exchanges = self.exchanges(gathers, codec)
         return lambda i: (exchanges[i], (self.nodes, self.per_node))
 
 

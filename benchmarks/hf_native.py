@@ -4,7 +4,9 @@ A Mixtral-shaped model (hidden 1024, ffn 2048, 8 experts, top-2, 2 layers, vocab
 loaded on 2 local ranks with ``DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation=...)``
 (``--layout dp``: ranks hold different batches; ``tp``: the EP group shares one batch,
 ``tp_size=2``), one copy per implementation in the same world
-and the same weights. Measured interleaved, implementation by implementation within each round
+and the same weights. ``enable_mc2`` beside them is mc2's own stack on the same weights: the
+model loaded without a ``DistributedConfig``, ``enable_mc2(model, mesh=mesh)`` and
+``mc2.fully_shard(model, mesh=mesh)`` on a ``("dp", "ep")`` mesh of 1 x 2 (``dp`` layout only). Measured interleaved, implementation by implementation within each round
 (each after one untimed step), the median round counting:
 
 - ``train``: a training step's forward and backward, ``--tokens`` tokens per rank (sequences
@@ -14,7 +16,8 @@ and the same weights. Measured interleaved, implementation by implementation wit
 
 Regimes: plain loopback and loopback shaped with ``tc tbf`` (root; always removed)::
 
-    sudo .venv/bin/python benchmarks/hf_ep_step.py --regimes plain,200mbit --json docs/hf_ep_step.json
+    sudo .venv/bin/python benchmarks/hf_native.py --regimes plain,500mbit,200mbit \\
+        --impls all_to_all,auto,mc2,enable_mc2 --json docs/hf_native.json
 """
 
 from __future__ import annotations
@@ -62,9 +65,22 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
     sizes = dict(fsdp_size=world) if layout == "dp" else dict(tp_size=world)
-    models = {i: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, ep_implementation=i, **sizes)).train() for i in impls}
+
+    def load(impl: str) -> Any:
+        if impl == "enable_mc2":  # mc2's own stack on the same weights
+            if layout != "dp":
+                raise ValueError("enable_mc2 is measured in the dp layout only")
+            from mc2.integrations.transformers import enable_mc2
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            mesh = mc2.expert_parallel_mesh(world)
+            enable_mc2(model, mesh=mesh)
+            return mc2.fully_shard(model, mesh=mesh).train()
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=DistributedConfig(
+                ep_size=world, ep_implementation=impl, **sizes)).train()
+
+    models = {i: load(i) for i in impls}
     g = torch.Generator().manual_seed(1 + (rank if layout == "dp" else 0))  # tp: one batch
     train_ids = torch.randint(0, SHAPE["vocab_size"], (max(1, tokens // SEQ), min(SEQ, tokens)),
                               generator=g)
@@ -117,14 +133,15 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--regimes", default="plain", help="plain, or tc tbf rates such as 200mbit")
-    p.add_argument("--impls", default="all_to_all,mc2",
-                   help="registered implementations; mc2_k<N> is mc2 with micro_batches=N")
+    p.add_argument("--impls", default="all_to_all,auto,mc2,enable_mc2",
+                   help="registered implementations (the first is the reference of the ratios); "
+                        "mc2_k<N> is mc2 with micro_batches=N; enable_mc2 is mc2's own stack")
     p.add_argument("--layout", default="dp", choices=("dp", "tp"),
                    help="dp: ranks hold different batches (fsdp_size=2); tp: the EP group "
                         "shares one batch (tp_size=2)")
-    p.add_argument("--tokens", type=int, default=2048, help="training tokens per rank")
+    p.add_argument("--tokens", type=int, default=4096, help="training tokens per rank")
     p.add_argument("--decode-tokens", type=int, default=4, help="no-grad tokens per rank")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
