@@ -90,13 +90,14 @@ def reference(problem: Problem) -> dict:
     }
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str,
+                 tolerance: dict[torch.dtype, float] = TOLERANCE) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if want.numel() == 0:
         return
     scale = max(want.abs().max().item(), 1e-3 if dtype != torch.float64 else 1.0)
     err = (got.to(torch.float64) - want).abs().max().item()
-    assert err <= TOLERANCE[dtype] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+    assert err <= tolerance[dtype] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
 
 
 @pytest.mark.parametrize("world", WORLDS)

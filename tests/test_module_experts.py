@@ -1,6 +1,7 @@
 """mc2.fused_expert_module: any experts module as the pipeline's experts stage (biases, GELU, a
-clamp: nothing mc2's SwiGLU computes), on 2 and 4 ranks and hostile routings, forward and
-backward against the unsharded module on one process (float64, 1e-12)."""
+clamp: nothing mc2's SwiGLU computes), on 2 and 4 ranks and hostile routings, with rows once
+per destination too, forward and backward against the unsharded module on one process
+(float64, 1e-12)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import mc2
 from tests.problems import ROUTINGS, make_problem
 from tests.workers_module import BiasedGeluExperts, dense, module_step
 
-KS = [1, 3]
+KS = [1, 3, (3, True)]  # (K, dedup): rows once per destination
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -23,7 +24,7 @@ def test_module_stage_equals_the_unsharded_module(world: int) -> None:
         L = problem.local_experts
         for k_index, k in enumerate(KS):
             got = [r[p_index * len(KS) + k_index] for r in results]
-            what = f"{ROUTINGS[p_index]} K={k}"
+            what = f"{ROUTINGS[p_index]} K={k}"  # (K, dedup) for rows once per destination
             for rank in range(world):
                 for key in ("out", "grad_x", "grad_rw"):
                     torch.testing.assert_close(got[rank][key], want[key][rank], atol=1e-12,

@@ -16,7 +16,8 @@ def modes():
     return mc2.run_local(checkpointing_modes, 2, args=(x, full_state()), timeout_s=120)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "selective_max"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_max", "full+dedup",
+                                  "selective+dedup"])
 def test_checkpointing_gives_the_same_outputs_and_gradients(modes, mode: str) -> None:
     for rank in modes:
         plain, got = rank["none"], rank[mode]
@@ -34,6 +35,11 @@ def test_the_policy_recomputes_without_collectives(modes) -> None:
         assert rank["selective_max"]["backward_collectives"] == plain
         # a full recompute plans and exchanges again: handshake, counts, 2K All-to-Alls a layer
         assert rank["full"]["backward_collectives"] == plain + 2 * (2 + 2 * 2)
+        # rows once per destination: the routing weights' gradients return in one more a
+        # layer; a recompute under the policy still makes none, a full one also its slots
+        once = rank["selective+dedup"]["backward_collectives"]
+        assert once == plain + 2
+        assert rank["full+dedup"]["backward_collectives"] == once + 2 * (3 + 2 * 2)
 
 
 def test_saved_tensor_hooks_see_the_activations(modes) -> None:

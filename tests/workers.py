@@ -356,3 +356,16 @@ def planners_disagree(rank: int, world: int, case: str) -> dict:
     out = mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
                            micro_batches="auto", planner=_FixedPlanner(3))
     return {"error": error, "good_rows": out.shape[0]}
+
+
+def count_rows(rank: int, world: int, local_world: int, problem: Problem,
+               options: dict[str, Any]) -> dict:
+    """One forward under :func:`mc2.count_traffic` (ranks as nodes of ``local_world``)."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    with mc2.count_traffic() as traffic:
+        mc2.fused_expert(problem.xs[rank], *problem.local_weights(rank), problem.ids[rank],
+                         problem.rws[rank], **options)
+    return {"pairs": traffic.pairs, "rows_sent": traffic.rows_sent,
+            "node_rows": traffic.node_rows, "row_bytes": traffic.row_bytes}

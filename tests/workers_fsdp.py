@@ -79,7 +79,7 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
     all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
 
     mixed = unpatched_model()
-    enable_mc2(mixed, mesh=mesh, micro_batches=2)
+    enable_mc2(mixed, mesh=mesh, micro_batches=2, dedup=True)  # and rows once per destination
     mc2.fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                           reduce_dtype=torch.float32))
     mixed_loss = mixed(data[0, rank], labels=data[0, rank]).loss
@@ -95,7 +95,8 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
 
     torch.manual_seed(5)
     stack = torch.nn.Sequential(*(mc2.MoELayer(16, 24, 4, topk=2, shared_experts=1, mesh=mesh,
-                                               dtype=torch.float64, micro_batches=2)
+                                               dtype=torch.float64, micro_batches=2,
+                                               dedup=True)  # rows once per destination
                                   for _ in range(2)))
     for layer, state in zip(stack, stack_states):
         mc2.load_full_state_dict(layer, state)

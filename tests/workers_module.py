@@ -59,11 +59,13 @@ def module_step(rank: int, world: int, problems: list[Problem], ks: list[int]) -
 
     results = []
     for problem in problems:
-        for k in ks:
+        for k in ks:  # K, or (K, dedup)
+            k, dedup = (k, False) if isinstance(k, int) else k
             experts = experts_of(problem, rank)
             x = problem.xs[rank].clone().requires_grad_()
             rw = problem.rws[rank].clone().requires_grad_()
-            out = mc2.fused_expert_module(x, experts, problem.ids[rank], rw, micro_batches=k)
+            out = mc2.fused_expert_module(x, experts, problem.ids[rank], rw, micro_batches=k,
+                                          dedup=dedup)
             (out * problem.grad_outs[rank]).sum().backward()
             results.append({"out": out.detach(), "grad_x": x.grad, "grad_rw": rw.grad,
                             "params": {n: p.grad for n, p in experts.named_parameters()}})

@@ -59,7 +59,8 @@ def _run(mode: str, x: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block(micro_batches=2) for _ in range(2))
+    mode, dedup = mode.removesuffix("+dedup"), mode.endswith("+dedup")
+    blocks = nn.ModuleList(Block(micro_batches=2, dedup=dedup) for _ in range(2))
     for i, b in enumerate(blocks):
         mc2.load_full_state_dict(b.moe, {k.removeprefix(f"{i}.moe."): v for k, v in state.items()
                                          if k.startswith(f"{i}.moe.")})
@@ -101,7 +102,8 @@ def checkpointing_modes(rank: int, world: int, x: torch.Tensor, state: dict[str,
     """The same two blocks without checkpointing, with full recompute and with mc2's policy."""
     mine = x.chunk(world)[rank]
     return {mode: _run(mode, mine, state)
-            for mode in ("none", "full", "selective", "selective_max")}
+            for mode in ("none", "full", "selective", "selective_max", "full+dedup",
+                         "selective+dedup")}
 
 
 def full_state(seed: int = 3) -> dict[str, torch.Tensor]:
