@@ -125,3 +125,25 @@ def test_wire_bytes_shrink_mc2_transfers_and_cost_memory_traffic() -> None:
     assert fp8.compute_s == pytest.approx(plain.compute_s + codec, rel=1e-6)
     serial = replace(s, mc2=False, wire_bytes=1.0)  # no fusion keeps the model's dtype
     assert simulate(serial).comm_s == pytest.approx(simulate(replace(s, mc2=False)).comm_s)
+
+
+def test_dedup_sends_the_distinct_destinations_only() -> None:
+    """MC2 with ``dedup``: a flat exchange moves D_rank / k of the rows, the 2-D one D_node / k
+    across nodes (8 experts, top-2, EP 8 over 2 nodes); the no-fusion baseline keeps them all."""
+    from mc2.engine.decide.dedup import expected_destinations
+
+    s = Scenario(HW, MODEL, nodes=2, ep=8, tokens_per_device=100, seq_len=1, mc2=True,
+                 dedup=True)
+    rank, node = expected_destinations(8, 8, 2) / 2, expected_destinations(8, 2, 2) / 2
+    assert s.row_shares() == pytest.approx((rank, node))
+    b = 1e6
+    flat, _ = all_to_all_time(s, b)
+    assert flat == pytest.approx(max(b * rank * 4 / 8 / 10e9, b * rank * 3 / 8 / 100e9))
+    two_d, _ = all_to_all_time(replace(s, hierarchy="2d"), b)
+    across = b * node * 1 / 2 / 10e9
+    assert two_d == pytest.approx(across + (b * rank * 3 / 8 + b * rank * 4 / 8 * 3 / 4) / 100e9)
+    assert rank == 1.0  # one expert per rank: a token's two experts are on two ranks
+    two = replace(s, hierarchy="2d")
+    assert simulate(two).comm_s < simulate(replace(two, dedup=False)).comm_s
+    assert replace(s, mc2=False).row_shares() == (1.0, 1.0)
+    assert simulate(s).rows_saved == pytest.approx((1 - rank, 1 - node))

@@ -8,6 +8,11 @@ Per device and MoE layer:
 * dispatch and combine volumes: ``tokens * topk * hidden * bytes`` per device per All-to-All
   (times ``skew`` for the busiest device), split by destination into self, same node and other
   nodes for uniform routing over the EP group.
+* with ``dedup`` (MC2's rows once per destination, :mod:`mc2.engine.decide.dedup`): a flat
+  exchange moves ``D_rank / topk`` of those rows, where ``D`` is the expected number of distinct
+  destinations of a token under uniform routing
+  (:func:`mc2.engine.decide.dedup.expected_destinations`); the 2-D one ``D_node / topk`` across
+  nodes and ``D_rank / topk`` inside them.
 * links (alpha-beta): a flat All-to-All sends one message per peer, intra- and inter-node
   traffic in parallel; the hierarchical (``"2d"``) one sends one message per other node between
   same-local-rank peers, then redistributes inside the node (both stages in sequence).
@@ -27,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from mc2.engine.decide.dedup import expected_destinations
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
 from mc2.sim.presets import Hardware, Model
@@ -49,6 +55,7 @@ class Scenario:
     skew: float = 1.0  # busiest device's traffic / average (1 = uniform routing)
     spread: int | None = None  # nodes one EP group spans (None: as few as hold it)
     wire_bytes: float | None = None  # MC2 rows on the wire, bytes per element (None: dtype)
+    dedup: bool = False  # MC2 rows once per destination rank (2-D: per node across nodes)
 
     @property
     def devices(self) -> int:
@@ -60,6 +67,15 @@ class Scenario:
             return self.ep
         return max(d for d in range(1, min(self.devices, self.model.experts) + 1)
                    if self.model.experts % d == 0 and self.devices % d == 0)
+
+    def row_shares(self) -> tuple[float, float]:
+        """``(per rank, per node)``: the rows MC2 sends as a share of (token, expert) pairs
+        (1 without ``dedup``; the no-fusion baseline never deduplicates)."""
+        if not (self.mc2 and self.dedup):
+            return 1.0, 1.0
+        k, experts = self.model.topk, self.model.experts
+        return (expected_destinations(experts, self.ep_size, k) / k,
+                expected_destinations(experts, self.ep_nodes, k) / k)
 
     @property
     def ep_nodes(self) -> int:
@@ -86,6 +102,12 @@ class StepPrediction:
     comm_s: float  # All-to-All time, hidden or not
     exposed_comm_s: float
     sync_fallback: bool  # the pipeline could not overlap some link (no async communication)
+
+    @property
+    def rows_saved(self) -> tuple[float, float]:
+        """``(per rank, across nodes)``: the share of rows ``dedup`` leaves off the wire."""
+        rank, node = self.scenario.row_shares()
+        return 1 - rank, 1 - node
 
     @property
     def comm_share(self) -> float:
@@ -121,8 +143,9 @@ def all_to_all_time(s: Scenario, bytes_per_device: float) -> tuple[float, bool]:
     other_nodes = s.ep_nodes - 1
     intra_peers = per_node - 1
     inter_peers = ep - per_node
-    b_intra = bytes_per_device * intra_peers / ep
-    b_inter = bytes_per_device * inter_peers / ep
+    rank_share, node_share = s.row_shares()
+    b_intra = bytes_per_device * rank_share * intra_peers / ep
+    b_inter = bytes_per_device * rank_share * inter_peers / ep
     intra, inter = hw.intra_node, hw.inter_node
     t_intra = (intra.latency_us * 1e-6 * intra_peers + b_intra / (intra.bandwidth_gbps * 1e9)
                if intra_peers else 0.0)
@@ -132,7 +155,8 @@ def all_to_all_time(s: Scenario, bytes_per_device: float) -> tuple[float, bool]:
         t_inter = inter.latency_us * 1e-6 * inter_peers + b_inter / (inter.bandwidth_gbps * 1e9)
         t = max(t_intra, t_inter)
     else:
-        t_inter = inter.latency_us * 1e-6 * other_nodes + b_inter / (inter.bandwidth_gbps * 1e9)
+        across = bytes_per_device * node_share * other_nodes / s.ep_nodes  # once per node
+        t_inter = inter.latency_us * 1e-6 * other_nodes + across / (inter.bandwidth_gbps * 1e9)
         redistributed = b_inter * (per_node - 1) / per_node
         t_stage2 = (intra.latency_us * 1e-6 * intra_peers
                     + (b_intra + redistributed) / (intra.bandwidth_gbps * 1e9)) if intra_peers else 0

@@ -42,11 +42,11 @@ def best_ep(base: Scenario) -> StepPrediction:
 
 
 def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-                wire_bytes: float | None = None) -> str:
+                wire_bytes: float | None = None, dedup: bool = False) -> str:
     lines = []
     for n in nodes:
         p = best_ep(Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
-                             wire_bytes=wire_bytes))
+                             wire_bytes=wire_bytes, dedup=dedup))
         s = p.scenario
         lines.append(f"best MC2 on {n} node(s): EP {s.ep_size} ({s.hierarchy}), K {s.micro_batches}"
                      f": {p.tokens_per_s_per_device:,.0f} tokens/s/device, comm share "
@@ -55,14 +55,16 @@ def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, s
 
 
 def article_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-                 skew: float = 1.0, wire_bytes: float | None = None) -> list[Row]:
+                 skew: float = 1.0, wire_bytes: float | None = None,
+                 dedup: bool = False) -> list[Row]:
     """No fusion vs MC2 on one node, then MC2 across ``n`` nodes (flat and hierarchical).
 
-    ``wire_bytes``: bytes per element MC2's rows travel in (the no-fusion rows keep the dtype).
+    ``wire_bytes``: bytes per element MC2's rows travel in (the no-fusion rows keep the dtype);
+    ``dedup``: MC2's rows once per destination (the no-fusion rows once per expert).
     """
     rows = []
     one = Scenario(hw, model, nodes=1, tokens_per_device=tokens, seq_len=seq, skew=skew,
-                   wire_bytes=wire_bytes)
+                   wire_bytes=wire_bytes, dedup=dedup)
     rows.append(Row("no fusion, 1 node", simulate(one), ARTICLE["no fusion"]))
     rows.append(Row("MC2 one node", best(one), ARTICLE["MC2 one node"]))
     for n in nodes:
@@ -89,6 +91,20 @@ def format_rows(rows: Sequence[Row], hw: Hardware, model: Model, tokens: int) ->
         lines.append(f"{r.config:<30} {s.ep_size:>4} {k:>3} {p.step_s * 1e3:9.1f} "
                      f"{p.comm_share * 100:9.1f}% {p.tokens_per_s_per_device:12,.0f} "
                      f"{r.bound:5.2f}x   {art}{flag}")
+    return "\n".join(lines)
+
+
+def format_saved(rows: Sequence[Row]) -> str:
+    """What ``dedup`` leaves off the wire in each MC2 configuration (uniform routing)."""
+    lines = ["rows once per destination (--dedup), uniform routing: rows MC2 leaves off the wire"]
+    for r in rows:
+        s = r.prediction.scenario
+        if not s.mc2:
+            continue
+        rank, node = r.prediction.rows_saved
+        where = f", across nodes {node * 100:.0f}%" if s.hierarchy == "2d" and s.ep_nodes > 1 \
+            else ""
+        lines.append(f"  {r.config:<30} EP {s.ep_size}: per rank {rank * 100:.0f}%{where}")
     return "\n".join(lines)
 
 
@@ -123,12 +139,12 @@ def article_check() -> str:
 
 
 def scale_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-               wire_bytes: float | None = None) -> list[dict[str, float]]:
+               wire_bytes: float | None = None, dedup: bool = False) -> list[dict[str, float]]:
     """Serial vs best-K MC2, flat vs 2d, for each node count (EP as large as allowed, packed)."""
     out = []
     for n in nodes:
         base = Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
-                        wire_bytes=wire_bytes)
+                        wire_bytes=wire_bytes, dedup=dedup)
         row: dict[str, float] = {"nodes": n, "devices": base.devices, "ep": base.ep_size}
         for hierarchy in ("flat", "2d"):
             s = replace(base, hierarchy=hierarchy)

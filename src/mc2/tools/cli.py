@@ -238,6 +238,9 @@ def _add_simulate_parser(sub: Any) -> None:
                           "fp8 or int8 (1 byte + a 4-byte scale per --wire-block channels); "
                           "the no-fusion rows keep the model's dtype")
     sim.add_argument("--wire-block", type=int, default=128, help="channels per scale")
+    sim.add_argument("--dedup", action="store_true",
+                     help="MC2 sends a token once per destination rank (once per node across "
+                          "nodes with 2d) and reduces there; prints the rows saved")
     sim.add_argument("--calibrate", action="store_true",
                      help="instead: measure this machine's Gloo world and compare the model's "
                           "predictions with mc2 bench's measured step times")
@@ -276,6 +279,7 @@ def _simulate(args: argparse.Namespace) -> int:
         article_rows,
         format_best,
         format_rows,
+        format_saved,
         format_scale,
         implied_bandwidth,
         plot_scale,
@@ -297,9 +301,12 @@ def _simulate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         if len(args.nodes) <= 3:
             rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew,
-                                wire_bytes=wire_bytes)
+                                wire_bytes=wire_bytes, dedup=args.dedup)
             print(format_rows(rows, hw, model, args.tokens))
-            print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes))
+            if args.dedup:
+                print(format_saved(rows))
+            print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
+                              args.dedup))
             print()
             print(article_check())
             if model.name == "mixtral-8x7b":
@@ -307,7 +314,8 @@ def _simulate(args: argparse.Namespace) -> int:
                 print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
                       f"All-to-All ran at {need:.1f} GB/s per device, against "
                       f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
-        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes) \
+        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
+                           args.dedup) \
             if len(args.nodes) > 3 or args.plot else []
     except (PresetError, ValueError) as exc:
         print(f"mc2: {exc}", file=sys.stderr)
