@@ -111,3 +111,64 @@ def test_a_meta_device_build_gets_real_experts_after_to_empty() -> None:
     assert all(bool(torch.isfinite(p).all()) for p in layer.parameters())
     assert 0.015 < float(layer.w_gate_up.detach().std()) < 0.025
     assert layer(torch.randn(5, 16)).shape == (5, 16)
+
+
+def _limited_reference(probs: torch.Tensor, groups: int, per_token: int, topk: int
+                       ) -> torch.Tensor:
+    """Group-limited top-k, one token at a time."""
+    size = probs.shape[-1] // groups
+    out = []
+    for p in probs.tolist():
+        score = [sum(sorted(p[g * size:(g + 1) * size])[-2:]) for g in range(groups)]
+        best = sorted(range(groups), key=lambda g: -score[g])[:per_token]
+        allowed = [e for e in range(len(p)) if e // size in best]
+        out.append(sorted(allowed, key=lambda e: -p[e])[:topk])
+    return torch.tensor(out)
+
+
+def test_node_limited_routing_keeps_each_token_on_its_best_groups() -> None:
+    from tests.reference import dense_moe
+
+    torch.manual_seed(4)
+    layer = mc2.MoELayer(16, 24, 8, topk=3, expert_groups=4, groups_per_token=2,
+                         dtype=torch.float64)
+    layer.reset_parameters(std=0.3)
+    torch.nn.init.normal_(layer.gate.weight, std=0.5)
+    x = torch.randn(40, 16, dtype=torch.float64)
+    ids, weights, logits = layer.route(x)
+    probs = logits.softmax(-1)
+    want = _limited_reference(probs, 4, 2, 3)
+    assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
+    assert all(len(set((row // 2).tolist())) <= 2 for row in ids)
+    free = mc2.MoELayer(16, 24, 8, topk=3, dtype=torch.float64)
+    free.load_state_dict(layer.state_dict())
+    assert not torch.equal(free.route(x)[0].sort(-1).values, ids.sort(-1).values)  # it limits
+    gate_up, down = layer.w_gate_up, layer.w_down
+    up, gate = gate_up[:, 24:].transpose(1, 2), gate_up[:, :24].transpose(1, 2)
+    dense = dense_moe(x, up, gate, down.transpose(1, 2), ids, weights)
+    torch.testing.assert_close(layer(x), dense, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="must divide"):
+        mc2.MoELayer(16, 24, 8, expert_groups=3, groups_per_token=1)
+    with pytest.raises(ValueError, match="exceeds"):
+        mc2.MoELayer(16, 24, 8, topk=3, expert_groups=4, groups_per_token=1)
+
+
+def test_node_limited_routing_on_two_ranks_with_dedup() -> None:
+    """Groups = ranks, one group a token: every token's rows go to one rank, once; equal to
+    the same layer on one process."""
+    from tests.workers import limited_layer
+
+    torch.manual_seed(6)
+    whole = mc2.MoELayer(16, 24, 8, topk=3, expert_groups=2, groups_per_token=1,
+                         dtype=torch.float64)
+    whole.reset_parameters(std=0.3)
+    torch.nn.init.normal_(whole.gate.weight, std=0.5)
+    state = {k: v.clone() for k, v in whole.state_dict().items()}
+    x = torch.randn(2 * 11, 16, dtype=torch.float64, requires_grad=True)
+    out = whole(x)
+    out.pow(2).sum().backward()
+    results = mc2.run_local(limited_layer, 2, args=(state, x.detach()), timeout_s=120)
+    for rank, r in enumerate(results):
+        assert all(len(set((row // 4).tolist())) == 1 for row in r["ids"])
+        torch.testing.assert_close(r["out"], out.detach().chunk(2)[rank], rtol=0, atol=1e-12)
+        torch.testing.assert_close(r["grad"], x.grad.chunk(2)[rank], rtol=0, atol=1e-12)

@@ -369,3 +369,15 @@ def count_rows(rank: int, world: int, local_world: int, problem: Problem,
                          problem.rws[rank], **options)
     return {"pairs": traffic.pairs, "rows_sent": traffic.rows_sent,
             "node_rows": traffic.node_rows, "row_bytes": traffic.row_bytes}
+
+
+def limited_layer(rank: int, world: int, state: dict, x: torch.Tensor) -> dict:
+    """A node-limited MoELayer (2 groups = the 2 ranks, 1 group per token) with dedup: this
+    rank's output, its expert ids and the input gradient."""
+    layer = mc2.MoELayer(16, 24, 8, topk=3, expert_groups=2, groups_per_token=1,
+                         dtype=torch.float64, micro_batches=2, dedup=True)
+    mc2.load_full_state_dict(layer, state)
+    mine = x.chunk(world)[rank].clone().requires_grad_(True)
+    out = layer(mine)
+    out.pow(2).sum().backward()
+    return {"out": out.detach(), "ids": layer.route(mine)[0], "grad": mine.grad}

@@ -113,6 +113,13 @@ class MoELayer(nn.Module):
         shared_experts: experts every token passes through (DeepSeek/Qwen), replicated.
         shared_ffn: their width (default ``ffn``).
         renormalize: rescale the top-k probabilities to sum to 1 (Mixtral does).
+        expert_groups: node-limited routing (DeepSeek-V3's group-limited top-k), off by
+            default: the experts form this many equal groups (consecutive ids: with the experts
+            split evenly over the ranks, a group per node when it equals the node count), a
+            group scores the sum of its two best probabilities, and each token picks its top-k
+            among the experts of its ``groups_per_token`` best groups only. Its rows then
+            cross to at most that many nodes (with ``dedup=True``, once each).
+        groups_per_token: ``M``, the groups a token may use (with ``expert_groups``).
         config: how the fused call runs (:class:`mc2.MC2Config`); ``**options`` its fields as
             keywords (``micro_batches=4``, ``wire_dtype="fp8"``, ...), a shorthand.
 
@@ -125,12 +132,16 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int = 2, *,
                  group: Any = None, mesh: Any = None, shared_experts: int = 0,
                  shared_ffn: int | None = None, renormalize: bool = True,
+                 expert_groups: int | None = None, groups_per_token: int | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  config: MC2Config | None = None, **options: Unpack[ConfigOptions]) -> None:
         super().__init__()
         self.layout = resolve_layout(group, mesh, num_experts=num_experts)
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
+        if (problem := _groups_problem(num_experts, topk, expert_groups, groups_per_token)):
+            raise ValueError(problem)
+        self.expert_groups, self.groups_per_token = expert_groups, groups_per_token
         self.group, self.num_experts, self.topk = self.layout.ep_group, num_experts, topk
         self.renormalize = renormalize
         self.config = MC2Config.of(config, **options)
@@ -184,7 +195,11 @@ class MoELayer(nn.Module):
         """``(expert_ids, routing_weights, router_logits)`` for tokens ``x [..., H]``."""
         logits = self.gate(x)
         probs = logits.float().softmax(-1)
-        weights, ids = probs.topk(self.topk, dim=-1)
+        if self.expert_groups:
+            ids = limited_to_groups(probs, self.expert_groups, self.groups_per_token, self.topk)
+            weights = probs.gather(-1, ids)
+        else:
+            weights, ids = probs.topk(self.topk, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype), logits
@@ -228,6 +243,32 @@ class MoELayer(nn.Module):
     def _shared_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The shared experts ``(up, gate, down)``, or ``None``s."""
         return tuple(self.shared) if self.shared is not None else (None, None, None)
+
+
+def _groups_problem(experts: int, topk: int, groups: int | None, per_token: int | None
+                    ) -> str | None:
+    if groups is None:
+        return None if per_token is None else "groups_per_token needs expert_groups"
+    if groups < 1 or experts % groups:
+        return f"expert_groups ({groups}) must divide the expert count ({experts})"
+    if per_token is None or not 1 <= per_token <= groups:
+        return f"groups_per_token must be in [1, {groups}], got {per_token}"
+    if topk > per_token * (experts // groups):
+        return (f"topk ({topk}) exceeds the experts of {per_token} group(s) of "
+                f"{experts // groups}")
+    return None
+
+
+def limited_to_groups(probs: Tensor, groups: int, per_token: int, topk: int) -> Tensor:
+    """``[..., topk]`` expert ids, each token's among its ``per_token`` best groups of
+    ``groups`` (a group's score: the sum of its two best probabilities, DeepSeek-V3's rule)."""
+    size = probs.shape[-1] // groups
+    grouped = probs.unflatten(-1, (groups, size))
+    score = grouped.topk(min(2, size), dim=-1).values.sum(-1)
+    chosen = score.topk(per_token, dim=-1).indices
+    allowed = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, chosen, True)
+    masked = grouped.masked_fill(~allowed.unsqueeze(-1), -1.0).flatten(-2)
+    return masked.topk(topk, dim=-1).indices
 
 
 def _renamed_flat_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:
