@@ -20,7 +20,8 @@ def test_defaults_validation_and_round_trip() -> None:
     assert fp8.wire_dtype is torch.float8_e4m3fn  # names become dtypes
     pair = mc2.MC2Config(wire_dtype=("int8", "bf16"))
     assert pair.wire_dtype == ("int8", torch.bfloat16)
-    for config in (c, fp8, pair, mc2.MC2Config(timeout=5.0, check_finite=True, gemm="loop")):
+    for config in (c, fp8, pair, mc2.MC2Config(timeout=5.0, check_finite=True, gemm="loop"),
+                   mc2.MC2Config(dedup=True)):
         text = json.dumps(config.to_dict())
         assert mc2.MC2Config.from_dict(json.loads(text)) == config
     assert mc2.MC2Config.of(fp8, overlap=False) == mc2.MC2Config(
@@ -31,6 +32,7 @@ def test_defaults_validation_and_round_trip() -> None:
     ({"micro_batches": 0}, "micro_batches must be a positive int"),
     ({"micro_batches": True}, "micro_batches must be a positive int"),
     ({"overlap": 1}, "overlap must be a bool"),
+    ({"dedup": "yes"}, "dedup must be a bool"),
     ({"hierarchy": "3d"}, "hierarchy must be"),
     ({"gemm": "fast"}, "gemm must be"),
     ({"timeout": "soon"}, "timeout must be a number"),

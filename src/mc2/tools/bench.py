@@ -12,6 +12,8 @@ waits on asynchronous ones), and the rest (autograd, allocation, the weighted su
 
 from __future__ import annotations
 
+import itertools
+
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,6 +62,7 @@ class BenchConfig:
     device: str = "cpu"  # "cuda": each rank on its local device (shared when fewer than ranks)
     timeout: float | None = None  # MC2Config.timeout of every call
     check_finite: bool = False  # MC2Config.check_finite of every call
+    dedups: tuple[bool, ...] = (False,)  # MC2 rows once per destination: off, on, or both
 
     def call_config(self, mode: Mode) -> MC2Config:
         """The :class:`MC2Config` of one mode's calls: the mode's K, overlap, layout and wire
@@ -67,7 +70,7 @@ class BenchConfig:
         return MC2Config(micro_batches=mode.micro_batches, overlap=mode.overlap,
                          hierarchy=mode.hierarchy, wire_dtype=mode.wire,
                          wire_block=self.wire_block, gemm=self.gemm, timeout=self.timeout,
-                         check_finite=self.check_finite)
+                         check_finite=self.check_finite, dedup=mode.dedup)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -96,6 +99,7 @@ class Mode:
     overlap: bool
     hierarchy: str = "flat"
     wire: str = "none"
+    dedup: bool = False
 
 
 @dataclass
@@ -157,13 +161,14 @@ class BenchReport:
 
 def modes_of(cfg: BenchConfig) -> list[Mode]:
     modes = [Mode("serial", 1, False)]
-    for wire in cfg.wire_dtypes:
-        wtag = "" if parse_wire_dtype(wire) is None else f" {wire}"
+    for wire, dedup in itertools.product(cfg.wire_dtypes, cfg.dedups):
+        wtag = ("" if parse_wire_dtype(wire) is None else f" {wire}") + (" dedup" if dedup else "")
         for h in cfg.hierarchies:
             tag = ("" if h == "flat" else f" {h}") + wtag
-            modes += [Mode(f"mc2 K={k}{tag}", k, True, h, wire) for k in cfg.micro_batches]
+            modes += [Mode(f"mc2 K={k}{tag}", k, True, h, wire, dedup)
+                      for k in cfg.micro_batches]
         if cfg.auto:
-            modes.append(Mode(f"mc2 auto{wtag}", "auto", True, wire=wire))
+            modes.append(Mode(f"mc2 auto{wtag}", "auto", True, wire=wire, dedup=dedup))
     if cfg.split_sync:
         modes += [Mode(f"split K={k} (sync)", k, False) for k in cfg.micro_batches if k > 1]
     return modes

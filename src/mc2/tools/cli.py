@@ -61,6 +61,9 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="formats MC2's rows travel in, comma-separated: none (the compute "
                         "dtype), bf16, fp16, fp8 (e4m3 + fp32 scale per 128 channels), int8; "
                         "each adds its own MC2 rows (default none)")
+    p.add_argument("--dedup", type=_dedups, default=base.dedups,
+                   help="MC2 rows once per destination rank: off, on, or off,on for both "
+                        "(each adds its own MC2 rows; default off)")
     p.add_argument("--auto", action="store_true", default=base.auto,
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
@@ -76,12 +79,22 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="cpu (default) or an accelerator type such as cuda: each rank computes on "
                         "its local device (ranks share one when there are fewer devices; Gloo "
                         "stages device tensors through the host)")
-    add_config_arguments(p, skip=("micro_batches", "overlap", "hierarchy", "wire_dtype"))
+    add_config_arguments(p, skip=("micro_batches", "overlap", "hierarchy", "wire_dtype",
+                                  "dedup"))
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
                    help="profile one step per mode; write DIR/trace.json (Chrome/Perfetto, all "
                         "ranks), DIR/gantt.png (serial vs best MC2) and DIR/metrics.json")
+
+
+def _dedups(text: str) -> tuple[bool, ...]:
+    """``off``, ``on`` or ``off,on`` -> the dedup settings to time."""
+    values = {"off": False, "on": True}
+    parts = text.split(",")
+    if not parts or set(parts) - set(values):
+        raise argparse.ArgumentTypeError(f"--dedup takes off, on or off,on; got {text!r}")
+    return tuple(values[p] for p in parts)
 
 
 def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
@@ -93,7 +106,8 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
                    gemm=call.gemm, split_sync=args.split_sync, trace=args.trace is not None,
                    auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
                    wire_dtypes=args.wire_dtype, wire_block=call.wire_block,
-                   timeout=call.timeout, check_finite=call.check_finite, device=args.device)
+                   timeout=call.timeout, check_finite=call.check_finite, device=args.device,
+                   dedups=args.dedup)
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,

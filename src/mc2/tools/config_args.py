@@ -59,6 +59,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
                                      "help": "seconds any wait may take (300; 0: none)"}),
         "check_finite": (("--check-finite",), {"action": "store_const", "const": True,
                                                 "help": "reject NaN/Inf tokens on every rank"}),
+        "dedup": (("--dedup",), {"action": "store_const", "const": True,
+                                 "help": "rows once per destination rank, reduced there"}),
     }
     for field, (names, options) in flags.items():
         if field not in skip:
@@ -94,4 +96,6 @@ def config_arguments(config: MC2Config) -> list[str]:
         out.append("--serial")
     if values["check_finite"]:
         out.append("--check-finite")
+    if values["dedup"]:
+        out.append("--dedup")
     return out
