@@ -63,6 +63,7 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
     cases["K4 int8/bf16 wire"] = {"micro_batches": 4, "wire_dtype": ("int8", torch.bfloat16),
                                   "wire_block": 16}
     cases["K4 check_finite"] = {"micro_batches": 4, "check_finite": True}
+    cases["K4 dedup"] = {"micro_batches": 4, "dedup": True}
     shared = make_problem(1, "uniform", hidden=32, ffn=8, local_experts=1, seed=5)
     cases["K4 shared experts"] = {"micro_batches": 4, "shared_up": shared.w_up,
                                   "shared_gate": shared.w_gate, "shared_down": shared.w_down}
@@ -71,7 +72,8 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
     cases["K4 + extra read"] = {"micro_batches": 4, "extra_read": True}
     if world == 4:
         cases = {"K4 2d": {"micro_batches": 4, "hierarchy": "2d"},
-                 "K1 2d": {"micro_batches": 1, "hierarchy": "2d"}}
+                 "K1 2d": {"micro_batches": 1, "hierarchy": "2d"},
+                 "K4 2d dedup": {"micro_batches": 4, "hierarchy": "2d", "dedup": True}}
     counted: dict[str, Any] = {}
     for name, options in cases.items():
         for _ in range(2):
