@@ -36,6 +36,7 @@ from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
 from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device.clock import Interval
+from mc2.engine.decide.capacity import plan_routes
 from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
@@ -79,6 +80,8 @@ class CallPlan:
         module: the routed experts as a module stage
             (:mod:`~mc2.engine.compute.module_experts`), or ``None``: mc2's SwiGLU on the
             call's weight tensors.
+        capacity: a capacity call (``MC2Config(capacity=N)``, :mod:`mc2.engine.decide.capacity`):
+            ``handle`` holds fixed-size slabs, and nothing was read to the host.
     """
 
     handle: DispatchHandle
@@ -92,6 +95,7 @@ class CallPlan:
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
     timeout: float | None = None
     module: ModuleExperts | None = None
+    capacity: bool = False  # handle is a CapacityHandle (mc2.engine.decide.capacity)
 
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
@@ -292,6 +296,41 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
+def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
+                   problem: str | None, config: MC2Config, group: Any, style: CommStyle,
+                   timeline: Timeline | None, workspace: Workspace | None,
+                   timeout: float | None, needs_grad: bool | None, module: Any,
+                   named_weights: dict[str, Any], shared: tuple
+                   ) -> tuple[CallPlan, Any, Tensor]:
+    """A capacity call's plan: no handshake, no counts, nothing read to the host.
+
+    Without a handshake, what this rank finds wrong with its own arguments raises here, on
+    this rank; its peers wait in their first exchange until the call's deadline
+    (:class:`mc2.CommTimeout`, naming the exchange). What only the data shows (rows that do
+    not fit, expert ids out of range) travels with the rows and fails on every rank
+    (:func:`mc2.engine.decide.capacity.check_errors`).
+    """
+    if problem is not None:
+        raise ValueError(f"fused_expert: {problem}")
+    if needs_grad is None:
+        tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
+                   if isinstance(t, Tensor)]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    combine = combine_weights(routing_weights, ids2d, x)
+    k = config.micro_batches if isinstance(config.micro_batches, int) else 1
+    with maybe_span(timeline, "compute", "plan", "forward"):
+        handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
+                             micro_batches=k, world=group_size(group),
+                             local_experts=weights.local_experts, group=group, style=style,
+                             overflow=config.overflow)
+    call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
+                    keep_activations=needs_grad, timeline=timeline,
+                    workspace=workspace or default_workspace(), timeout=timeout, module=module,
+                    capacity=True)
+    return call, weights, combine
+
+
 def plan_call(
     x: Tensor,
     named_weights: dict[str, Any],
@@ -331,6 +370,10 @@ def plan_call(
                                   packed=packed, world=world, num_experts=num_experts,
                                   module=module)
     problem = problem or found
+    if config.capacity is not None:
+        return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
+                              style, timeline, workspace, timeout, needs_grad, module, named_weights,
+                              shared)
     wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
                if isinstance(t, Tensor)]

@@ -46,6 +46,8 @@ class ConfigOptions(TypedDict, total=False):
     timeout: float | None
     check_finite: bool
     dedup: bool
+    capacity: int | None
+    overflow: Literal["raise", "drop"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,15 @@ class MC2Config:
         dedup: a token travels once to each rank holding any of its experts, and that rank
             sums its experts' weighted outputs into one row back (:mod:`mc2.engine.decide.dedup`);
             ``False``: one row per (token, expert). Results agree to rounding.
+        capacity: rows each rank sends each rank per call, fixed (``None``: sized to the
+            data, read once per call). A call then reads nothing to the host, allocates
+            nothing whose size depends on the data, and a small batch is two collectives: what
+            a CUDA graph can capture (:mod:`mc2.engine.decide.capacity`). A token goes at most
+            once to each rank, so ``capacity`` >= tokens per rank never overflows. Flat
+            exchange, rows in the compute dtype, K fixed (``"auto"``: 1).
+        overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (an assertion
+            on the device, on every rank) or ``"drop"`` (left out and counted:
+            :func:`mc2.engine.decide.capacity.dropped_rows`).
     """
 
     micro_batches: MicroBatches = "auto"
@@ -94,6 +105,8 @@ class MC2Config:
     timeout: float | None = None
     check_finite: bool = False
     dedup: bool = False
+    capacity: int | None = None
+    overflow: str = "raise"
 
     def __post_init__(self) -> None:
         wire = self.wire_dtype
@@ -126,6 +139,11 @@ class MC2Config:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or math.isnan(t)):
             return f"timeout must be a number of seconds or None, got {t!r}"
+        if problem := capacity_problem(self.capacity, self.overflow, self.micro_batches):
+            return problem
+        if self.capacity is not None and (self.hierarchy != "flat" or self.wire_dtype is not None):
+            return ("capacity mode runs the flat exchange with rows in the compute dtype "
+                    "(hierarchy='flat', wire_dtype=None)")
         return wire_problem(self.wire_dtype, self.wire_block, None)
 
     @classmethod
@@ -165,6 +183,19 @@ class MC2Config:
         if isinstance(values.get("wire_dtype"), list):
             values["wire_dtype"] = tuple(values["wire_dtype"])
         return cls.of(**values)
+
+
+def capacity_problem(capacity: Any, overflow: Any, micro_batches: Any) -> str | None:
+    """What is wrong with the capacity settings (the config checks them once)."""
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        return f"capacity must be a positive int (rows per destination per call), got {capacity!r}"
+    if overflow not in ("raise", "drop"):
+        return f"overflow must be 'raise' or 'drop', got {overflow!r}"
+    if isinstance(micro_batches, int) and micro_batches > capacity:
+        return f"capacity ({capacity}) must be at least micro_batches ({micro_batches})"
+    return None
 
 
 DEFAULT = MC2Config()  # what a call without config or options runs with

@@ -45,6 +45,7 @@ from mc2.engine.compute.experts import (
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.decide.routing import MicroBatchRoute
+from mc2.engine.passes.capacity import capacity_backward, capacity_forward
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline, start_pass
 from mc2.engine.transport.deadline import deadline
 from mc2.engine.transport.workspace import Workspace
@@ -411,7 +412,8 @@ def combine_grads(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]
     handle = state.call.handle
     tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
     grad_weights = grad_scale = None
-    if needs.combine and not handle.once_per_destination:  # else: computed by the backward
+    computed_by_backward = state.call.capacity or handle.once_per_destination
+    if needs.combine and not computed_by_backward:
         grad_weights = torch.bmm(state.expert_out.view(tokens, topk, hidden),
                                  grad_out.view(tokens, hidden, 1)).view(tokens, topk)
     if needs.shared_scale:
@@ -441,9 +443,29 @@ def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], Non
     return lambda: report(phase, Interval(clock, started, clock.stamp()))
 
 
+def _capacity_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
+                      ) -> tuple[Tensor, ForwardState]:
+    """A capacity call's forward (:mod:`~mc2.engine.passes.capacity`): no host read."""
+    shape = inputs.x.shape
+    flat = inputs.x.reshape(-1, shape[-1])
+    result = capacity_forward(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
+                              needs)
+    out = result.out
+    if result.shared_out is not None:
+        scale = inputs.shared_scale
+        out = out + (result.shared_out if scale is None else scale * result.shared_out)
+    shared = result.shared_activations
+    state = ForwardState(call, shape, list(result.activations),
+                         shared.gate_up if shared is not None else None, None,
+                         result.shared_out if needs.shared_scale else None)
+    return out.view(shape), state
+
+
 def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
                 ) -> tuple[Tensor, ForwardState]:
     """The forward of one planned call: its output (``x``-shaped) and its state."""
+    if call.capacity:
+        return _capacity_forward(call, inputs, needs)
     done = _timed(call, "forward", inputs.x.device)
     shape = inputs.x.shape
     flat = inputs.x.reshape(-1, shape[-1])
@@ -468,8 +490,12 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_combine, grad_scale = combine_grads(state, grad_out, needs)
-        grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
-            backward_stages(grad_out, inputs, state, needs))
+        if call.capacity:
+            grad_x, expert_grads, (s_up, s_gate, s_down), returned = capacity_backward(
+                grad_out, inputs, state, needs)
+        else:
+            grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
+                backward_stages(grad_out, inputs, state, needs))
         grad_combine = returned if returned is not None else grad_combine
         call.workspace.tick()
         done()

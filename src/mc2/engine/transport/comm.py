@@ -159,8 +159,8 @@ def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete)
 
 def all_to_all_rows(
     rows: Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
+    send_splits: list[int] | None,
+    recv_splits: list[int] | None,
     group: Any,
     *,
     async_op: bool,
@@ -178,13 +178,16 @@ def all_to_all_rows(
     :mod:`mc2.device.clock`) when it is asynchronous; used for profiling only. ``output``:
     the receive buffer, when the caller already has one. ``style``: the group's
     :class:`CommStyle` on the rows' device, when the caller knows it (else looked up).
+    ``None`` splits: equal blocks, as many rows in as out (fixed-size slabs: nothing
+    data-dependent reaches the host).
     """
     style = style or style_of(group, rows.device)
     if style is LOCAL:  # to itself: the rows are what arrives (in the caller's buffer if any)
         return PendingTransfer(output=rows if output is None else output.copy_(rows))
     rows = rows.contiguous()
     if output is None:
-        shape = (int(sum(recv_splits)),) + tuple(rows.shape[1:])
+        shape = ((int(sum(recv_splits)),) if recv_splits is not None else
+                 (rows.shape[0],)) + tuple(rows.shape[1:])
         output = (workspace or Workspace.transient()).empty(shape, rows.dtype, rows.device)
     if not async_op:
         collective(lambda a: dist.all_to_all_single(output, rows, recv_splits, send_splits,

@@ -1,0 +1,153 @@
+"""Capacity mode (``MC2Config(capacity=N)``): a call that reads nothing to the host.
+
+The normal call reads split sizes to the host twice (the handshake and the counts): on a GPU
+each read stalls the host until the device catches up, and makes the call impossible to capture
+in a CUDA graph. Here every size is fixed by the configuration and the shapes:
+
+- each rank sends every other rank a *slab* of ``N`` rows per call (split over the
+  micro-batches as the tokens are, :func:`~mc2.engine.decide.routing.micro_batch_bounds`); a
+  token goes at most once to each rank (as with ``dedup``), so a rank with at most ``N``
+  tokens never overflows;
+- beside each row travels its slot table (local expert ids, weights) and the sender's error
+  count, packed into the same bytes: a small batch is one dispatch and one combine, two
+  collectives, and nothing else;
+- the receiving rank computes every local expert on every received row and weights them with
+  the table (:mod:`mc2.engine.passes.capacity`): no per-expert count is needed on the host, at
+  the price of ``local_experts / topk`` times the expert work of the rows that need it, which
+  for the small batches this mode is for is cheaper than a host read.
+
+A rank with more rows for one destination than its slab holds *overflows*. Detected on the
+device and never silent: every slab carries its sender's count of rows that did not fit (and of
+expert ids out of range), so every rank learns the group's total from the rows it receives.
+``overflow="raise"`` (the default) asserts on the device that it is zero
+(``torch._assert_async``): on a CPU that raises at once, on every rank alike; on a GPU the
+assertion fails at the next point the host synchronises anyway (the next ``.item()``, the
+optimizer's step, the end of the step's ``synchronize``), as a device-side assertion naming
+this mode. ``overflow="drop"`` drops those rows (their experts contribute nothing, GShard's
+capacity factor) and adds them to :func:`dropped_rows`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.decide.routing import micro_batch_bounds
+from mc2.engine.transport.slabs import SlabExchange
+
+# rows dropped by capacity calls with overflow="drop", per device (read when the caller asks)
+_DROPPED: dict[torch.device, Tensor] = {}
+
+
+def dropped_rows(device: torch.device | str = "cpu") -> Tensor:
+    """How many (token, rank) rows capacity calls with ``overflow="drop"`` left out so far, in
+    this process, summed over the group's senders (a device tensor: reading it is the caller's
+    synchronisation)."""
+    device = torch.device(device)
+    return _DROPPED.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
+
+
+@dataclass(frozen=True)
+class CapacityRoute:
+    """One micro-batch of a capacity call, as this rank sees it.
+
+    Attributes:
+        slot_token: ``[world * C]`` the token of each row this rank sends (its slab to rank
+            ``d`` is rows ``d*C .. (d+1)*C``); ``T`` (one past the last token) for an empty row.
+        tables: ``[world * C, 2k + 2]`` each sent row's slot table: local expert ids (``-1``
+            where the slot's expert is elsewhere, or the row is empty), the slots' weights, and
+            the sender's two error counts (rows that did not fit; ids out of range).
+        exchange: the slabs' exchange.
+    """
+
+    slot_token: Tensor
+    tables: Tensor
+    exchange: SlabExchange
+
+
+@dataclass(frozen=True)
+class CapacityHandle:
+    """The routes of every micro-batch (what the pipeline's scheduler iterates over)."""
+
+    num_tokens: int
+    topk: int
+    world_size: int
+    local_experts: int
+    micro_batches: tuple[CapacityRoute, ...]
+    overflow: str
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+
+def slot_tables(ids_padded: Tensor, combine_padded: Tensor, slot_token: Tensor, world: int,
+                capacity: int, local_experts: int, errors: Tensor) -> Tensor:
+    """``[world * C, 2k + 2]`` float64 tables of the rows of one micro-batch's slabs
+    (``errors``: ``[2]`` this rank's rows that did not fit, ids out of range)."""
+    ids = ids_padded.index_select(0, slot_token)  # [world*C, k]; empty rows: -1
+    dest = torch.arange(world, device=ids.device).repeat_interleave(capacity).unsqueeze(1)
+    here = (ids >= 0) & (ids // local_experts == dest)
+    local = torch.where(here, ids % local_experts, -1).to(torch.float64)
+    weights = torch.where(here, combine_padded.index_select(0, slot_token).to(torch.float64), 0)
+    header = errors.to(torch.float64).unsqueeze(0).expand(ids.shape[0], 2)
+    return torch.cat([local, weights, header], 1)
+
+
+def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches: int,
+                world: int, local_experts: int, group: Any, style: Any,
+                overflow: str) -> CapacityHandle:
+    """Every micro-batch's slabs, built on the device from the ids (no read, no upload).
+
+    Rows beyond a slab's capacity (and ids out of range, clamped) are counted into every
+    slab's header; with ``overflow="drop"`` they are also added to :func:`dropped_rows`.
+    """
+    tokens, topk = ids2d.shape
+    device = ids2d.device
+    experts = world * local_experts
+    ids = ids2d.to(torch.int64)
+    bad = ((ids < 0) | (ids >= experts)).sum()
+    ids = torch.where((ids >= 0) & (ids < experts), ids, -1)
+    ids_padded = torch.cat([ids, ids.new_full((1, topk), -1)])
+    combine_padded = torch.cat([combine, combine.new_zeros((1, topk))])
+    routes, dropped = [], torch.zeros((), dtype=torch.int64, device=device)
+    token_bounds = micro_batch_bounds(tokens, micro_batches)
+    for (start, stop), (c0, c1) in zip(token_bounds, micro_batch_bounds(capacity, micro_batches)):
+        size, n = c1 - c0, stop - start
+        hit = torch.zeros(n, world + 1, dtype=torch.bool, device=device)
+        mine = ids[start:stop]
+        hit.scatter_(1, torch.where(mine >= 0, mine // local_experts, world), True)
+        hit = hit[:, :world]
+        position = torch.cumsum(hit.to(torch.int64), 0) - 1
+        fits = hit & (position < size)
+        dropped = dropped + (hit & ~fits).sum()
+        dump = world * size  # one slot past the slabs, cut off below
+        where = torch.where(fits, torch.arange(world, device=device) * size + position, dump)
+        token = torch.arange(start, stop, device=device).unsqueeze(1).expand(n, world)
+        slot_token = torch.full((dump + 1,), tokens, dtype=torch.int64, device=device)
+        slot_token.scatter_(0, where.reshape(-1), token.reshape(-1))
+        routes.append((slot_token[:dump], size))
+    errors = torch.stack([dropped, bad])
+    if overflow == "drop":
+        total = dropped_rows(device)
+        total.add_(dropped)
+    return CapacityHandle(tokens, topk, world, local_experts, tuple(
+        CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,
+                                              size, local_experts, errors),
+                      SlabExchange(world, group, style))
+        for slot_token, size in routes), overflow)
+
+
+def check_errors(tables: Tensor, world: int, topk: int, overflow: str) -> None:
+    """Assert on the device that no sender overflowed (unless ``overflow="drop"``) and no id
+    was out of range: every rank reads every sender's counts from the tables it received."""
+    errors = tables.view(world, -1, tables.shape[-1])[:, 0, 2 * topk:].sum(0)
+    if overflow == "raise":
+        torch._assert_async(errors[0] == 0, "mc2 capacity mode: a rank had more rows for one "
+                            "destination than capacity holds (overflow='raise'); raise capacity, "
+                            "or pass overflow='drop' to drop and count them")
+    torch._assert_async(errors[1] == 0, "mc2 capacity mode: an expert id out of range "
+                        "[0, num_experts) on some rank")

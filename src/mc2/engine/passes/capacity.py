@@ -1,0 +1,207 @@
+"""The passes of a capacity call (:mod:`mc2.engine.decide.capacity`): no host read, fixed sizes.
+
+Per micro-batch, forward: this rank's slab rows (``x`` of each slot's token, with the slot
+tables packed into the same bytes) out; every received row through every local expert, weighted
+by its table and summed (:func:`dense_experts`); one row back per received row; the sender adds
+the rows of each token. Backward: the output gradient of each slot's token out; the recorded
+graph of the micro-batch's experts differentiated (``torch.autograd.grad``) for the rows, the
+experts' parameters and the tables' weights; the rows' gradient back with each row's weight
+gradients packed beside it. Two collectives per micro-batch and pass, and nothing else.
+
+The schedule is the pipeline's (:mod:`mc2.engine.passes.pipeline`): the same overlap of the
+next micro-batch's dispatch and the previous one's combine with this one's experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.compute.experts import (
+    ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
+)
+from mc2.engine.compute.module_experts import ModuleExperts
+from mc2.engine.decide.capacity import CapacityHandle, check_errors
+from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
+from mc2.engine.transport.slabs import pack, unpack
+
+
+@dataclass
+class CapacityActivations:
+    """One micro-batch's recorded experts: the leaves and the output of its graph."""
+
+    rows: Tensor
+    table: Tensor  # [R, L] each row's weight per local expert
+    leaves: tuple[Tensor, ...]
+    out: Tensor
+    local_ids: Tensor  # [R, k] each slot's local expert (-1: elsewhere)
+
+
+def _weight_table(tables: Tensor, local_experts: int, topk: int) -> tuple[Tensor, Tensor]:
+    """``([R, L] weights, [R, k] local ids)`` from received slot tables."""
+    ids = tables[:, :topk].round().to(torch.int64)
+    weights = tables[:, topk:2 * topk]
+    table = torch.zeros(tables.shape[0], local_experts + 1, dtype=torch.float64,
+                        device=tables.device)
+    table.scatter_add_(1, torch.where(ids >= 0, ids, local_experts), weights)  # repeats add
+    return table[:, :local_experts], ids
+
+
+def dense_experts(rows: Tensor, table: Tensor, experts: ExpertWeights | ModuleExperts,
+                  params: tuple[Tensor, ...]) -> Tensor:
+    """``sum_e table[:, e] * expert_e(rows)`` over this rank's experts, every row through
+    every expert: no per-expert count is needed, so nothing is read to the host."""
+    local = table.shape[1]
+    if isinstance(experts, ModuleExperts):
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        out = torch.zeros_like(rows)
+        for e in range(local):
+            ids = torch.full((rows.shape[0], 1), e, dtype=torch.int64, device=rows.device)
+            out = out + table[:, e:e + 1] * experts._call(rows, ids, ones, params)
+        return out
+    w = ExpertWeights.in_order(params)
+    many = rows.unsqueeze(0).expand(local, *rows.shape)
+    ffn = w.ffn
+    if w.packed:
+        gate_up = torch.bmm(many, w.gate_up.transpose(1, 2))
+        gate, up = gate_up[..., :ffn], gate_up[..., ffn:]
+        down = w.down.transpose(1, 2)
+    else:
+        gate, up, down = torch.bmm(many, w.gate), torch.bmm(many, w.up), w.down
+    y = torch.bmm(torch.nn.functional.silu(gate) * up, down)  # [L, R, H]
+    return (y * table.t().unsqueeze(-1)).sum(0)
+
+
+@dataclass
+class CapacityOutput:
+    """What a capacity forward made: the output and what its backward needs."""
+
+    out: Tensor
+    activations: list[CapacityActivations | None]
+    shared_activations: ExpertActivations | None = None
+    shared_out: Tensor | None = None
+
+
+def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
+                     shared: ExpertWeights | None, call: Any, needs: Any) -> CapacityOutput:
+    """The forward of a planned capacity call, ``x [T, H]`` -> ``[T, H]``."""
+    handle: CapacityHandle = call.handle
+    tokens, hidden, k = handle.num_tokens, x.shape[-1], handle.topk
+    padded = torch.cat([x, x.new_zeros((1, hidden))])
+    acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    summed = torch.zeros(tokens + 1, hidden, dtype=acc, device=x.device)
+    result = CapacityOutput(summed, [None] * handle.num_micro_batches)
+    keep = call.keep_activations
+    params = experts.tensors()
+    wants = tuple(needs.experts) + (True,) * (len(params) - len(needs.experts))
+    width = 2 * k + 2
+
+    def gather(i: int) -> Tensor:
+        route = handle.micro_batches[i]
+        return pack(padded.index_select(0, route.slot_token), route.tables)
+
+    def compute(i: int, received: Tensor) -> Tensor:
+        rows, tables = unpack(received, hidden, x.dtype, width)
+        if i == 0:
+            check_errors(tables, handle.world_size, k, handle.overflow)
+        table, ids = _weight_table(tables, handle.local_experts, k)
+        table = table.to(x.dtype)
+        if not keep:
+            with torch.no_grad():
+                return dense_experts(rows, table, experts, params)
+        leaf_rows = rows.requires_grad_(True)
+        leaf_table = table.requires_grad_(bool(needs.combine))
+        leaves = tuple(p.detach().requires_grad_(w) for p, w in zip(params, wants))
+        with torch.enable_grad():
+            out = dense_experts(leaf_rows, leaf_table, experts, leaves)
+        result.activations[i] = CapacityActivations(leaf_rows, leaf_table, leaves, out, ids)
+        return out.detach()
+
+    def scatter(i: int, returned: Tensor) -> None:
+        summed.index_add_(0, handle.micro_batches[i].slot_token, returned.to(acc))
+
+    def shared_experts() -> None:
+        assert shared is not None
+        result.shared_out, result.shared_activations = swiglu_forward(
+            x, [tokens], shared, strategy="loop", keep_activations=keep)
+
+    run_pipeline(handle, PipelineSteps(gather=gather, compute=compute, scatter=scatter,
+                                       local=shared_experts if shared is not None else None),
+                 overlap=call.overlap, phase="forward", timeline=call.timeline)
+    out = summed[:tokens].to(x.dtype)
+    result.out = out
+    return result
+
+
+def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
+                      ) -> tuple[Tensor, tuple[Tensor | None, ...], tuple[Tensor | None, ...],
+                                 Tensor | None]:
+    """``(grad_x, routed expert grads, shared grads, combine weights' grad)`` of a capacity
+    call (``grad_out [T, H]``), as :func:`mc2.engine.passes.run.backward_stages` returns."""
+    call = state.call
+    handle: CapacityHandle = call.handle
+    tokens, hidden, k = handle.num_tokens, grad_out.shape[-1], handle.topk
+    padded = torch.cat([grad_out, grad_out.new_zeros((1, hidden))])
+    grad_x = torch.zeros(tokens + 1, hidden, dtype=grad_out.dtype, device=grad_out.device)
+    grad_combine = torch.zeros(tokens + 1, k, dtype=torch.float64, device=grad_out.device)
+    n_params = len(inputs.experts)
+    routed: list[Tensor | None] = [None] * n_params
+
+    def compute(i: int, received: Tensor) -> Tensor:
+        saved: CapacityActivations = state.activations[i]
+        state.activations[i] = None
+        wanted = [saved.rows] + ([saved.table] if saved.table.requires_grad else []) + \
+            [leaf for leaf in saved.leaves if leaf.requires_grad]
+        found = torch.autograd.grad(saved.out, wanted, received, allow_unused=True)
+        grad_rows, rest = found[0], list(found[1:])
+        slots = torch.zeros(received.shape[0], k, dtype=torch.float64, device=received.device)
+        if saved.table.requires_grad:
+            grad_table = rest.pop(0)
+            if grad_table is not None:
+                picked = grad_table.gather(1, saved.local_ids.clamp(min=0)).to(torch.float64)
+                slots = torch.where(saved.local_ids >= 0, picked, 0)
+        for j, leaf in enumerate(saved.leaves):
+            if leaf.requires_grad:
+                g = rest.pop(0)
+                if g is not None:
+                    routed[j] = g if routed[j] is None else routed[j] + g
+        if grad_rows is None:
+            grad_rows = torch.zeros_like(received)
+        return pack(grad_rows, slots)
+
+    def scatter(i: int, returned: Tensor) -> None:
+        rows, slots = unpack(returned, hidden, grad_out.dtype, k)
+        token = handle.micro_batches[i].slot_token
+        grad_x.index_add_(0, token, rows)
+        grad_combine.index_add_(0, token, slots)
+
+    shared_grads = None
+    shared = inputs.shared_weights()
+    if shared is not None:
+        shared_grads = WeightGrads(shared, inputs.shared_needs)
+
+    def shared_experts() -> None:
+        if state.shared_gate_up is None or shared_grads is None:
+            return
+        grad_y = grad_out if inputs.shared_scale is None else grad_out * inputs.shared_scale
+        flat_x = inputs.x.reshape(-1, hidden)
+        grad_in, work = swiglu_backward_input(
+            grad_y, ExpertActivations(flat_x, state.shared_gate_up), [tokens], shared,
+            strategy="loop")
+        state.shared_gate_up = None
+        grad_x[:tokens].add_(grad_in)
+        shared_grads.add(work, strategy="loop")
+
+    run_pipeline(handle, PipelineSteps(
+        gather=lambda i: padded.index_select(0, handle.micro_batches[i].slot_token),
+        compute=compute, scatter=scatter,
+        local=shared_experts if shared is not None else None),
+        overlap=call.overlap, phase="backward", timeline=call.timeline)
+    expert_grads = tuple(g if g is not None or not need else torch.zeros_like(p)
+                         for g, p, need in zip(routed, inputs.experts, needs.experts))
+    shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
+    combine = grad_combine[:tokens].to(inputs.combine.dtype) if needs.combine else None
+    return grad_x[:tokens], expert_grads, shared_out, combine
