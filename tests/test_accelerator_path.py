@@ -37,6 +37,8 @@ def _reference(p, rank_slices=True):
 BUDGET = {"forward": {"reads": 2, "uploads": 1}, "backward": {"reads": 0, "uploads": 0}}
 # ExtraRead (tests/workers_accel.py) in front of the call: one read more each way
 WITH_EXTRA_READ = {"forward": {"reads": 3, "uploads": 1}, "backward": {"reads": 1, "uploads": 0}}
+# capacity mode (MC2Config(capacity=N)): nothing at all, each way
+NOTHING = {"forward": {"reads": 0, "uploads": 0}, "backward": {"reads": 0, "uploads": 0}}
 
 
 def _assert_counts(rank: int, name: str, counted: dict, want: dict) -> None:
@@ -57,7 +59,7 @@ def counted(request):
 def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
     """Exactly 2 device-to-host reads and 1 upload per forward, none in the backward, on every
     rank, for K = 1, 4, 8, serial or overlapped, flat or 2-D, wire formats, shared experts,
-    rows once per destination, MoELayer with losses; and a call with one deliberate extra read each way counts exactly one
+    rows once per destination, MoELayer with losses; none at all in capacity mode; and a call with one deliberate extra read each way counts exactly one
     more (a counter that saw nothing, or missed the backward, would fail here)."""
     world, results = counted
     assert len(results) == world
@@ -65,7 +67,8 @@ def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
     for rank, cases in enumerate(results):
         assert set(cases) == names and cases, f"rank {rank} counted {sorted(cases)}"
         for name, c in cases.items():
-            want = WITH_EXTRA_READ if "extra read" in name else BUDGET
+            want = WITH_EXTRA_READ if "extra read" in name else \
+                NOTHING if "capacity" in name else BUDGET
             _assert_counts(rank, name, c, want)
             if "extra read" in name:  # the one more is the deliberate one, on each side
                 for phase in ("forward", "backward"):

@@ -381,3 +381,48 @@ def limited_layer(rank: int, world: int, state: dict, x: torch.Tensor) -> dict:
     out = layer(mine)
     out.pow(2).sum().backward()
     return {"out": out.detach(), "ids": layer.route(mine)[0], "grad": mine.grad}
+
+
+def capacity_overflow(rank: int, world: int, problem: Problem, capacity: int) -> dict:
+    """A capacity call whose slabs are too small: with overflow='raise' (what each rank
+    raised), then with overflow='drop' (output, gradients, the count), then one that fits."""
+    from mc2.engine.decide.capacity import dropped_rows
+
+    args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
+    out: dict[str, Any] = {}
+    try:
+        mc2.fused_expert(*args, micro_batches=1, capacity=capacity)
+        out["raised"] = None
+    except RuntimeError as exc:
+        out["raised"] = str(exc)
+    x = problem.xs[rank].clone().requires_grad_(True)
+    got = mc2.fused_expert(x, *args[1:], micro_batches=1, capacity=capacity, overflow="drop")
+    got.backward(problem.grad_outs[rank])
+    out.update(out=got.detach(), x=x.grad, dropped=int(dropped_rows()))
+    fits = mc2.fused_expert(*args, micro_batches=1, capacity=max(len(t) for t in problem.xs))
+    out["fits"] = fits
+    return out
+
+
+def capacity_collectives(rank: int, world: int, problem: Problem) -> dict:
+    """The collectives and host syncs of a no-grad capacity call of a few tokens."""
+    from mc2.observation.host_syncs import HostSyncCounter
+    from tests.workers_recompute import CollectiveCounter
+
+    args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
+    with torch.no_grad():
+        mc2.fused_expert(*args, micro_batches=1, capacity=8)  # groups made, caches warm
+        counter, syncs = CollectiveCounter(), HostSyncCounter()
+        try:
+            with syncs:
+                mc2.fused_expert(*args, micro_batches=1, capacity=8)
+        finally:
+            counter.close()
+        mc2.fused_expert(*args, micro_batches=1)  # its control group made
+        plain = CollectiveCounter()
+        try:
+            mc2.fused_expert(*args, micro_batches=1)
+        finally:
+            plain.close()
+    return {"collectives": counter.count, "reads": syncs.reads, "uploads": syncs.uploads,
+            "plain_collectives": plain.count}

@@ -64,6 +64,8 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
                                   "wire_block": 16}
     cases["K4 check_finite"] = {"micro_batches": 4, "check_finite": True}
     cases["K4 dedup"] = {"micro_batches": 4, "dedup": True}
+    for k in (1, 4):  # capacity mode: nothing read, nothing uploaded, at any K
+        cases[f"K{k} capacity"] = {"micro_batches": k, "capacity": 128}
     shared = make_problem(1, "uniform", hidden=32, ffn=8, local_experts=1, seed=5)
     cases["K4 shared experts"] = {"micro_batches": 4, "shared_up": shared.w_up,
                                   "shared_gate": shared.w_gate, "shared_down": shared.w_down}
@@ -73,7 +75,8 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
     if world == 4:
         cases = {"K4 2d": {"micro_batches": 4, "hierarchy": "2d"},
                  "K1 2d": {"micro_batches": 1, "hierarchy": "2d"},
-                 "K4 2d dedup": {"micro_batches": 4, "hierarchy": "2d", "dedup": True}}
+                 "K4 2d dedup": {"micro_batches": 4, "hierarchy": "2d", "dedup": True},
+                 "K4 capacity": {"micro_batches": 4, "capacity": 128}}
     counted: dict[str, Any] = {}
     for name, options in cases.items():
         for _ in range(2):

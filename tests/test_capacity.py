@@ -1,0 +1,115 @@
+"""Capacity mode (``MC2Config(capacity=N)``): no host read, fixed sizes, two collectives.
+
+Against the dense reference in real Gloo worlds of 2 and 4 ranks (every hostile routing, K
+that does not divide the tokens, overlapped and serial, float64/float32/bfloat16, both
+layouts, shared experts, a module stage); overflow raised on every rank, or dropped and
+counted with the result equal to the reference without the dropped rows; and a small no-grad
+call is two collectives and no host read.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import mc2
+from tests.problems import DEDUP_ROUTINGS, make_problem
+from tests.reference import dense_moe
+from tests.test_fused_expert_distributed import assert_close, reference
+from tests.workers import capacity_collectives, capacity_overflow, run_cases
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _cases(world: int) -> list[tuple[str, object, dict]]:
+    cases = []
+    for r, k, o in itertools.product(DEDUP_ROUTINGS, (1, 3), (True, False)):
+        p = make_problem(world, r, topk=3 if r == "same_rank" else 2, seed=len(r))
+        cap = max(3, max(len(x) for x in p.xs))
+        cases.append((f"{r} K{k} {'overlap' if o else 'serial'}", p,
+                      {"micro_batches": k, "overlap": o, "capacity": cap}))
+    for dtype, layout in ((torch.float32, "packed"), (torch.bfloat16, "split")):
+        p = make_problem(world, "uniform", dtype=dtype, seed=2)
+        cases.append((f"uniform {dtype} {layout}", p,
+                      {"micro_batches": 2, "capacity": 64, "layout": layout}))
+    return cases
+
+
+@pytest.fixture(scope="module", params=(2, 4))
+def world(request):
+    n = request.param
+    cases = _cases(n)
+    return n, cases, mc2.run_local(run_cases, n, args=([(p, o) for _, p, o in cases],),
+                                   deadline_s=300)
+
+
+def test_equals_the_dense_reference(world) -> None:
+    n, cases, results = world
+    for i, (name, problem, _) in enumerate(cases):
+        ref = reference(problem)
+        dtype = problem.xs[0].dtype
+        for rank in range(n):
+            got = results[rank][i]
+            what = f"{name} rank {rank}"
+            assert_close(got["out"], ref["out"][rank], dtype, f"{what} output", TOLERANCE)
+            assert_close(got["x"], ref["x"][rank], dtype, f"{what} grad x", TOLERANCE)
+            assert_close(got["rw"], ref["rw"][rank], dtype, f"{what} grad weights", TOLERANCE)
+            for g, want in zip(got["w"], ref["w"][rank]):
+                assert_close(g, want, dtype, f"{what} grad experts", TOLERANCE)
+
+
+def _kept(problem, capacity: int) -> list[torch.Tensor]:
+    """Each rank's routing weights with the (token, rank) rows that do not fit zeroed: the
+    first ``capacity`` tokens (in order) with an expert on a rank fit in its slab."""
+    kept = []
+    L = problem.local_experts
+    for ids, rw in zip(problem.ids, problem.rws):
+        rw = rw.clone()
+        seen = [0] * problem.world
+        for t, row in enumerate(ids.tolist()):
+            for d in sorted({e // L for e in row}):
+                seen[d] += 1
+                if seen[d] > capacity:
+                    rw[t] = torch.where(ids[t] // L == d, 0.0, rw[t])
+        kept.append(rw)
+    return kept
+
+
+def test_overflow_raises_on_every_rank_or_drops_and_counts() -> None:
+    p = make_problem(2, "one_expert", tokens=9, seed=3)  # every token to rank 0's experts
+    results = mc2.run_local(capacity_overflow, 2, args=(p, 4), deadline_s=120)
+    kept = _kept(p, 4)
+    dropped = sum(int(((rw == 0) & (r != 0)).any(1).sum()) for rw, r in zip(kept, p.rws))
+    assert dropped > 0
+    L = p.local_experts
+    for rank, r in enumerate(results):
+        assert r["raised"] is not None and "capacity" in r["raised"], r["raised"]
+        x = p.xs[rank].clone().requires_grad_(True)
+        want = dense_moe(x, p.w_up, p.w_gate, p.w_down, p.ids[rank], kept[rank])
+        want.backward(p.grad_outs[rank])
+        torch.testing.assert_close(r["out"], want.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(r["x"], x.grad, rtol=0, atol=1e-12)
+        assert r["dropped"] == int(((kept[rank] == 0) & (p.rws[rank] != 0)).any(1).sum())
+        assert r["fits"] is not None
+    assert L == 2
+
+
+def test_a_small_no_grad_call_is_two_collectives_and_no_read() -> None:
+    p = make_problem(2, "uniform", tokens=4, seed=1)
+    for r in mc2.run_local(capacity_collectives, 2, args=(p,), deadline_s=120):
+        assert (r["collectives"], r["reads"], r["uploads"]) == (2, 0, 0), r
+        assert r["plain_collectives"] == 4  # handshake, counts, dispatch, combine
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"capacity": 0}, "capacity must be a positive int"),
+    ({"capacity": 4, "overflow": "clip"}, "overflow must be"),
+    ({"capacity": 2, "micro_batches": 4}, "at least micro_batches"),
+    ({"capacity": 8, "hierarchy": "2d"}, "flat exchange"),
+    ({"capacity": 8, "wire_dtype": "fp8"}, "flat exchange"),
+])
+def test_bad_capacity_settings(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mc2.MC2Config(**options)
