@@ -62,12 +62,11 @@ def group_name(group: Any) -> str:
     return "" if group is None else group.group_name
 
 
-@torch.library.custom_op("mc2::fused_expert", mutates_args=())
-def fused_expert_op(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
-                    experts: list[Tensor], shared_up: Tensor | None, shared_gate: Tensor | None,
-                    shared_down: Tensor | None, shared_scale: Tensor | None, packed: bool,
-                    group: str, config: str, num_experts: int, needs: list[bool]
-                    ) -> tuple[Tensor, Tensor]:
+def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
+                  experts: list[Tensor], shared_up: Tensor | None, shared_gate: Tensor | None,
+                  shared_down: Tensor | None, shared_scale: Tensor | None, packed: bool,
+                  group: str, config: str, num_experts: int, needs: list[bool]
+                  ) -> tuple[Tensor, Tensor]:
     """``(output, token)``: one planned and run fused call. The tensors are in the pass's
     layout (:class:`~mc2.engine.passes.run.CallInputs`: combine weights ``[T, topk]``, the
     shared experts as one expert, their scale ``[T, 1]``); the config as
@@ -100,10 +99,22 @@ def fused_expert_op(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     return out, token
 
 
-@fused_expert_op.register_fake
-def _(x, combine_weights, expert_ids, experts, shared_up, shared_gate, shared_down, shared_scale,
-      packed, group, config, num_experts, needs):
+# The call reads split sizes to the host: Inductor must keep it out of CUDA graphs.
+fused_expert_op = torch.library.custom_op(
+    "mc2::fused_expert", _fused_expert, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+# A capacity call (MC2Config(capacity=N)) reads nothing and allocates by shape only: the same
+# call, as an operator a CUDA graph may capture.
+fused_expert_capacity_op = torch.library.custom_op(
+    "mc2::fused_expert_capacity", _fused_expert, mutates_args=())
+
+
+def _fake(x, combine_weights, expert_ids, experts, shared_up, shared_gate, shared_down,
+          shared_scale, packed, group, config, num_experts, needs):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+fused_expert_op.register_fake(_fake)
+fused_expert_capacity_op.register_fake(_fake)
 
 
 @torch.library.custom_op("mc2::fused_expert_backward", mutates_args=())
@@ -147,5 +158,7 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:
 
 
 fused_expert_op.register_autograd(_backward, setup_context=_setup_context)
+fused_expert_capacity_op.register_autograd(_backward, setup_context=_setup_context)
 
 FUSED_EXPERT = torch.ops.mc2.fused_expert.default  # what checkpoint policies compare against
+FUSED_EXPERT_CAPACITY = torch.ops.mc2.fused_expert_capacity.default

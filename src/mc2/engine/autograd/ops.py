@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.function import FusedExpertFunction
-from mc2.engine.autograd.operator import fused_expert_op, group_name
+from mc2.engine.autograd.operator import fused_expert_capacity_op, fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
     EAGER_RUNTIME, autocast_inputs, function_inputs, guarded, resolve_config
 )
@@ -82,9 +82,9 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
     grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
     needs = [grad and t is not None and t.requires_grad
              for t in (x, combine, *function_shared, *experts)]
-    out, _ = fused_expert_op(x.reshape(-1, hidden), combine, ids2d, experts, *function_shared,
-                             packed, group_name(group), config.json,
-                             -1 if num_experts is None else num_experts, needs)
+    op = fused_expert_op if config.capacity is None else fused_expert_capacity_op
+    out, _ = op(x.reshape(-1, hidden), combine, ids2d, experts, *function_shared, packed,
+                group_name(group), config.json, -1 if num_experts is None else num_experts, needs)
     return out.view(x.shape)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from mc2.engine.autograd.operator import FUSED_EXPERT
+from mc2.engine.autograd.operator import FUSED_EXPERT, FUSED_EXPERT_CAPACITY
 
 
 def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
@@ -39,7 +39,7 @@ def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved = {FUSED_EXPERT, *also_save}
+    saved = {FUSED_EXPERT, FUSED_EXPERT_CAPACITY, *also_save}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE

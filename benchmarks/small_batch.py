@@ -1,0 +1,132 @@
+"""Small batches: per-call time of one MoE layer's experts, mc2 against Hugging Face's expert
+parallelism, on the same experts.
+
+One Mixtral-shaped experts module (hidden 1024, ffn 2048, 8 experts, top-2, float32; Hugging
+Face's ``MixtralExperts``, whose packed weights mc2 runs directly) sharded over 2 or 4 local
+Gloo ranks; at each size (tokens per rank) and pass (a no-grad forward; a forward and backward)
+every implementation runs once per round, interleaved, the median round counting:
+
+- ``mc2``: :func:`mc2.fused_expert_packed` as today (K = 1: handshake, counts, dispatch,
+  combine);
+- ``mc2 capacity``: the same call with ``MC2Config(capacity=tokens)``: no host read, one
+  dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
+- ``hf all_to_all``: ``transformers``' ``AllToAllEP`` (each rank its own tokens);
+- ``hf all_reduce``: ``transformers``' ``AllReduceEP`` (the EP group shares one batch of that
+  many tokens: every rank runs its experts on all of it, one all-reduce).
+
+::
+
+    .venv/bin/python benchmarks/small_batch.py --json docs/small_batch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import mc2
+
+HIDDEN, FFN, EXPERTS, TOPK = 1024, 2048, 8, 2
+IMPLS = ("mc2", "mc2 capacity", "hf all_to_all", "hf all_reduce")
+
+
+def _experts(world: int, rank: int) -> Any:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    local = EXPERTS // world
+    experts = MixtralExperts(MixtralConfig(hidden_size=HIDDEN, intermediate_size=FFN,
+                                           num_local_experts=local))
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.02)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.02)
+    return experts
+
+
+def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import AllReduceEP, AllToAllEP
+
+    torch.set_num_threads(1)
+    experts = _experts(world, rank)
+    own = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
+    shared = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    a2a = AllToAllEP(experts, own["ep"], own["tp"])
+    reduce = AllReduceEP(experts, shared["ep"], shared["ep"])
+    results: dict[str, Any] = {}
+    for tokens in sizes:
+        g = torch.Generator().manual_seed(100 * tokens + rank)
+        x = torch.randn(tokens, HIDDEN, generator=g)
+        same = torch.Generator().manual_seed(7 * tokens)  # the shared batch: alike on every rank
+        xs = torch.randn(tokens, HIDDEN, generator=same)
+        ids = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, -1).indices
+        ids_s = torch.rand(tokens, EXPERTS, generator=same).topk(TOPK, -1).indices
+        w = torch.full((tokens, TOPK), 0.5)
+        gu, down = experts.gate_up_proj, experts.down_proj
+        calls: dict[str, Callable[[Any], Any]] = {
+            "mc2": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1),
+            "mc2 capacity": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w,
+                                                               micro_batches=1,
+                                                               capacity=max(tokens, 1)),
+            "hf all_to_all": lambda h: a2a(h, ids, w),
+            "hf all_reduce": lambda h: reduce(h, ids_s, w),
+        }
+        inputs = {name: xs if name == "hf all_reduce" else x for name in IMPLS}
+        for grad in (False, True):
+            times: dict[str, list[float]] = {name: [] for name in IMPLS}
+            for r in range(rounds + 1):  # the first round is a warm-up
+                order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+                for name in order:
+                    h = inputs[name].clone().requires_grad_(grad)
+                    torch.distributed.barrier()
+                    start = time.perf_counter()
+                    with torch.set_grad_enabled(grad):
+                        out = calls[name](h)
+                        if grad:
+                            out.sum().backward()
+                    elapsed = torch.tensor([time.perf_counter() - start])
+                    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+                    if r:
+                        times[name].append(float(elapsed))
+            results[f"{tokens} {'fwd+bwd' if grad else 'no-grad'}"] = {
+                name: statistics.median(t) for name, t in times.items()}
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--sizes", default="1,4,16,64,256", help="tokens per rank")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    out: dict[str, Any] = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        print(f"== {world} ranks", file=sys.stderr, flush=True)
+        res = mc2.run_local(_rank, world, args=(sizes, args.rounds), timeout_s=600,
+                            deadline_s=3600)[0]
+        out[str(world)] = res
+        print(f"{world} ranks        " + "".join(f"{n:>15}" for n in IMPLS)
+              + "   capacity / fastest other")
+        for key, row in res.items():
+            others = min(v for n, v in row.items() if n != "mc2 capacity")
+            print(f"{key:<16}" + "".join(f"{row[n] * 1e3:12.2f} ms" for n in IMPLS)
+                  + f"   {row['mc2 capacity'] / others:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
