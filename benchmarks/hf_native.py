@@ -62,6 +62,8 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
     for impl in impls:  # "mc2_k2": mc2 with K fixed at 2, for diagnosis
         if impl.startswith("mc2_k"):
             register(impl, mc2.MC2Config(micro_batches=int(impl.removeprefix("mc2_k"))))
+        if impl == "mc2_dedup":  # rows once per destination
+            register(impl, mc2.MC2Config(dedup=True))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
     sizes = dict(fsdp_size=world) if layout == "dp" else dict(tp_size=world)
@@ -135,7 +137,8 @@ def main() -> int:
     p.add_argument("--regimes", default="plain", help="plain, or tc tbf rates such as 200mbit")
     p.add_argument("--impls", default="all_to_all,auto,mc2,enable_mc2",
                    help="registered implementations (the first is the reference of the ratios); "
-                        "mc2_k<N> is mc2 with micro_batches=N; enable_mc2 is mc2's own stack")
+                        "mc2_k<N> is mc2 with micro_batches=N, mc2_dedup with dedup=True; "
+                        "enable_mc2 is mc2's own stack")
     p.add_argument("--layout", default="dp", choices=("dp", "tp"),
                    help="dp: ranks hold different batches (fsdp_size=2); tp: the EP group "
                         "shares one batch (tp_size=2)")

@@ -25,6 +25,8 @@ from mc2.engine.compute.experts import (
 )
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.capacity import CapacityHandle, check_errors
+from mc2.engine.decide.gemm_strategy import grouped_problem
+from mc2.engine.decide.routing import count_on_device
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
 from mc2.engine.transport.slabs import pack, unpack
 
@@ -76,6 +78,57 @@ def dense_experts(rows: Tensor, table: Tensor, experts: ExpertWeights | ModuleEx
 
 
 @dataclass
+class GroupedActivations:
+    """One micro-batch of the grouped path: pairs in expert order over fixed-size buffers."""
+
+    pairs: "SortedPairs"
+    saved: ExpertActivations | None
+    y: Tensor | None  # [R*k, H] each pair's expert output (for the weights' gradient)
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    """A micro-batch's received (row, slot) pairs sorted by local expert, the empty slots last:
+    ``R * k`` entries whatever the routing (a fixed size), the experts' ``grouped_mm`` offsets
+    on the device, so no count reaches the host and the GEMMs skip the empty tail."""
+
+    rows: Tensor  # [R*k] the received row of each pair
+    weights: Tensor  # [R*k] its weight (0 for an empty slot)
+    slots: Tensor  # [R*k] its place in the [R, k] tables
+    valid: Tensor  # [R*k, 1] bool
+    offsets: Tensor  # [L] int32 running ends
+
+    @staticmethod
+    def of(tables: Tensor, local_experts: int, topk: int, dtype: torch.dtype) -> "SortedPairs":
+        ids = tables[:, :topk].round().to(torch.int64).reshape(-1)
+        key = torch.where(ids >= 0, ids, local_experts)
+        order = torch.sort(key, stable=True).indices
+        counts = count_on_device(key, local_experts + 1)[:local_experts]
+        weights = tables[:, topk:2 * topk].reshape(-1).index_select(0, order).to(dtype)
+        valid = (key.index_select(0, order) < local_experts).unsqueeze(1)
+        return SortedPairs(order // topk, torch.where(valid[:, 0], weights, 0), order, valid,
+                           torch.cumsum(counts, 0).to(torch.int32))
+
+    def reduce(self, values: Tensor, received: int, weighted: bool) -> Tensor:
+        """Per received row, the sum of its pairs' ``values`` (times their weights), in
+        float32 for 16-bit rows; the empty tail (whatever the GEMMs left there) counts 0."""
+        acc = torch.float32 if values.dtype in (torch.bfloat16, torch.float16) else values.dtype
+        terms = torch.where(self.valid, values, 0).to(acc)
+        if weighted:
+            terms = terms * self.weights.to(acc).unsqueeze(1)
+        out = torch.zeros(received, values.shape[1], dtype=acc, device=values.device)
+        return out.index_add_(0, self.rows, terms).to(values.dtype)
+
+
+def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
+    """Whether a capacity call runs its experts as sorted pairs with ``grouped_mm`` (mc2's
+    SwiGLU where a grouped kernel serves the dtype without reading its offsets back) rather
+    than every row through every expert."""
+    return isinstance(experts, ExpertWeights) and \
+        grouped_problem(experts.dtype, experts.device) is None
+
+
+@dataclass
 class CapacityOutput:
     """What a capacity forward made: the output and what its backward needs."""
 
@@ -103,10 +156,21 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
         route = handle.micro_batches[i]
         return pack(padded.index_select(0, route.slot_token), route.tables)
 
+    grouped = grouped_path(experts)
+
     def compute(i: int, received: Tensor) -> Tensor:
         rows, tables = unpack(received, hidden, x.dtype, width)
         if i == 0:
             check_errors(tables, handle.world_size, k, handle.overflow)
+        if grouped:
+            pairs = SortedPairs.of(tables, handle.local_experts, k, x.dtype)
+            y, saved = swiglu_forward(rows.index_select(0, pairs.rows), [], experts,
+                                      strategy="grouped", keep_activations=keep,
+                                      offsets=pairs.offsets)
+            if keep:
+                result.activations[i] = GroupedActivations(
+                    pairs, saved, y.clone() if needs.combine else None)
+            return pairs.reduce(y, rows.shape[0], weighted=True)
         table, ids = _weight_table(tables, handle.local_experts, k)
         table = table.to(x.dtype)
         if not keep:
@@ -150,9 +214,29 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
     n_params = len(inputs.experts)
     routed: list[Tensor | None] = [None] * n_params
 
+    weights = inputs.routed_weights(call)
+    grouped = grouped_path(weights)
+    grads = WeightGrads(weights, tuple(needs.experts)) if grouped else None
+
+    def compute_grouped(received: Tensor, saved: GroupedActivations) -> Tensor:
+        pairs = saved.pairs
+        rows = torch.where(pairs.valid, received.index_select(0, pairs.rows), 0)
+        slots = torch.zeros(received.shape[0] * k, dtype=torch.float64, device=received.device)
+        if saved.y is not None:  # each pair's weight's gradient, filed in the tables' places
+            dots = torch.where(pairs.valid[:, 0], (saved.y * rows).sum(-1), 0)
+            slots.index_copy_(0, pairs.slots, dots.to(torch.float64))
+        grad_in, work = swiglu_backward_input(rows * pairs.weights.unsqueeze(1), saved.saved,
+                                              [], weights, strategy="grouped",
+                                              offsets=pairs.offsets)
+        grads.add(work, strategy="grouped")
+        return pack(pairs.reduce(grad_in, received.shape[0], weighted=False),
+                    slots.view(-1, k))
+
     def compute(i: int, received: Tensor) -> Tensor:
-        saved: CapacityActivations = state.activations[i]
+        saved = state.activations[i]
         state.activations[i] = None
+        if grouped:
+            return compute_grouped(received, saved)
         wanted = [saved.rows] + ([saved.table] if saved.table.requires_grad else []) + \
             [leaf for leaf in saved.leaves if leaf.requires_grad]
         found = torch.autograd.grad(saved.out, wanted, received, allow_unused=True)
@@ -200,8 +284,11 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
         compute=compute, scatter=scatter,
         local=shared_experts if shared is not None else None),
         overlap=call.overlap, phase="backward", timeline=call.timeline)
-    expert_grads = tuple(g if g is not None or not need else torch.zeros_like(p)
-                         for g, p, need in zip(routed, inputs.experts, needs.experts))
+    if grads is not None:
+        expert_grads = grads.finish()
+    else:
+        expert_grads = tuple(g if g is not None or not need else torch.zeros_like(p)
+                             for g, p, need in zip(routed, inputs.experts, needs.experts))
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     combine = grad_combine[:tokens].to(inputs.combine.dtype) if needs.combine else None
     return grad_x[:tokens], expert_grads, shared_out, combine
