@@ -12,7 +12,10 @@ every implementation runs once per round, interleaved, the median round counting
   dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
 - ``hf all_to_all``: ``transformers``' ``AllToAllEP`` (each rank its own tokens);
 - ``hf all_reduce``: ``transformers``' ``AllReduceEP`` (the EP group shares one batch of that
-  many tokens: every rank runs its experts on all of it, one all-reduce).
+  many tokens: every rank runs its experts on all of it, one all-reduce). No-grad only: it is
+  Hugging Face's inference path (``"auto"`` takes it without gradients), and with gradients a
+  rank whose experts get no token of a small batch skips the backward's all-reduce that its
+  peers wait in.
 
 ::
 
@@ -81,9 +84,10 @@ def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any
         }
         inputs = {name: xs if name == "hf all_reduce" else x for name in IMPLS}
         for grad in (False, True):
-            times: dict[str, list[float]] = {name: [] for name in IMPLS}
+            impls = [n for n in IMPLS if not (grad and n == "hf all_reduce")]
+            times: dict[str, list[float]] = {name: [] for name in impls}
             for r in range(rounds + 1):  # the first round is a warm-up
-                order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+                order = impls if r % 2 == 0 else impls[::-1]
                 for name in order:
                     h = inputs[name].clone().requires_grad_(grad)
                     torch.distributed.barrier()
@@ -121,7 +125,8 @@ def main() -> int:
               + "   capacity / fastest other")
         for key, row in res.items():
             others = min(v for n, v in row.items() if n != "mc2 capacity")
-            print(f"{key:<16}" + "".join(f"{row[n] * 1e3:12.2f} ms" for n in IMPLS)
+            print(f"{key:<16}" + "".join(f"{row[n] * 1e3:12.2f} ms" if n in row else
+                                         f"{'-':>15}" for n in IMPLS)
                   + f"   {row['mc2 capacity'] / others:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
