@@ -6,7 +6,8 @@ loaded on 2 local ranks with ``DistributedConfig(ep_size=2, fsdp_size=2, ep_impl
 ``tp_size=2``), one copy per implementation in the same world
 and the same weights. ``enable_mc2`` beside them is mc2's own stack on the same weights: the
 model loaded without a ``DistributedConfig``, ``enable_mc2(model, mesh=mesh)`` and
-``mc2.fully_shard(model, mesh=mesh)`` on a ``("dp", "ep")`` mesh of 1 x 2 (``dp`` layout only). Measured interleaved, implementation by implementation within each round
+``mc2.fully_shard(model, mesh=mesh)`` on a ``("dp", "ep")`` mesh of 1 x 2 (``dp`` layout
+only). Measured interleaved, implementation by implementation within each round
 (each after one untimed step), the median round counting:
 
 - ``train``: a training step's forward and backward, ``--tokens`` tokens per rank (sequences

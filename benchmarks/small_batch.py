@@ -8,8 +8,9 @@ every implementation runs once per round, interleaved, the median round counting
 
 - ``mc2``: :func:`mc2.fused_expert_packed` as today (K = 1: handshake, counts, dispatch,
   combine);
-- ``mc2 capacity``: the same call with ``MC2Config(capacity=tokens)``: no host read, one
-  dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
+- ``mc2 capacity``: the same call with ``MC2Config(capacity=N)``, ``N`` the most rows any rank
+  sends any rank in this batch (the tightest capacity that drops nothing, agreed before
+  timing): no host read, one dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
 - ``hf all_to_all``: ``transformers``' ``AllToAllEP`` (each rank its own tokens);
 - ``hf all_reduce``: ``transformers``' ``AllReduceEP`` (the EP group shares one batch of that
   many tokens: every rank runs its experts on all of it, one all-reduce). No-grad only: it is
@@ -54,6 +55,29 @@ def _experts(world: int, rank: int) -> Any:
     return experts
 
 
+def _capacity(ids: torch.Tensor, world: int) -> int:
+    """The tightest lossless capacity for this batch: the most rows any rank sends any rank
+    (a token once per rank), agreed by the group before anything is timed."""
+    hit = torch.zeros(ids.shape[0], world, dtype=torch.bool)
+    hit.scatter_(1, ids // (EXPERTS // world), True)
+    most = hit.sum(0).max().reshape(1)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return max(int(most), 1)
+
+
+def _calls(experts: Any, ids: torch.Tensor, ids_shared: torch.Tensor, capacity: int, a2a: Any,
+           reduce: Any) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    w = torch.full(tuple(ids.shape), 0.5)
+    gu, down = experts.gate_up_proj, experts.down_proj
+    return {
+        "mc2": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1),
+        "mc2 capacity": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1,
+                                                           capacity=capacity),
+        "hf all_to_all": lambda h: a2a(h, ids, w),
+        "hf all_reduce": lambda h: reduce(h, ids_shared, w),
+    }
+
+
 def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.expert_parallel import AllReduceEP, AllToAllEP
@@ -72,16 +96,7 @@ def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any
         xs = torch.randn(tokens, HIDDEN, generator=same)
         ids = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, -1).indices
         ids_s = torch.rand(tokens, EXPERTS, generator=same).topk(TOPK, -1).indices
-        w = torch.full((tokens, TOPK), 0.5)
-        gu, down = experts.gate_up_proj, experts.down_proj
-        calls: dict[str, Callable[[Any], Any]] = {
-            "mc2": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1),
-            "mc2 capacity": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w,
-                                                               micro_batches=1,
-                                                               capacity=max(tokens, 1)),
-            "hf all_to_all": lambda h: a2a(h, ids, w),
-            "hf all_reduce": lambda h: reduce(h, ids_s, w),
-        }
+        calls = _calls(experts, ids, ids_s, _capacity(ids, world), a2a, reduce)
         inputs = {name: xs if name == "hf all_reduce" else x for name in IMPLS}
         for grad in (False, True):
             impls = [n for n in IMPLS if not (grad and n == "hf all_reduce")]

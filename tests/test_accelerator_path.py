@@ -59,7 +59,8 @@ def counted(request):
 def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
     """Exactly 2 device-to-host reads and 1 upload per forward, none in the backward, on every
     rank, for K = 1, 4, 8, serial or overlapped, flat or 2-D, wire formats, shared experts,
-    rows once per destination, MoELayer with losses; none at all in capacity mode; and a call with one deliberate extra read each way counts exactly one
+    rows once per destination, MoELayer with losses; none at all in capacity mode; and a call
+    with one deliberate extra read each way counts exactly one
     more (a counter that saw nothing, or missed the backward, would fail here)."""
     world, results = counted
     assert len(results) == world

@@ -175,9 +175,11 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
     out.sum().backward()
     used = 1 + max((s.micro_batch for s in tl.spans), default=0)
     cal = next(iter(planner._cache.values()))
-    work = planner.workload(max(tokens), 2, mc2.engine.compute.experts.ExpertWeights.split_of(*ws), None)
+    weights = mc2.engine.compute.experts.ExpertWeights.split_of(*ws)
+    work = planner.workload(max(tokens), 2, weights, None)
     return {"used": used, "calibration": cal,
-            "predicted": {k: mc2.engine.decide.planner.predict(cal, work, k).step_s for k in (1, 2, 4, 8, 16)}}
+            "predicted": {k: mc2.engine.decide.planner.predict(cal, work, k).step_s
+                          for k in (1, 2, 4, 8, 16)}}
 
 
 def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int,

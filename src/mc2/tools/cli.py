@@ -80,7 +80,7 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                         "its local device (ranks share one when there are fewer devices; Gloo "
                         "stages device tensors through the host)")
     add_config_arguments(p, skip=("micro_batches", "overlap", "hierarchy", "wire_dtype",
-                                  "dedup"))
+                                  "dedup", "capacity", "overflow"))
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",

@@ -61,6 +61,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
                                                 "help": "reject NaN/Inf tokens on every rank"}),
         "dedup": (("--dedup",), {"action": "store_const", "const": True,
                                  "help": "rows once per destination rank, reduced there"}),
+        "capacity": (("--capacity",), {"type": int, "metavar": "N",
+                                       "help": "fixed slabs of N rows per rank: no host read"}),
+        "overflow": (("--overflow",), {"choices": ("raise", "drop"),
+                                       "help": "with --capacity: rows that do not fit"}),
     }
     for field, (names, options) in flags.items():
         if field not in skip:
@@ -98,4 +102,6 @@ def config_arguments(config: MC2Config) -> list[str]:
         out.append("--check-finite")
     if values["dedup"]:
         out.append("--dedup")
+    if values["capacity"] is not None:
+        out += ["--capacity", str(values["capacity"]), "--overflow", values["overflow"]]
     return out

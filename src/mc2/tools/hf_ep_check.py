@@ -15,7 +15,8 @@ the same step of the unsharded model on one process:
 Models run in eval mode (gradients flow all the same): dropout and training-time routing noise
 (PhiMoE's sparsemixer samples its top-k in training) draw from each process's own generator,
 which no sharded run can reproduce. Every architecture of one layout runs in one world (one
-start of the ranks, one import of transformers), so the test and ``benchmarks/hf_architectures.py`` share this code.
+start of the ranks, one import of transformers), so the test and
+``benchmarks/hf_architectures.py`` share this code.
 """
 
 from __future__ import annotations

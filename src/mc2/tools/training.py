@@ -56,6 +56,9 @@ class TrainConfig:
     gemm: str = "auto"
     timeout: float | None = None
     check_finite: bool = False
+    dedup: bool = False
+    capacity: int | None = None
+    overflow: str = "raise"
     ep_size: int | None = None  # ranks per EP group; None: all ranks in one
     wire_dtype: Any = "none"  # format routed rows travel in (mc2.engine.transport.wire names)
     grad_sync: str = "overlap"  # "overlap": GradientSync during backward; "after": afterwards
@@ -71,7 +74,8 @@ class TrainConfig:
         return MC2Config(micro_batches=self.micro_batches, overlap=self.overlap,
                          hierarchy=self.hierarchy, wire_dtype=self.wire_dtype,
                          wire_block=self.wire_block, gemm=self.gemm, timeout=self.timeout,
-                         check_finite=self.check_finite)
+                         check_finite=self.check_finite, dedup=self.dedup,
+                         capacity=self.capacity, overflow=self.overflow)
 
 
 def load_corpus(limit: int) -> torch.Tensor:

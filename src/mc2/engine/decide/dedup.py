@@ -308,10 +308,10 @@ def exchange_node_tables(per_rank: SentRows, per_node_rows: SentRows, num_micro:
     a_parts, b_parts = rank_tables.split(a_sizes), fwd_tables.split(b_sizes)
     send, send_splits = [], []
     for d in range(world):  # to each rank: its rank tables, then (a forwarder) node tables
-        n, l = divmod(d, per_node)
+        n, dest_local = divmod(d, per_node)
         send.append(a_parts[d])
         send_splits.append(a_sizes[d])
-        if l == local:
+        if dest_local == local:
             send.append(b_parts[n])
             send_splits[-1] += b_sizes[n]
     recv_a = [sum(rank_rows[s][i][rank] for i in range(num_micro)) for s in range(world)]

@@ -44,7 +44,8 @@ class MicroBatchRoute:
             for a two-stage one; then local expert) into expert-grouped order (local expert,
             then source rank); ``None`` when no reordering is needed.
         exchange: moves this micro-batch's rows (``dispatch``) and back (``combine``): a
-            :class:`~mc2.engine.transport.comm.FlatExchange` or a :class:`~mc2.engine.transport.hierarchy.TwoStageExchange`.
+            :class:`~mc2.engine.transport.comm.FlatExchange` or a
+            :class:`~mc2.engine.transport.hierarchy.TwoStageExchange`.
         expert_offsets: ``[local_experts] int32`` on the device, the running end of each
             expert's rows (what ``grouped_mm`` takes as ``offs``).
         slots: where rows travel once per destination (:mod:`~mc2.engine.decide.dedup`): the

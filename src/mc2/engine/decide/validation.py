@@ -37,7 +37,8 @@ def _is_tensor(name: str, t: Any) -> str | None:
 
 
 def _weights_problem(x: Any, weights: dict[str, Any], packed: bool) -> str | None:
-    """What is wrong with the expert weights (either layout, see :mod:`mc2.engine.compute.experts`), or ``None``."""
+    """What is wrong with the expert weights (either layout, see
+    :mod:`mc2.engine.compute.experts`), or ``None``."""
     for name, w in weights.items():
         if (msg := _is_tensor(name, w)) is not None:
             return msg
