@@ -167,11 +167,17 @@ def sync_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, An
     return report
 
 
-def check_syncs(dry_run: bool, device: str) -> bool:
+def _world_of_one(fn: Any, dry_run: bool, device: str) -> tuple[str, dict[str, Any]]:
+    """``(backend, fn's result)`` in a world of one with the distributed path forced: NCCL on
+    the device, Gloo in a dry run."""
     backend = "gloo" if dry_run else "nccl"
-    r = mc2.run_local(sync_rank, 1, args=(dry_run, device), backend=backend,
-                      device=None if device == "cpu" else device, deadline_s=120,
-                      rank_env=lambda _: {"MC2_DEBUG_FORCE_COLLECTIVES": "1"})[0]
+    return backend, mc2.run_local(fn, 1, args=(dry_run, device), backend=backend,
+                                  device=None if device == "cpu" else device, deadline_s=120,
+                                  rank_env=lambda _: {"MC2_DEBUG_FORCE_COLLECTIVES": "1"})[0]
+
+
+def check_syncs(dry_run: bool, device: str) -> bool:
+    backend, r = _world_of_one(sync_rank, dry_run, device)
     ok = True
     for name in ("plain", "fp8 wire"):
         c = r[name]
@@ -237,10 +243,7 @@ def graph_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, A
 
 
 def check_graph(dry_run: bool, device: str) -> bool:
-    backend = "gloo" if dry_run else "nccl"
-    r = mc2.run_local(graph_rank, 1, args=(dry_run, device), backend=backend,
-                      device=None if device == "cpu" else device, deadline_s=120,
-                      rank_env=lambda _: {"MC2_DEBUG_FORCE_COLLECTIVES": "1"})[0]
+    backend, r = _world_of_one(graph_rank, dry_run, device)
     good = r["error"] is None and r["replays"] == 3 and r["max_diff"] <= 1e-5 and \
         (dry_run or r["captured"])
     what = "captured in a CUDA graph, replayed" if r["captured"] else "eager (no graph on CPU)"

@@ -54,7 +54,8 @@ def _save(path: str) -> None:
 
 
 def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decode: int,
-          steps: int, rounds: int, layout: str = "dp") -> dict[str, Any]:
+          steps: int, rounds: int, layout: str = "dp",
+          what: tuple[str, ...] = ("train", "decode")) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -65,6 +66,9 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
             register(impl, mc2.MC2Config(micro_batches=int(impl.removeprefix("mc2_k"))))
         if impl == "mc2_dedup":  # rows once per destination
             register(impl, mc2.MC2Config(dedup=True))
+        if impl.startswith("mc2_cap"):  # capacity mode: N rows per rank, no host read
+            register(impl, mc2.MC2Config(micro_batches=1,
+                                         capacity=int(impl.removeprefix("mc2_cap"))))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
     sizes = dict(fsdp_size=world) if layout == "dp" else dict(tp_size=world)
@@ -97,18 +101,20 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
         with torch.no_grad():
             model(decode_ids)
 
-    times: dict[str, dict[str, list[float]]] = {i: {"train": [], "decode": []} for i in impls}
+    times: dict[str, dict[str, list[float]]] = {i: {w: [] for w in what} for i in impls}
     for n in range(rounds):
         order = impls if n % 2 == 0 else impls[::-1]
         for impl in order:
-            for what, fn in (("train", train), ("decode", serve)):
+            for part, fn in (("train", train), ("decode", serve)):
+                if part not in what:
+                    continue
                 fn(models[impl])  # untimed: this implementation's steady state
                 torch.distributed.barrier()
                 start = time.perf_counter()
                 for _ in range(steps):
                     fn(models[impl])
                 torch.distributed.barrier()
-                times[impl][what].append((time.perf_counter() - start) / steps)
+                times[impl][part].append((time.perf_counter() - start) / steps)
     return times
 
 
@@ -116,7 +122,7 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     impls = args.impls.split(",")
     call = lambda: mc2.run_local(  # noqa: E731
         _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds,
-                        args.layout),
+                        args.layout, tuple(args.what.split(","))),
         deadline_s=7200, timeout_s=1800)
     if regime == "plain":
         results = call()
@@ -125,7 +131,7 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
             results = call()
     row: dict[str, Any] = {"regime": regime}
     for impl in impls:
-        for what in ("train", "decode"):
+        for what in args.what.split(","):
             rounds = [max(r[impl][what][k] for r in results) for k in range(args.rounds)]
             row[f"{impl} {what}"] = {"median_s": statistics.median(rounds), "rounds_s": rounds}
     return row
@@ -138,7 +144,8 @@ def main() -> int:
     p.add_argument("--regimes", default="plain", help="plain, or tc tbf rates such as 200mbit")
     p.add_argument("--impls", default="all_to_all,auto,mc2,enable_mc2",
                    help="registered implementations (the first is the reference of the ratios); "
-                        "mc2_k<N> is mc2 with micro_batches=N, mc2_dedup with dedup=True; "
+                        "mc2_k<N> is mc2 with micro_batches=N, mc2_dedup with dedup=True, "
+                        "mc2_cap<N> with capacity=N (no-grad decode only); "
                         "enable_mc2 is mc2's own stack")
     p.add_argument("--layout", default="dp", choices=("dp", "tp"),
                    help="dp: ranks hold different batches (fsdp_size=2); tp: the EP group "
@@ -146,6 +153,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4096, help="training tokens per rank")
     p.add_argument("--decode-tokens", type=int, default=4, help="no-grad tokens per rank")
     p.add_argument("--steps", type=int, default=1, help="timed steps per round")
+    p.add_argument("--what", default="train,decode", help="train, decode or both")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -160,7 +168,7 @@ def main() -> int:
             rows.append(run(regime, args, path))
             impls = args.impls.split(",")
             base = impls[0]
-            for what in ("train", "decode"):
+            for what in args.what.split(","):
                 ref = rows[-1][f"{base} {what}"]["median_s"]
                 line = ", ".join(f"{i} {rows[-1][f'{i} {what}']['median_s']:.3f} s "
                                  f"({ref / rows[-1][f'{i} {what}']['median_s']:.2f}x)"

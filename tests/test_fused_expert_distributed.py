@@ -100,19 +100,26 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what
     assert err <= tolerance[dtype] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
 
 
+def assert_ranks_match(got: list[dict], problem: Problem, what: str = "",
+                       tolerance: dict[torch.dtype, float] = TOLERANCE) -> None:
+    """Every rank's output and gradients (``run_cases``' results of one case) against the dense
+    reference of ``problem``."""
+    ref = reference(problem)
+    dtype = problem.xs[0].dtype
+    for rank, r in enumerate(got):
+        at = f"{what} rank {rank}".strip()
+        assert_close(r["out"], ref["out"][rank], dtype, f"{at} output", tolerance)
+        assert_close(r["x"], ref["x"][rank], dtype, f"{at} grad x", tolerance)
+        assert_close(r["rw"], ref["rw"][rank], dtype, f"{at} grad routing_weights", tolerance)
+        for name, g, want in zip(("up", "gate", "down"), r["w"], ref["w"][rank]):
+            assert_close(g, want, dtype, f"{at} grad weights_{name}", tolerance)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_matches_dense_reference(world_results, world: int, case: Case) -> None:
-    problem = problem_for(case, world)
-    ref = reference(problem)
     index = CASES.index(case)
-    for rank in range(world):
-        r = world_results[world][rank][index]
-        assert_close(r["out"], ref["out"][rank], case.dtype, f"rank {rank} output")
-        assert_close(r["x"], ref["x"][rank], case.dtype, f"rank {rank} grad x")
-        assert_close(r["rw"], ref["rw"][rank], case.dtype, f"rank {rank} grad routing_weights")
-        for name, g, want in zip(("up", "gate", "down"), r["w"], ref["w"][rank]):
-            assert_close(g, want, case.dtype, f"rank {rank} grad weights_{name}")
+    assert_ranks_match([r[index] for r in world_results[world]], problem_for(case, world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
