@@ -203,7 +203,7 @@ class ModuleExperts:
         offsets = torch.full((self.local_experts,), rows, dtype=torch.int64, device=self.device)
         out, saved = self.run(x, offsets, keep=True, needs=(True,) * len(self.params))
         assert saved is not None
-        self.backward(saved, torch.ones_like(out), ModuleGrads(self, (True,) * len(self.params)))
+        self.backward(saved, torch.ones_like(out), ModuleGrads(self.params, (True,) * len(self.params)))
 
 
 def _same(t: Tensor) -> Tensor:
@@ -212,12 +212,13 @@ def _same(t: Tensor) -> Tensor:
 
 class ModuleGrads:
     """The parameters' gradients of one backward, summed over its micro-batches (zeros for a
-    parameter no row reached)."""
+    parameter no row reached). ``params``: the parameters, in the order the gradients come
+    (a module stage's, or any autograd-recorded experts')."""
 
-    def __init__(self, experts: ModuleExperts, needed: tuple[bool, ...]) -> None:
-        self.experts = experts
-        self.needed = tuple(needed) + (False,) * (len(experts.params) - len(needed))
-        self._grads: list[Tensor | None] = [None] * len(experts.params)
+    def __init__(self, params: tuple[Tensor, ...], needed: tuple[bool, ...]) -> None:
+        self.params = tuple(params)
+        self.needed = tuple(needed) + (False,) * (len(self.params) - len(needed))
+        self._grads: list[Tensor | None] = [None] * len(self.params)
 
     def add(self, grads: list[Tensor | None], indices: list[int]) -> None:
         for i, g in zip(indices, grads):
@@ -227,4 +228,4 @@ class ModuleGrads:
 
     def finish(self) -> tuple[Tensor | None, ...]:
         return tuple((g if g is not None else torch.zeros_like(p)) if need else None
-                     for g, p, need in zip(self._grads, self.experts.params, self.needed))
+                     for g, p, need in zip(self._grads, self.params, self.needed))

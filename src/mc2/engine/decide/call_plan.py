@@ -299,8 +299,7 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
 def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
                    problem: str | None, config: MC2Config, group: Any, style: CommStyle,
                    timeline: Timeline | None, workspace: Workspace | None,
-                   timeout: float | None, needs_grad: bool | None, module: Any,
-                   named_weights: dict[str, Any], shared: tuple
+                   timeout: float | None, needs_grad: bool, module: Any
                    ) -> tuple[CallPlan, Any, Tensor]:
     """A capacity call's plan: no handshake, no counts, nothing read to the host.
 
@@ -312,10 +311,6 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     """
     if problem is not None:
         raise ValueError(f"fused_expert: {problem}")
-    if needs_grad is None:
-        tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
-                   if isinstance(t, Tensor)]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
     k = config.micro_batches if isinstance(config.micro_batches, int) else 1
@@ -370,15 +365,14 @@ def plan_call(
                                   packed=packed, world=world, num_experts=num_experts,
                                   module=module)
     problem = problem or found
-    if config.capacity is not None:
-        return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
-                              style, timeline, workspace, timeout, needs_grad, module, named_weights,
-                              shared)
-    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     tensors = [t for t in (x, *named_weights.values(), routing_weights, *shared)
                if isinstance(t, Tensor)]
     if needs_grad is None:  # a traced call says so itself: its graph runs without autograd
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if config.capacity is not None:
+        return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
+                              style, timeline, workspace, timeout, needs_grad, module)
+    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     auto = config.micro_batches == "auto"
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None
     capacity = max(plan_with.candidates) if plan_with is not None else \

@@ -189,13 +189,18 @@ def exchange_tables(sent: SentRows, send: list[list[int]], recv: list[list[int]]
     return gathers, arrived.index_select(0, arrival), back
 
 
+def slot_ids(tables: Tensor, topk: int) -> Tensor:
+    """``[n, k] int64`` the ids in slot tables' first ``k`` columns (floats, exact)."""
+    return tables[:, :topk].round().to(torch.int64)
+
+
 def expand(tables: Tensor, recv: list[list[int]], experts: list[list[int]], local_experts: int,
            dtype: torch.dtype) -> list[SlotRoutes]:
     """Per micro-batch, the (row, local expert) pairs of the received slot tables, grouped by
     local expert (arrival order within one), as the counts exchange counted them."""
     k = tables.shape[1] // 2
     sizes = [sum(r) for r in recv]
-    ids = tables[:, :k].round().to(torch.int64)
+    ids = slot_ids(tables, k)
     micro = chunk_of_token(tables.shape[0], _bounds(sizes), tables.device)
     key = micro.unsqueeze(1) * (local_experts + 1) + torch.where(ids >= 0, ids, local_experts)
     order = torch.sort(key.reshape(-1), stable=True).indices
@@ -242,7 +247,7 @@ def node_gathers(tables: Tensor, sizes: list[int], sends: list[int], per_node: i
     k = tables.shape[1] // 2
     gathers, start = [], 0
     for size, send in zip(sizes, sends):
-        ranks = tables[start:start + size, :k].round().to(torch.int64)
+        ranks = slot_ids(tables[start:start + size], k)
         hit = torch.zeros(size, per_node + 1, dtype=torch.bool, device=tables.device)
         hit.scatter_(1, torch.where(ranks >= 0, ranks, per_node), True)
         row = torch.arange(size, dtype=torch.int64, device=tables.device).unsqueeze(1)

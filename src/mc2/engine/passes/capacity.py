@@ -23,11 +23,13 @@ from torch import Tensor
 from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 )
-from mc2.engine.compute.module_experts import ModuleExperts
+from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.capacity import CapacityHandle, check_errors
+from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.routing import count_on_device
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
+from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.engine.transport.slabs import pack, unpack
 
 
@@ -44,7 +46,7 @@ class CapacityActivations:
 
 def _weight_table(tables: Tensor, local_experts: int, topk: int) -> tuple[Tensor, Tensor]:
     """``([R, L] weights, [R, k] local ids)`` from received slot tables."""
-    ids = tables[:, :topk].round().to(torch.int64)
+    ids = slot_ids(tables, topk)
     weights = tables[:, topk:2 * topk]
     table = torch.zeros(tables.shape[0], local_experts + 1, dtype=torch.float64,
                         device=tables.device)
@@ -100,7 +102,7 @@ class SortedPairs:
 
     @staticmethod
     def of(tables: Tensor, local_experts: int, topk: int, dtype: torch.dtype) -> "SortedPairs":
-        ids = tables[:, :topk].round().to(torch.int64).reshape(-1)
+        ids = slot_ids(tables, topk).reshape(-1)
         key = torch.where(ids >= 0, ids, local_experts)
         order = torch.sort(key, stable=True).indices
         counts = count_on_device(key, local_experts + 1)[:local_experts]
@@ -110,14 +112,10 @@ class SortedPairs:
                            torch.cumsum(counts, 0).to(torch.int32))
 
     def reduce(self, values: Tensor, received: int, weighted: bool) -> Tensor:
-        """Per received row, the sum of its pairs' ``values`` (times their weights), in
-        float32 for 16-bit rows; the empty tail (whatever the GEMMs left there) counts 0."""
-        acc = torch.float32 if values.dtype in (torch.bfloat16, torch.float16) else values.dtype
-        terms = torch.where(self.valid, values, 0).to(acc)
-        if weighted:
-            terms = terms * self.weights.to(acc).unsqueeze(1)
-        out = torch.zeros(received, values.shape[1], dtype=acc, device=values.device)
-        return out.index_add_(0, self.rows, terms).to(values.dtype)
+        """Per received row, the sum of its pairs' ``values`` (times their weights); the empty
+        tail (whatever the GEMMs left there) counts 0."""
+        return sum_rows(values, self.rows, received, scale=self.weights if weighted else None,
+                        keep=self.valid)
 
 
 def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
@@ -144,7 +142,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
     handle: CapacityHandle = call.handle
     tokens, hidden, k = handle.num_tokens, x.shape[-1], handle.topk
     padded = torch.cat([x, x.new_zeros((1, hidden))])
-    acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    acc = accumulation_dtype(x.dtype)
     summed = torch.zeros(tokens + 1, hidden, dtype=acc, device=x.device)
     result = CapacityOutput(summed, [None] * handle.num_micro_batches)
     keep = call.keep_activations
@@ -169,7 +167,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
                                       offsets=pairs.offsets)
             if keep:
                 result.activations[i] = GroupedActivations(
-                    pairs, saved, y.clone() if needs.combine else None)
+                    pairs, saved, y if needs.combine else None)  # y: a fresh tensor
             return pairs.reduce(y, rows.shape[0], weighted=True)
         table, ids = _weight_table(tables, handle.local_experts, k)
         table = table.to(x.dtype)
@@ -211,12 +209,10 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
     padded = torch.cat([grad_out, grad_out.new_zeros((1, hidden))])
     grad_x = torch.zeros(tokens + 1, hidden, dtype=grad_out.dtype, device=grad_out.device)
     grad_combine = torch.zeros(tokens + 1, k, dtype=torch.float64, device=grad_out.device)
-    n_params = len(inputs.experts)
-    routed: list[Tensor | None] = [None] * n_params
-
     weights = inputs.routed_weights(call)
     grouped = grouped_path(weights)
-    grads = WeightGrads(weights, tuple(needs.experts)) if grouped else None
+    grads = WeightGrads(weights, tuple(needs.experts)) if grouped else \
+        ModuleGrads(tuple(inputs.experts), tuple(needs.experts))
 
     def compute_grouped(received: Tensor, saved: GroupedActivations) -> Tensor:
         pairs = saved.pairs
@@ -247,11 +243,7 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
             if grad_table is not None:
                 picked = grad_table.gather(1, saved.local_ids.clamp(min=0)).to(torch.float64)
                 slots = torch.where(saved.local_ids >= 0, picked, 0)
-        for j, leaf in enumerate(saved.leaves):
-            if leaf.requires_grad:
-                g = rest.pop(0)
-                if g is not None:
-                    routed[j] = g if routed[j] is None else routed[j] + g
+        grads.add(rest, [j for j, leaf in enumerate(saved.leaves) if leaf.requires_grad])
         if grad_rows is None:
             grad_rows = torch.zeros_like(received)
         return pack(grad_rows, slots)
@@ -284,11 +276,7 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
         compute=compute, scatter=scatter,
         local=shared_experts if shared is not None else None),
         overlap=call.overlap, phase="backward", timeline=call.timeline)
-    if grads is not None:
-        expert_grads = grads.finish()
-    else:
-        expert_grads = tuple(g if g is not None or not need else torch.zeros_like(p)
-                             for g, p, need in zip(routed, inputs.experts, needs.experts))
+    expert_grads = grads.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     combine = grad_combine[:tokens].to(inputs.combine.dtype) if needs.combine else None
     return grad_x[:tokens], expert_grads, shared_out, combine

@@ -48,6 +48,7 @@ from mc2.engine.decide.routing import MicroBatchRoute
 from mc2.engine.passes.capacity import capacity_backward, capacity_forward
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline, start_pass
 from mc2.engine.transport.deadline import deadline
+from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.engine.transport.workspace import Workspace
 from mc2.observation.timeline import maybe_span
 
@@ -163,11 +164,6 @@ class PassOutput:
     pair_out: list[Tensor | None] | None = None  # ... and each micro-batch's expert outputs
 
 
-def _accumulates_in(dtype: torch.dtype) -> torch.dtype:
-    """Where rows are summed: float32 for 16-bit rows (as a GEMM would accumulate)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def _expert_rows(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
     """The received rows in expert order: reordered, or (once per destination) expanded."""
     if route.slots is not None:
@@ -181,13 +177,7 @@ def _rows_back(ws: Workspace, route: MicroBatchRoute, rows: Tensor, weighted: bo
     slots = route.slots
     if slots is None:
         return _to_receive_order(ws, route, rows)
-    acc = _accumulates_in(rows.dtype)
-    out = torch.zeros((slots.received, rows.shape[-1]), dtype=acc, device=rows.device)
-    terms = rows.to(acc)
-    if weighted:
-        terms = terms * slots.weights.to(acc).unsqueeze(1)
-    out.index_add_(0, slots.rows, terms)
-    return out if acc == rows.dtype else out.to(rows.dtype)
+    return sum_rows(rows, slots.rows, slots.received, scale=slots.weights if weighted else None)
 
 
 def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
@@ -248,7 +238,7 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
     result = PassOutput(None if once else ws.empty((tokens * topk, hidden), x.dtype, x.device),
                         [None] * len(routes))
     if once:
-        result.summed = torch.zeros((tokens, hidden), dtype=_accumulates_in(x.dtype),
+        result.summed = torch.zeros((tokens, hidden), dtype=accumulation_dtype(x.dtype),
                                     device=x.device)
         result.pair_out = [None] * len(routes)
 
@@ -330,7 +320,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     flat_x = inputs.x.reshape(-1, hidden)
     flat_weights = inputs.combine.reshape(-1)
     grad_x = ws.empty((tokens, hidden), grad_out.dtype, grad_out.device).zero_()
-    grads = ModuleGrads(weights, tuple(needs.experts)) if isinstance(weights, ModuleExperts) \
+    grads = ModuleGrads(weights.params, tuple(needs.experts)) \
+        if isinstance(weights, ModuleExperts) \
         else WeightGrads(weights, tuple(needs.experts), ws)
     shared_grads = WeightGrads(shared, needs.shared_needs, ws) if shared is not None else None
     pending: list[WeightGradInputs | None] = [None] * len(routes)
@@ -350,7 +341,7 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         slots = routes[i].slots
         rows = _gather(ws, received, slots.rows)
         if needs.combine:
-            acc = _accumulates_in(rows.dtype)
+            acc = accumulation_dtype(rows.dtype)
             table = torch.zeros(slots.received * call.handle.topk, dtype=acc, device=rows.device)
             y = state.pair_out[i]
             table.index_copy_(0, slots.slots, (y.to(acc) * rows.to(acc)).sum(-1))
@@ -362,7 +353,7 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         route = routes[i]
         rows = weighted(i, received) if once else _to_expert_order(ws, route, received)
         if isinstance(grads, ModuleGrads):  # inputs and parameters in one call
-            grad_in = grads.experts.backward(state.activations[i], rows, grads)
+            grad_in = weights.backward(state.activations[i], rows, grads)
         else:
             grad_in, pending[i] = swiglu_backward_input(
                 rows, state.activations[i], route.expert_counts, weights,

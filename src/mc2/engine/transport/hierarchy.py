@@ -49,6 +49,7 @@ from mc2.engine.transport.comm import (
     FlatExchange, OnComplete, PendingTransfer, abandon, all_reduce_max, all_to_all_rows, barrier, style_of
 )
 from mc2.engine.transport.host import read, upload
+from mc2.engine.transport.row_sums import sum_rows
 from mc2.device.streams import current_stream, side_stream, wait_for_current
 
 
@@ -201,11 +202,9 @@ class TwoStageExchange:
         row (in float32 for 16-bit rows), into ``out``."""
         fmt, hidden, dtype = self.codec if self.codec is not None else (None, None, None)
         rows = inside if fmt is None or fmt.kind is None else fmt.decode(inside, hidden, dtype)
-        acc = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else rows.dtype
-        total = torch.zeros((out.shape[0],) + tuple(rows.shape[1:]), dtype=acc,
-                            device=rows.device).index_add_(0, self.intra_gather, rows.to(acc))
+        total = sum_rows(rows, self.intra_gather, out.shape[0])
         if fmt is not None and fmt.kind is not None:
-            return out.copy_(fmt.encode(total.to(dtype)))
+            return out.copy_(fmt.encode(total))
         return out.copy_(total)
 
     def combine(self, rows: Tensor, *, async_op: bool,
