@@ -12,8 +12,9 @@ every implementation runs once per round, interleaved, the median round counting
   sends any rank in this batch (the tightest capacity that drops nothing, agreed before
   timing): no host read, one dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
 - ``hf all_to_all``: ``transformers``' ``AllToAllEP`` (each rank its own tokens);
-- ``hf all_reduce``: ``transformers``' ``AllReduceEP`` (the EP group shares one batch of that
-  many tokens: every rank runs its experts on all of it, one all-reduce). No-grad only: it is
+- ``hf all_reduce``: ``transformers``' ``AllReduceEP`` on the same tokens: the group's
+  ``world * tokens`` tokens (every rank's, with their routing) as one batch that every rank
+  holds (its layout), every rank running its experts on all of it, one all-reduce. No-grad only: it is
   Hugging Face's inference path (``"auto"`` takes it without gradients), and with gradients a
   rank whose experts get no token of a small batch skips the backward's all-reduce that its
   peers wait in.
@@ -65,6 +66,14 @@ def _capacity(ids: torch.Tensor, world: int) -> int:
     return max(int(most), 1)
 
 
+def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's ``t`` in rank order: all_reduce's shared batch is the group's tokens, with
+    the same routing, so every rank's experts get the same rows in every implementation."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    torch.distributed.all_gather(parts, t)
+    return torch.cat(parts)
+
+
 def _calls(experts: Any, ids: torch.Tensor, ids_shared: torch.Tensor, capacity: int, a2a: Any,
            reduce: Any) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w = torch.full(tuple(ids.shape), 0.5)
@@ -74,7 +83,7 @@ def _calls(experts: Any, ids: torch.Tensor, ids_shared: torch.Tensor, capacity: 
         "mc2 capacity": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1,
                                                            capacity=capacity),
         "hf all_to_all": lambda h: a2a(h, ids, w),
-        "hf all_reduce": lambda h: reduce(h, ids_shared, w),
+        "hf all_reduce": lambda h: reduce(h, ids_shared, torch.full(tuple(ids_shared.shape), 0.5)),
     }
 
 
@@ -92,10 +101,8 @@ def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any
     for tokens in sizes:
         g = torch.Generator().manual_seed(100 * tokens + rank)
         x = torch.randn(tokens, HIDDEN, generator=g)
-        same = torch.Generator().manual_seed(7 * tokens)  # the shared batch: alike on every rank
-        xs = torch.randn(tokens, HIDDEN, generator=same)
         ids = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, -1).indices
-        ids_s = torch.rand(tokens, EXPERTS, generator=same).topk(TOPK, -1).indices
+        xs, ids_s = _gathered(x, world), _gathered(ids, world)  # the shared batch
         calls = _calls(experts, ids, ids_s, _capacity(ids, world), a2a, reduce)
         inputs = {name: xs if name == "hf all_reduce" else x for name in IMPLS}
         for grad in (False, True):

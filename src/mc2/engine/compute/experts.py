@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mc2.engine.compute.grouped_into import grouped_mm_into
 from mc2.engine.transport.workspace import Workspace
 
 
@@ -167,8 +168,8 @@ def _per_expert(a: Tensor, w: Tensor, counts: list[int], strategy: str, out: Ten
     """
     if strategy == "grouped":
         offs = offsets if offsets is not None else _offsets(counts, a.device)
-        result = F.grouped_mm(a, w, offs=offs)
-        return out.add_(result) if accumulate else out.copy_(result)
+        grouped_mm_into(a, w, offs, out, accumulate)
+        return out
     for expert, start, stop in _ranges(counts):
         if accumulate:
             out[start:stop].addmm_(a[start:stop], w[expert])
@@ -347,19 +348,27 @@ class WeightGrads:
                 _write(g_down, expert, act.t(), grad_y, first)
 
     def _add_grouped(self, work: WeightGradInputs) -> None:
-        g = self.grads
-        g_gate_up, g_gate, g_up, g_down = (g.get(n) for n in ("gate_up", "gate", "up", "down"))
+        """One grouped GEMM per weight writes every expert's gradient (an empty group's is
+        zero). On the CPU into the pooled buffers (:mod:`mc2.engine.compute.grouped_into`);
+        elsewhere the first micro-batch's results *are* the gradients, since copying them into
+        preallocated buffers would write every expert's gradient twice."""
         ffn = self.weights.ffn
         offs = work.offsets if work.offsets is not None else _offsets(work.counts, work.x.device)
-        first = not any(self.touched)
-        parts = ((g_gate_up, work.grad_gate_up.t(), work.x), (g_down, work.grad_y.t(), work.act)) \
+        parts = (("gate_up", work.grad_gate_up.t(), work.x), ("down", work.grad_y.t(), work.act)) \
             if self.weights.packed else \
-            ((g_gate, work.x.t(), work.grad_gate_up[:, :ffn]),
-             (g_up, work.x.t(), work.grad_gate_up[:, ffn:]), (g_down, work.act.t(), work.grad_y))
-        for grad, a, b in parts:
-            if grad is not None:
-                result = F.grouped_mm(a, b, offs=offs)
-                grad.copy_(result) if first else grad.add_(result)
+            (("gate", work.x.t(), work.grad_gate_up[:, :ffn]),
+             ("up", work.x.t(), work.grad_gate_up[:, ffn:]), ("down", work.act.t(), work.grad_y))
+        first = not any(self.touched)
+        if first and self._grads is None and work.x.device.type != "cpu":
+            self._grads = {name: None for name in self.weights.order}
+            for name, a, b in parts:
+                if self._needed[name]:
+                    self._grads[name] = F.grouped_mm(a, b, offs=offs)
+        else:
+            for name, a, b in parts:
+                grad = self.grads[name]
+                if grad is not None:
+                    grouped_mm_into(a, b, offs, grad, not first)
         self.touched = [True] * len(self.touched)
 
     def finish(self) -> tuple[Tensor | None, ...]:

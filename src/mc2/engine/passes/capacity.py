@@ -164,7 +164,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
             pairs = SortedPairs.of(tables, handle.local_experts, k, x.dtype)
             y, saved = swiglu_forward(rows.index_select(0, pairs.rows), [], experts,
                                       strategy="grouped", keep_activations=keep,
-                                      offsets=pairs.offsets)
+                                      workspace=call.workspace, offsets=pairs.offsets)
             if keep:
                 result.activations[i] = GroupedActivations(
                     pairs, saved, y if needs.combine else None)  # y: a fresh tensor
@@ -211,7 +211,7 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
     grad_combine = torch.zeros(tokens + 1, k, dtype=torch.float64, device=grad_out.device)
     weights = inputs.routed_weights(call)
     grouped = grouped_path(weights)
-    grads = WeightGrads(weights, tuple(needs.experts)) if grouped else \
+    grads = WeightGrads(weights, tuple(needs.experts), call.workspace) if grouped else \
         ModuleGrads(tuple(inputs.experts), tuple(needs.experts))
 
     def compute_grouped(received: Tensor, saved: GroupedActivations) -> Tensor:
@@ -223,7 +223,7 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
             slots.index_copy_(0, pairs.slots, dots.to(torch.float64))
         grad_in, work = swiglu_backward_input(rows * pairs.weights.unsqueeze(1), saved.saved,
                                               [], weights, strategy="grouped",
-                                              offsets=pairs.offsets)
+                                              workspace=call.workspace, offsets=pairs.offsets)
         grads.add(work, strategy="grouped")
         return pack(pairs.reduce(grad_in, received.shape[0], weighted=False),
                     slots.view(-1, k))
