@@ -34,6 +34,8 @@ def _cases(world: int) -> list[tuple[str, object, dict]]:
         p = make_problem(world, "uniform", dtype=dtype, seed=2)
         cases.append((f"uniform {dtype} {layout}", p,
                       {"micro_batches": 2, "capacity": 64, "layout": layout}))
+    p = make_problem(world, "uneven", dtype=torch.float32, seed=4)
+    cases.append(("uneven float32 auto", p, {"micro_batches": "auto", "capacity": 64}))
     return cases
 
 
@@ -104,3 +106,29 @@ def test_a_small_no_grad_call_is_two_collectives_and_no_read() -> None:
 def test_bad_capacity_settings(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         mc2.MC2Config(**options)
+
+
+def test_no_more_tokens_than_capacity_never_overflows_at_any_k() -> None:
+    """Every token of a rank with ``T <= N`` tokens gets a slab row at every K (split by the
+    slabs, not by the tokens: a micro-batch of 297 tokens split in 16 holds 20 where the slab
+    of 298 holds 19), and each (token, destination) row appears exactly once."""
+    from mc2.engine.decide.capacity import plan_routes
+
+    g = torch.Generator().manual_seed(0)
+    world, local, topk = 4, 2, 3
+    for capacity, tokens, k in ((298, 297, 16), (37, 37, 5), (64, 3, 8), (9, 9, 9), (20, 0, 3)):
+        ids = torch.rand(tokens, world * local, generator=g).topk(topk, -1).indices
+        ids[:, 0] = 0  # every token to rank 0: its slab is full
+        ids[: tokens // 2] = ids[: tokens // 2] % local  # half the tokens: rank 0 only
+        handle = plan_routes(ids, torch.ones(tokens, topk), capacity=capacity,
+                             micro_batches=k, world=world, local_experts=local, group=None,
+                             style=None, overflow="raise")
+        sent = torch.cat([r.slot_token for r in handle.micro_batches])
+        dest = torch.cat([torch.arange(world).repeat_interleave(r.slot_token.numel() // world)
+                          for r in handle.micro_batches])
+        rows = {(t, d) for t, d in zip(sent.tolist(), dest.tolist()) if t < tokens}
+        want = {(t, e // local) for t, row in enumerate(ids.tolist()) for e in row}
+        assert rows == want, (capacity, tokens, k)
+        assert len(rows) == int((sent < tokens).sum())  # once each
+        errors = handle.micro_batches[0].tables[0, 2 * topk:]
+        assert errors.tolist() == [0.0, 0.0], (capacity, tokens, k)

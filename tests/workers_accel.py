@@ -64,8 +64,8 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
                                   "wire_block": 16}
     cases["K4 check_finite"] = {"micro_batches": 4, "check_finite": True}
     cases["K4 dedup"] = {"micro_batches": 4, "dedup": True}
-    for k in (1, 4):  # capacity mode: nothing read, nothing uploaded, at any K
-        cases[f"K{k} capacity"] = {"micro_batches": k, "capacity": 128}
+    for k in (1, 4, "auto"):  # capacity mode: nothing read, nothing uploaded, at any K
+        cases[f"K{k} capacity"] = {"micro_batches": k, "capacity": 128}  # auto: calibrated
     shared = make_problem(1, "uniform", hidden=32, ffn=8, local_experts=1, seed=5)
     cases["K4 shared experts"] = {"micro_batches": 4, "shared_up": shared.w_up,
                                   "shared_gate": shared.w_gate, "shared_down": shared.w_down}

@@ -36,7 +36,7 @@ from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
 from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device.clock import Interval
-from mc2.engine.decide.capacity import plan_routes
+from mc2.engine.decide.capacity import grouped_path, plan_routes
 from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
@@ -296,11 +296,20 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
+@dataclass(frozen=True)
+class _SlabSizes:
+    """What ``"auto"`` prices for a capacity call, in the handshake's terms."""
+
+    max_tokens: int  # the capacity
+    max_topk: int
+    max_rows: int  # rows each rank sends: a full slab to every rank
+
+
 def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
                    problem: str | None, config: MC2Config, group: Any, style: CommStyle,
                    timeline: Timeline | None, workspace: Workspace | None,
-                   timeout: float | None, needs_grad: bool, module: Any
-                   ) -> tuple[CallPlan, Any, Tensor]:
+                   timeout: float | None, needs_grad: bool, module: Any,
+                   planner: Planner | None) -> tuple[CallPlan, Any, Tensor]:
     """A capacity call's plan: no handshake, no counts, nothing read to the host.
 
     Without a handshake, what this rank finds wrong with its own arguments raises here, on
@@ -313,7 +322,15 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
         raise ValueError(f"fused_expert: {problem}")
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
-    k = config.micro_batches if isinstance(config.micro_batches, int) else 1
+    # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
+    # it uses is alike on every rank (the configuration, the shapes, the group's slowest
+    # times), so every rank takes the same K with no exchange but the planner's own: its
+    # calibration, once per group and weight shape, and one all-reduce when its trials end.
+    slabs = _SlabSizes(config.capacity, ids2d.shape[-1], config.capacity * group_size(group))
+    k, on_pass_done, _ = _choose_k(
+        config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
+        group, "grouped" if grouped_path(weights) else "loop", needs_grad, (NONE, NONE),
+        timeline)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),
@@ -322,7 +339,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,
-                    capacity=True)
+                    capacity=True, on_pass_done=on_pass_done)
     return call, weights, combine
 
 
@@ -371,7 +388,7 @@ def plan_call(
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if config.capacity is not None:
         return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
-                              style, timeline, workspace, timeout, needs_grad, module)
+                              style, timeline, workspace, timeout, needs_grad, module, planner)
     wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
     auto = config.micro_batches == "auto"
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None

@@ -4,10 +4,11 @@ The normal call reads split sizes to the host twice (the handshake and the count
 each read stalls the host until the device catches up, and makes the call impossible to capture
 in a CUDA graph. Here every size is fixed by the configuration and the shapes:
 
-- each rank sends every other rank a *slab* of ``N`` rows per call (split over the
-  micro-batches as the tokens are, :func:`~mc2.engine.decide.routing.micro_batch_bounds`); a
-  token goes at most once to each rank (as with ``dedup``), so a rank with at most ``N``
-  tokens never overflows;
+- each rank sends every other rank a *slab* of ``N`` rows per call, split over the
+  micro-batches (:func:`~mc2.engine.decide.routing.micro_batch_bounds` of ``N``), and token
+  ``t`` belongs to the micro-batch whose share of the slab holds position ``t``
+  (:func:`token_bounds`); a token goes at most once to each rank (as with ``dedup``), so a
+  rank with at most ``N`` tokens never overflows, at any K;
 - beside each row travels its slot table (local expert ids, weights) and the sender's error
   count, packed into the same bytes: a small batch is one dispatch and one combine, two
   collectives, and nothing else;
@@ -35,6 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.engine.compute.experts import ExpertWeights
+from mc2.engine.compute.module_experts import ModuleExperts
+from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.routing import micro_batch_bounds
 from mc2.engine.transport.slabs import SlabExchange
 
@@ -48,6 +52,14 @@ def dropped_rows(device: torch.device | str = "cpu") -> Tensor:
     synchronisation)."""
     device = torch.device(device)
     return _DROPPED.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
+
+
+def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
+    """Whether a capacity call runs its experts as sorted pairs with ``grouped_mm`` (mc2's
+    SwiGLU where a grouped kernel serves the dtype without reading its offsets back) rather
+    than every row through every expert."""
+    return isinstance(experts, ExpertWeights) and \
+        grouped_problem(experts.dtype, experts.device) is None
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,18 @@ class CapacityHandle:
         return len(self.micro_batches)
 
 
+def token_bounds(tokens: int, capacity: int, micro_batches: int) -> list[tuple[int, int]]:
+    """Each micro-batch's tokens: the slabs' split of ``capacity`` applied to token positions
+    (the last micro-batch also takes any tokens past ``capacity``). Splitting the tokens on
+    their own would not do: a micro-batch of ``T <= capacity`` tokens can be larger than its
+    slab (``T = 297``, ``capacity = 298``, K = 16: 20 tokens for a slab of 19), and a rank
+    with no more tokens than the capacity must never overflow, at any K."""
+    bounds = [(min(a, tokens), min(b, tokens)) for a, b in micro_batch_bounds(capacity,
+                                                                              micro_batches)]
+    bounds[-1] = (bounds[-1][0], tokens)
+    return bounds
+
+
 def slot_tables(ids_padded: Tensor, combine_padded: Tensor, slot_token: Tensor, world: int,
                 capacity: int, local_experts: int, errors: Tensor) -> Tensor:
     """``[world * C, 2k + 2]`` float64 tables of the rows of one micro-batch's slabs
@@ -114,8 +138,8 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
     ids_padded = torch.cat([ids, ids.new_full((1, topk), -1)])
     combine_padded = torch.cat([combine, combine.new_zeros((1, topk))])
     routes, dropped = [], torch.zeros((), dtype=torch.int64, device=device)
-    token_bounds = micro_batch_bounds(tokens, micro_batches)
-    for (start, stop), (c0, c1) in zip(token_bounds, micro_batch_bounds(capacity, micro_batches)):
+    for (start, stop), (c0, c1) in zip(token_bounds(tokens, capacity, micro_batches),
+                                       micro_batch_bounds(capacity, micro_batches)):
         size, n = c1 - c0, stop - start
         hit = torch.zeros(n, world + 1, dtype=torch.bool, device=device)
         mine = ids[start:stop]

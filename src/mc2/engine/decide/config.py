@@ -90,7 +90,8 @@ class MC2Config:
             nothing whose size depends on the data, and a small batch is two collectives: what
             a CUDA graph can capture (:mod:`mc2.engine.decide.capacity`). A token goes at most
             once to each rank, so ``capacity`` >= tokens per rank never overflows. Flat
-            exchange, rows in the compute dtype, K fixed (``"auto"``: 1).
+            exchange, rows in the compute dtype; ``"auto"`` runs the planner's trials priced
+            for full slabs and keeps K = 1 (two collectives) unless a split measured faster.
         overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (an assertion
             on the device, on every rank) or ``"drop"`` (left out and counted:
             :func:`mc2.engine.decide.capacity.dropped_rows`).

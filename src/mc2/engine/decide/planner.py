@@ -90,7 +90,8 @@ class Workload:
     element_size: int
     wire_bytes_per_row: float | None = None  # mean of dispatch and combine; None: hidden x element
     codec_s_per_row: float = 0.0  # kappa: encode + decode of all four transfers, per routed row
-    sent_share: float = 1.0  # rows on the link per routed row (< 1 where rows go once per rank)
+    sent_share: float = 1.0  # rows on the link per routed row (< 1 where rows go once per
+    # rank; > 1 for capacity mode's full slabs)
 
     def off_rank_bytes(self, rows: float) -> float:
         """Bytes leaving the rank for ``rows`` routed rows (pairs)."""
@@ -413,7 +414,7 @@ class Planner:
                         element_size=weights.element_size, wire_bytes_per_row=per_row,
                         codec_s_per_row=self.codec_cost(wire, weights, group),
                         sent_share=1.0 if sent_rows is None or not pairs
-                        else min(1.0, sent_rows / pairs))
+                        else sent_rows / pairs)
 
     def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
                    group: Any) -> float:

@@ -24,9 +24,8 @@ from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 )
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
-from mc2.engine.decide.capacity import CapacityHandle, check_errors
+from mc2.engine.decide.capacity import CapacityHandle, check_errors, grouped_path
 from mc2.engine.decide.dedup import slot_ids
-from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.routing import count_on_device
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
@@ -116,14 +115,6 @@ class SortedPairs:
         tail (whatever the GEMMs left there) counts 0."""
         return sum_rows(values, self.rows, received, scale=self.weights if weighted else None,
                         keep=self.valid)
-
-
-def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
-    """Whether a capacity call runs its experts as sorted pairs with ``grouped_mm`` (mc2's
-    SwiGLU where a grouped kernel serves the dtype without reading its offsets back) rather
-    than every row through every expert."""
-    return isinstance(experts, ExpertWeights) and \
-        grouped_problem(experts.dtype, experts.device) is None
 
 
 @dataclass

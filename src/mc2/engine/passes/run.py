@@ -455,15 +455,16 @@ def _capacity_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInp
 def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
                 ) -> tuple[Tensor, ForwardState]:
     """The forward of one planned call: its output (``x``-shaped) and its state."""
-    if call.capacity:
-        return _capacity_forward(call, inputs, needs)
     done = _timed(call, "forward", inputs.x.device)
-    shape = inputs.x.shape
-    flat = inputs.x.reshape(-1, shape[-1])
-    output = finished(forward_stages(flat, inputs.routed_weights(call), inputs.shared_weights(),
-                                     call, tuple(needs.experts)))
-    out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
-    state = state_of(output, call, shape, needs)
+    if call.capacity:
+        out, state = _capacity_forward(call, inputs, needs)
+    else:
+        shape = inputs.x.shape
+        flat = inputs.x.reshape(-1, shape[-1])
+        output = finished(forward_stages(flat, inputs.routed_weights(call),
+                                         inputs.shared_weights(), call, tuple(needs.experts)))
+        out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
+        state = state_of(output, call, shape, needs)
     if not call.keep_activations:
         call.workspace.tick()
     done()
