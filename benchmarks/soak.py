@@ -6,7 +6,9 @@ communication thread), a small hostile problem (uneven routing, 48 tokens per ra
 hidden 64), forward + backward with ``micro_batches="auto"`` and a deadline on every wait.
 After ``--warmup`` calls it notes each rank's resident memory, thread count and open file
 descriptors, and again at the end. Passing means: memory grew less than 5%, threads and
-descriptors did not change. ``tests/test_faults.py`` runs the same for 200 calls.
+descriptors did not grow. Resident memory is read after freed heap memory is handed back
+(``malloc_trim``), so the allocator's cache does not count as growth.
+``tests/test_faults.py`` runs the same for 200 calls.
 
     .venv/bin/python benchmarks/soak.py --calls 2000 --warmup 200
 """
@@ -27,8 +29,29 @@ import mc2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _return_free_memory() -> None:
+    """Hand freed heap memory back to the kernel before reading the resident size.
+
+    Why: glibc keeps freed blocks in its heaps, and how much of them it keeps resident depends
+    on the order of frees, so the resident size of a process that frees everything it
+    allocates still wanders by several percent from one call to the next (measured here: up to
+    +8% over 250 calls, +0.6% after ``malloc_trim``). Trimming first makes the number what
+    the process holds: a leak still shows, the allocator's cache does not."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def snapshot() -> tuple[float, int, int]:
-    """(resident MiB, threads, open descriptors) of this process."""
+    """(resident MiB after freed memory is returned, threads, open descriptors) of this
+    process."""
+    _return_free_memory()
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     return (rss_pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20,
@@ -69,7 +92,7 @@ def main() -> int:
     for rank, r in enumerate(results):
         (rss0, t0, f0), (rss1, t1, f1) = r["warm"], r["end"]
         growth = rss1 / rss0 - 1
-        ok &= growth < 0.05 and t0 == t1 and f0 == f1
+        ok &= growth < 0.05 and t1 <= t0 and f1 <= f0  # one closed after warm-up: no leak
         print(f"{rank:4}  {rss0:12.1f}  {rss1:11.1f}  {100 * growth:+5.1f}%  {t0:>3} -> {t1:<3}"
               f"{f0:>3} -> {f1:<3} {r['seconds']:6.1f}")
     print("PASS" if ok else "FAIL: something grew")

@@ -15,7 +15,7 @@ One operator, two kernels:
 - elsewhere, ``grouped_mm`` itself, then a copy (or add) into ``out``: no host read, fixed
   shapes, what a CUDA graph can capture.
 
-The operator is opaque to ``TorchFunctionMode``s, so :class:`mc2.observation.HostSyncCounter`
+The operator is opaque to ``TorchFunctionMode``s, so :class:`mc2.observation.host_syncs.HostSyncCounter`
 counts what the caller does, the same on every device, as it does around torch's own kernels.
 
 Two forms, as ``grouped_mm``'s: ``a [M, K]`` rows grouped by ``offs``, ``b [G, K, N]`` ->

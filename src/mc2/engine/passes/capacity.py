@@ -1,12 +1,20 @@
 """The passes of a capacity call (:mod:`mc2.engine.decide.capacity`): no host read, fixed sizes.
 
 Per micro-batch, forward: this rank's slab rows (``x`` of each slot's token, with the slot
-tables packed into the same bytes) out; every received row through every local expert, weighted
-by its table and summed (:func:`dense_experts`); one row back per received row; the sender adds
-the rows of each token. Backward: the output gradient of each slot's token out; the recorded
-graph of the micro-batch's experts differentiated (``torch.autograd.grad``) for the rows, the
-experts' parameters and the tables' weights; the rows' gradient back with each row's weight
-gradients packed beside it. Two collectives per micro-batch and pass, and nothing else.
+tables packed into the same bytes) out; the received rows' experts; one row back per received
+row; the sender adds the rows of each token. Backward: the output gradient of each slot's token
+out; the experts' backward; the rows' gradient back with each row's weight gradients packed
+beside it. Two collectives per micro-batch and pass, and nothing else.
+
+The experts run one of two ways, neither reading a count:
+
+- **grouped** (mc2's SwiGLU where ``grouped_mm`` serves the dtype: float32 and bfloat16): the
+  received (row, slot) pairs sorted by local expert into fixed ``R * k`` buffers, the empty
+  slots last, ``grouped_mm`` offsets on the device (:class:`SortedPairs`), the hand-written
+  backward; every expert's weight gradient is written (an untouched expert's is zero);
+- **dense** (other dtypes, experts modules): every received row through every local expert,
+  weighted by its table and summed (:func:`dense_experts`), and autograd over that graph
+  (``torch.autograd.grad``) for the rows, the parameters and the tables' weights.
 
 The schedule is the pipeline's (:mod:`mc2.engine.passes.pipeline`): the same overlap of the
 next micro-batch's dispatch and the previous one's combine with this one's experts.

@@ -1,0 +1,51 @@
+"""``mc2::grouped_mm_into``: both kernels write what ``grouped_mm`` returns, into the buffer.
+
+The CPU kernel (one ``mm`` per group) and the kernel every other device runs (``grouped_mm``
+and a copy, run here on CPU tensors through the op's own function) against
+``torch.nn.functional.grouped_mm``, for both forms, with empty groups (first, middle, last),
+transposed operands, and accumulation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mc2.engine.compute.grouped_into import grouped_mm_into
+
+KERNELS = {"cpu": grouped_mm_into, "elsewhere": grouped_mm_into._init_fn}
+ENDS = (0, 3, 3, 7)  # groups of 0, 3, 0 and 4 rows; one more row past the last group
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_rows_grouped_by_offsets(kernel: str, accumulate: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=g)
+    b = torch.randn(4, 8, 16, generator=g).transpose(1, 2)  # [G, K, N], a transposed view
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    out = torch.randn(8, 8, generator=g)
+    start = out.clone()
+    KERNELS[kernel](a, b, offs, out, accumulate)
+    want = F.grouped_mm(a, b, offs=offs)
+    rows = ENDS[-1]
+    torch.testing.assert_close(out[:rows], want[:rows] + (start[:rows] if accumulate else 0))
+    if kernel == "cpu":  # rows past the last group are left as they were
+        assert torch.equal(out[rows:], start[rows:])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_weight_gradient_form_zeroes_empty_groups(kernel: str, accumulate: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 16, generator=g).t()  # [M, P], grouped along P
+    b = torch.randn(8, 4, generator=g)
+    offs = torch.tensor((0, 3, 3, 8), dtype=torch.int32)
+    out = torch.randn(4, 16, 4, generator=g)
+    start = out.clone()
+    KERNELS[kernel](a, b, offs, out, accumulate)
+    want = F.grouped_mm(a, b, offs=offs)
+    torch.testing.assert_close(out, want + (start if accumulate else 0))
+    if not accumulate:
+        assert out[0].abs().max() == 0 and out[2].abs().max() == 0
