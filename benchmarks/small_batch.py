@@ -14,10 +14,10 @@ every implementation runs once per round, interleaved, the median round counting
 - ``hf all_to_all``: ``transformers``' ``AllToAllEP`` (each rank its own tokens);
 - ``hf all_reduce``: ``transformers``' ``AllReduceEP`` on the same tokens: the group's
   ``world * tokens`` tokens (every rank's, with their routing) as one batch that every rank
-  holds (its layout), every rank running its experts on all of it, one all-reduce. No-grad only: it is
-  Hugging Face's inference path (``"auto"`` takes it without gradients), and with gradients a
-  rank whose experts get no token of a small batch skips the backward's all-reduce that its
-  peers wait in.
+  holds (its layout), every rank running its experts on all of it, one all-reduce. No-grad
+  only: it is Hugging Face's inference path (``"auto"`` takes it without gradients), and with
+  gradients a rank whose experts get no token of a small batch skips the backward's
+  all-reduce that its peers wait in.
 
 ::
 

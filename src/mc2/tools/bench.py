@@ -3,9 +3,9 @@
 
 Every repeat runs every mode once, in a rotating order, so that machine noise hits all modes
 alike; each mode keeps its own :class:`~mc2.engine.transport.workspace.Workspace`, so each is
-measured with its
-buffers warm, as a job running only that mode would be; each step is forward + backward of
-:func:`mc2.fused_expert_packed`, timed from a barrier to the slowest rank's end. Where the time
+measured with its buffers warm, as a job running only that mode would be; each step is
+forward + backward of :func:`mc2.fused_expert_packed`, timed from a barrier to the slowest
+rank's end. Where the time
 went comes from the :class:`~mc2.observation.timeline.Timeline` spans:
 ``compute`` (expert math and permutes), exposed communication (synchronous collectives plus
 waits on asynchronous ones), and the rest (autograd, allocation, the weighted sum).

@@ -39,21 +39,20 @@ def grouped_mm_into(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, accumulate:
 
 @grouped_mm_into.register_kernel("cpu")
 def _on_cpu(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, accumulate: bool) -> None:
+    by_rows = b.dim() == 3
     start = 0
     for group, end in enumerate(offs.tolist()):
-        if b.dim() == 3:
-            if end > start:
-                if accumulate:
-                    out[start:end].addmm_(a[start:end], b[group])
-                else:
-                    torch.mm(a[start:end], b[group], out=out[start:end])
-        elif end > start:
+        if by_rows:
+            target, left, right = out[start:end], a[start:end], b[group]
+        else:
+            target, left, right = out[group], a[:, start:end], b[start:end]
+        # an empty group: nothing to do, except an empty weight block, which is zero (``mm``
+        # over an empty inner dimension writes zeros)
+        if end > start or not (by_rows or accumulate):
             if accumulate:
-                out[group].addmm_(a[:, start:end], b[start:end])
+                target.addmm_(left, right)
             else:
-                torch.mm(a[:, start:end], b[start:end], out=out[group])
-        elif not accumulate:
-            out[group].zero_()
+                torch.mm(left, right, out=target)
         start = end
 
 

@@ -15,10 +15,9 @@ each measured once per (hidden, ffn, local experts, dtype, group) and cached in 
 * bookkeeping: the gathers, scatters and permutations of each routed row, ``rho`` seconds per
   row, whatever K.
 * wire format (:mod:`mc2.engine.transport.wire`): a transfer moves the format's bytes per row,
-  and encoding and
-  decoding cost ``kappa`` seconds per routed row, on the compute thread. ``kappa`` is measured
-  per format and width, never assumed: on a small CPU it can eat what the fewer bytes save,
-  and then the planner says so (:class:`WireFormatWarning`).
+  and encoding and decoding cost ``kappa`` seconds per routed row, on the compute thread.
+  ``kappa`` is measured per format and width, never assumed: on a small CPU it can eat what
+  the fewer bytes save, and then the planner says so (:class:`WireFormatWarning`).
 
 For ``R`` rows per rank split into ``K`` micro-batches over ``L`` local experts (tapered ends,
 :func:`mc2.engine.decide.routing.micro_batch_fractions`), one pass (forward: 1/3 of the expert math, backward:
@@ -257,10 +256,9 @@ class Planner:
     an option that never measured better than the trials; it was removed.)
 
     With a wire format (:mod:`mc2.engine.transport.wire`), one more candidate is tried: the
-    model's best K with
-    rows in the compute dtype. Where it wins, encoding costs more than the bytes save on this
-    link; the shape then sends plain rows (exact, and faster) and a :class:`WireFormatWarning`
-    says so once. A fixed ``micro_batches`` always honours the format.
+    model's best K with rows in the compute dtype. Where it wins, encoding costs more than the
+    bytes save on this link; the shape then sends plain rows (exact, and faster) and a
+    :class:`WireFormatWarning` says so once. A fixed ``micro_batches`` always honours the format.
 
     Args:
         candidates: the K values considered.

@@ -111,10 +111,10 @@ class SortedPairs:
     def of(tables: Tensor, local_experts: int, topk: int, dtype: torch.dtype) -> "SortedPairs":
         ids = slot_ids(tables, topk).reshape(-1)
         key = torch.where(ids >= 0, ids, local_experts)
-        order = torch.sort(key, stable=True).indices
+        sorted_key, order = torch.sort(key, stable=True)
         counts = count_on_device(key, local_experts + 1)[:local_experts]
         weights = tables[:, topk:2 * topk].reshape(-1).index_select(0, order).to(dtype)
-        valid = (key.index_select(0, order) < local_experts).unsqueeze(1)
+        valid = (sorted_key < local_experts).unsqueeze(1)
         return SortedPairs(order // topk, torch.where(valid[:, 0], weights, 0), order, valid,
                            torch.cumsum(counts, 0).to(torch.int32))
 
