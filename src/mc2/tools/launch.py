@@ -5,6 +5,13 @@ process group over loopback (127.0.0.1 only), calls ``fn(rank, world_size, *args
 returns every rank's result. A rank that raises, dies or runs past ``deadline_s`` makes the whole
 call raise :class:`LocalWorldError` with each rank's story, and every process is ended: a broken
 world never hangs the caller. For real clusters launch with ``torchrun`` instead.
+
+Ranks are forked from a *preloaded fork server* (``multiprocessing``'s ``forkserver`` with torch
+and mc2 imported once): importing torch costs each fresh interpreter about 3 s of CPU, which is
+most of what a small world costs, and a process that calls ``run_local`` many times (a test
+suite, a benchmark's rounds) pays it once. Each rank still starts from a clean copy of the
+server, so no state leaks between worlds, and it takes the caller's environment as it is at the
+call. :func:`preload` adds modules (a test's workers, transformers) before the server starts.
 """
 
 from __future__ import annotations
@@ -29,6 +36,32 @@ class LocalWorldError(RuntimeError):
         super().__init__(message)
         self.failures = failures
         self.values = values or {}
+
+
+_PRELOAD: list[str] = ["torch", "torch.distributed", "mc2"]
+_START_METHOD = "forkserver"
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the fork server the ranks are forked from.
+
+    Only modules named before the first :func:`run_local` of this process take effect (the
+    server starts then and keeps what it imported); a module that fails to import there is
+    imported by each rank as usual.
+    """
+    for name in modules:
+        if name not in _PRELOAD:
+            _PRELOAD.append(name)
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from: the preloaded fork server where the
+    platform has one (Linux, macOS), else ``spawn``."""
+    if _START_METHOD in mp.get_all_start_methods():
+        ctx = mp.get_context(_START_METHOD)
+        ctx.set_forkserver_preload(list(_PRELOAD))
+        return ctx
+    return mp.get_context("spawn")
 
 
 def free_port() -> int:
@@ -91,9 +124,12 @@ def use_device(device: str | None, local_rank: int) -> str:
 def _worker(
     rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
     steady: bool, per_node: int, extra_env: dict[str, str], fn: Callable[..., Any],
-    args: tuple[Any, ...], results: Any, device: str | None = None,
-    before_init: Callable[[], None] | None = None,
+    args: bytes, results: Any, device: str | None = None,
+    before_init: Callable[[], None] | None = None, environment: dict[str, str] | None = None,
 ) -> None:
+    if environment is not None:  # the caller's environment now, not the fork server's
+        os.environ.clear()
+        os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
                       LOCAL_WORLD_SIZE=str(per_node))
@@ -122,7 +158,7 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
         return
     try:
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *pickle.loads(args)))))
     except BaseException:  # report everything, including KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
     # reported before tearing down: after a timed-out collective the teardown may block (the
@@ -174,14 +210,17 @@ def run_local(
     per_node = ranks_per_node or world_size
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"ranks_per_node ({per_node}) must divide world_size ({world_size})")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    # pickled by value here: multiprocessing's own pickler would hand every tensor over as a
+    # shared-memory file descriptor, and a fork server takes at most 256 of those per process
+    payload = pickle.dumps(args)
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node,
                           rank_env(r) if rank_env else {}, fn,
-                          args, results, device, before_init))
+                          payload, results, device, before_init, dict(os.environ)))
         for r in range(world_size)
     ]
     for p in procs:

@@ -282,20 +282,60 @@ def control_group(group: Any, device: torch.device | str | None = None) -> Any:
     return made
 
 
-def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
-                       device: torch.device | str | None) -> Any:
-    ranks, backend = key
+def groups_made_agree(group: Any, device: torch.device | str | None = None) -> tuple[int, int]:
+    """``(most, fewest)`` process groups made so far by any member of ``group`` (one small
+    collective on ``group``, which every member calls at the same point).
+
+    Why: a group made with ``use_local_synchronization=True`` is named from its ranks and the
+    number of groups the calling process has made; members that made different numbers would
+    name it differently and hang in its creation.
+    """
     try:
         made = len(dist.distributed_c10d._world.pg_names)
     except AttributeError:  # a torch without the registry: trust the creation order
         made = -1
     groups = torch.tensor([made, -made], dtype=torch.int64, device=device or "cpu")
     collective(lambda a: dist.all_reduce(groups, op=dist.ReduceOp.MAX, group=group,
-                                         async_op=a), group, "control group", groups.device)
+                                         async_op=a), group, "group agreement", groups.device)
     most, fewest = read(groups)
-    if most != -fewest:
+    return most, -fewest
+
+
+def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | None = None,
+                  device: torch.device | str | None = None) -> list[Any]:
+    """New process groups over the global ``member_lists`` (each a subset of ``parent``'s
+    ranks), made by ``parent``'s members alone: the calling rank makes only the groups it is a
+    member of (``None`` stands for the others), in list order.
+
+    Why not a plain ``dist.new_group``: that is a collective of the *whole world*, named by a
+    world-wide counter, so an expert-parallel group inside a larger mesh (two EP groups of a
+    DP x EP job making their node groups at the same time) would create groups under the same
+    names and hang. With ``use_local_synchronization=True`` each group is named from its ranks,
+    and only its members take part; the members first agree that they have made the same
+    number of groups (:func:`groups_made_agree`), else the names would differ: then every
+    member raises the same ``RuntimeError`` rather than hanging.
+    """
+    most, fewest = groups_made_agree(parent, device)
+    if most != fewest:
+        raise RuntimeError(
+            "mc2: the ranks of a group have made different numbers of process groups "
+            f"({fewest} to {most}), so the groups over {member_lists} cannot be made by its "
+            "members alone; make the same process groups, in the same order, on every rank")
+    me = dist.get_rank()
+    made = []
+    for ranks in member_lists:
+        made.append(dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+                    if me in ranks else None)
+    return made
+
+
+def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
+                       device: torch.device | str | None) -> Any:
+    ranks, backend = key
+    most, fewest = groups_made_agree(group, device)
+    if most != fewest:
         warnings.warn("mc2: the ranks of a group have made different numbers of process groups "
-                      f"({-fewest} to {most}), so a control group over ranks {list(ranks)} "
+                      f"({fewest} to {most}), so a control group over ranks {list(ranks)} "
                       "cannot be made; its handshake and counts share the row transfers' "
                       "communicator", RuntimeWarning, stacklevel=3)
         return group

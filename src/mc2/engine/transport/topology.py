@@ -3,7 +3,8 @@
 Discovery, in order: ``LOCAL_WORLD_SIZE`` (set by ``torchrun`` and by :func:`mc2.run_local`,
 whose ranks are numbered node by node), else the host names of all ranks (a collective). The
 intra-node and inter-node sub-groups that a hierarchical All-to-All needs are made on request,
-once, by every rank together (``torch.distributed.new_group`` is a collective).
+once, by the group's members alone (:func:`mc2.engine.transport.comm.member_groups`), so an
+expert-parallel group inside a larger mesh makes them without the other groups' ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mc2.engine.transport.comm import gather_objects, group_rank, group_size
+from mc2.engine.transport.comm import gather_objects, group_rank, group_size, member_groups
 
 
 @dataclass
@@ -55,7 +56,8 @@ class Topology:
         return len(sizes) == 1
 
     def subgroups(self, group: Any = None) -> tuple[Any, Any]:
-        """``(intra_node, inter_node)`` groups of this rank, made once (a collective).
+        """``(intra_node, inter_node)`` groups of this rank, made once (a collective of
+        ``group``'s members).
 
         ``intra_node``: the ranks of this node; ``inter_node``: the ranks of every node with
         this local rank (the peers a 2-D All-to-All crosses the slow link with).
@@ -65,14 +67,10 @@ class Topology:
                 raise ValueError(f"a 2-D layout needs the same ranks per node: {self.describe()}")
             members = dist.get_process_group_ranks(group or dist.group.WORLD)
             per_node = [[members[r] for r in self.ranks_of_node(n)] for n in range(self.nodes)]
-            for n, ranks in enumerate(per_node):  # every rank creates every group, in order
-                g = dist.new_group(ranks)
-                if n == self.node:
-                    self._groups["intra"] = g
-            for local in range(len(per_node[0])):
-                g = dist.new_group([ranks[local] for ranks in per_node])
-                if local == self.local_rank:
-                    self._groups["inter"] = g
+            across = [[ranks[local] for ranks in per_node] for local in range(len(per_node[0]))]
+            made = member_groups(group or dist.group.WORLD, per_node + across)
+            self._groups["intra"] = made[self.node]
+            self._groups["inter"] = made[len(per_node) + self.local_rank]
         return self._groups["intra"], self._groups["inter"]
 
     def describe(self) -> str:
