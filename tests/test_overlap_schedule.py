@@ -1,0 +1,94 @@
+"""The overlap is real: while micro-batch i's experts compute, micro-batch i+1's dispatch is
+in flight (issued, not yet waited for), and micro-batch i-1's combine too.
+
+Every other test compares results, which a schedule that ran the micro-batches one after the
+other would get just as right. Here each rank of a real Gloo world records when its transport
+issued each exchange and when the schedule waited for it (``tests/workers_schedule.py``), and
+:func:`overlap_problems` checks the order against the experts' spans: forward and backward, the
+flat exchange, rows once per destination (``dedup``), and the 2-D exchange on 4 ranks shown as
+2 nodes of 2. The checker is itself checked: on the serial schedule (``overlap=False``) it must
+find every pair not overlapped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import mc2
+from tests.problems import make_problem
+from tests.workers_schedule import Exchange, Experts, record_schedules
+
+K = 3
+PHASES = ("forward", "backward")
+
+
+def overlap_problems(exchanges: list[Exchange], experts: list[Experts], k: int) -> list[str]:
+    """What is *not* overlapped in one call's schedule, as sentences (empty: all of it is).
+
+    For each phase and each ``i < k - 1``: ``dispatch(i+1)`` must have been issued before
+    ``experts(i)`` started and waited for only after it ended; ``combine(i)`` likewise around
+    ``experts(i+1)``. Also a problem: a transfer missing, recorded twice, or never reported
+    complete (the record would prove nothing)."""
+    problems = []
+    found = {(e.phase, e.name, e.micro_batch): e for e in exchanges}
+    if len(found) != len(exchanges):
+        problems.append(f"an exchange recorded twice: {sorted(found)}")
+    ran = {(s.phase, s.micro_batch): s for s in experts}
+    for phase in PHASES:
+        for i in range(k):
+            for name in ("dispatch", "combine"):
+                e = found.get((phase, name, i))
+                if e is None:
+                    problems.append(f"{phase}: {name}({i}) never waited for")
+                elif e.completed is None:
+                    problems.append(f"{phase}: {name}({i}) never reported complete")
+            if (phase, i) not in ran:
+                problems.append(f"{phase}: experts({i}) never ran")
+        for i in range(k - 1):
+            pairs = (("dispatch", i + 1, i), ("combine", i, i + 1))
+            for name, moving, computing in pairs:
+                e, s = found.get((phase, name, moving)), ran.get((phase, computing))
+                if e is None or s is None:
+                    continue
+                if not e.issued <= s.start < s.end <= e.waited:
+                    problems.append(
+                        f"{phase}: {name}({moving}) not overlapped with experts({computing}): "
+                        f"issued at {e.issued:.6f}, waited at {e.waited:.6f}, experts ran "
+                        f"{s.start:.6f}..{s.end:.6f}")
+    return problems
+
+
+def _cases(world: int) -> list[tuple[str, dict]]:
+    hierarchy = "2d" if world == 4 else "flat"
+    return [(f"{hierarchy} overlapped", {"hierarchy": hierarchy}),
+            (f"{hierarchy} dedup overlapped", {"hierarchy": hierarchy, "dedup": True}),
+            (f"{hierarchy} serial", {"hierarchy": hierarchy, "overlap": False})]
+
+
+@pytest.fixture(scope="module", params=(2, 4), ids=("2 ranks", "2 nodes x 2"))
+def world(request) -> tuple[int, list[tuple[str, dict]], list[list[dict]]]:
+    n = request.param
+    cases = _cases(n)
+    problem = make_problem(n, "uniform", tokens=13)
+    results = mc2.run_local(record_schedules, n, args=([(problem, {**o, "micro_batches": K})
+                                                        for _, o in cases],),
+                            ranks_per_node=2, timeout_s=120)
+    return n, cases, results
+
+
+@pytest.mark.parametrize("case", range(3), ids=("overlapped", "dedup overlapped", "serial"))
+def test_the_next_dispatch_travels_while_the_experts_compute(world, case: int) -> None:
+    n, cases, results = world
+    name, options = cases[case]
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        assert {e.via for e in got["exchanges"]} == \
+            {"TwoStageExchange" if n == 4 else "FlatExchange"}, (name, rank)
+        problems = overlap_problems(got["exchanges"], got["experts"], K)
+        if options.get("overlap", True):
+            assert got["fell_back"] is None, (name, rank)
+            assert problems == [], (name, rank)
+        else:  # the checker must see through a serial schedule: every pair, both phases
+            overlapped = [p for p in problems if "not overlapped" in p]
+            assert len(overlapped) == len(problems) == len(PHASES) * 2 * (K - 1), \
+                (name, rank, problems)
