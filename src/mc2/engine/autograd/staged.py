@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
-from mc2.engine.autograd.prepare import function_inputs, guarded
+from mc2.engine.autograd.prepare import autocast_inputs, function_inputs, guarded
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.run import (
@@ -222,8 +222,11 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
         config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
-    named = {"weights_gate_up": gate_up, "weights_down": down}
-    full_shared = (*shared, shared_scale)
+    # under autocast, in the autocast dtype, as the plain call (the pass itself runs with
+    # autocast off: its GEMMs write into buffers of the call's dtype)
+    x, named, routing_weights, full_shared = autocast_inputs(
+        x, {"weights_gate_up": gate_up, "weights_down": down}, routing_weights,
+        (*shared, shared_scale))
     timeline = active_timeline()
     if timeline is not None:
         timeline = timeline.labelled(_LABEL.get())
