@@ -27,8 +27,8 @@ from mc2.observation.profiler import active_timeline
 from mc2.observation.timeline import Timeline, maybe_span
 from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import LOCAL, CommStyle
-from mc2.engine.transport.comm import exchange_counts, gather_counts, group_size, style_of
-from mc2.engine.decide.config import MC2Config
+from mc2.engine.transport.comm import exchange_counts, gather_counts, group_key, group_size, style_of
+from mc2.engine.decide.config import GEMMS, MC2Config
 from mc2.engine.transport.env import warn_sync_fallback
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
@@ -55,7 +55,9 @@ SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hi
                 "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
                 "wire_dtype (dispatch)", "wire_dtype (combine)",
                 "the planner's calls on this group (a fresh planner on some ranks only)",
-                "the 2-D exchange's measurements on this group", "dedup")
+                "the 2-D exchange's measurements on this group", "dedup", "capacity",
+                "overflow", "gemm", "timeout (ms)", "check_finite")
+_OVERFLOW_CODES = {"raise": 1, "drop": 2}
 
 
 @dataclass(frozen=True)
@@ -174,14 +176,15 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: tuple[WireFormat, WireFormat],
-                  planner: Planner | None, group: Any) -> dict[str, int]:
+                  planner: Planner | None, group: Any, timeout: float | None) -> dict[str, int]:
     """The values every rank must share, as the handshake carries them (zeros when this rank's
     input is bad: the same keys on every rank, valid or not).
 
     The last two make the collectives *after* the handshake the same on every rank: a planner
     that has chosen for fewer calls than its peers' would calibrate (collectives its peers do
     not run), and so would a process that has not measured the 2-D exchange where its peers
-    have."""
+    have. The rest change what a peer receives (capacity's slabs, dropped rows) or how long
+    it waits (``timeout``)."""
     facts = dict.fromkeys(SHARED_FACTS, 0)
     if weights is not None:
         auto = config.micro_batches == "auto"
@@ -190,7 +193,9 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
             weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
             HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code,
             planner.digest(group) if planner is not None else 0,
-            measured_sizes(group) if config.hierarchy == "auto" else 0, int(config.dedup))))
+            measured_sizes(group) if config.hierarchy == "auto" else 0, int(config.dedup),
+            config.capacity or 0, _OVERFLOW_CODES[config.overflow], GEMMS.index(config.gemm),
+            round(timeout * 1000) if timeout else 0, int(config.check_finite))))
     return facts
 
 
@@ -296,6 +301,10 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
+# per group: the shared values of capacity calls whose first call every rank agreed on
+_AGREED_CAPACITY: dict[tuple, set[tuple]] = {}
+
+
 @dataclass(frozen=True)
 class _SlabSizes:
     """What ``"auto"`` prices for a capacity call, in the handshake's terms."""
@@ -310,16 +319,35 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                    timeline: Timeline | None, workspace: Workspace | None,
                    timeout: float | None, needs_grad: bool, module: Any,
                    planner: Planner | None) -> tuple[CallPlan, Any, Tensor]:
-    """A capacity call's plan: no handshake, no counts, nothing read to the host.
+    """A capacity call's plan: no counts, and in the steady state no handshake and nothing
+    read to the host.
 
-    Without a handshake, what this rank finds wrong with its own arguments raises here, on
-    this rank; its peers wait in their first exchange until the call's deadline
-    (:class:`mc2.CommTimeout`, naming the exchange). What only the data shows (rows that do
-    not fit, expert ids out of range) travels with the rows and fails on every rank
-    (:func:`mc2.engine.decide.capacity.check_errors`).
+    The first call of each configuration and shape on a group runs the normal handshake
+    (:func:`~mc2.engine.decide.validation.agree`: one upload, one read), so ranks whose
+    capacity, overflow, dtype, K or any other shared value differ raise ``ValueError`` on every
+    rank instead of exchanging slabs of different sizes (which Gloo answers by terminating the
+    process, and NCCL with undefined data). It is also where bad input raises on every rank.
+    Capture a capacity call in a CUDA graph only after such a first call (warm-up calls are
+    needed for a capture anyway). Later calls of an agreed configuration are trusted: what this
+    rank then finds wrong with its own arguments raises here, on this rank, and its peers wait
+    in their first exchange until the call's deadline (:class:`mc2.CommTimeout`, naming the
+    exchange). What only the data shows (rows that do not fit, expert ids out of range) travels
+    with the rows and fails on every rank (:func:`mc2.engine.decide.capacity.check_errors`).
     """
-    if problem is not None:
+    auto = config.micro_batches == "auto"
+    facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
+                          weights if problem is None else None, needs_grad, (NONE, NONE),
+                          None, group, timeout)
+    agreed = _AGREED_CAPACITY.setdefault(group_key(group), set())
+    if problem is not None and agreed:
         raise ValueError(f"fused_expert: {problem}")
+    if tuple(facts.values()) not in agreed:
+        with maybe_span(timeline, "comm", "handshake", "forward"):
+            agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
+                  shared=facts, group=group,
+                  total_experts=group_size(group) * (weights.local_experts if weights else 0),
+                  check_finite=config.check_finite)
+        agreed.add(tuple(facts.values()))
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
     # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
@@ -402,7 +430,7 @@ def plan_call(
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
                                                weights if problem is None else None,
-                                               needs_grad, wire, plan_with, group),
+                                               needs_grad, wire, plan_with, group, timeout),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite,
