@@ -208,7 +208,9 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
     if planner is None:
         return 1, None, wire
     if torch._C._current_graph_task_id() != -1:  # a recompute inside a backward: its forward's K
-        choice = planner.again(weights)
+        choice = planner.again(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
+                               weights=weights, group=group, strategy=strategy, wire=wire,
+                               sent_rows=agreement.max_rows)
     else:
         with maybe_span(timeline, "compute", "plan", "forward"):
             choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,

@@ -284,7 +284,8 @@ class Planner:
         self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
         self._calls: dict[tuple, int] = {}  # choose() calls per group: the handshake's digest
-        # the last forward's choice per weight tensor, for a call made again in a backward
+        # the last forward's choice per weight tensor and shape (:meth:`shape_key`), for a
+        # call made again in a backward: weights may serve calls of several shapes
         self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def calibration(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop"
@@ -331,9 +332,20 @@ class Planner:
         choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                               strategy=strategy, wire=wire, sent_rows=sent_rows)
         self._calls[group_key(group)] = self.digest(group) + 1
-        self._forward_choice[weights.anchor] = Choice(choice.micro_batches,
-                                                    plain_rows=choice.plain_rows)
+        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
+        by_shape = self._forward_choice.setdefault(weights.anchor, {})
+        by_shape[key] = Choice(choice.micro_batches, plain_rows=choice.plain_rows)
         return choice
+
+    @staticmethod
+    def shape_key(max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
+                  strategy: str, wire: tuple[WireFormat, WireFormat],
+                  sent_rows: int | None) -> tuple:
+        """What a choice depends on besides the weights themselves: the shape whose trials
+        and locked K it is (token count within 1/16, top-k, the weights' shape, the group,
+        the GEMM strategy, the wire formats, rows once per destination or not)."""
+        return (bucket(max_tokens), topk, weights.cache_key, group_key(group), strategy,
+                wire[0].code, wire[1].code, sent_rows is not None)
 
     def digest(self, group: Any) -> int:
         """How many calls on ``group`` this planner has chosen K for. Ranks whose planners
@@ -341,19 +353,23 @@ class Planner:
         peers do not run), so the handshake makes them agree first."""
         return self._calls.get(group_key(group), 0)
 
-    def again(self, weights: ExpertWeights | ModuleExperts) -> Choice:
-        """The choice of the last forward with these weights, for a call made again during a
-        backward (a recompute under activation checkpointing: it must run the K its forward
-        ran, or PyTorch finds other saved shapes). Counts no trial, runs no collective."""
-        return self._forward_choice.get(weights.anchor, Choice(1))
+    def again(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
+              group: Any, strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+              sent_rows: int | None = None) -> Choice:
+        """The choice of the last forward with these weights and this shape (the arguments
+        of :meth:`choose`), for a call made again during a backward (a recompute under
+        activation checkpointing: it must run the K its forward ran, or PyTorch finds other
+        saved shapes). Keyed on the shape too: one experts module over two inputs of
+        different token counts may have run two K. Counts no trial, runs no collective."""
+        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
+        return self._forward_choice.get(weights.anchor, {}).get(key, Choice(1))
 
     def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                 strategy: str, wire: tuple[WireFormat, WireFormat],
                 sent_rows: int | None = None) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
-        key = (bucket(max_tokens), topk, weights.cache_key, group_key(group), strategy,
-               wire[0].code, wire[1].code, sent_rows is not None)
+        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         state = self._shapes.get(key)
         if state is None:
             ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
