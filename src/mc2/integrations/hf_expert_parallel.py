@@ -23,7 +23,10 @@ gradients), runs the pipeline on it, and the slices' outputs are gathered back.
 
 **No-grad calls on a shared batch** choose per call between the pipeline and Hugging Face's
 own ``AllReduceEP`` (every rank runs its experts on the whole batch, one all-reduce sums the
-outputs), as its ``"auto"`` does at inference. The all-reduce is one collective where the
+outputs), as its ``"auto"`` does at inference, where the experts module can take the
+all-reduce's masked routes (Hugging Face's kernels can; an eager forward is tried once on a
+CPU and not trusted elsewhere: gpt-oss's eager forward cannot, and runs the pipeline). The
+all-reduce is one collective where the
 pipeline runs five (handshake, counts, dispatch, combine, the gather of the slices), and it moves
 ``2 (R-1)/R`` of the batch's rows against the pipeline's ``(R-1)/R (2k/R + 1)``: it is taken
 where it moves no more bytes (``R <= 2k``) or the batch is small (at most
@@ -61,6 +64,23 @@ def all_reduce_pays(tokens: int, ranks: int, topk: int) -> bool:
     return ranks <= 2 * topk or tokens <= ALL_REDUCE_TOKENS * ranks
 
 
+def _runs_masked_route(implementation: Any, hidden_states: Tensor) -> bool:
+    """One token through ``implementation``'s experts forward with every route masked as
+    ``AllReduceEP`` masks it (local id ``num_local_experts``, weight 0), on this rank alone;
+    whether it ran and gave zeros. CPU only: a forward that fails raises there."""
+    row = hidden_states[:1].detach()
+    k = 2
+    ids = torch.full((1, k), implementation.num_local_experts, dtype=torch.int64,
+                     device=row.device)
+    weights = torch.zeros(1, k, dtype=row.dtype, device=row.device)
+    try:
+        with torch.no_grad():
+            out = implementation.experts_forward(row, ids, weights)
+    except (RuntimeError, IndexError, ValueError):
+        return False
+    return bool((out == 0).all())
+
+
 def _implementation(config: MC2Config) -> type:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from transformers.distributed.expert_parallel import AllReduceEP
@@ -75,6 +95,7 @@ def _implementation(config: MC2Config) -> type:
             self.all_reduce = AllReduceEP(experts, ep_mesh, tp_mesh) if self.shares_batch \
                 else None
             self.last_choice: str | None = None
+            self.masked_routes: bool | None = None
             experts.mc2_expert_parallel = self  # where a user (or a test) finds the choice
 
         def __call__(self, hidden_states: Tensor, top_k_index: Tensor,
@@ -83,7 +104,8 @@ def _implementation(config: MC2Config) -> type:
             grad = torch.is_grad_enabled() and (hidden_states.requires_grad
                                                 or top_k_weights.requires_grad)
             if self.all_reduce is not None and not grad and all_reduce_pays(
-                    tokens, ranks, top_k_index.shape[-1]):
+                    tokens, ranks, top_k_index.shape[-1]) and self._takes_masked_routes(
+                    hidden_states):
                 return self._chose("all_reduce", self.all_reduce(hidden_states, top_k_index,
                                                                  top_k_weights))
             sliced = self.tp_mesh.size() > 1
@@ -102,6 +124,28 @@ def _implementation(config: MC2Config) -> type:
                                          shape=(tokens, hidden), stride=(hidden, 1)
                                          ).full_tensor()
             return self._chose("mc2", out)
+
+        def _takes_masked_routes(self, hidden_states: Tensor) -> bool:
+            """Whether this experts module can run ``AllReduceEP``'s masked routes (local id
+            ``num_local_experts``, weight 0), decided once per module alike on every rank.
+
+            Hugging Face's kernels (``grouped_mm``, ``batched_mm``, ...) skip them; an eager
+            forward may not (gpt-oss's one-hots over the experts alone and fails). On a CPU
+            one masked route is tried; elsewhere an eager forward is not trusted with it, since
+            the failure there is a device-side assert that leaves the device unusable. A
+            module that cannot take them runs mc2's pipeline, which hands the experts local ids
+            only.
+            """
+            if self.masked_routes is None:
+                implementation = getattr(getattr(self.experts, "config", None),
+                                         "_experts_implementation", None)
+                if implementation not in (None, "eager"):
+                    self.masked_routes = True
+                elif hidden_states.device.type != "cpu":
+                    self.masked_routes = False
+                else:
+                    self.masked_routes = _runs_masked_route(self, hidden_states)
+            return self.masked_routes
 
         def _chose(self, choice: str, out: Tensor) -> Tensor:
             if choice != self.last_choice:
