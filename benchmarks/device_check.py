@@ -316,9 +316,10 @@ def preset(measured: dict[str, float], device: str) -> str:
         "",
         "[compute]",
         "# median achieved TFLOP/s of the models' expert GEMMs (efficiency folded in)",
-        f"peak_tflops = {measured['dense'] / 1e12:.1f}",
+        # significant digits, not decimals: a loaded 2-core CPU measures under 0.05 TFLOP/s
+        f"peak_tflops = {measured['dense'] / 1e12:.4g}",
         "gemm_efficiency = 1.0",
-        f"memory_gbps = {measured['memory_gbps']:.0f}",
+        f"memory_gbps = {measured['memory_gbps']:.4g}",
         "",
         "[intra_node]",
         f"bandwidth_gbps = {ref.intra_node.bandwidth_gbps}",

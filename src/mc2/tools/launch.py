@@ -16,10 +16,12 @@ call. :func:`preload` adds modules (a test's workers, transformers) before the s
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -60,8 +62,31 @@ def _context() -> Any:
     if _START_METHOD in mp.get_all_start_methods():
         ctx = mp.get_context(_START_METHOD)
         ctx.set_forkserver_preload(list(_PRELOAD))
+        if not _STOP_AT_EXIT:
+            atexit.register(_stop_server)
+            _STOP_AT_EXIT.append(True)
         return ctx
     return mp.get_context("spawn")
+
+
+_STOP_AT_EXIT: list[bool] = []
+
+
+def _stop_server() -> None:
+    """End the fork server with this process. Left alone it would notice that its last client
+    is gone and shut its interpreter down (torch's included) for a second or more after this
+    process has exited: a Ctrl-C'd command would seem to leave a process behind. It holds no
+    state, and its ranks are ended by :func:`run_local` already."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 def free_port() -> int:
