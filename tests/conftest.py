@@ -10,5 +10,11 @@ if ROOT not in sys.path:
 # starts in a fraction of a second instead of importing torch (and transformers) per rank.
 from mc2.tools.launch import preload  # noqa: E402
 
+# transformers is lazy: its cost is in modeling_utils and the model modules (about 4 s a rank)
+HEAVY = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+         "transformers.modeling_utils", "transformers.distributed.expert_parallel",
+         *(f"transformers.models.{m}.modeling_{m}" for m in (
+             "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "olmoe", "glm4_moe",
+             "granitemoe", "phimoe", "jamba"))]
 preload(*(f"tests.{path.stem}" for path in sorted(__import__("pathlib").Path(__file__).parent.glob(
-    "workers*.py"))), "tests.fake_stream_backend", "transformers")
+    "workers*.py"))), "tests.fake_stream_backend", *HEAVY)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mc2.engine.decide.config import MC2Config
-from mc2.tools.launch import run_local
+from mc2.tools.launch import preload, run_local
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 def run_training(cfg: TrainConfig, world_size: int = 2, threads: int = 1) -> dict[str, Any]:
     """Train on a local Gloo world of ``world_size`` processes; rank 0's history."""
     _check_ep_size(cfg, world_size)
+    # once, not in every rank (transformers is lazy: the model's module is what costs)
+    preload("transformers.models.mixtral.modeling_mixtral", "mc2.integrations.transformers",
+            "torch.distributed.checkpoint")
     return run_local(train_rank, world_size, args=(cfg,), threads=threads, timeout_s=600,
                      deadline_s=24 * 3600, device=cfg.device)[0]
 
