@@ -19,8 +19,9 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/mc2 demo
 
+# the slowest tests are printed at the end of every run, so the next slow one is seen when it lands
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=15
 
 lint: venv
 	$(PY) -m pip install -q ruff
