@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU build of PyTorch, pinned: an unpinned torch would pull several GB of CUDA wheels.
+# PyTorch, pinned. On this project's machines a CPU build of 2.13.0 lies on disk and pip takes it;
+# on a stock Linux machine the same pin pulls the CUDA build from PyPI (several GB). A CPU-only
+# user runs: make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test bench lint clean
