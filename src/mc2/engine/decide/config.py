@@ -68,7 +68,9 @@ class MC2Config:
             between ranks of the same local rank, one message per node, then inside the node
             (:mod:`mc2.engine.transport.hierarchy`; needs the same number of ranks on every node);
             ``"auto"``: ``"2d"`` where the group spans several nodes of several ranks and the
-            2-D exchange measured faster for this size. Results are identical.
+            2-D exchange measured faster for this size. Results agree to rounding (the same
+            rows meet the same experts; with ``dedup`` a token's experts on one node are summed
+            there first, so the sums run in another order).
         wire_dtype: the format rows travel in (:mod:`mc2.engine.transport.wire`). ``None``: the compute
             dtype, bit for bit; ``torch.bfloat16`` / ``torch.float16``: a cast;
             ``torch.float8_e4m3fn`` / ``"int8"``: 1 byte per element plus a float32 scale per
