@@ -14,12 +14,16 @@ one device can show, this script runs, in under five minutes:
     with device events must show transfers of non-zero length;
 (c) **a hardware preset for** ``mc2 simulate``: bf16 expert GEMMs and ``grouped_mm`` timed with
     device events at the simulator's model shapes, and the device's copy bandwidth;
-(d) **a capacity call in a CUDA graph**: ``MC2Config(capacity=N)`` in an NCCL world of one with
-    the distributed path forced, captured with ``torch.cuda.graph``, replayed on three new
-    inputs and compared with eager calls.
+(d) **a capacity call in a CUDA graph**: ``MC2Config(capacity=N)`` with the default deadline
+    (each wait's group's own timeout: the watchdog watches the eager calls) in an NCCL world of
+    one with the distributed path forced, captured with ``torch.cuda.graph`` (``"global"``
+    capture mode: a poll from any thread would fail it), replayed on three new inputs and
+    compared with eager calls; inside the capture mc2 must watch, poll, fork an observer and
+    read a host clock not once (counted).
 
 ``--dry-run`` runs the same four parts on CPU in seconds (Gloo worlds with CPU tensors, a Gloo
-world of one with the host-sync counter instead of CUDA's sync debug mode, tiny GEMMs), so CI
+world of one with the host-sync counter instead of CUDA's sync debug mode, tiny GEMMs; for (d)
+the capture is emulated: mc2 is told the stream captures, and the call runs eagerly), so CI
 keeps the script working without a GPU.
 
     PYTHONPATH=src:. python benchmarks/device_check.py               # on a GPU machine
@@ -197,19 +201,27 @@ def check_syncs(dry_run: bool, device: str) -> bool:
 
 
 def graph_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, Any]:
-    """(d) a capacity call captured in a CUDA graph (world of one, distributed path forced),
-    replayed on new data and compared with eager calls; on CPU the eager calls only."""
+    """(d) a capacity call with the default deadline captured in a CUDA graph (world of one,
+    distributed path forced), replayed on new data and compared with eager calls; on CPU the
+    capture is emulated (mc2 told the stream captures; the call runs eagerly). Counts what mc2
+    did inside the capture (:class:`tests.workers_deadlines.CaptureProbe`)."""
+    from mc2.device import streams
+    from mc2.engine.transport.watchdog import watchdog
+    from tests.workers_deadlines import CaptureProbe
+
+    probe = CaptureProbe()
     p = make_problem(1, "uneven", hidden=64, ffn=32, tokens=32, local_experts=4, seed=4)
     dtype = torch.float32
     x = p.xs[0].to(device, dtype).clone()
     ids, rw = p.ids[0].to(device).clone(), p.rws[0].to(device, dtype).clone()
     ws = [w.to(device, dtype) for w in p.local_weights(0)]
-    config = mc2.MC2Config(micro_batches=2, capacity=64, timeout=0)
+    config = mc2.MC2Config(micro_batches=2, capacity=64)  # the default deadline
 
     def call() -> torch.Tensor:
         return mc2.fused_expert(x, *ws, ids, rw, config=config)
 
-    report: dict[str, Any] = {"captured": False, "replays": 0, "max_diff": 0.0, "error": None}
+    report: dict[str, Any] = {"captured": False, "replays": 0, "max_diff": 0.0, "error": None,
+                              "in_capture": {}, "eager_deadlines": 0}
     with torch.no_grad():
         try:
             if torch.device(device).type == "cuda":
@@ -217,15 +229,29 @@ def graph_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, A
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(3):  # warm-up outside the graph (allocations, groups)
-                        call()
+                        _, counts = probe.measured(call)
+                        report["eager_deadlines"] += counts["start_stamp"]
                 torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                watchdog().wait_idle(30.0)  # nothing of the warm-up left for it to poll
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_out = call()
+
+                def capture() -> torch.Tensor:
+                    with torch.cuda.graph(graph):
+                        return call()
+
+                static_out, report["in_capture"] = probe.measured(capture)
                 report["captured"] = True
                 replay = graph.replay
             else:
-                static_out = call()
+                _, counts = probe.measured(call)
+                report["eager_deadlines"] = counts["start_stamp"]
+                real = streams.capturing
+                streams.capturing = lambda device: True  # a capture, as mc2 sees one
+                try:
+                    static_out, report["in_capture"] = probe.measured(call)
+                finally:
+                    streams.capturing = real
                 replay = lambda: static_out.copy_(call())  # noqa: E731
             g = torch.Generator().manual_seed(7)
             for _ in range(3):
@@ -244,12 +270,20 @@ def graph_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, A
 
 def check_graph(dry_run: bool, device: str) -> bool:
     backend, r = _world_of_one(graph_rank, dry_run, device)
+    c = r["in_capture"]
+    inside = (c.get("watch", -1), c.get("is_completed", -1) + c.get("query", 0),
+              c.get("observe", -1), c.get("clock", -1))
     good = r["error"] is None and r["replays"] == 3 and r["max_diff"] <= 1e-5 and \
-        (dry_run or r["captured"])
-    what = "captured in a CUDA graph, replayed" if r["captured"] else "eager (no graph on CPU)"
-    print(f"  {backend} world of one, capacity call K=2, {what} on 3 new inputs: max diff "
-          f"{r['max_diff']:.2e} against eager" + (f"; raised: {r['error']}" if r["error"] else "")
-          + (" ok" if good else " FAIL"), flush=True)
+        (dry_run or r["captured"]) and inside == (0, 0, 0, 0) and \
+        c.get("start_stamp", -1) == 0 and r["eager_deadlines"] > 0
+    what = "captured in a CUDA graph, replayed" if r["captured"] else \
+        "capture emulated on CPU, eager"
+    print(f"  {backend} world of one, capacity call K=2, default deadline "
+          f"({r['eager_deadlines']} waits under it eagerly), {what} on 3 new inputs: max diff "
+          f"{r['max_diff']:.2e} against eager; in the capture: {inside[0]} watched, "
+          f"{inside[1]} polls, {inside[2]} observer forks, {inside[3]} host clocks"
+          + (f"; raised: {r['error']}" if r["error"] else "") + (" ok" if good else " FAIL"),
+          flush=True)
     return good
 
 

@@ -58,6 +58,7 @@ class FakeStreamGroup(dist.ProcessGroup):
         self.inner = dist.ProcessGroupGloo(dist.PrefixStore(f"{NAME}-inner", store), rank,
                                            size, timeout)
         self.my_rank = rank
+        self.options = self.inner.options  # its timeout, where torch's backends keep theirs
 
     def getBackendName(self) -> str:  # noqa: N802 - the binding's name
         return NAME

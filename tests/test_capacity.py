@@ -78,7 +78,15 @@ def test_overflow_raises_on_every_rank_or_drops_and_counts() -> None:
     assert dropped > 0
     L = p.local_experts
     for rank, r in enumerate(results):
-        assert r["raised"] is not None and "capacity" in r["raised"], r["raised"]
+        # counted on the device, raised where the host reads anyway: never a device assert
+        assert r["device_asserts"] == 0, r["device_asserts"]
+        assert r["raised_in_call"] is None, r["raised_in_call"]
+        for point in ("raised", "raised_by_next_call"):  # mc2.check_overflow(), a handshake
+            assert r[point] is not None and "capacity" in r[point], (rank, point, r[point])
+            assert "overflow='drop'" in r[point] and f" {dropped} (token, rank) rows" in \
+                r[point], (dropped, r[point])
+        assert r["raised_again"] is None and r["next_call_after"] is None, r  # raised once
+        assert r["raised_after_drop"] is None, r["raised_after_drop"]  # dropped, counted
         x = p.xs[rank].clone().requires_grad_(True)
         want = dense_moe(x, p.w_up, p.w_gate, p.w_down, p.ids[rank], kept[rank])
         want.backward(p.grad_outs[rank])

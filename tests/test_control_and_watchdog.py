@@ -185,6 +185,78 @@ def test_a_stream_stall_aborts_the_world_and_the_control_group_together() -> Non
     assert first["aborted_groups"] == first["groups"] >= 2, first
 
 
+# --- after a timeout: every later check names the first ------------------------------------
+
+def test_every_check_after_an_expiry_raises_naming_the_first() -> None:
+    """The watchdog's groups are aborted: the first check raises the timeout itself, every
+    later one a ``CommTimeout`` that names it (never a raw error of a dead communicator)."""
+    clock = Clock()
+    wd = _by_hand(Watchdog(abort=lambda groups: None, groups=lambda: []))
+    wd.watch(FakeWork(clock), "combine", deadline_s=1.0, start=100.0, micro_batch=2,
+             phase="backward")
+    clock.t = 101.5
+    wd.expire(wd.poll(now=101.5), now=101.5)
+    with pytest.raises(CommTimeout, match="combine of micro-batch 2 in the backward") as first:
+        wd.check()
+    for _ in range(2):
+        with pytest.raises(CommTimeout) as later:
+            wd.check()
+        assert later.value.first is first.value, later.value
+        assert "combine of micro-batch 2 in the backward waited 1.5s" in str(later.value)
+
+
+# --- CUDA-graph capture: nothing polls, forks or reads a host clock --------------------------
+
+def test_a_paused_watchdog_polls_nothing_until_an_eager_watch() -> None:
+    class Counted(FakeWork):
+        polls = 0
+
+        def is_completed(self) -> bool:
+            Counted.polls += 1
+            return super().is_completed()
+
+    clock = Clock()
+    wd = _by_hand(Watchdog(abort=lambda groups: None, groups=lambda: []))
+    wd.watch(Counted(clock), "dispatch", deadline_s=1.0, start=100.0)
+    wd.pause()
+    clock.t = 200.0  # far past the deadline: a poll would expire it
+    assert wd.poll(now=200.0) is None and Counted.polls == 0 and wd.paused
+    wd.watch(Counted(clock, done_at=0.0), "combine", deadline_s=1.0, start=200.0)
+    assert not wd.paused
+    assert wd.poll(now=200.0) is not None and Counted.polls == 2
+
+
+def test_wait_idle_returns_once_every_work_is_seen_completed() -> None:
+    clock = Clock()
+    wd = _by_hand(Watchdog(abort=lambda groups: None, groups=lambda: []))
+    assert wd.wait_idle(0.0)
+    wd.watch(FakeWork(clock, done_at=105.0), "dispatch", deadline_s=10.0, start=100.0)
+    assert not wd.wait_idle(0.0)
+    clock.t = 105.0
+    assert wd.poll(now=105.0) is None and wd.wait_idle(0.0)
+
+
+def test_a_capacity_call_while_capturing_polls_forks_and_clocks_nothing() -> None:
+    """On the emulated stream backend, default deadline, a timeline: eagerly the call is
+    watched (device-event starts, ``is_completed`` polls), observed and timed; with mc2 told
+    the stream is capturing, the same call (forward and backward) watches, polls, forks an
+    observer and reads a host clock not once, and gives the same result."""
+    from tests.workers_deadlines import captured_capacity
+
+    results = mc2.run_local(captured_capacity, 2, backend=fake_stream_backend.NAME,
+                            before_init=fake_stream_backend.install, deadline_s=120)
+    for rank, r in enumerate(results):
+        eager, captured = r["eager_counts"], r["captured_counts"]
+        for name in ("watch", "observe", "start_stamp", "clock"):
+            assert eager[name] > 0, (rank, name, eager)  # the counters see the eager call
+        assert r["eager"]["spans"] > 0, (rank, r)
+        assert captured == dict.fromkeys(captured, 0), (rank, captured,
+                                                         r["captured_clock_callers"])
+        assert r["captured"]["spans"] == 0 and r["paused"], (rank, r)
+        torch.testing.assert_close(r["captured"]["out"], r["eager"]["out"], rtol=0, atol=0)
+        torch.testing.assert_close(r["captured"]["x"], r["eager"]["x"], rtol=0, atol=0)
+
+
 # --- (c) an abort that hangs or cannot be done ends the process ------------------------------
 
 _SCRIPT = textwrap.dedent("""

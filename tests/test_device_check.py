@@ -26,6 +26,12 @@ def test_device_check_dry_run(tmp_path) -> None:
     assert "all checks passed" in out
     assert "4 ranks 2d" in out and "wire float8_e4m3fn" in out
     assert "2 reads, 1 uploads" in out
+    # (d) with the default deadline, not timeout=0; on CPU the capture is emulated (mc2 told
+    # the stream captures): nothing watched, polled, forked or clocked in it
+    graph = next(line for line in out.splitlines() if "capacity call K=2" in line)
+    assert "default deadline" in graph and "capture emulated" in graph, graph
+    assert "0 watched, 0 polls, 0 observer forks, 0 host clocks" in graph, graph
+    assert graph.endswith(" ok"), graph
     from mc2.sim.presets import load_hardware
 
     hw = load_hardware(str(preset))

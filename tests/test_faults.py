@@ -107,10 +107,81 @@ def test_a_timeout_names_its_setting_and_env(monkeypatch) -> None:
     with pytest.raises(ValueError, match="MC2_TIMEOUT must be a number"):
         resolve_timeout(None)
     monkeypatch.delenv("MC2_TIMEOUT")
-    assert resolve_timeout(None) == 300.0
+    assert resolve_timeout(None) == float("inf")  # the group's own (wait_deadline)
     err = CommTimeout("dispatch", 3.2).at(micro_batch=1, phase="backward")
     assert isinstance(err, RuntimeError)
     assert "dispatch of micro-batch 1 in the backward waited 3.2s" in str(err)
+
+
+class _Options:
+    def __init__(self, seconds: float) -> None:
+        from datetime import timedelta
+
+        self._timeout = timedelta(seconds=seconds)
+
+
+class _Group:
+    """What torch tells of a group's own timeout: its backend's options."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def _get_backend(self, device):
+        if self.seconds is None:
+            raise RuntimeError("No backend type associated with device type cpu")
+        backend = type("Backend", (), {})()
+        backend.options = _Options(self.seconds)
+        return backend
+
+
+def test_the_default_deadline_is_the_groups_own_timeout(monkeypatch) -> None:
+    """No ``timeout=`` and no ``MC2_TIMEOUT``: a wait may take as long as its group's own
+    timeout (never stricter than the backend would be); an explicit shorter one stays the
+    user's; a longer one is the group's (the backend ends the collective there anyway)."""
+    from mc2.engine.transport.deadline import group_timeout, resolve_timeout, wait_deadline
+
+    monkeypatch.delenv("MC2_TIMEOUT", raising=False)
+    seven, unknown = _Group(7.0), _Group(None)
+    assert group_timeout(seven, "cpu") == 7.0 and group_timeout(unknown, "cpu") is None
+    assert wait_deadline(resolve_timeout(None), seven, "cpu") == 7.0
+    assert wait_deadline(resolve_timeout(2), seven, "cpu") == 2.0
+    assert wait_deadline(resolve_timeout(100), seven, "cpu") == 7.0
+    assert wait_deadline(resolve_timeout(0), seven, "cpu") is None
+    assert wait_deadline(resolve_timeout(None), unknown, "cpu") is None  # the backend's own
+    assert wait_deadline(resolve_timeout(5), unknown, "cpu") == 5.0
+    monkeypatch.setenv("MC2_TIMEOUT", "3")
+    assert wait_deadline(resolve_timeout(None), seven, "cpu") == 3.0
+
+
+GROUP_TIMEOUT_S = 4.0
+
+
+def test_a_late_peer_is_kept_until_the_groups_timeout_and_later_calls_name_the_first() -> None:
+    """A world whose process groups time out after 4 s, no ``timeout=``: a peer 1 s late is
+    waited for (same result); one 9 s late makes the waiting rank raise ``CommTimeout`` after
+    the group's 4 s, not before. After it, every call on those groups (the pending backward,
+    a new forward) raises ``CommTimeout`` naming that first timeout, and issues nothing."""
+    from tests.workers_deadlines import late_peer
+
+    try:
+        results = dict(enumerate(mc2.run_local(late_peer, 2, args=(1.0, 9.0),
+                                               timeout_s=GROUP_TIMEOUT_S, deadline_s=90)))
+    except LocalWorldError as exc:  # the late rank may see its peer's teardown instead
+        results = exc.values
+    waiting = results[0]
+    assert waiting["control_timeout_s"] == GROUP_TIMEOUT_S, waiting  # made like its group
+    assert waiting["short"]["raised"] is None, waiting["short"]
+    assert waiting["same_result"] is True
+    long = waiting["long"]
+    assert long["raised"] == "CommTimeout", long
+    assert long["operation"] == "handshake" and "in the forward" in long["message"], long
+    assert GROUP_TIMEOUT_S * 0.9 <= long["after_s"] <= GROUP_TIMEOUT_S + SLACK_S, long
+    for name in ("backward_after", "forward_after"):
+        after = waiting[name]
+        assert after["raised"] == "CommTimeout", (name, after)
+        assert after["first"] == "handshake", (name, after)
+        assert "handshake in the forward waited" in after["message"], (name, after)
+    assert waiting["collectives_after"] == 0, waiting
 
 
 def test_soak_keeps_memory_threads_and_descriptors_put() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -385,24 +385,43 @@ def limited_layer(rank: int, world: int, state: dict, x: torch.Tensor) -> dict:
     return {"out": out.detach(), "ids": layer.route(mine)[0], "grad": mine.grad}
 
 
+def _raised(fn: Callable[[], Any]) -> str | None:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def capacity_overflow(rank: int, world: int, problem: Problem, capacity: int) -> dict:
-    """A capacity call whose slabs are too small: with overflow='raise' (what each rank
-    raised), then with overflow='drop' (output, gradients, the count), then one that fits."""
+    """A capacity call whose slabs are too small, with overflow='raise': what the call itself
+    raised, what ``mc2.check_overflow()`` then raised, and a second check; the same overflow
+    raised by the next normal call's handshake instead, and a normal call after it; then with
+    overflow='drop' (output, gradients, the count, a check that stays quiet), and one that
+    fits. Counts the device assertions made on the way."""
     from mc2.engine.decide.capacity import dropped_rows
 
+    asserts = []
+    real_assert = torch._assert_async
+    torch._assert_async = lambda *a, **k: (asserts.append(a), real_assert(*a, **k))[1]
     args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
     out: dict[str, Any] = {}
-    try:
-        mc2.fused_expert(*args, micro_batches=1, capacity=capacity)
-        out["raised"] = None
-    except RuntimeError as exc:
-        out["raised"] = str(exc)
+    out["raised_in_call"] = _raised(lambda: mc2.fused_expert(*args, micro_batches=1,
+                                                             capacity=capacity))
+    out["raised"] = _raised(mc2.check_overflow)
+    out["raised_again"] = _raised(mc2.check_overflow)
+    mc2.fused_expert(*args, micro_batches=1, capacity=capacity)
+    out["raised_by_next_call"] = _raised(lambda: mc2.fused_expert(*args, micro_batches=1))
+    out["next_call_after"] = _raised(lambda: mc2.fused_expert(*args, micro_batches=1))
     x = problem.xs[rank].clone().requires_grad_(True)
     got = mc2.fused_expert(x, *args[1:], micro_batches=1, capacity=capacity, overflow="drop")
     got.backward(problem.grad_outs[rank])
     out.update(out=got.detach(), x=x.grad, dropped=int(dropped_rows()))
+    out["raised_after_drop"] = _raised(mc2.check_overflow)
     fits = mc2.fused_expert(*args, micro_batches=1, capacity=max(len(t) for t in problem.xs))
     out["fits"] = fits
+    out["device_asserts"] = len(asserts)
+    torch._assert_async = real_assert
     return out
 
 

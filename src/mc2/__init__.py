@@ -13,6 +13,7 @@ first use (it pulls in torch.distributed.checkpoint), or with ``import mc2.check
 from typing import Any
 
 from mc2.engine.decide.config import MC2Config
+from mc2.engine.decide.overflow import CapacityOverflow, check_overflow
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.engine.transport.env import SyncFallbackWarning
 from mc2.engine.autograd.ops import fused_expert, fused_expert_module, fused_expert_packed
@@ -34,7 +35,7 @@ __all__ = ["fused_expert", "fused_expert_packed", "fused_expert_module", "MC2Con
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync", "fully_shard", "clip_grad_norm_", "checkpoint_policy",
            "load_full_state_dict", "profile", "Profiler", "Timeline", "Span", "run_local",
-           "count_traffic", "Traffic", "checkpoint"]
+           "count_traffic", "Traffic", "checkpoint", "check_overflow", "CapacityOverflow"]
 __version__ = "0.1.0"
 
 

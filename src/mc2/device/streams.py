@@ -38,6 +38,25 @@ def side_stream(device: torch.device | str, purpose: str) -> Any:
     return _STREAMS[key]
 
 
+def capturing(device: torch.device | str | None) -> bool:
+    """Whether the current stream of ``device`` is capturing a graph (CUDA's
+    ``torch.cuda.is_current_stream_capturing``, or the same function of another accelerator's
+    module, e.g. ``torch.npu``); ``False`` on CPU.
+
+    Why one function: inside a capture nothing may poll a work or an event, read a host clock
+    or leave a side stream unjoined, and every place of mc2 that would asks here (a test makes
+    it say ``True`` on CPU).
+    """
+    if device is None:
+        return False
+    kind = torch.device(device).type
+    if kind in ("cpu", "meta"):
+        return False
+    module = getattr(torch, kind, None)
+    ask = getattr(module, "is_current_stream_capturing", None)
+    return bool(ask()) if ask is not None else False
+
+
 def current_stream(device: torch.device | str) -> Any:
     """The caller's current stream on ``device`` (``None`` on CPU)."""
     device = torch.device(device)

@@ -29,12 +29,14 @@ from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import LOCAL, CommStyle
 from mc2.engine.transport.comm import exchange_counts, gather_counts, group_key, group_size, style_of
 from mc2.engine.decide.config import GEMMS, MC2Config
+from mc2.engine.transport.deadline import timeout_code
 from mc2.engine.transport.env import warn_sync_fallback
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.gemm_strategy import resolve_strategy, strategy_problem
 from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_stage_pays
 from mc2.engine.decide.planner import Planner, planner_for
+from mc2.device import streams
 from mc2.device.clock import Interval
 from mc2.engine.decide.capacity import grouped_path, plan_routes
 from mc2.engine.decide.dedup import (
@@ -195,7 +197,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
             planner.digest(group) if planner is not None else 0,
             measured_sizes(group) if config.hierarchy == "auto" else 0, int(config.dedup),
             config.capacity or 0, _OVERFLOW_CODES[config.overflow], GEMMS.index(config.gemm),
-            round(timeout * 1000) if timeout else 0, int(config.check_finite))))
+            timeout_code(timeout), int(config.check_finite))))
     return facts
 
 
@@ -334,7 +336,8 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     rank then finds wrong with its own arguments raises here, on this rank, and its peers wait
     in their first exchange until the call's deadline (:class:`mc2.CommTimeout`, naming the
     exchange). What only the data shows (rows that do not fit, expert ids out of range) travels
-    with the rows and fails on every rank (:func:`mc2.engine.decide.capacity.check_errors`).
+    with the rows, is counted on the device, and raises on every rank at the next handshake on
+    the group or ``mc2.check_overflow()`` (:mod:`mc2.engine.decide.overflow`).
     """
     auto = config.micro_batches == "auto"
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
@@ -404,6 +407,8 @@ def plan_call(
     timeline = timeline if timeline is not None else active_timeline()
     world = group_size(group)
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+    if streams.capturing(device):  # spans would time the capture, not the replays
+        timeline = None
     if timeline is not None:
         timeline.bind(device)
     style = style_of(group, device)  # looked up once, handed to every exchange of the call

@@ -20,12 +20,13 @@ in a CUDA graph. Here every size is fixed by the configuration and the shapes:
 A rank with more rows for one destination than its slab holds *overflows*. Detected on the
 device and never silent: every slab carries its sender's count of rows that did not fit (and of
 expert ids out of range), so every rank learns the group's total from the rows it receives.
-``overflow="raise"`` (the default) asserts on the device that it is zero
-(``torch._assert_async``): on a CPU that raises at once, on every rank alike; on a GPU the
-assertion fails at the next point the host synchronises anyway (the next ``.item()``, the
-optimizer's step, the end of the step's ``synchronize``), as a device-side assertion naming
-this mode. ``overflow="drop"`` drops those rows (their experts contribute nothing, GShard's
-capacity factor) and adds them to :func:`dropped_rows`.
+``overflow="raise"`` (the default) adds it to the group's counter on the device
+(:func:`record_errors`), and :class:`~mc2.engine.decide.overflow.CapacityOverflow` is raised on
+every rank at the next handshake on the group or at :func:`mc2.check_overflow`, whichever comes
+first (:mod:`mc2.engine.decide.overflow` says why there), never by a device-side assertion,
+which on CUDA would leave the context unusable. The call that overflowed returns without those
+rows. ``overflow="drop"`` drops them (their experts contribute nothing, GShard's capacity
+factor) and adds them to :func:`dropped_rows`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import Tensor
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.gemm_strategy import grouped_problem
+from mc2.engine.decide.overflow import add_errors
 from mc2.engine.decide.routing import micro_batch_bounds
 from mc2.engine.transport.slabs import SlabExchange
 
@@ -90,6 +92,8 @@ class CapacityHandle:
     local_experts: int
     micro_batches: tuple[CapacityRoute, ...]
     overflow: str
+    capacity: int = 0
+    group: Any = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -162,16 +166,13 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
         CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,
                                               size, local_experts, errors),
                       SlabExchange(world, group, style))
-        for slot_token, size in routes), overflow)
+        for slot_token, size in routes), overflow, capacity, group)
 
 
-def check_errors(tables: Tensor, world: int, topk: int, overflow: str) -> None:
-    """Assert on the device that no sender overflowed (unless ``overflow="drop"``) and no id
-    was out of range: every rank reads every sender's counts from the tables it received."""
+def record_errors(tables: Tensor, handle: CapacityHandle) -> None:
+    """Add the group's error counts, read from the headers of the received ``tables`` (every
+    sender's), to the group's counter on the device: no read, no assertion; raised later on
+    every rank alike (:mod:`mc2.engine.decide.overflow`)."""
+    world, topk = handle.world_size, handle.topk
     errors = tables.view(world, -1, tables.shape[-1])[:, 0, 2 * topk:].sum(0)
-    if overflow == "raise":
-        torch._assert_async(errors[0] == 0, "mc2 capacity mode: a rank had more rows for one "
-                            "destination than capacity holds (overflow='raise'); raise capacity, "
-                            "or pass overflow='drop' to drop and count them")
-    torch._assert_async(errors[1] == 0, "mc2 capacity mode: an expert id out of range "
-                        "[0, num_experts) on some rank")
+    add_errors(handle.group, errors, overflow=handle.overflow, capacity=handle.capacity)

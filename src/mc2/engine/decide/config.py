@@ -81,7 +81,8 @@ class MC2Config:
         gemm: ``"loop"`` (one GEMM per expert), ``"grouped"`` (``grouped_mm``) or ``"auto"``
             (measured once per shape and device, :mod:`mc2.engine.decide.gemm_strategy`).
         timeout: seconds any one wait of the call may take before :class:`mc2.CommTimeout`
-            (``None``: ``MC2_TIMEOUT``, else 300; ``0``: no deadline of mc2's own).
+            (``None``: ``MC2_TIMEOUT``, else the process group's own timeout; never more than
+            that; ``0``: no deadline of mc2's own). See :mod:`mc2.engine.transport.deadline`.
         check_finite: raise ``ValueError`` on every rank when a token or routing weight holds
             NaN or Inf (one pass over ``x`` on the device, folded into the handshake).
         dedup: a token travels once to each rank holding any of its experts, and that rank
@@ -94,9 +95,10 @@ class MC2Config:
             once to each rank, so ``capacity`` >= tokens per rank never overflows. Flat
             exchange, rows in the compute dtype; ``"auto"`` runs the planner's trials priced
             for full slabs and keeps K = 1 (two collectives) unless a split measured faster.
-        overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (an assertion
-            on the device, on every rank) or ``"drop"`` (left out and counted:
-            :func:`mc2.engine.decide.capacity.dropped_rows`).
+        overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (counted on
+            the device; :class:`mc2.CapacityOverflow` on every rank at the next handshake on
+            the group or :func:`mc2.check_overflow`, :mod:`mc2.engine.decide.overflow`) or
+            ``"drop"`` (left out and counted: :func:`mc2.engine.decide.capacity.dropped_rows`).
     """
 
     micro_batches: MicroBatches = "auto"

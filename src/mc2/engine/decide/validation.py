@@ -13,6 +13,9 @@ agree on K without a second message.
 
 The handshake costs the call one upload of host integers and one device-to-host read
 (:mod:`mc2.engine.transport.host`); only its error path reads more, to say which rank and which row.
+Its vector also carries the group's capacity-mode error counts (:mod:`mc2.engine.decide.overflow`,
+kept on the device by calls that read nothing): where they are not zero every rank raises
+:class:`~mc2.engine.decide.overflow.CapacityOverflow` here, at no read of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.decide.config import HIERARCHIES
+from mc2.engine.decide.overflow import pending, raise_counted
 from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
 from mc2.engine.transport.host import read, upload
 
@@ -274,7 +278,10 @@ def agree(
     # always present, so ranks that disagree on dedup still reduce tensors of one size
     checks = torch.cat([checks, rows.reshape(1).to(torch.int64) if rows is not None and
                         problem is None else torch.full((1,), _NONE, dtype=torch.int64,
-                                                        device=device)])
+                                                        device=device),
+                        # capacity calls' errors: the same two elements on every rank
+                        pending(group, device) if problem is None else
+                        torch.zeros(2, dtype=torch.int64, device=device)])
     local = upload(facts + [-v for v in facts], device)
     reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
     n = len(facts)
@@ -282,6 +289,7 @@ def agree(
     max_id, min_id, nonfinite = reduced[2 * n], -reduced[2 * n + 1], reduced[2 * n + 2]
     if highest[0]:
         _raise_for(problem, group)
+    raise_counted(group, reduced[-2], reduced[-1])
     for name, hi, lo in zip(["device type"] + names, highest[3:], lowest[3:]):
         if hi != lo:
             raise ValueError(

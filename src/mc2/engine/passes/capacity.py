@@ -18,6 +18,9 @@ The experts run one of two ways, neither reading a count:
 
 The schedule is the pipeline's (:mod:`mc2.engine.passes.pipeline`): the same overlap of the
 next micro-batch's dispatch and the previous one's combine with this one's experts.
+
+While the current stream captures a CUDA graph (:func:`mc2.device.streams.capturing`) a pass
+records no timeline: a span would time the capture (host clocks, events), not the replays.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from torch import Tensor
 from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 )
+from mc2.device import streams
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
-from mc2.engine.decide.capacity import CapacityHandle, check_errors, grouped_path
+from mc2.engine.decide.capacity import CapacityHandle, grouped_path, record_errors
 from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.routing import count_on_device
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
@@ -125,6 +129,11 @@ class SortedPairs:
                         keep=self.valid)
 
 
+def _timeline(call: Any, device: torch.device) -> Any:
+    """The call's timeline, ``None`` inside a graph capture (see the module docstring)."""
+    return None if streams.capturing(device) else call.timeline
+
+
 @dataclass
 class CapacityOutput:
     """What a capacity forward made: the output and what its backward needs."""
@@ -158,7 +167,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
     def compute(i: int, received: Tensor) -> Tensor:
         rows, tables = unpack(received, hidden, x.dtype, width)
         if i == 0:
-            check_errors(tables, handle.world_size, k, handle.overflow)
+            record_errors(tables, handle)
         if grouped:
             pairs = SortedPairs.of(tables, handle.local_experts, k, x.dtype)
             y, saved = swiglu_forward(rows.index_select(0, pairs.rows), [], experts,
@@ -191,7 +200,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
 
     run_pipeline(handle, PipelineSteps(gather=gather, compute=compute, scatter=scatter,
                                        local=shared_experts if shared is not None else None),
-                 overlap=call.overlap, phase="forward", timeline=call.timeline)
+                 overlap=call.overlap, phase="forward", timeline=_timeline(call, x.device))
     out = summed[:tokens].to(x.dtype)
     result.out = out
     return result
@@ -274,7 +283,7 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
         gather=lambda i: padded.index_select(0, handle.micro_batches[i].slot_token),
         compute=compute, scatter=scatter,
         local=shared_experts if shared is not None else None),
-        overlap=call.overlap, phase="backward", timeline=call.timeline)
+        overlap=call.overlap, phase="backward", timeline=_timeline(call, grad_out.device))
     expert_grads = grads.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     combine = grad_combine[:tokens].to(inputs.combine.dtype) if needs.combine else None

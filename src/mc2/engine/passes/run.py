@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from mc2.device.clock import Interval, clock_for
+from mc2.device import streams
 from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGradInputs, WeightGrads, swiglu_backward_input, swiglu_forward
 )
@@ -425,8 +426,9 @@ def state_of(output: PassOutput, call: CallPlan, shape: torch.Size, needs: CallI
 
 
 def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], None]:
-    """Start timing a pass for ``"auto"``'s trials; the returned function reports it."""
-    if call.on_pass_done is None:
+    """Start timing a pass for ``"auto"``'s trials; the returned function reports it. Not
+    inside a graph capture: its stamps would time the capture, not a replay."""
+    if call.on_pass_done is None or streams.capturing(device):
         return lambda: None
     clock = clock_for(device)
     started = clock.stamp()

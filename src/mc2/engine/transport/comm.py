@@ -13,6 +13,14 @@ and the deadline is kept by :mod:`mc2.engine.transport.watchdog`. Either way :cl
 the send and receive buffers until its ``wait`` has been issued, and the backend keeps them
 alive on its stream until the transfer is done, so no memory is reused under a running transfer.
 
+Each wait's deadline is the call's, cut to the group's own timeout
+(:func:`~mc2.engine.transport.deadline.wait_deadline`). After a group timed out, every later
+operation on it raises a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the first
+before it issues anything (:func:`refuse`). While the current stream is capturing a CUDA graph
+(:func:`mc2.device.streams.capturing`) nothing is watched and nothing observed: no deadline
+(no start event, no host clock, no watchdog), no observer stream, so the capture holds only the
+collectives and the stream waits on them.
+
 Control messages (the handshake, the counts exchange and gather) run on a communicator of their
 own over the same ranks, :func:`control_group`, never on the one that moves the rows. On a
 stream backend a communicator runs its collectives in order on one stream: under batch overlap
@@ -25,6 +33,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -33,11 +42,15 @@ from torch import Tensor
 
 from mc2.engine.transport.backend import LOCAL, CommStyle, comm_style
 from mc2.device.clock import clock_for
-from mc2.engine.transport.deadline import current, wait_future, wait_work
+from mc2.device import streams
+from mc2.engine.transport.deadline import (
+    CommTimeout, any_failure, current, failure, group_timeout, record_failure, wait_deadline,
+    wait_future, wait_work
+)
 from mc2.engine.transport.env import force_collectives
 from mc2.device.streams import side_stream
 from mc2.engine.transport.host import read
-from mc2.engine.transport.watchdog import start_stamp, stream_wait, surfaced
+from mc2.engine.transport.watchdog import expired, start_stamp, stream_wait, surfaced, watchdog
 from mc2.engine.transport.workspace import Workspace
 
 # (issued, done) stamps of an asynchronous transfer: host seconds or device events
@@ -101,6 +114,7 @@ class PendingTransfer:
             (:func:`~mc2.engine.transport.watchdog.start_stamp`, taken before the issue: a
             device event on an accelerator, ``time.monotonic()`` seconds on CPU).
         group: the group the transfer runs on.
+        deadline_s: its wait's deadline (``None``: none of mc2's own).
     """
 
     output: Tensor | None
@@ -111,6 +125,7 @@ class PendingTransfer:
     stream: bool = False
     start: Any = 0.0
     group: Any = None
+    deadline_s: float | None = None
 
     def wait(self, *, micro_batch: int | None = None, phase: str | None = None) -> Tensor:
         """The received rows; :class:`~mc2.engine.transport.deadline.CommTimeout` past the call's deadline.
@@ -120,7 +135,8 @@ class PendingTransfer:
         """
         if self.work is not None:
             _wait(self.work, self.operation, stream=self.stream, start=self.start,
-                  group=self.group, micro_batch=micro_batch, phase=phase)
+                  group=self.group, deadline_s=self.deadline_s, micro_batch=micro_batch,
+                  phase=phase)
             self.work = None
         if self.future is not None:
             self.output = wait_future(self.future, self.operation)
@@ -131,15 +147,41 @@ class PendingTransfer:
 
 
 def _wait(work: Any, operation: str, *, stream: bool, start: Any, group: Any,
-          micro_batch: int | None = None, phase: str | None = None) -> None:
+          deadline_s: float | None, micro_batch: int | None = None,
+          phase: str | None = None) -> None:
     """The one wait of an asynchronous collective: stream-ordered and watched on a stream
-    backend (the deadline counting from ``start``), blocking with the call's deadline on a
-    host backend."""
+    backend (the deadline counting from ``start``), blocking with ``deadline_s`` on a host
+    backend, where a timeout leaves ``group`` refused from then on (:func:`refuse`)."""
     if stream:
-        stream_wait(work, operation, deadline_s=current(), start=start,
+        stream_wait(work, operation, deadline_s=deadline_s, start=start,
                     micro_batch=micro_batch, phase=phase, group=group)
-    else:
-        wait_work(work, operation)
+        return
+    try:
+        wait_work(work, operation, deadline_s)
+    except CommTimeout as exc:
+        record_failure(group_key(group), exc)
+        raise
+
+
+def refuse(group: Any, operation: str) -> None:
+    """Raise a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the first timeout
+    when ``group`` (or, after the watchdog aborted every group, any group) timed out before;
+    before anything is issued, so that no dead communicator is touched or waited for."""
+    first = expired()
+    if first is None and any_failure():
+        first = failure(group_key(group))
+    if first is not None:
+        raise first.refused(operation)
+
+
+def _deadline(group: Any, device: torch.device | str | None) -> float | None:
+    """The deadline of a wait on ``group`` now: ``None`` while the current stream is capturing
+    a graph (the graph launches the collective at each replay; nothing of mc2 runs there to
+    watch it), else the call's cut to the group's own timeout."""
+    if streams.capturing(device):
+        watchdog().pause()
+        return None
+    return wait_deadline(current(), group, device)
 
 
 def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete) -> None:
@@ -184,6 +226,7 @@ def all_to_all_rows(
     style = style or style_of(group, rows.device)
     if style is LOCAL:  # to itself: the rows are what arrives (in the caller's buffer if any)
         return PendingTransfer(output=rows if output is None else output.copy_(rows))
+    refuse(group, operation)
     rows = rows.contiguous()
     if output is None:
         shape = ((int(sum(recv_splits)),) if recv_splits is not None else
@@ -194,15 +237,17 @@ def all_to_all_rows(
                                                      group=group, async_op=a),
                    group, operation, rows.device, style)
         return PendingTransfer(output=output, operation=operation)
-    start = start_stamp(rows.device, style.stream)  # before the issue: the device gets there
+    seconds = _deadline(group, rows.device)
+    # before the issue: the device gets there
+    start = start_stamp(rows.device, style.stream) if seconds is not None else None
     with surfaced():  # an aborted communicator refuses new work: report the timeout instead
         work = dist.all_to_all_single(
             output, rows, recv_splits, send_splits, group=group, async_op=True
         )
-    if on_complete is not None:
+    if on_complete is not None and not streams.capturing(rows.device):
         _observe(work, style, rows, on_complete)
     return PendingTransfer(output=output, work=work, keep_alive=(rows,), operation=operation,
-                           stream=style.stream, start=start, group=group)
+                           stream=style.stream, start=start, group=group, deadline_s=seconds)
 
 
 @dataclass(frozen=True)
@@ -340,8 +385,12 @@ def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
                       "communicator", RuntimeWarning, stacklevel=3)
         return group
     same = backend == str(dist.get_backend())
+    # the group's own timeout, not torch's default for a new group (30 minutes on Gloo): the
+    # handshake must not outwait what the user gave the group
+    own = group_timeout(group, device)
     return dist.new_group(list(ranks), backend=None if same else backend,
-                          use_local_synchronization=True)
+                          use_local_synchronization=True,
+                          timeout=None if own is None else timedelta(seconds=own))
 
 
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
@@ -434,14 +483,16 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
     completion" then means: for every later use on the current stream).
     """
     style = style or style_of(group, torch.device(device or "cpu"))
-    if current() is None or not style.asynchronous:
+    refuse(group, operation)
+    seconds = _deadline(group, device)
+    if seconds is None or not style.asynchronous:
         with surfaced():
             issue(False)
         return
     start = start_stamp(device, style.stream)
     with surfaced():
         work = issue(True)
-    _wait(work, operation, stream=style.stream, start=start, group=group)
+    _wait(work, operation, stream=style.stream, start=start, group=group, deadline_s=seconds)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:

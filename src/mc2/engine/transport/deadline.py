@@ -2,15 +2,33 @@
 
 A peer that dies is caught by the backend (Gloo sees the connection reset). A peer that is alive
 but silent (stopped, stuck in a long pause, a wedged driver) is not: the others wait inside the
-collective until the process group's own timeout, 30 minutes for a plain
-``init_process_group("gloo")``. So every wait of ``fused_expert`` has a deadline of its own
-(``timeout=`` argument, else ``MC2_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT_S`); on expiry
-it raises :class:`CommTimeout`, which names the operation, the micro-batch and the phase, and
-says what to do next.
+collective until the process group's own timeout. So every wait of ``fused_expert`` has a
+deadline, and on expiry it raises :class:`CommTimeout`, which names the operation, the
+micro-batch and the phase, and says what to do next.
+
+**How long** (:func:`wait_deadline`): the ``timeout=`` argument, else ``MC2_TIMEOUT`` seconds,
+else the group's own timeout, the one the user gave ``init_process_group`` / ``new_group``
+(torch's defaults: 10 minutes for NCCL, 30 for Gloo), read from the group's backend options
+(:func:`group_timeout`). By default mc2 is never stricter than the backend would be: a job the
+backend keeps waiting for, mc2 keeps too. An explicit ``timeout=`` shorter than the group's is
+the user's choice and holds; a longer one is cut to the group's (the backend ends the
+collective there anyway, with a raw error instead of a :class:`CommTimeout`). ``0`` means no
+deadline of mc2's own: waits are plain synchronous collectives under the group's timeout.
+
+**What an expiry ends.** On a host backend (Gloo) the waiting thread raises; nothing is aborted
+(Gloo has already given up on that collective), but the group and its control group (same
+ranks, same backend) are left out of step with the late peer, so mc2 refuses them from then on.
+On a stream backend (NCCL, HCCL) the watchdog (:mod:`mc2.engine.transport.watchdog`) aborts
+*every* process group of the process (expert-parallel, control, data-parallel, FSDP's: any
+group may share the stalled peer, and aborts one by one can deadlock) and ends the process if
+that abort hangs. Either way, every later call of mc2 on a refused group raises a
+:class:`CommTimeout` that names the first one (:attr:`CommTimeout.first`) before it issues
+anything: no raw error of a dead communicator, and no wait on one.
 
 The deadline is carried in a context variable for the duration of one call (and set again for
-its backward from the call's plan), so the helpers in :mod:`mc2.engine.transport.comm` read it without every
-function growing a parameter. It is not global state: each call sets and restores it.
+its backward from the call's plan), so the helpers in :mod:`mc2.engine.transport.comm` read it
+without every function growing a parameter. It is not global state: each call sets and
+restores it.
 """
 
 from __future__ import annotations
@@ -18,13 +36,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from datetime import timedelta
 from typing import Any
 
-DEFAULT_TIMEOUT_S = 300.0  # 5 minutes: far above any single exchange, far below Gloo's 30
+import torch
+
+# no deadline of mc2's own beyond the group's: every wait is cut to its group's own timeout
+DEFAULT_TIMEOUT_S = math.inf
 _CURRENT: contextvars.ContextVar[float | None] = contextvars.ContextVar("mc2_deadline",
                                                                         default=None)
 
@@ -40,31 +62,55 @@ class CommTimeout(RuntimeError):
         operation: what was waited for (``"dispatch"``, ``"combine"``, ``"handshake"``, ...).
         micro_batch: the micro-batch, or ``None`` for per-call operations.
         phase: ``"forward"``, ``"backward"`` or ``"plan"``.
-        waited_s: how long it waited.
+        waited_s: how long it waited (0 for a refused operation).
+        first: for an operation refused because its group had already timed out, that
+            first timeout; ``None`` for the first one itself.
     """
 
     def __init__(self, operation: str, waited_s: float, *, micro_batch: int | None = None,
-                 phase: str | None = None) -> None:
+                 phase: str | None = None, first: "CommTimeout | None" = None) -> None:
         self.operation, self.waited_s = operation, waited_s
-        self.micro_batch, self.phase = micro_batch, phase
-        where = operation
-        if micro_batch is not None:
-            where += f" of micro-batch {micro_batch}"
-        if phase is not None:
-            where += f" in the {phase}"
-        super().__init__(f"mc2: the {where} waited {waited_s:.1f}s for a peer and passed its "
-                         f"deadline (timeout=, MC2_TIMEOUT); {RECOVERY}")
+        self.micro_batch, self.phase, self.first = micro_batch, phase, first
+        where = _where(operation, micro_batch, phase)
+        if first is None:
+            message = (f"mc2: the {where} waited {waited_s:.1f}s for a peer and passed its "
+                       f"deadline (timeout=, MC2_TIMEOUT, else the process group's timeout)")
+        else:
+            message = (f"mc2: the {where} was not started: its process group timed out "
+                       f"before (the {_where(first.operation, first.micro_batch, first.phase)}"
+                       f" waited {first.waited_s:.1f}s for a peer)")
+        super().__init__(f"{message}; {RECOVERY}")
 
     def at(self, *, micro_batch: int | None = None, phase: str | None = None,
            operation: str | None = None) -> "CommTimeout":
-        """The same timeout, told where in the pipeline it happened."""
-        return CommTimeout(operation or self.operation, self.waited_s,
+        """The same timeout, told where in the pipeline it happened (a group's first timeout
+        is then known by these words too: later refusals name where it happened)."""
+        told = CommTimeout(operation or self.operation, self.waited_s,
                            micro_batch=self.micro_batch if micro_batch is None else micro_batch,
-                           phase=self.phase if phase is None else phase)
+                           phase=self.phase if phase is None else phase, first=self.first)
+        for key, first in list(_FAILED.items()):
+            if first is self:
+                _FAILED[key] = told
+        return told
+
+    def refused(self, operation: str) -> "CommTimeout":
+        """What a later ``operation`` on a group that timed out raises: a timeout naming this
+        one (or the one this one names), without waiting."""
+        return CommTimeout(operation, 0.0, first=self.first or self)
+
+
+def _where(operation: str, micro_batch: int | None, phase: str | None) -> str:
+    where = operation
+    if micro_batch is not None:
+        where += f" of micro-batch {micro_batch}"
+    if phase is not None:
+        where += f" in the {phase}"
+    return where
 
 
 def resolve_timeout(timeout: float | None) -> float | None:
-    """Seconds for this call: the argument, else ``MC2_TIMEOUT``, else the default; ``0`` (or a
+    """Seconds for this call: the argument, else ``MC2_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`
+    (infinite: each wait is then its group's own timeout, :func:`wait_deadline`); ``0`` (or a
     negative value) means no deadline of mc2's own (the process group's timeout applies).
 
     Raises:
@@ -83,6 +129,77 @@ def resolve_timeout(timeout: float | None) -> float | None:
     return None if timeout <= 0 else float(timeout)
 
 
+def group_timeout(group: Any, device: torch.device | str | None = None) -> float | None:
+    """The process group's own timeout in seconds (what ``init_process_group`` /
+    ``new_group`` / ``_set_pg_timeout`` gave its backend serving ``device``), or ``None`` when
+    torch does not say (a backend without options).
+
+    ``group``: a ``ProcessGroup``, or ``None`` for the default group.
+    """
+    if group is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.distributed_c10d._get_default_group()
+    backend = group
+    get = getattr(group, "_get_backend", None)
+    if get is not None:
+        kind = torch.device(device or "cpu").type
+        try:
+            backend = get(torch.device(kind))
+        except (RuntimeError, ValueError):  # a Python backend is its own group
+            backend = group
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    if isinstance(timeout, timedelta) and timeout > timedelta(0):
+        return timeout.total_seconds()
+    return None
+
+
+def wait_deadline(seconds: float | None, group: Any, device: torch.device | str | None = None
+                  ) -> float | None:
+    """The deadline of one wait on ``group``: the call's ``seconds``
+    (:func:`resolve_timeout`), cut to the group's own timeout (:func:`group_timeout`), so that
+    by default (``seconds`` infinite) it is exactly the group's; ``None``: no deadline of
+    mc2's own (``seconds`` is ``None``, or infinite on a group whose timeout torch does not
+    tell)."""
+    if seconds is None:
+        return None
+    own = group_timeout(group, device)
+    if own is not None:
+        seconds = min(seconds, own)
+    return None if math.isinf(seconds) else seconds
+
+
+def timeout_code(seconds: float | None) -> int:
+    """``seconds`` (:func:`resolve_timeout`) as the handshake carries it: milliseconds, ``0``
+    for no deadline of mc2's own, ``-1`` for the groups' own timeouts (the default)."""
+    if seconds is None:
+        return 0
+    return -1 if math.isinf(seconds) else round(seconds * 1000)
+
+
+# groups that passed a deadline, by what names them alike on every rank (ranks, backend): their
+# first timeout. The communicators are process state; so is knowing that they are dead.
+_FAILED: dict[Hashable, CommTimeout] = {}
+
+
+def record_failure(key: Hashable, timeout: CommTimeout) -> None:
+    """The group named ``key`` passed a deadline: later operations on it are refused."""
+    _FAILED.setdefault(key, timeout.first or timeout)
+
+
+def failure(key: Hashable) -> CommTimeout | None:
+    """The first timeout of the group named ``key``, or ``None``."""
+    return _FAILED.get(key)
+
+
+def any_failure() -> bool:
+    """Whether any group of this process passed a deadline (a dict lookup on every
+    collective would cost more than this check)."""
+    return bool(_FAILED)
+
+
 @contextlib.contextmanager
 def deadline(seconds: float | None) -> Iterator[None]:
     """Waits inside the block use ``seconds`` (``None``: no deadline of mc2's own)."""
@@ -98,9 +215,9 @@ def current() -> float | None:
     return _CURRENT.get()
 
 
-def wait_work(work: Any, operation: str) -> None:
-    """``work.wait()`` with the current deadline; a :class:`CommTimeout` on expiry."""
-    seconds = current()
+def wait_work(work: Any, operation: str, seconds: float | None) -> None:
+    """``work.wait()`` with the deadline ``seconds`` (``None``: none of mc2's own); a
+    :class:`CommTimeout` on expiry."""
     if seconds is None:
         work.wait()
         return
@@ -117,8 +234,12 @@ def wait_work(work: Any, operation: str) -> None:
 
 
 def wait_future(future: Any, operation: str) -> Any:
-    """``future.result()`` with the current deadline (the 2-D exchange's thread)."""
+    """``future.result()`` with the current deadline (the 2-D exchange's thread, whose
+    collectives keep their groups' deadlines themselves: without a finite deadline of the
+    call's own, the future waits for them)."""
     seconds = current()
+    if seconds is not None and math.isinf(seconds):
+        seconds = None
     start = time.monotonic()
     try:
         return future.result(timeout=seconds)

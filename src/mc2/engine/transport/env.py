@@ -5,7 +5,8 @@
   rule out an overlap problem, or on a backend whose asynchronous path misbehaves. Waits are
   then plain synchronous collectives, bounded only by the process group's timeout.
 * ``MC2_TIMEOUT=<seconds>``: the deadline of every wait of ``fused_expert`` when its
-  ``timeout=`` is not given (default 300; ``0``: none of mc2's own). Read by
+  ``timeout=`` is not given (default: each wait's process group's own timeout, never more than
+  that; ``0``: none of mc2's own). Read by
   :func:`mc2.engine.transport.deadline.resolve_timeout`.
 * ``MC2_ABORT_GRACE_S=<seconds>``: on a stream backend, how long the watchdog lets the abort
   of every process group take after a deadline passed (or, on a backend without abort, lets

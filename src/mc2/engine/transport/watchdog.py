@@ -33,7 +33,23 @@ with the deadline).
 
 The caller's thread raises the recorded timeout at its next check: every later wait, every host
 read of a call and the end of every pass (:func:`check`). This is what NCCL's own watchdog does
-with the group's timeout, with mc2's deadline and mc2's words.
+with the group's timeout, with mc2's deadline and mc2's words. Every group is gone then, so
+every check after that one raises too, a :class:`CommTimeout` naming the first, and mc2 issues
+nothing more on any group (:func:`mc2.engine.transport.comm.refuse`).
+
+By default a deadline is the group's own timeout
+(:func:`~mc2.engine.transport.deadline.wait_deadline`), so on NCCL its own watchdog, which
+counts from the host's issue, usually acts first; mc2's acts first only for a ``timeout=``
+shorter than the group's, or on a backend without a watchdog of its own.
+
+**Inside a CUDA-graph capture** nothing may poll a work or an event, from any thread (a capture
+in the default ``"global"`` mode fails at such a call). A call that finds its stream capturing
+watches nothing (its collectives run once per replay, launched by the graph, where no host code
+of mc2 runs) and :meth:`Watchdog.pause` stops the thread: it polls nothing, the works of
+earlier calls included, until the next watched wait of a call outside a capture. Between the
+start of a capture and mc2's first call inside it, the thread may still poll works of earlier
+calls: let it drain first (``torch.cuda.synchronize()``, then :meth:`Watchdog.wait_idle`, as
+``benchmarks/device_check.py`` does).
 """
 
 from __future__ import annotations
@@ -182,7 +198,10 @@ class Watchdog:
         self.grace_s = abort_grace_s(ABORT_GRACE_S) if grace_s is None else grace_s
         self._watched: list[_Watched] = []
         self._expired: CommTimeout | None = None
+        self._reported = False  # the first check raised the timeout itself
+        self._paused = False  # a capture is running: poll nothing
         self._wake = threading.Condition()
+        self._polling = threading.Lock()  # held by a poll in progress
         self._thread: threading.Thread | None = None
 
     def watch(self, work: Any, operation: str, *, deadline_s: float, start: Any,
@@ -197,6 +216,7 @@ class Watchdog:
         if torch.accelerator.is_available():
             index = torch.accelerator.current_device_index()
         with self._wake:
+            self._paused = False  # a call outside a capture: polling is safe again
             self._watched.append(_Watched(work, operation, micro_batch, phase, deadline_s,
                                           start, group, index))
             if self._thread is None:
@@ -205,11 +225,22 @@ class Watchdog:
                 self._thread.start()
             self._wake.notify()
 
-    def check(self) -> None:
-        """Raise the timeout a watched work ran into, once."""
-        expired, self._expired = self._expired, None
-        if expired is not None:
+    def check(self, operation: str = "wait") -> None:
+        """Raise the timeout a watched work ran into: the first check raises it, every later
+        one (``operation``: what was about to run) a :class:`CommTimeout` naming it, since
+        every group was aborted with it."""
+        expired = self._expired
+        if expired is None:
+            return
+        if not self._reported:
+            self._reported = True
             raise expired
+        raise expired.refused(operation)
+
+    @property
+    def expired(self) -> CommTimeout | None:
+        """The timeout that aborted every group, ``None`` while none did."""
+        return self._expired
 
     @property
     def in_flight(self) -> int:
@@ -217,26 +248,50 @@ class Watchdog:
         with self._wake:
             return len(self._watched)
 
+    def pause(self) -> None:
+        """Poll nothing until the next :meth:`watch` (a CUDA-graph capture is running: no
+        ``is_completed()`` or ``query()`` may run, from any thread). Returns once a poll in
+        progress has ended, so that none runs after it."""
+        with self._polling, self._wake:
+            self._paused = True
+
+    @property
+    def paused(self) -> bool:
+        """Whether polling is paused (:meth:`pause`)."""
+        return self._paused
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no work is watched (every work seen completed, or aborted), at most
+        ``timeout_s`` seconds; whether it is. Before a capture: the thread then has nothing
+        left to poll."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._watched, timeout_s)
+
     def poll(self, now: float | None = None) -> _Watched | None:
         """One poll: drop the completed works, start the clocks of works whose start was
         reached, and return the first work past its deadline (``None`` if none)."""
-        now = time.monotonic() if now is None else now
-        with self._wake:
-            watched = list(self._watched)
-        done, expired = [], None
-        for item in watched:
-            if item.device_index is not None:
-                torch.accelerator.set_device_index(item.device_index)
-            if item.work.is_completed():
-                done.append(item)
-                continue
-            if item.started_at is None:
-                item.started_at = _reached(item.start, now)
-            if item.started_at is not None and now - item.started_at > item.deadline_s \
-                    and expired is None:
-                expired = item
-        with self._wake:
-            self._watched = [w for w in self._watched if all(w is not d for d in done)]
+        with self._polling:
+            if self._paused:
+                return None
+            now = time.monotonic() if now is None else now
+            with self._wake:
+                watched = list(self._watched)
+            done, expired = [], None
+            for item in watched:
+                if item.device_index is not None:
+                    torch.accelerator.set_device_index(item.device_index)
+                if item.work.is_completed():
+                    done.append(item)
+                    continue
+                if item.started_at is None:
+                    item.started_at = _reached(item.start, now)
+                if item.started_at is not None and now - item.started_at > item.deadline_s \
+                        and expired is None:
+                    expired = item
+            with self._wake:
+                self._watched = [w for w in self._watched if all(w is not d for d in done)]
+                if not self._watched:
+                    self._wake.notify_all()  # wait_idle
         return expired
 
     def expire(self, item: _Watched, now: float | None = None) -> None:
@@ -248,6 +303,7 @@ class Watchdog:
                                     phase=item.phase)
         with self._wake:  # every group goes down: nothing in flight is worth watching
             watched, self._watched = self._watched, []
+            self._wake.notify_all()
         groups: list[Any] = []
         for group in [*self.groups(), item.group, *(w.group for w in watched)]:
             if group is None and dist.is_available() and dist.is_initialized():
@@ -281,7 +337,7 @@ class Watchdog:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._watched:
+                while not self._watched or self._paused:
                     self._wake.wait()
             expired = self.poll()
             if expired is not None:
@@ -295,9 +351,18 @@ def watchdog() -> Watchdog:
     return Watchdog()
 
 
-def check() -> None:
-    """Raise a stream wait's timeout in the caller's thread, if one expired."""
-    watchdog().check()
+def expired() -> CommTimeout | None:
+    """The timeout that made the process's watchdog abort every group, ``None`` if none did
+    (nor was a watchdog ever needed: it is not made for the asking)."""
+    if watchdog.cache_info().currsize == 0:
+        return None
+    return watchdog().expired
+
+
+def check(operation: str = "wait") -> None:
+    """Raise a stream wait's timeout in the caller's thread, if one expired (and, after the
+    first, a timeout naming it at every check: ``operation`` is what was about to run)."""
+    watchdog().check(operation)
 
 
 @contextlib.contextmanager
@@ -325,7 +390,7 @@ def stream_wait(work: Any, operation: str, *, deadline_s: float | None, start: A
     never with a timeout. The deadline (if any) goes to the watchdog, counted from ``start``
     (:func:`start_stamp`, taken before the collective was issued), before the wait, so that a
     backend whose wait does block the host is watched too."""
-    check()
+    check(operation)
     if deadline_s is not None:
         watchdog().watch(work, operation, deadline_s=deadline_s, start=start,
                          micro_batch=micro_batch, phase=phase, group=group)

@@ -1,0 +1,139 @@
+"""Capacity mode's errors, counted on the device and raised where the host reads anyway.
+
+A capacity call (:mod:`mc2.engine.decide.capacity`) reads nothing to the host, so it cannot
+raise what only the data shows: rows that did not fit their slab (``overflow="raise"``) and
+expert ids out of range. A device-side assertion could, but on CUDA it leaves the context
+unusable (every later CUDA call of the process fails), so it is not used. Instead each call adds
+the group's totals, which every rank computes alike from the headers of the slabs it received,
+to a counter on the device (one ``add_``, also inside a CUDA graph: a replay adds again), and
+the error is raised, as :class:`CapacityOverflow` (a ``ValueError``), at the first of:
+
+1. the next handshake on the same group (:func:`mc2.engine.decide.validation.agree`): the first
+   host read of the next normal call, or of a capacity call's first call of a configuration.
+   The counter travels in the handshake's vector, so it costs no read of its own;
+2. :func:`check_overflow`, which a program of capacity calls only (a decoder captured in a CUDA
+   graph) calls where it reads the host anyway (a logging step's ``loss.item()``): one read.
+
+Why these points are right by construction: an error must be raised on every rank of the group
+at the same point of the program, or the ranks that raise stop issuing collectives and their
+peers wait for them. Both points are reached by every rank alike (the handshake is a collective
+of the group, and ranks call ``check_overflow`` at the same place of the same program), and
+every rank holds the same totals. A point that depended on timing (the first host read to find
+the counter's copy arrived) would not be. The counter is reset when it raises.
+
+The counters are made by a group's first capacity call (always eager: it runs the handshake),
+so a graph captured later adds into memory made outside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.transport.comm import group_key
+from mc2.engine.transport.host import read
+
+
+class CapacityOverflow(ValueError):
+    """Capacity calls on a group had rows that did not fit (``overflow="raise"``) or expert
+    ids out of range.
+
+    Attributes:
+        rows: (token, rank) rows left out of their slabs, summed over the group's senders.
+        bad_ids: expert ids out of range ``[0, num_experts)``, likewise.
+        capacity: the ``capacity`` of the last such call.
+    """
+
+    def __init__(self, rows: int, bad_ids: int, capacity: int) -> None:
+        self.rows, self.bad_ids, self.capacity = rows, bad_ids, capacity
+        parts = []
+        if rows:
+            parts.append(f"{rows} (token, rank) rows did not fit their slabs (capacity="
+                         f"{capacity}, overflow='raise'), so their experts are missing from "
+                         "those calls' outputs; raise capacity, or pass overflow='drop' to drop "
+                         "and count them")
+        if bad_ids:
+            parts.append(f"{bad_ids} expert ids were out of range [0, num_experts) on some rank")
+        super().__init__("mc2 capacity mode, in calls on this group since the last check: "
+                         + "; ".join(parts))
+
+
+@dataclass
+class _Counter:
+    """One group's counts on one device: ``[2]`` int64 (rows that did not fit, ids out of
+    range), and the capacity of the last call that added to them."""
+
+    counts: Tensor
+    capacity: int = 0
+
+
+# by (group key, device): what names a group alike on every rank, and where its calls run
+_COUNTERS: dict[tuple[tuple, torch.device], _Counter] = {}
+
+
+def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> None:
+    """Add a call's group totals ``errors`` (``[2]``: rows that did not fit, ids out of range;
+    any dtype holding whole numbers) to the group's counter on their device, on the device:
+    no read. With ``overflow="drop"`` the rows that did not fit are not errors (they are counted
+    in :func:`mc2.engine.decide.capacity.dropped_rows`)."""
+    key = (group_key(group), errors.device)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = _Counter(torch.zeros(2, dtype=torch.int64,
+                                                        device=errors.device))
+    counts = errors.round().to(torch.int64)
+    if overflow == "raise":
+        counter.counts.add_(counts)
+    else:
+        counter.counts[1:].add_(counts[1:])
+    counter.capacity = capacity
+
+
+def pending(group: Any, device: torch.device) -> Tensor:
+    """``[2]`` int64 on ``device``: the group's counts there (zeros when no capacity call ran
+    on it): what the handshake carries. A counter on another device is not read (that would be
+    a read of its own); :func:`check_overflow` reads it."""
+    counter = _COUNTERS.get((group_key(group), torch.device(device)))
+    if counter is None:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    return counter.counts
+
+
+def raise_counted(group: Any, rows: int, bad_ids: int) -> None:
+    """The handshake found ``rows`` and ``bad_ids`` (the group's, read with its vector): reset
+    the group's counters and raise :class:`CapacityOverflow`, on every rank alike."""
+    if not (rows or bad_ids):
+        return
+    capacity = 0
+    for (key, _), counter in _COUNTERS.items():
+        if key == group_key(group):
+            counter.counts.zero_()
+            capacity = counter.capacity
+    raise CapacityOverflow(rows, bad_ids, capacity)
+
+
+def check_overflow(group: Any = None) -> None:
+    """Raise :class:`CapacityOverflow` if capacity calls on ``group`` (``None``: the default
+    group) had rows that did not fit with ``overflow="raise"``, or expert ids out of range,
+    since the last check; then the counts start again from zero.
+
+    One host read per device the group's capacity calls ran on (a synchronisation on an
+    accelerator): call it on every rank of the group at the same point, where the host reads
+    anyway (see the module docstring); every rank then raises alike. The next handshake on the
+    group raises the same without being asked.
+    """
+    key = group_key(group)
+    rows = bad_ids = capacity = 0
+    for (counter_key, _), counter in _COUNTERS.items():
+        if counter_key != key:
+            continue
+        found_rows, found_bad = read(counter.counts)
+        if found_rows or found_bad:
+            counter.counts.zero_()
+            rows, bad_ids = rows + found_rows, bad_ids + found_bad
+            capacity = counter.capacity
+    if rows or bad_ids:
+        raise CapacityOverflow(rows, bad_ids, capacity)
