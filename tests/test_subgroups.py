@@ -47,3 +47,5 @@ def test_each_ep_group_equals_its_dense_reference(results, group: int) -> None:
     for i, (problem, options) in enumerate(zip(problems, OPTIONS * len(ROUTINGS))):
         got = [results[rank][i] for rank in EP_GROUPS[group]]
         assert_ranks_match(got, problem, f"EP group {group} {options}")
+    for rank in EP_GROUPS[group]:  # the node groups wait as long as the world's groups, 60 s
+        assert results[rank][-1]["node_group_timeouts"] == (60.0, 60.0), results[rank][-1]

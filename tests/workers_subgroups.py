@@ -27,4 +27,9 @@ def cases_in_ep_groups(rank: int, world: int, local_world: int, ep_groups: list[
     group, index = ep_group_of(rank, ep_groups)
     member = ep_groups[index].index(rank)
     mine = [(problem, {**options, "group": group}) for problem, options in cases[index]]
-    return run_cases(member, len(ep_groups[index]), mine)
+    results = run_cases(member, len(ep_groups[index]), mine)
+    from mc2.engine.transport.deadline import group_timeout
+    from mc2.engine.transport.topology import topology_for
+
+    intra, inter = topology_for(group).subgroups(group)  # made by the 2-D cases already
+    return results + [{"node_group_timeouts": (group_timeout(intra), group_timeout(inter))}]

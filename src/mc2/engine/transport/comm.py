@@ -367,10 +367,12 @@ def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | 
             f"({fewest} to {most}), so the groups over {member_lists} cannot be made by its "
             "members alone; make the same process groups, in the same order, on every rank")
     me = dist.get_rank()
+    own = group_timeout(parent, device)  # the parent's timeout, not torch's default for a group
+    timeout = None if own is None else timedelta(seconds=own)
     made = []
     for ranks in member_lists:
-        made.append(dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
-                    if me in ranks else None)
+        made.append(dist.new_group(list(ranks), backend=backend, timeout=timeout,
+                                   use_local_synchronization=True) if me in ranks else None)
     return made
 
 
