@@ -5,16 +5,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from tests.problems import Problem
 from tests.workers import run_cases
 
+EP_TIMEOUT_S = 45.0  # the EP groups' own timeout (not the world's 60 s, nor torch's 30 min)
+
 
 def ep_group_of(rank: int, ep_groups: list[list[int]]) -> tuple[Any, int]:
     """Every rank makes every EP group, in one order (``new_group`` is a world collective);
     returns this rank's group and its index in ``ep_groups``."""
-    made = [dist.new_group(ranks) for ranks in ep_groups]
+    made = [dist.new_group(ranks, timeout=timedelta(seconds=EP_TIMEOUT_S)) for ranks in ep_groups]
     index = next(i for i, ranks in enumerate(ep_groups) if rank in ranks)
     return made[index], index
 
