@@ -80,6 +80,10 @@ def test_overflow_raises_on_every_rank_or_drops_and_counts() -> None:
     for rank, r in enumerate(results):
         # counted on the device, raised where the host reads anyway: never a device assert
         assert r["device_asserts"] == 0, r["device_asserts"]
+        # on a CPU the overflowing call raises at the end of its forward, and only once
+        assert r["raised_at_once"] is not None and "capacity" in r["raised_at_once"], r
+        assert r["after_at_once"] is None, r["after_at_once"]
+        # as on an accelerator: no raise in the call; the next point the host reads raises
         assert r["raised_in_call"] is None, r["raised_in_call"]
         for point in ("raised", "raised_by_next_call"):  # mc2.check_overflow(), a handshake
             assert r[point] is not None and "capacity" in r[point], (rank, point, r[point])

@@ -96,8 +96,9 @@ class MC2Config:
             exchange, rows in the compute dtype; ``"auto"`` runs the planner's trials priced
             for full slabs and keeps K = 1 (two collectives) unless a split measured faster.
         overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (counted on
-            the device; :class:`mc2.CapacityOverflow` on every rank at the next handshake on
-            the group or :func:`mc2.check_overflow`, :mod:`mc2.engine.decide.overflow`) or
+            the device; :class:`mc2.CapacityOverflow` on every rank: on a CPU at the end of the
+            call's forward, on an accelerator at the next handshake on the group or
+            :func:`mc2.check_overflow`, :mod:`mc2.engine.decide.overflow`) or
             ``"drop"`` (left out and counted: :func:`mc2.engine.decide.capacity.dropped_rows`).
     """
 

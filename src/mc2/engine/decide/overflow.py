@@ -8,6 +8,9 @@ the group's totals, which every rank computes alike from the headers of the slab
 to a counter on the device (one ``add_``, also inside a CUDA graph: a replay adds again), and
 the error is raised, as :class:`CapacityOverflow` (a ``ValueError``), at the first of:
 
+0. on a CPU (:func:`raises_at_once`), the end of the overflowing call's forward, once every
+   exchange of it is done: reading host memory synchronises nothing and nothing is captured
+   there, so the error comes at once;
 1. the next handshake on the same group (:func:`mc2.engine.decide.validation.agree`): the first
    host read of the next normal call, or of a capacity call's first call of a configuration.
    The counter travels in the handshake's vector, so it costs no read of its own;
@@ -34,7 +37,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.transport.comm import group_key
-from mc2.engine.transport.host import read
+from mc2.engine.transport.host import read, read_host_memory
 
 
 class CapacityOverflow(ValueError):
@@ -115,6 +118,12 @@ def raise_counted(group: Any, rows: int, bad_ids: int) -> None:
     raise CapacityOverflow(rows, bad_ids, capacity)
 
 
+def raises_at_once(device: torch.device) -> bool:
+    """Whether a capacity call on ``device`` raises its own overflow at the end of its forward
+    (a CPU: the read costs nothing) rather than at the next point the host reads anyway."""
+    return torch.device(device).type == "cpu"
+
+
 def check_overflow(group: Any = None) -> None:
     """Raise :class:`CapacityOverflow` if capacity calls on ``group`` (``None``: the default
     group) had rows that did not fit with ``overflow="raise"``, or expert ids out of range,
@@ -125,12 +134,22 @@ def check_overflow(group: Any = None) -> None:
     anyway (see the module docstring); every rank then raises alike. The next handshake on the
     group raises the same without being asked.
     """
+    _check(group, read)
+
+
+def check_at_once(group: Any) -> None:
+    """:func:`check_overflow` at the end of a CPU capacity call (:func:`raises_at_once`): the
+    counters are host memory, read without a synchronisation (and so not counted as one)."""
+    _check(group, read_host_memory)
+
+
+def _check(group: Any, reader: Any) -> None:
     key = group_key(group)
     rows = bad_ids = capacity = 0
-    for (counter_key, _), counter in _COUNTERS.items():
-        if counter_key != key:
+    for (counter_key, device), counter in _COUNTERS.items():
+        if counter_key != key or (reader is read_host_memory and device.type != "cpu"):
             continue
-        found_rows, found_bad = read(counter.counts)
+        found_rows, found_bad = reader(counter.counts)
         if found_rows or found_bad:
             counter.counts.zero_()
             rows, bad_ids = rows + found_rows, bad_ids + found_bad

@@ -38,6 +38,7 @@ from mc2.device import streams
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.capacity import CapacityHandle, grouped_path, record_errors
 from mc2.engine.decide.dedup import slot_ids
+from mc2.engine.decide.overflow import check_at_once, raises_at_once
 from mc2.engine.decide.routing import count_on_device
 from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
@@ -201,6 +202,8 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
     run_pipeline(handle, PipelineSteps(gather=gather, compute=compute, scatter=scatter,
                                        local=shared_experts if shared is not None else None),
                  overlap=call.overlap, phase="forward", timeline=_timeline(call, x.device))
+    if raises_at_once(x.device):  # every exchange done: every rank raises here alike
+        check_at_once(handle.group)
     out = summed[:tokens].to(x.dtype)
     result.out = out
     return result

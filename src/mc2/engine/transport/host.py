@@ -65,3 +65,13 @@ def upload(values: list[Any], device: torch.device, dtype: torch.dtype = torch.i
     if torch.accelerator.is_available():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def read_host_memory(values: Tensor) -> list[Any]:
+    """``values.tolist()`` of a CPU tensor, outside any ``TorchFunctionMode``: reading host
+    memory synchronises nothing, so the host-sync counter (which counts what code would do on
+    an accelerator) must not count a read that only a CPU path makes."""
+    if values.device.type != "cpu":
+        raise ValueError(f"read_host_memory reads CPU tensors only, got one on {values.device}")
+    with torch._C.DisableTorchFunction():
+        return values.tolist()
