@@ -28,3 +28,22 @@ def differing_option(rank: int, world: int, problem: Problem, common: dict[str, 
     with torch.no_grad():
         after = mc2.fused_expert(*args, **{**common, **theirs})
     return {"raised": raised, "seconds": took, "after": after}
+
+
+def later_mismatch(rank: int, world: int, problem: Problem, a: dict[str, Any],
+                   b: dict[str, Any]) -> dict:
+    """Every rank runs capacity calls with options ``a``, then ``b`` (each agreed by its first
+    call's handshake); then rank 0 calls with ``a`` while the others call with ``b``: no
+    handshake runs (both were agreed), the slabs are the same size, and only the fingerprint
+    in their headers tells. What each rank raised, then a call made alike."""
+    args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
+    with torch.no_grad():
+        mc2.fused_expert(*args, **a)
+        mc2.fused_expert(*args, **b)
+        try:
+            mc2.fused_expert(*args, **(a if rank == 0 else b))
+            raised = None
+        except mc2.CapacityOverflow as exc:
+            raised = (str(exc), exc.mismatched)
+        after = mc2.fused_expert(*args, **b)
+    return {"raised": raised, "after": after}

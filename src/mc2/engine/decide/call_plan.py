@@ -38,7 +38,7 @@ from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_sta
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device import streams
 from mc2.device.clock import Interval
-from mc2.engine.decide.capacity import grouped_path, plan_routes
+from mc2.engine.decide.capacity import fingerprint_of, grouped_path, plan_routes
 from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
@@ -368,7 +368,8 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),
                              local_experts=weights.local_experts, group=group, style=style,
-                             overflow=config.overflow)
+                             overflow=config.overflow,
+                             fingerprint=fingerprint_of(tuple(facts.values())))
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,

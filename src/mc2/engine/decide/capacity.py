@@ -31,6 +31,7 @@ factor) and adds them to :func:`dropped_rows`.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,18 @@ def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
         grouped_problem(experts.dtype, experts.device) is None
 
 
+# a slab row's header: the sender's two error counts and its configuration's fingerprint
+HEADER = 3
+
+
+def fingerprint_of(values: tuple) -> int:
+    """A 32-bit fingerprint of the values the ranks agreed on in a capacity call's first call
+    (exact in a float64 header): every slab carries its sender's, so a rank that later calls
+    with other options than its peers is seen by every rank that receives its slabs (and sees
+    theirs), with no read and no collective of its own."""
+    return zlib.crc32(repr(values).encode())
+
+
 @dataclass(frozen=True)
 class CapacityRoute:
     """One micro-batch of a capacity call, as this rank sees it.
@@ -71,7 +84,7 @@ class CapacityRoute:
     Attributes:
         slot_token: ``[world * C]`` the token of each row this rank sends (its slab to rank
             ``d`` is rows ``d*C .. (d+1)*C``); ``T`` (one past the last token) for an empty row.
-        tables: ``[world * C, 2k + 2]`` each sent row's slot table: local expert ids (``-1``
+        tables: ``[world * C, 2k + HEADER]`` each sent row's slot table: local expert ids (``-1``
             where the slot's expert is elsewhere, or the row is empty), the slots' weights, and
             the sender's two error counts (rows that did not fit; ids out of range).
         exchange: the slabs' exchange.
@@ -94,6 +107,7 @@ class CapacityHandle:
     overflow: str
     capacity: int = 0
     group: Any = None
+    fingerprint: int = 0
 
     @property
     def num_micro_batches(self) -> int:
@@ -113,21 +127,25 @@ def token_bounds(tokens: int, capacity: int, micro_batches: int) -> list[tuple[i
 
 
 def slot_tables(ids_padded: Tensor, combine_padded: Tensor, slot_token: Tensor, world: int,
-                capacity: int, local_experts: int, errors: Tensor) -> Tensor:
-    """``[world * C, 2k + 2]`` float64 tables of the rows of one micro-batch's slabs
-    (``errors``: ``[2]`` this rank's rows that did not fit, ids out of range)."""
+                capacity: int, local_experts: int, errors: Tensor, fingerprint: int = 0
+                ) -> Tensor:
+    """``[world * C, 2k + HEADER]`` float64 tables of the rows of one micro-batch's slabs
+    (``errors``: ``[2]`` this rank's rows that did not fit, ids out of range; ``fingerprint``:
+    this rank's configuration, :func:`fingerprint_of`)."""
     ids = ids_padded.index_select(0, slot_token)  # [world*C, k]; empty rows: -1
     dest = torch.arange(world, device=ids.device).repeat_interleave(capacity).unsqueeze(1)
     here = (ids >= 0) & (ids // local_experts == dest)
     local = torch.where(here, ids % local_experts, -1).to(torch.float64)
     weights = torch.where(here, combine_padded.index_select(0, slot_token).to(torch.float64), 0)
-    header = errors.to(torch.float64).unsqueeze(0).expand(ids.shape[0], 2)
+    header = torch.cat([errors.to(torch.float64), errors.new_full((1,), fingerprint,
+                                                                   dtype=torch.float64)])
+    header = header.unsqueeze(0).expand(ids.shape[0], HEADER)
     return torch.cat([local, weights, header], 1)
 
 
 def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches: int,
                 world: int, local_experts: int, group: Any, style: Any,
-                overflow: str) -> CapacityHandle:
+                overflow: str, fingerprint: int = 0) -> CapacityHandle:
     """Every micro-batch's slabs, built on the device from the ids (no read, no upload).
 
     Rows beyond a slab's capacity (and ids out of range, clamped) are counted into every
@@ -164,9 +182,9 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
         total.add_(dropped)
     return CapacityHandle(tokens, topk, world, local_experts, tuple(
         CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,
-                                              size, local_experts, errors),
+                                              size, local_experts, errors, fingerprint),
                       SlabExchange(world, group, style))
-        for slot_token, size in routes), overflow, capacity, group)
+        for slot_token, size in routes), overflow, capacity, group, fingerprint)
 
 
 def record_errors(tables: Tensor, handle: CapacityHandle) -> None:
@@ -174,5 +192,7 @@ def record_errors(tables: Tensor, handle: CapacityHandle) -> None:
     sender's), to the group's counter on the device: no read, no assertion; raised later on
     every rank alike (:mod:`mc2.engine.decide.overflow`)."""
     world, topk = handle.world_size, handle.topk
-    errors = tables.view(world, -1, tables.shape[-1])[:, 0, 2 * topk:].sum(0)
+    header = tables.view(world, -1, tables.shape[-1])[:, 0, 2 * topk:]  # each sender's
+    mismatched = (header[:, 2] != handle.fingerprint).sum().reshape(1)
+    errors = torch.cat([header[:, :2].sum(0), mismatched.to(header.dtype)])
     add_errors(handle.group, errors, overflow=handle.overflow, capacity=handle.capacity)

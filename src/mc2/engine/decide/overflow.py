@@ -40,19 +40,30 @@ from mc2.engine.transport.comm import group_key
 from mc2.engine.transport.host import read, read_host_memory
 
 
+# what a counter holds: rows that did not fit, ids out of range, slabs of another configuration
+COUNTS = 3
+
+
 class CapacityOverflow(ValueError):
-    """Capacity calls on a group had rows that did not fit (``overflow="raise"``) or expert
-    ids out of range.
+    """Capacity calls on a group had rows that did not fit (``overflow="raise"``), expert
+    ids out of range, or slabs from a rank whose configuration differed.
 
     Attributes:
         rows: (token, rank) rows left out of their slabs, summed over the group's senders.
         bad_ids: expert ids out of range ``[0, num_experts)``, likewise.
         capacity: the ``capacity`` of the last such call.
+        mismatched: slabs received whose configuration fingerprint was not this rank's (a
+            rank changed its capacity-mode options alone after the first call agreed them).
     """
 
-    def __init__(self, rows: int, bad_ids: int, capacity: int) -> None:
+    def __init__(self, rows: int, bad_ids: int, capacity: int, mismatched: int = 0) -> None:
         self.rows, self.bad_ids, self.capacity = rows, bad_ids, capacity
+        self.mismatched = mismatched
         parts = []
+        if mismatched:
+            parts.append(f"{mismatched} slabs came from ranks whose configuration differs from "
+                         "this rank's (ranks disagree on a capacity-mode option: overflow, "
+                         "gemm, timeout, check_finite, ...); every rank must pass the same")
         if rows:
             parts.append(f"{rows} (token, rank) rows did not fit their slabs (capacity="
                          f"{capacity}, overflow='raise'), so their experts are missing from "
@@ -69,7 +80,7 @@ class _Counter:
     """One group's counts on one device: ``[2]`` int64 (rows that did not fit, ids out of
     range), and the capacity of the last call that added to them."""
 
-    counts: Tensor
+    counts: Tensor  # [COUNTS]
     capacity: int = 0
 
 
@@ -78,14 +89,14 @@ _COUNTERS: dict[tuple[tuple, torch.device], _Counter] = {}
 
 
 def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> None:
-    """Add a call's group totals ``errors`` (``[2]``: rows that did not fit, ids out of range;
-    any dtype holding whole numbers) to the group's counter on their device, on the device:
-    no read. With ``overflow="drop"`` the rows that did not fit are not errors (they are counted
-    in :func:`mc2.engine.decide.capacity.dropped_rows`)."""
+    """Add a call's group totals ``errors`` (``[3]``: rows that did not fit, ids out of range,
+    slabs of another configuration; any dtype holding whole numbers) to the group's counter
+    on their device, on the device: no read. With ``overflow="drop"`` the rows that did not fit
+    are not errors (they are counted in :func:`mc2.engine.decide.capacity.dropped_rows`)."""
     key = (group_key(group), errors.device)
     counter = _COUNTERS.get(key)
     if counter is None:
-        counter = _COUNTERS[key] = _Counter(torch.zeros(2, dtype=torch.int64,
+        counter = _COUNTERS[key] = _Counter(torch.zeros(COUNTS, dtype=torch.int64,
                                                         device=errors.device))
     counts = errors.round().to(torch.int64)
     if overflow == "raise":
@@ -96,26 +107,27 @@ def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> N
 
 
 def pending(group: Any, device: torch.device) -> Tensor:
-    """``[2]`` int64 on ``device``: the group's counts there (zeros when no capacity call ran
+    """``[COUNTS]`` int64 on ``device``: the group's counts there (zeros when no capacity call ran
     on it): what the handshake carries. A counter on another device is not read (that would be
     a read of its own); :func:`check_overflow` reads it."""
     counter = _COUNTERS.get((group_key(group), torch.device(device)))
     if counter is None:
-        return torch.zeros(2, dtype=torch.int64, device=device)
+        return torch.zeros(COUNTS, dtype=torch.int64, device=device)
     return counter.counts
 
 
-def raise_counted(group: Any, rows: int, bad_ids: int) -> None:
-    """The handshake found ``rows`` and ``bad_ids`` (the group's, read with its vector): reset
-    the group's counters and raise :class:`CapacityOverflow`, on every rank alike."""
-    if not (rows or bad_ids):
+def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> None:
+    """The handshake found ``rows``, ``bad_ids`` and ``mismatched`` (the group's, read with its
+    vector): reset the group's counters and raise :class:`CapacityOverflow`, on every rank
+    alike."""
+    if not (rows or bad_ids or mismatched):
         return
     capacity = 0
     for (key, _), counter in _COUNTERS.items():
         if key == group_key(group):
             counter.counts.zero_()
             capacity = counter.capacity
-    raise CapacityOverflow(rows, bad_ids, capacity)
+    raise CapacityOverflow(rows, bad_ids, capacity, mismatched)
 
 
 def raises_at_once(device: torch.device) -> bool:
@@ -145,14 +157,14 @@ def check_at_once(group: Any) -> None:
 
 def _check(group: Any, reader: Any) -> None:
     key = group_key(group)
-    rows = bad_ids = capacity = 0
+    totals, capacity = [0] * COUNTS, 0
     for (counter_key, device), counter in _COUNTERS.items():
         if counter_key != key or (reader is read_host_memory and device.type != "cpu"):
             continue
-        found_rows, found_bad = reader(counter.counts)
-        if found_rows or found_bad:
+        found = reader(counter.counts)
+        if any(found):
             counter.counts.zero_()
-            rows, bad_ids = rows + found_rows, bad_ids + found_bad
+            totals = [a + b for a, b in zip(totals, found)]
             capacity = counter.capacity
-    if rows or bad_ids:
-        raise CapacityOverflow(rows, bad_ids, capacity)
+    if any(totals):
+        raise CapacityOverflow(totals[0], totals[1], capacity, totals[2])

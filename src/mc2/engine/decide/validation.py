@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.decide.config import HIERARCHIES
-from mc2.engine.decide.overflow import pending, raise_counted
+from mc2.engine.decide.overflow import COUNTS, pending, raise_counted
 from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
 from mc2.engine.transport.host import read, upload
 
@@ -279,9 +279,9 @@ def agree(
     checks = torch.cat([checks, rows.reshape(1).to(torch.int64) if rows is not None and
                         problem is None else torch.full((1,), _NONE, dtype=torch.int64,
                                                         device=device),
-                        # capacity calls' errors: the same two elements on every rank
+                        # capacity calls' errors: the same three elements on every rank
                         pending(group, device) if problem is None else
-                        torch.zeros(2, dtype=torch.int64, device=device)])
+                        torch.zeros(COUNTS, dtype=torch.int64, device=device)])
     local = upload(facts + [-v for v in facts], device)
     reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
     n = len(facts)
@@ -289,7 +289,7 @@ def agree(
     max_id, min_id, nonfinite = reduced[2 * n], -reduced[2 * n + 1], reduced[2 * n + 2]
     if highest[0]:
         _raise_for(problem, group)
-    raise_counted(group, reduced[-2], reduced[-1])
+    raise_counted(group, *reduced[-COUNTS:])
     for name, hi, lo in zip(["device type"] + names, highest[3:], lowest[3:]):
         if hi != lo:
             raise ValueError(

@@ -36,7 +36,7 @@ from mc2.engine.compute.experts import (
 )
 from mc2.device import streams
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
-from mc2.engine.decide.capacity import CapacityHandle, grouped_path, record_errors
+from mc2.engine.decide.capacity import HEADER, CapacityHandle, grouped_path, record_errors
 from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.overflow import check_at_once, raises_at_once
 from mc2.engine.decide.routing import count_on_device
@@ -157,7 +157,7 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
     keep = call.keep_activations
     params = experts.tensors()
     wants = tuple(needs.experts) + (True,) * (len(params) - len(needs.experts))
-    width = 2 * k + 2
+    width = 2 * k + HEADER
 
     def gather(i: int) -> Tensor:
         route = handle.micro_batches[i]
