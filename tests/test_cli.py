@@ -11,6 +11,17 @@ import pytest
 from mc2.tools.cli import main
 
 
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``mc2 ARGV`` in this process (its ranks fork from the suite's preloaded server):
+    ``(exit status, stdout, stderr)``, as the command line would end."""
+    try:
+        code = main(argv) or 0
+    except SystemExit as exc:  # argparse's errors and --help
+        code = exc.code if isinstance(exc.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def test_help_explains_commands(capsys) -> None:
     try:
         main(["--help"])
@@ -36,17 +47,15 @@ def test_public_names_survive_the_package_layout() -> None:
         mc2.no_such_name  # noqa: B018
 
 
-def test_tiny_bench_prints_the_table(tmp_path) -> None:
+def test_tiny_bench_prints_the_table(tmp_path, capsys) -> None:
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+    code, stdout, stderr = _cli(
+        ["bench", "--tokens-per-rank", "64", "--hidden", "32",
          "--ffn", "48", "--experts", "4", "--micro-batches", "2,4", "--repeats", "2",
-         "--warmup", "0", "--split-sync", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+         "--warmup", "0", "--split-sync", "--json", str(out)], capsys)
+    assert code == 0, stderr
     for column in ("comm share", "tokens/s/rank", "speedup", "hidden", "max diff"):
-        assert column in proc.stdout
+        assert column in stdout
     report = json.loads(out.read_text())
     modes = [r["mode"] for r in report["results"]]
     assert modes == ["serial", "mc2 K=2", "mc2 K=4", "split K=2 (sync)", "split K=4 (sync)"]
@@ -54,35 +63,30 @@ def test_tiny_bench_prints_the_table(tmp_path) -> None:
         assert r["step_s"] > 0 and r["max_diff"] < 1e-4
 
 
-def test_bad_arguments_exit_cleanly() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "bench", "--topk", "9"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "topk" in proc.stderr
+def test_bad_arguments_exit_cleanly(capsys) -> None:
+    code, _, stderr = _cli(["bench", "--topk", "9"], capsys)
+    assert code == 2 and "topk" in stderr
 
 
-def test_bench_marks_a_sync_fallback() -> None:
-    import os
-
-    env = dict(os.environ, MC2_FORCE_SYNC="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "32", "--hidden", "16",
+def test_bench_marks_a_sync_fallback(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("MC2_FORCE_SYNC", "1")  # the ranks take the caller's environment
+    code, stdout, stderr = _cli(
+        ["bench", "--tokens-per-rank", "32", "--hidden", "16",
          "--ffn", "16", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
-         "--warmup", "0"], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert "mc2 K=2 [SYNC FALLBACK]" in proc.stdout
-    assert "ran synchronously (MC2_FORCE_SYNC is set)" in proc.stdout
+         "--warmup", "0"], capsys)
+    assert code == 0, stderr
+    assert "mc2 K=2 [SYNC FALLBACK]" in stdout
+    assert "ran synchronously (MC2_FORCE_SYNC is set)" in stdout
 
 
-def test_bench_times_each_wire_format(tmp_path) -> None:
+def test_bench_times_each_wire_format(tmp_path, capsys) -> None:
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mc2.tools.cli", "bench", "--tokens-per-rank", "64", "--hidden", "32",
+    code, _, stderr = _cli(
+        ["bench", "--tokens-per-rank", "64", "--hidden", "32",
          "--ffn", "48", "--experts", "4", "--micro-batches", "2", "--repeats", "1",
          "--warmup", "0", "--wire-dtype", "none,bf16,fp8", "--wire-block", "16", "--json",
-         str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+         str(out)], capsys)
+    assert code == 0, stderr
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert list(results) == ["serial", "mc2 K=2", "mc2 K=2 bf16", "mc2 K=2 fp8"]
     assert results["mc2 K=2"]["max_diff"] < 1e-5  # plain rows: exact
@@ -93,7 +97,6 @@ def test_bench_times_each_wire_format(tmp_path) -> None:
     (["--wire-dtype", "fp4"], "unknown wire format 'fp4'"),
     (["--wire-dtype", "fp8", "--hidden", "96"], "wire_block 128 must divide the hidden size 96"),
 ])
-def test_bench_refuses_a_bad_wire_format_in_one_line(args, message) -> None:
-    proc = subprocess.run([sys.executable, "-m", "mc2.tools.cli", "bench", *args],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bench_refuses_a_bad_wire_format_in_one_line(args, message, capsys) -> None:
+    code, _, stderr = _cli(["bench", *args], capsys)
+    assert code == 2 and message in stderr and "Traceback" not in stderr
