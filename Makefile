@@ -9,11 +9,13 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test bench lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements-megatron.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
+# Megatron-Core (tests/test_megatron.py): --no-deps so that pip never replaces torch
+	$(PY) -m pip install -q --no-deps -r requirements-megatron.txt
 	touch $@
 
 venv: $(VENV)/.installed

@@ -1,0 +1,87 @@
+"""CPU shims for megatron-core 0.16.1 in the tests (Gloo ranks, a CPU-only torch).
+
+Megatron-Core assumes CUDA in places that have no arithmetic in them: its alltoall dispatcher
+copies the split sizes to the host on a side stream and waits on an event, buffers are
+allocated on ``torch.cuda.current_device()``, and a TransformerEngine name is referenced
+whether or not TransformerEngine is installed. :func:`install` replaces exactly those, in the
+calling process only (each rank calls it first thing; the pytest process never does, so no
+other test sees a patched ``torch.cuda``). Nothing here computes: a stream is a no-op on CPU,
+the current device is ``"cpu"``, and the split sizes become the Python lists that
+``all_to_all_single`` takes, the same numbers Megatron reads on a GPU.
+
+Written for this project (the peers' ``patch_mcore.py`` was read for which calls need it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+class _HostEvent:
+    """A CUDA event on a CPU: everything has already happened when it is asked."""
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream on a CPU: work is issued in program order, so every wait is a no-op."""
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_STREAM = _HostStream()
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the shims in this process (idempotent). Call before Megatron builds a layer."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    torch.cuda.Stream = lambda *a, **k: _STREAM  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.Event = lambda *a, **k: _HostEvent()  # type: ignore[assignment,misc]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    # without TransformerEngine, 0.16.1 references te_general_gemm without defining it
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # the dispatcher turns split sizes into numpy only for CUDA tensors; on a CPU they would
+    # stay tensors, which torch 2.13's all_to_all_single refuses as split sizes
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_splits
+    _INSTALLED = True
