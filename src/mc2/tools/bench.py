@@ -54,6 +54,7 @@ class BenchConfig:
     seed: int = 0
     split_sync: bool = False  # also time K micro-batches *without* overlap (split overhead)
     trace: bool = False  # profile one extra step per mode and return every rank's spans
+    trace_overhead: bool = True  # with trace: also time steps with and without recording
     auto: bool = False  # also time micro_batches="auto" and return the planner's predictions
     hierarchies: tuple[str, ...] = ("flat",)  # All-to-All layouts to time MC2 with
     quiet: bool = False
@@ -131,8 +132,12 @@ class BenchReport:
     sync_fallbacks: dict[str, str] = field(default_factory=dict)  # mode -> why it ran sync
     auto_k: int = 0  # the K "auto" chose (0: not run)
     explore_calls: int = 0  # calls "auto" ran before it locked K (its trials), untimed
+    auto_trials: dict[int, float] = field(default_factory=dict)  # K -> rank 0's best trial, s
     predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
     predicted_serial_s: float = float("nan")
+    # mode -> the slowest rank's step time in each timed round, in round order: every mode runs
+    # once per round, so index i of two modes is a pair measured side by side (paired ratios)
+    step_samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def serial(self) -> ModeResult:
@@ -236,7 +241,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                 with prof.step():
                     _step(*problem, mode, cfg, None)
             raw["traces"][mode.name] = prof.gather()
-        raw["overhead"] = _recording_overhead(*problem, modes[-1], cfg)
+        if cfg.trace_overhead:
+            raw["overhead"] = _recording_overhead(*problem, modes[-1], cfg)
     return raw
 
 
@@ -259,8 +265,12 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
         for auto in autos:
             _step(*problem, auto, cfg, None)
         calls += 1
-    locked = [d["locked"] for d in planner.decisions().values()]
+    decisions = list(planner.decisions().values())
+    locked = [d["locked"] for d in decisions]
     plan["auto_k"] = locked[0] if locked else plan["auto_k"]
+    if decisions:  # what the lock was decided on (this rank's view; the lock takes the slowest)
+        plan["auto_trials"] = {abs(k): min(sum(t.values()) for t in trials)
+                               for k, trials in decisions[0]["times"].items() if trials}
     plan["explore_calls"] = calls
     return plan
 
@@ -318,6 +328,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
     report = BenchReport(cfg, world)
     for mode in modes_of(cfg):
         rows = raw["samples"][mode.name]
+        report.step_samples[mode.name] = [r[0] for r in rows]
         step = metrics.median(r[0] for r in rows)
         comm = metrics.median(r[1] for r in rows)
         report.results.append(ModeResult(
@@ -329,6 +340,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
     report.traces = raw.get("traces", {})
     report.auto_k = raw.get("auto_k", 0)
     report.explore_calls = raw.get("explore_calls", 0)
+    report.auto_trials = raw.get("auto_trials", {})
     report.sync_fallbacks = raw.get("fallbacks", {})
     report.predicted_s = raw.get("predicted", {})
     report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
@@ -353,6 +365,12 @@ def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
 
 def format_report(report: BenchReport) -> str:
     """The article's table: mode, step time, comm share, tokens/s per rank, speedup, hidden."""
+    return "\n".join([format_modes(report), "", format_article_table(report)])
+
+
+def format_modes(report: BenchReport) -> str:
+    """Every mode's row (step, comm share, compute, tokens/s, speedup, hidden, max diff) and the
+    overlap bound line, without the article's summary table (``mc2 demo`` prints its own)."""
     cfg = report.config
     head = (f"{report.world_size} ranks x {cfg.tokens_per_rank} tokens, hidden {cfg.hidden}, "
             f"ffn {cfg.ffn}, {cfg.experts} experts, top-{cfg.topk}, {cfg.dtype}, forward+backward,"
@@ -376,7 +394,6 @@ def format_report(report: BenchReport) -> str:
                  f"{bound:.3f}x; best MC2: {report.best.mode} at {report.best.speedup:.3f}x")
     for reason in sorted(set(report.sync_fallbacks.values())):
         lines.append(f"WARNING: MC2 modes ran synchronously ({reason}): nothing was overlapped")
-    lines += ["", format_article_table(report)]
     return "\n".join(lines)
 
 

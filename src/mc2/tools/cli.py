@@ -12,11 +12,10 @@ from typing import Any, Callable
 from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report, run_bench, write_csv
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
+from mc2.tools.demo import DEMO, add_demo_arguments, run_demo
 from mc2.tools.train import add_train_parser, run_train_command
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
-DEMO = BenchConfig(tokens_per_rank=2048, hidden=512, ffn=1024, experts=8, topk=2,
-                   micro_batches=(2, 4, 8), repeats=5, warmup=1)
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -43,8 +42,11 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     p.add_argument("--dtype", default=base.dtype, choices=["float32", "float64", "bfloat16"])
     p.add_argument("--micro-batches", type=parse_ints, default=base.micro_batches,
                    help="comma-separated K values to try with overlap (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=base.repeats, help="timed repeats per mode")
-    p.add_argument("--warmup", type=int, default=base.warmup, help="untimed repeats per mode")
+    p.add_argument("--repeats", "--rounds", type=int, default=base.repeats,
+                   help="timed rounds; each runs every mode once, in a rotating order, so noise "
+                        "hits all modes alike (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=base.warmup,
+                   help="untimed rounds before them (default %(default)s)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="present the ranks as nodes of this many ranks; alone, every link "
                         "stays loopback (topology only)")
@@ -200,12 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="a Mixtral-shaped MoE layer scaled to CPU: serial vs MC2 (about a minute)",
-        description="8 experts, top-2, SwiGLU, batch 16 x seq 128 tokens per rank, hidden 512, "
-                    "ffn 1024: forward+backward, serial vs MC2 with K = 2, 4, 8; prints step "
-                    "time, comm share, tokens/s per rank, speedup, hidden fraction and the max "
-                    "difference against the serial result.")
+        "demo", help="a Mixtral-shaped MoE layer scaled to CPU: serial vs MC2 on loopback and "
+                     "across two emulated nodes (about a minute)",
+        description="8 experts, top-2, SwiGLU, 512 tokens per rank, hidden 512, ffn 1024, "
+                    "forward+backward. Part 1, plain loopback: serial vs MC2 with K = 2 and 4 "
+                    "and mc2's default micro_batches='auto' (which K it locked, and how it "
+                    "compares with serial round by round). Part 2, the article's regime: two "
+                    "nodes in their own network namespaces joined by a tc-shaped link (rate "
+                    "'auto': chosen from part 1's compute time for a serial comm share near "
+                    "--comm-share, the article's 47%%), and the article's table: comm share "
+                    "and tokens/s, serial vs MC2 (auto and the best fixed K), speedup and "
+                    "hidden fraction. Part 2 needs root and iproute2 (ip, tc); without them, "
+                    "or with --no-cluster, it prints why and the simulator's prediction for "
+                    "the article's Atlas 800I A2 / Mixtral 8x7B. Where matplotlib is "
+                    "installed, the Gantt picture goes to out/demo/gantt.png. Prints its wall "
+                    "time.")
     _add_problem_args(demo, DEMO)
+    add_demo_arguments(demo)
     plan = sub.add_parser(
         "plan", help="the planner's predicted step time for every K beside the measured one",
         description="Calibrates the cost model on a local Gloo world (link latency and "
@@ -359,8 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _run(args, PLAN, "mc2 plan", extra=format_plan)
     if args.command == "demo":
-        return _run(args, DEMO, "mc2 demo: Mixtral-shaped MoE layer (scaled to CPU), "
-                                f"{args.world_size} Gloo ranks on loopback")
+        if args.breakdown:
+            return _run(args, DEMO, "mc2 demo --breakdown")
+        try:
+            cfg = _config(args, DEMO)
+        except ValueError as exc:
+            print(f"mc2: {exc}", file=sys.stderr)
+            return 2
+        return run_demo(args, cfg)
     return _run(args, BenchConfig(), "mc2 bench")
 
 
