@@ -36,6 +36,7 @@ call's handshake already agreed on.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -50,10 +51,17 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
+from mc2.engine.decide.trials import contenders, describe, trial_stats, trial_winner
 from mc2.engine.transport.sizes import bucket
 from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
+_log = logging.getLogger("mc2.planner")
+
+
+def _shape_text(weights: ExpertWeights | ModuleExperts, group: Any) -> str:
+    return (f"hidden {weights.hidden}, {weights.local_experts} local experts, {weights.dtype}, "
+            f"{group_size(group)} ranks")
 
 @dataclass(frozen=True)
 class Calibration:
@@ -194,53 +202,46 @@ class Choice:
         on_pass_done: ``(phase, interval)`` to report each pass's time to (trials only).
         plain_rows: the requested wire format measured slower than rows in the compute dtype
             for this shape, so this call sends plain rows (the planner warned once).
+        decided: on the call at which ``"auto"`` locked its K, the line saying why
+            (:func:`mc2.engine.decide.trials.describe`), for the timeline.
     """
 
     micro_batches: int
     trial: bool = False
     on_pass_done: Callable[[str, Interval], None] | None = None
     plain_rows: bool = False  # send rows in the compute dtype, not the requested wire format
+    decided: str | None = None
 
 
 @dataclass
 class _Trials:
-    """``"auto"``'s measurements of the candidate K of one shape, then its decision."""
+    """``"auto"``'s measurements of the candidate K of one shape, then its decision
+    (:mod:`mc2.engine.decide.trials`)."""
 
     candidates: tuple[int, ...]
     samples: dict[int, list[dict[str, Interval]]]  # K -> one {phase: time} per trial call
     locked: int | None = None
+    calls: int = 0  # calls each active candidate must have had before the next decision
+    active: tuple[int, ...] = ()  # the candidates still being measured
+    rechecked: bool = False
+    stats: tuple = ()  # the TrialStats the lock was decided on
 
-    def next_candidate(self, trials: int) -> int:
-        """The first candidate still short of trials: each K's trials run back to back, so only
-        one K's buffers are in use at a time."""
-        return next(k for k in self.candidates if len(self.samples[k]) < trials)
+    def next_candidate(self) -> int:
+        """Round-robin over the active candidates: the one with the fewest calls, first in
+        order, so a slow spell of the machine falls on every candidate alike."""
+        return min(self.active, key=lambda k: (len(self.samples[k]), self.active.index(k)))
 
-    def explored(self, trials: int) -> bool:
-        return all(len(self.samples[k]) >= trials for k in self.candidates)
+    def explored(self) -> bool:
+        return all(len(self.samples[k]) >= self.calls for k in self.active)
 
-    def scores(self) -> list[float]:
-        """Per candidate, its best trial's time: forward + backward where every candidate has a
-        complete trial, else forward only (the same rule on every rank)."""
-        complete = all(any("backward" in t for t in self.samples[k]) for k in self.candidates)
-        phases = ("forward", "backward") if complete else ("forward",)
-        return [min(sum(t[p].seconds for p in phases) for t in self.samples[k]
-                    if all(p in t for p in phases)) for k in self.candidates]
-
-
-def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
-    """The candidate to lock from its trial times (the group's slowest rank's).
-
-    The fastest, except that K = 1 stays unless a split measured at least ``min_gain`` faster:
-    K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within what two
-    trial calls on a busy host can tell apart. (A negative candidate, plain rows instead of the
-    wire format, wins on time alone.)
-    """
-    best = min(range(len(seconds)), key=seconds.__getitem__)
-    if candidates[best] > 1 and 1 in candidates:
-        serial = seconds[list(candidates).index(1)]
-        if seconds[best] > serial * (1 - min_gain):
-            return 1
-    return candidates[best]
+    def times(self) -> list[list[float]]:
+        """Per candidate, each trial call's seconds: forward + backward where every call has
+        both, else forward only (the same rule on every rank)."""
+        every = [t for k in self.candidates for t in self.samples[k]]
+        phases = ("forward", "backward") if all("backward" in t for t in every) \
+            else ("forward",)
+        return [[sum(t[p].seconds for p in phases if p in t) for t in self.samples[k]]
+                for k in self.candidates]
 
 
 class Planner:
@@ -248,12 +249,17 @@ class Planner:
 
     For each new shape (token count within 1/16, weights, group) the cost model, calibrated
     once per weight shape and group, ranks every candidate K. The first calls of that shape then
-    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, back to back;
+    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, round-robin;
     every rank records each call's forward and backward time, one ``all_reduce`` takes the
-    slowest rank's, and the fastest K is locked for the shape. Exploration costs at most
-    ``explore * trials`` calls per shape (6 by default), each a real, correct call; the
-    timeline marks them (``auto trial K=...``). (Trusting the model alone, without trials, was
-    an option that never measured better than the trials; it was removed.)
+    slowest rank's per call, and each candidate is scored by the median of its calls after its
+    first (:mod:`mc2.engine.decide.trials`). Where the best one's lead over another is within
+    their spread, the close candidates run ``recheck`` more calls each (once) before the lock.
+    The fastest K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
+    ``logging.INFO`` line on the ``mc2.planner`` logger says what was measured and why.
+    Exploration costs at most ``explore * trials + explore * recheck`` calls per shape (9, or
+    15 with a re-check, by default; one more candidate with a wire format), each a real,
+    correct call; the timeline marks them (``auto trial K=...``). (Trusting the model alone,
+    without trials, was an option that never measured better than the trials; it was removed.)
 
     With a wire format (:mod:`mc2.engine.transport.wire`), one more candidate is tried: the
     model's best K with rows in the compute dtype. Where it wins, encoding costs more than the
@@ -266,20 +272,23 @@ class Planner:
             (:func:`trial_winner`).
         repeats: timing repeats per calibration measurement (medians are used).
         explore: how many of the model's best K the real calls try (K = 1 always among them).
-        trials: calls per tried K (the best of them counts, so a cold first call does not).
+        trials: calls per tried K (the first is its warm-up; the median of the rest counts).
+        recheck: more calls for each candidate within the noise of the best, once (0: none).
     """
 
     def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
-                 repeats: int = 3, explore: int = 3, trials: int = 2) -> None:
+                 repeats: int = 3, explore: int = 3, trials: int = 3, recheck: int = 2) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
-        if explore < 2 or trials < 1:
-            raise ValueError(f"explore must be >= 2 and trials >= 1, got {explore}, {trials}")
+        if explore < 2 or trials < 1 or recheck < 0:
+            raise ValueError(f"explore must be >= 2, trials >= 1 and recheck >= 0, got "
+                             f"{explore}, {trials}, {recheck}")
         self.candidates = tuple(candidates)
         self.min_gain = min_gain
         self.repeats = repeats
         self.explore = explore
         self.trials = trials
+        self.recheck = recheck
         self._cache: dict[tuple, Calibration] = {}
         self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
@@ -379,20 +388,44 @@ class Planner:
                 plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, sent_rows=sent_rows)
                 tried.append(-plain[0])
-            state = self._shapes[key] = _Trials(tuple(sorted(tried, key=lambda c: (c < 0, abs(c)))),
-                                                {k: [] for k in tried})
-        if state.locked is None and state.explored(self.trials):
-            times = upload(state.scores(), weights.device, torch.float64)
-            slowest = read(all_reduce_max(times, group))
-            state.locked = trial_winner(state.candidates, slowest, self.min_gain)
-            if state.locked < 0:
-                self._say_plain_rows_won(wire, weights, slowest, state)
+            order = tuple(sorted(tried, key=lambda c: (c < 0, abs(c))))
+            state = self._shapes[key] = _Trials(order, {k: [] for k in tried},
+                                                calls=self.trials, active=order)
+        if state.locked is None and state.explored():
+            self._decide(state, weights, group, wire)
+            if state.locked is not None:
+                return Choice(abs(state.locked), plain_rows=state.locked < 0,
+                              decided=describe(state.stats, state.locked, state.rechecked))
         if state.locked is not None:
             return Choice(abs(state.locked), plain_rows=state.locked < 0)
-        k = state.next_candidate(self.trials)
+        k = state.next_candidate()
         sample: dict[str, Interval] = {}
         state.samples[k].append(sample)
         return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
+
+    def _decide(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any,
+                wire: tuple[WireFormat, WireFormat]) -> None:
+        """Lock a candidate, or once, where the lead is within the noise, ask for
+        ``recheck`` more calls of the close candidates (one collective: the group's slowest
+        rank per call)."""
+        times = state.times()
+        flat = upload([t for per in times for t in per], weights.device, torch.float64)
+        slowest = iter(read(all_reduce_max(flat, group)))
+        reduced = [[next(slowest) for _ in per] for per in times]
+        stats = trial_stats(state.candidates, reduced)
+        close = contenders(stats)
+        if len(close) > 1 and not state.rechecked and self.recheck > 0:
+            state.rechecked = True
+            state.active = tuple(close)
+            state.calls = max(len(state.samples[k]) for k in close) + self.recheck
+            return
+        medians = [st.median_s for st in stats]
+        state.locked = trial_winner(state.candidates, medians, self.min_gain)
+        state.stats = tuple(stats)
+        _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
+                  describe(stats, state.locked, state.rechecked))
+        if state.locked < 0:
+            self._say_plain_rows_won(wire, weights, medians, state)
 
     @staticmethod
     def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
@@ -412,7 +445,11 @@ class Planner:
                       "locked": None if s.locked is None else abs(s.locked),
                       "plain_rows": s.locked is not None and s.locked < 0,
                       "times": {k: [{p: i.seconds for p, i in t.items()} for t in v]
-                                for k, v in s.samples.items()}}
+                                for k, v in s.samples.items()},
+                      "stats": {st.candidate: {"median_s": st.median_s, "spread_s": st.spread_s,
+                                               "calls": st.calls} for st in s.stats},
+                      "rechecked": s.rechecked,
+                      "why": describe(s.stats, s.locked, s.rechecked) if s.stats else None}
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,

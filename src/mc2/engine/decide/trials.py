@@ -1,0 +1,96 @@
+"""``"auto"``'s decision from its trial calls: medians, spread, and a re-check inside the noise.
+
+Why not the best of two calls per K (what ``"auto"`` did): on a host shared with other work, or
+a link whose speed wanders, one lucky call decides, and a run can lock a K 1.7x slower than
+another run of the same command found. The trials therefore
+
+- run the candidates *round-robin* (K=1, K=2, K=4, K=1, ...), so a slow phase of the machine
+  hits every candidate rather than the one whose turn it was;
+- score each call by the group's *slowest rank* (the step waits for it), drop each candidate's
+  first call (its buffers are cold) and take the *median* of the rest, with half their range
+  as the spread;
+- when the best candidate's lead over another is within their spread, run more rounds of the
+  candidates that are that close (once), and decide on all their calls;
+- keep K = 1 unless a split is at least ``min_gain`` faster (:func:`trial_winner`).
+
+Every rank computes the same decision: the times are the group's maximum, reduced in one
+collective per decision step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class TrialStats:
+    """One candidate's measured calls.
+
+    Attributes:
+        candidate: K (negative: K with plain rows instead of the wire format).
+        median_s: median seconds of its measured calls (the group's slowest rank each).
+        spread_s: half the range of those calls (0 with one call).
+        calls: how many calls were measured (its warm-up call not counted).
+    """
+
+    candidate: int
+    median_s: float
+    spread_s: float
+    calls: int
+
+
+def trial_stats(candidates: Sequence[int], times: Sequence[Sequence[float]]) -> list[TrialStats]:
+    """Per candidate, the statistics of ``times[i]`` (its calls in order, each the group's
+    slowest rank's seconds); a candidate's first call is its warm-up and is dropped when
+    others follow."""
+    out = []
+    for k, calls in zip(candidates, times):
+        measured = list(calls[1:]) if len(calls) > 1 else list(calls)
+        spread = (max(measured) - min(measured)) / 2 if len(measured) > 1 else 0.0
+        out.append(TrialStats(k, statistics.median(measured), spread, len(measured)))
+    return out
+
+
+def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
+    """The candidate to lock from its trial times (the group's slowest rank's).
+
+    The fastest, except that K = 1 stays unless a split measured at least ``min_gain`` faster:
+    K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within what the
+    trial calls on a busy host can tell apart. (A negative candidate, plain rows instead of the
+    wire format, wins on time alone.)
+    """
+    best = min(range(len(seconds)), key=seconds.__getitem__)
+    if candidates[best] > 1 and 1 in candidates:
+        serial = seconds[list(candidates).index(1)]
+        if seconds[best] > serial * (1 - min_gain):
+            return 1
+    return candidates[best]
+
+
+def contenders(stats: Sequence[TrialStats]) -> list[int]:
+    """The candidates whose median is within the noise of the best one's (the best's spread or
+    theirs, whichever is larger), the best included; one candidate means the lead is clear."""
+    best = min(stats, key=lambda s: s.median_s)
+    return [s.candidate for s in stats
+            if s.median_s - best.median_s <= max(s.spread_s, best.spread_s)]
+
+
+def margin(stats: Sequence[TrialStats], winner: int) -> float:
+    """How much slower the runner-up is than ``winner``, as a fraction of the winner's median
+    (``inf`` with no other candidate)."""
+    mine = next(s for s in stats if s.candidate == winner).median_s
+    others = [s.median_s for s in stats if s.candidate != winner]
+    return min(others) / mine - 1 if others and mine > 0 else float("inf")
+
+
+def describe(stats: Sequence[TrialStats], winner: int, rechecked: bool) -> str:
+    """One line: what was measured and why ``winner`` was locked."""
+    def name(k: int) -> str:
+        return f"K={abs(k)}" + (" plain rows" if k < 0 else "")
+
+    measured = ", ".join(f"{name(s.candidate)} {s.median_s * 1e3:.1f} ms +-"
+                         f"{s.spread_s * 1e3:.1f} ({s.calls} calls)" for s in stats)
+    return (f"locked {name(winner)}: {measured}; runner-up {margin(stats, winner):+.1%}"
+            f"{' after a re-check inside the noise' if rechecked else ''}")
