@@ -11,6 +11,7 @@ import torch
 
 import mc2
 from tests.problems import make_problem
+from tests.workers_recompute import CollectiveCounter
 
 
 def _call(p, rank: int, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,29 +21,11 @@ def _call(p, rank: int, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], micro_batches=2, **options)
 
 
-class _Collectives:
+class _Collectives(CollectiveCounter):
     """Counts every collective (and group creation) issued through ``torch.distributed``."""
 
     NAMES = ("all_reduce", "all_to_all_single", "all_gather", "all_gather_object", "new_group",
              "barrier")
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.count = 0
-        self._dist, self._saved = dist, {n: getattr(dist, n) for n in self.NAMES}
-        for name, fn in self._saved.items():
-            setattr(dist, name, self._counting(fn))
-
-    def _counting(self, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    def close(self) -> None:
-        for name, fn in self._saved.items():
-            setattr(self._dist, name, fn)
 
 
 def _outcome(fn: Any) -> dict[str, Any]:
