@@ -1,0 +1,268 @@
+"""mc2 in Megatron-Core: :class:`MC2MoELayer`, a ``MoELayer`` whose dispatch, experts and
+combine are mc2's pipeline, and :func:`use_mc2`, which puts it in a layer or block spec.
+
+Tested with megatron-core 0.16.1 (the last release for Python 3.11, where ``MoELayer`` is
+placed by ``ModuleSpec(module=MoELayer, submodules=MoESubmodules(...))``). Megatron's token
+dispatcher is a closed if/elif in ``MoELayer.__init__``, so the seam is the layer, as in
+Ascend's MindSpeed (``--moe-alltoall-mc2``)::
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config, use_mc2(spec, config=mc2.MC2Config()), vocab_size, max_len)
+
+or, for a ``pretrain_gpt.py``-style script, ``import mc2.integrations.megatron_patch`` first.
+
+**What runs.** Megatron builds the router, the experts and the shared experts exactly as for
+its own layer, so ``state_dict`` and ``sharded_state_dict`` keys are its keys (the layer is a
+subclass holding the same submodules; the unused token dispatcher holds no tensors). The
+forward runs
+
+1. the shared experts, as Megatron runs them (its recompute setting included);
+2. Megatron's router untouched (``probs``, ``routing_map`` ``[T, E]``: top-k, group-limited
+   routing, softmax or sigmoid scores, expert bias and its token counters, aux / seq-aux /
+   global-aux / z losses, capacity factor with token dropping, ``padding_mask``);
+3. :func:`mc2.fused_expert_module` on the token rows with the top-k ids and the probabilities
+   taken from ``routing_map`` and ``probs``, on Megatron's expert-parallel group, with
+   Megatron's own experts module (``SequentialMLP``, ``TEGroupedMLP``, ``GroupedMLP``) as the
+   experts stage of each micro-batch.
+
+Megatron's experts take ``(tokens grouped by local expert, tokens_per_expert, probs)`` and
+scale each expert's activation by the token's probability; mc2 hands the stage unit weights and
+scales the expert's output after the combine. Without an output bias the two are the same
+product (``fc2`` is linear), so the probabilities' gradients are the same too. A slot the
+capacity factor dropped sends nothing: when the router can drop, the rows are the kept
+(token, expert) pairs, one expert each, and their outputs are summed back per token.
+
+**What is refused** (``ValueError`` naming the field, raised by ``__init__`` on every rank
+before Megatron builds anything, so before any collective): see :func:`megatron_problem`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.autograd.ops import fused_expert_module
+from mc2.engine.decide.config import MC2Config
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+# what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
+DEFAULT_CONFIG = MC2Config()
+TESTED_VERSIONS = ("0.16.1",)
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else group.size()
+
+
+def megatron_problem(config: Any, pg_collection: Any) -> str | None:
+    """Why :class:`MC2MoELayer` cannot honour this ``TransformerConfig`` (and process groups),
+    or ``None``. Every reason names the field to change.
+
+    The layer refuses what would compute something else than Megatron's ``MoELayer``, or what
+    it has not been checked against:
+
+    - ``expert_tensor_parallel_size`` > 1 and ``tensor_model_parallel_size`` > 1: the expert
+      and attention shards of a token live on several ranks, which mc2's exchange does not
+      gather;
+    - ``moe_pad_expert_input_to_capacity``: Megatron then sends padding rows as tokens;
+    - ``overlap_moe_expert_parallel_comm`` and ``moe_token_dispatcher_type="flex"``:
+      Megatron's own overlap and DeepEP/HybridEP dispatch, which the layer replaces (use one);
+    - ``add_bias_linear``: Megatron adds the experts' output bias unscaled, mc2 scales the whole
+      output by the probability;
+    - ``moe_apply_probs_on_input``: the probability scales the input, not the output;
+    - ``moe_latent_size``, ``fp8`` / ``fp4``, ``cuda_graph_impl``, ``delay_wgrad_compute``,
+      selective recompute of ``"moe"``: paths of Megatron's layer this one does not run;
+    - ``gradient_accumulation_fusion``: Megatron's fused weight-gradient kernel writes
+      ``main_grad`` of the parameter it was given, and mc2 runs the experts on stand-ins for
+      their parameters (the gradients reach ``.grad``, where Megatron's DDP hooks read them
+      when the fusion is off).
+    """
+    if _size(getattr(pg_collection, "expt_tp", None)) > 1 or (
+            getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
+        return ("expert_tensor_parallel_size must be 1 for MC2MoELayer (an expert split over "
+                f"ranks is not supported), got {config.expert_tensor_parallel_size}")
+    if getattr(config, "tensor_model_parallel_size", 1) > 1:
+        return ("tensor_model_parallel_size must be 1 for MC2MoELayer (tokens sharded over "
+                f"tensor-parallel ranks are not gathered), got {config.tensor_model_parallel_size}")
+    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        return ("moe_pad_expert_input_to_capacity is not supported by MC2MoELayer (a dropped slot "
+                "sends nothing; padding rows are not sent); set it to False")
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return ("overlap_moe_expert_parallel_comm is Megatron's own All-to-All overlap, which "
+                "MC2MoELayer replaces; set it to False")
+    dispatcher = getattr(config, "moe_token_dispatcher_type", "alltoall")
+    if dispatcher not in ("alltoall", "allgather"):
+        return (f"moe_token_dispatcher_type={dispatcher!r} is not supported by MC2MoELayer "
+                "(it runs its own dispatch); use 'alltoall'")
+    if getattr(config, "add_bias_linear", False):
+        return ("add_bias_linear must be False for MC2MoELayer (Megatron adds the experts' output "
+                "bias unscaled by the routing probability; mc2 scales the whole output)")
+    if getattr(config, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input is not supported by MC2MoELayer; set it to False"
+    if getattr(config, "moe_latent_size", None):
+        return "moe_latent_size is not supported by MC2MoELayer; set it to None"
+    for name in ("fp8", "fp4"):
+        if getattr(config, name, None):
+            return f"{name} is not supported by MC2MoELayer, got {getattr(config, name)!r}"
+    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+        return (f"cuda_graph_impl={config.cuda_graph_impl!r} is not supported by MC2MoELayer; "
+                "set it to 'none'")
+    if getattr(config, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute is not supported by MC2MoELayer; set it to False"
+    if getattr(config, "recompute_granularity", None) == "selective" and "moe" in (
+            getattr(config, "recompute_modules", None) or ()):
+        return ("recompute_modules must not hold 'moe' for MC2MoELayer (its recompute would run "
+                "the layer's collectives again); use full recompute or drop 'moe'")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        return ("gradient_accumulation_fusion must be False for MC2MoELayer (the experts' "
+                "weight gradients reach .grad, which Megatron's DDP adds to main_grad)")
+    return None
+
+
+class MC2MoELayer(MoELayer):
+    """Megatron's ``MoELayer`` with mc2's pipeline in place of its dispatcher's dispatch,
+    experts call and combine (see the module docstring).
+
+    Args:
+        config, submodules, layer_number, pg_collection: as ``MoELayer``.
+        mc2_config: how mc2's calls run (default :data:`DEFAULT_CONFIG`); every rank passes the
+            same. :func:`use_mc2` puts it in the spec's ``params``.
+
+    Raises:
+        ValueError: naming the field, for a setting :func:`megatron_problem` refuses.
+    """
+
+    def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
+                 pg_collection: Any = None, mc2_config: MC2Config | None = None) -> None:
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        if (problem := megatron_problem(config, pg_collection)) is not None:
+            raise ValueError(problem)
+        if mc2_config is not None and not isinstance(mc2_config, MC2Config):
+            raise ValueError(f"mc2_config must be an mc2.MC2Config, got "
+                             f"{type(mc2_config).__name__}")
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection)
+        self.mc2_config = mc2_config or DEFAULT_CONFIG
+
+    def forward(self, hidden_states: Tensor, intermediate_tensors: Any = None,
+                padding_mask: Tensor | None = None) -> tuple[Tensor, None]:
+        """``hidden_states [S, B, H]`` -> ``(output [S, B, H], None)``, as ``MoELayer``.
+
+        ``padding_mask [B, S]`` (True: a real token) goes to the router, as Megatron passes it.
+        """
+        if intermediate_tensors is not None:
+            raise ValueError("intermediate_tensors (partial CUDA-graph capture) is not supported "
+                             "by MC2MoELayer")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        if self.use_shared_expert and self.shared_expert_overlap:
+            # Megatron overlaps them inside its dispatcher, which does not run here
+            shared = self.shared_experts(hidden_states)
+        else:
+            shared = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        output = self.routed(hidden_states, probs, routing_map)
+        if shared is not None:
+            output = output + shared
+        return output, None
+
+    def routed(self, hidden_states: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+        """The routed experts' weighted sum for every token, through mc2's pipeline.
+
+        ``probs [T, E]`` (zero off the route) and ``routing_map [T, E] bool`` are the router's.
+        Without a capacity factor every token has ``moe_router_topk`` experts, taken from the
+        map; with one, a token may have fewer, and the kept (token, expert) pairs go as rows of
+        one expert each (a dropped slot sends nothing).
+        """
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if self.config.moe_expert_capacity_factor is None:
+            ids = routing_map.to(torch.int8).topk(self.config.moe_router_topk, dim=-1,
+                                                  sorted=False).indices
+            weights = probs.gather(1, ids)
+            out = self._pipeline(x, ids, weights)
+        else:
+            tokens, experts = routing_map.nonzero(as_tuple=True)
+            rows = self._pipeline(x.index_select(0, tokens), experts.unsqueeze(1),
+                                  probs[tokens, experts].unsqueeze(1))
+            out = x.new_zeros(x.shape).index_add(0, tokens, rows)
+        return out.reshape(shape)
+
+    def _pipeline(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        return fused_expert_module(x, self.experts, ids, weights.to(x.dtype),
+                                   group=self.ep_group, config=self.mc2_config,
+                                   num_experts=self.config.num_moe_experts,
+                                   local_experts=self.num_local_experts,
+                                   forward=self._experts_stage)
+
+    def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor) -> Tensor:
+        """mc2's experts-stage contract (rows grouped by local expert, local ids ``[R, 1]``,
+        unit weights ``[R, 1]``) as Megatron's experts call: ``tokens_per_expert`` on the host,
+        as Megatron's dispatchers hand it (its grouped GEMMs read it there)."""
+        counts = torch.bincount(local_ids.reshape(-1), minlength=self.num_local_experts).cpu()
+        out, bias = self.experts(rows, counts, weights.reshape(-1))
+        assert bias is None, "the experts' output bias is refused by megatron_problem"
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# specs
+
+
+def _is_moe_layer(module: Any) -> bool:
+    if isinstance(module, tuple) and len(module) == 2:  # (import path, name)
+        return module == ("megatron.core.transformer.moe.moe_layer", "MoELayer")
+    return module is MoELayer or module is MC2MoELayer
+
+
+def _rewrite(obj: Any, config: MC2Config, found: list[str], where: str) -> Any:
+    if isinstance(obj, ModuleSpec):
+        if _is_moe_layer(obj.module):
+            found.append(where)
+            params = {**obj.params, "mc2_config": config}
+            return dataclasses.replace(obj, module=MC2MoELayer, params=params)
+        if isinstance(obj.module, type) and issubclass(obj.module, MoELayer):
+            raise ValueError(f"use_mc2: {where} is {obj.module.__name__}, a MoELayer subclass of "
+                             "the model's own; use_mc2 replaces only MoELayer")
+        return dataclasses.replace(obj, submodules=_rewrite(obj.submodules, config, found,
+                                                            f"{where}.submodules"))
+    if isinstance(obj, functools.partial) and _is_moe_layer(obj.func):  # megatron-core >= 0.17
+        found.append(where)
+        return functools.partial(MC2MoELayer, *obj.args, **{**obj.keywords, "mc2_config": config})
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _rewrite(getattr(obj, f.name), config, found, f"{where}.{f.name}")
+                   for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes) if any(
+            changes[k] is not getattr(obj, k) for k in changes) else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_rewrite(v, config, found, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    return obj
+
+
+def use_mc2(spec: Any, *, config: MC2Config | None = None) -> Any:
+    """A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
+    block's ``TransformerBlockSubmodules``) whose ``MoELayer`` specs build :class:`MC2MoELayer`
+    with ``config``; their submodules (router, experts, shared experts) are kept, so the model's
+    parameters and checkpoint keys do not change. ``spec`` itself is not modified.
+
+    Raises:
+        ValueError: ``spec`` holds no ``MoELayer`` (``spec`` names the argument), or a subclass
+            of ``MoELayer`` of the model's own (which the rewrite would lose).
+    """
+    if config is not None and not isinstance(config, MC2Config):
+        raise ValueError(f"config must be an mc2.MC2Config, got {type(config).__name__}")
+    found: list[str] = []
+    out = _rewrite(copy.copy(spec), config or DEFAULT_CONFIG, found, "spec")
+    if not found:
+        raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
+    return out

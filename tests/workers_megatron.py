@@ -1,0 +1,218 @@
+"""Rank bodies of tests/test_megatron.py: Megatron-Core's own ``MoELayer`` (alltoall
+dispatcher) against :class:`mc2.integrations.megatron.MC2MoELayer` with the same weights and
+inputs, refusals, and a small ``GPTModel`` trained with and without mc2.
+
+Every function runs inside a rank of ``mc2.run_local``: it installs the tests' CPU shims
+(:mod:`tests.megatron_cpu`) and initialises Megatron's ``parallel_state`` with
+``expert_model_parallel_size = world`` before building anything.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+# the cases of test_megatron.py: TransformerConfig fields over the base, and mc2's settings
+HIDDEN, FFN, SEQ, BATCH = 16, 24, 6, 3
+CASES: dict[str, dict[str, Any]] = {
+    "top1": dict(num_moe_experts=4, moe_router_topk=1, moe_router_pre_softmax=True),
+    "top2_aux_loss": dict(num_moe_experts=4, moe_router_topk=2,
+                          moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+    "top8": dict(num_moe_experts=8, moe_router_topk=8),
+    "sigmoid_expert_bias": dict(num_moe_experts=8, moe_router_topk=2,
+                                moe_router_score_function="sigmoid",
+                                moe_router_enable_expert_bias=True,
+                                moe_router_load_balancing_type="seq_aux_loss",
+                                moe_aux_loss_coeff=0.1),
+    "group_limited_z_loss": dict(num_moe_experts=8, moe_router_topk=2, moe_router_num_groups=4,
+                                 moe_router_group_topk=2, moe_z_loss_coeff=0.01,
+                                 moe_router_pre_softmax=True),
+    "capacity_drops": dict(num_moe_experts=4, moe_router_topk=2, moe_expert_capacity_factor=0.5,
+                           moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+    "capacity_drops_position": dict(num_moe_experts=8, moe_router_topk=2,
+                                    moe_expert_capacity_factor=0.75,
+                                    moe_token_drop_policy="position"),
+    "shared_experts": dict(num_moe_experts=4, moe_router_topk=2,
+                           moe_shared_expert_intermediate_size=20),
+    "shared_experts_gate_overlap": dict(num_moe_experts=4, moe_router_topk=2,
+                                        moe_shared_expert_intermediate_size=20,
+                                        moe_shared_expert_gate=True,
+                                        moe_shared_expert_overlap=True),
+    "dedup_micro_batches_3": dict(num_moe_experts=8, moe_router_topk=4, mc2=dict(dedup=True,
+                                                                                micro_batches=3)),
+    "serial": dict(num_moe_experts=4, moe_router_topk=2, mc2=dict(overlap=False,
+                                                                 micro_batches=1)),
+    "padding_mask": dict(num_moe_experts=4, moe_router_topk=2, padding=True,
+                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
+}
+
+REFUSALS: dict[str, dict[str, Any]] = {
+    "moe_pad_expert_input_to_capacity": dict(moe_expert_capacity_factor=1.0,
+                                             moe_pad_expert_input_to_capacity=True),
+    "overlap_moe_expert_parallel_comm": dict(overlap_moe_expert_parallel_comm=True),
+    "moe_token_dispatcher_type": dict(moe_token_dispatcher_type="flex"),
+    "add_bias_linear": dict(add_bias_linear=True),
+    "moe_apply_probs_on_input": dict(moe_apply_probs_on_input=True, moe_router_topk=1,
+                                     moe_router_pre_softmax=True),
+    "gradient_accumulation_fusion": dict(gradient_accumulation_fusion=True),
+    "delay_wgrad_compute": dict(delay_wgrad_compute=True),
+    "expert_tensor_parallel_size": dict(expert_tensor_parallel_size=2),
+    "tensor_model_parallel_size": dict(tensor_model_parallel_size=2),
+    "moe_latent_size": dict(moe_latent_size=8),
+    "fp8": dict(fp8="e4m3"),
+    "cuda_graph_impl": dict(cuda_graph_impl="local"),
+    "recompute_modules": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+}
+
+
+def start(world: int) -> None:
+    """The shims, then Megatron's process groups with every rank one expert-parallel rank."""
+    from tests import megatron_cpu
+
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+
+
+def transformer_config(world: int, **fields: Any) -> Any:
+    """A float32 TransformerConfig of a small SwiGLU MoE, ``fields`` over the base."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base: dict[str, Any] = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=world, use_cpu_initialization=True, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False, moe_router_load_balancing_type="none",
+        params_dtype=torch.float32)
+    base.update(fields)
+    return TransformerConfig(**base)
+
+
+def _fill(module: torch.nn.Module, rank: int) -> None:
+    """Every parameter (and the expert bias) from a generator seeded by its name; the routed
+    experts' also by rank (each rank holds other experts), the rest alike on every rank."""
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if not t.is_floating_point() or "tokens_per_expert" in name:
+                continue
+            own = rank if name.startswith("experts.") else 0
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * own)
+            t.copy_(torch.randn(t.shape, generator=g) * (0.3 if "bias" in name else 0.5))
+
+
+def _aux_losses() -> dict[str, float]:
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return {name: float(v["values"].sum()) for name, v in
+            get_moe_layer_wise_logging_tracker().items()}
+
+
+def _run(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, padding: Any
+         ) -> dict[str, Any]:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+    x = x.detach().clone().requires_grad_(True)
+    out, bias = layer(x, padding_mask=padding)
+    assert bias is None
+    (out * grad).sum().backward()
+    found = {"out": out.detach(), "x.grad": x.grad}
+    found.update({f"grad {n}": p.grad for n, p in layer.named_parameters()})
+    router = layer.router
+    if getattr(router, "local_tokens_per_expert", None) is not None:
+        found["router tokens_per_expert"] = router.local_tokens_per_expert.clone()
+    losses = _aux_losses()
+    return found, losses
+
+
+def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    """For each case: Megatron's MoELayer and MC2MoELayer (loaded from its state_dict) on the
+    same input and output gradient. Returns, per case, the worst relative error of each
+    tensor, the two layers' aux losses, the state-dict keys' equality, and the dropped-slot
+    count (how many (token, expert) slots the router's capacity dropped on this rank)."""
+    import mc2
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mc2.integrations.megatron import MC2MoELayer, use_mc2
+
+    start(world)
+    results: dict[str, Any] = {}
+    for name in names:
+        fields = dict(CASES[name])
+        options = fields.pop("mc2", {"micro_batches": 2})
+        padding = fields.pop("padding", False)
+        config = transformer_config(world, **fields)
+        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                                   moe_grouped_gemm=False)
+        reference = build_module(spec, config=config)
+        layer = build_module(use_mc2(spec, config=mc2.MC2Config(**options)), config=config)
+        assert type(layer) is MC2MoELayer, type(layer)
+        for m in (reference, layer):
+            m.set_layer_number(1)
+            m.train()
+        _fill(reference, rank)
+        missing = layer.load_state_dict(reference.state_dict(), strict=True)
+        g = torch.Generator().manual_seed(17 + rank)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        grad = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        mask = None
+        if padding:  # [B, S], True for a real token; the last two positions pad
+            mask = torch.ones(BATCH, SEQ, dtype=torch.bool)
+            mask[:, -2:] = False
+        want, want_losses = _run(reference, x, grad, mask)
+        got, got_losses = _run(layer, x, grad, mask)
+        errors = {}
+        for key, ref in want.items():
+            if ref is None:
+                errors[key] = 0.0 if got[key] is None else float("inf")
+                continue
+            scale = float(ref.abs().max()) or 1.0
+            errors[key] = float((got[key] - ref).abs().max()) / scale
+        dropped = 0
+        if config.moe_expert_capacity_factor is not None:
+            with torch.no_grad():
+                _, routing_map = layer.router(x)
+            dropped = SEQ * BATCH * config.moe_router_topk - int(routing_map.sum())
+        results[name] = {
+            "errors": errors, "losses": (want_losses, got_losses),
+            "keys_equal": sorted(reference.state_dict()) == sorted(layer.state_dict())
+            and not missing.missing_keys and not missing.unexpected_keys,
+            "dropped": dropped, "expert_grads": sum(k.startswith("grad experts.") for k in errors),
+        }
+    return results
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    """Each refused setting: the ValueError's message (or what happened instead). Then one
+    collective on the EP group, which every rank reaches: nobody was left inside one."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mc2.integrations.megatron import use_mc2
+
+    start(world)
+    found: dict[str, str] = {}
+    for field, fields in REFUSALS.items():
+        # set after Megatron's own checks (some settings need bf16, virtual pipelines, ...):
+        # what is tested is the layer's refusal, not TransformerConfig's
+        config = transformer_config(world, num_moe_experts=4, moe_router_topk=2,
+                                    moe_router_pre_softmax=True)
+        for name, value in fields.items():
+            setattr(config, name, value)
+        spec = use_mc2(get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False))
+        try:
+            build_module(spec, config=config)
+            found[field] = "built"
+        except ValueError as exc:
+            found[field] = f"ValueError: {exc}"
+    ones = torch.ones(1)
+    torch.distributed.all_reduce(ones, group=parallel_state.get_expert_model_parallel_group())
+    found["after"] = str(int(ones.item()))
+    return found
