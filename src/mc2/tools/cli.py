@@ -13,6 +13,7 @@ from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
 from mc2.tools.demo import DEMO, add_demo_arguments, run_demo
+from mc2.tools.traces import write_traces
 from mc2.tools.train import add_train_parser, run_train_command
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
@@ -169,26 +170,6 @@ def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return 0
-
-
-def write_traces(report: BenchReport, folder: Path) -> list[Path]:
-    """Chrome trace of every mode, Gantt of serial vs best MC2, per-rank metrics."""
-    from mc2.observation.plot import plot_gantt
-    from mc2.observation.profiler import metrics_dict, metrics_of, write_chrome_trace
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokens = report.config.tokens_per_rank
-    per_mode = {mode: [metrics_dict(metrics_of(spans, tokens=tokens)) for spans in ranks]
-                for mode, ranks in report.traces.items()}
-    metrics_path = folder / "metrics.json"
-    metrics_path.write_text(json.dumps(
-        {"per_mode_per_rank": per_mode, "profiler_overhead": report.profiler_overhead}, indent=2))
-    pair = {m: report.traces[m] for m in ("serial", report.best.mode)}
-    return [write_chrome_trace(folder / "trace.json", report.traces),
-            plot_gantt(pair, folder / "gantt.png",
-                       title=f"serial vs {report.best.mode}: {report.world_size} ranks x "
-                             f"{tokens} tokens, forward + backward"),
-            metrics_path]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"mc2: {exc}", file=sys.stderr)
             return 2
-        return run_demo(args, cfg)
+        return run_demo(args, cfg, prediction=lambda: _simulate(
+            build_parser().parse_args(["simulate"])))
     return _run(args, BenchConfig(), "mc2 bench")
 
 

@@ -30,6 +30,7 @@ import shutil
 import sys
 import time
 from dataclasses import replace
+from typing import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,14 +182,13 @@ def article_table(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def _prediction() -> None:
-    """``mc2 simulate``'s defaults: the article's Atlas 800I A2 and Mixtral 8x7B."""
-    from mc2.tools.cli import _simulate, build_parser
-
-    args = build_parser().parse_args(["simulate"])
-    print(f"the simulator's prediction for the article's setup instead (`mc2 simulate "
-          f"--hardware {args.hardware} --model {args.model}`):")
-    _simulate(args)
+def _predict(prediction: Callable[[], object] | None) -> None:
+    """The simulator's prediction for the article's setup (``mc2 simulate``'s defaults: Atlas
+    800I A2, Mixtral 8x7B), which the command line hands in (``prediction``)."""
+    print("the simulator's prediction for the article's setup instead (`mc2 simulate`: "
+          "Atlas 800I A2, Mixtral 8x7B):")
+    if prediction is not None:
+        prediction()
 
 
 def _stage(text: str) -> None:
@@ -206,10 +206,11 @@ def _gantt_folder(args: argparse.Namespace) -> tuple[Path | None, str]:
     return GANTT_DIR, ""
 
 
-def run_demo(args: argparse.Namespace, cfg: BenchConfig) -> int:
+def run_demo(args: argparse.Namespace, cfg: BenchConfig,
+             prediction: Callable[[], object] | None = None) -> int:
     """Part 1 (loopback, fixed K and auto), part 2 (the emulated cluster, or why not and the
     simulator's prediction), the Gantt picture and the wall time; 0 on success."""
-    from mc2.tools.cli import write_traces
+    from mc2.tools.traces import write_traces
 
     start = time.monotonic()
     cfg = replace(cfg, auto=True, quiet=True)
@@ -236,7 +237,7 @@ def run_demo(args: argparse.Namespace, cfg: BenchConfig) -> int:
     cluster_start = time.monotonic()
     if why_not is not None:
         print(f"2. the article's regime: not measured here: {why_not}")
-        _prediction()
+        _predict(prediction)
     else:
         from mc2.tools.netns import EmulatedCluster, NetnsError
 
@@ -253,7 +254,7 @@ def run_demo(args: argparse.Namespace, cfg: BenchConfig) -> int:
                                     rank_env=built.rank_environment)
         except (NetnsError, ValueError) as exc:
             print(f"2. the article's regime: the emulated cluster failed: {exc}")
-            _prediction()
+            _predict(prediction)
         else:
             print(f"2. the article's regime: {nodes} emulated nodes x {per_node} rank(s), each "
                   f"node in its own network namespace, the link between them shaped to {rate} "
