@@ -132,7 +132,8 @@ class BenchReport:
     sync_fallbacks: dict[str, str] = field(default_factory=dict)  # mode -> why it ran sync
     auto_k: int = 0  # the K "auto" chose (0: not run)
     explore_calls: int = 0  # calls "auto" ran before it locked K (its trials), untimed
-    auto_trials: dict[int, float] = field(default_factory=dict)  # K -> rank 0's best trial, s
+    auto_trials: dict[int, float] = field(default_factory=dict)  # K -> its trials' median, s
+    auto_why: str | None = None  # the planner's own line: what it measured, why it locked
     predicted_s: dict[int, float] = field(default_factory=dict)  # planner's step time per K
     predicted_serial_s: float = float("nan")
     # mode -> the slowest rank's step time in each timed round, in round order: every mode runs
@@ -268,9 +269,10 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
     decisions = list(planner.decisions().values())
     locked = [d["locked"] for d in decisions]
     plan["auto_k"] = locked[0] if locked else plan["auto_k"]
-    if decisions:  # what the lock was decided on (this rank's view; the lock takes the slowest)
-        plan["auto_trials"] = {abs(k): min(sum(t.values()) for t in trials)
-                               for k, trials in decisions[0]["times"].items() if trials}
+    if decisions:  # what the lock was decided on: the group's slowest rank, median per K
+        plan["auto_trials"] = {abs(k): st["median_s"] for k, st in decisions[0]["stats"].items()
+                               if k > 0}
+        plan["auto_why"] = decisions[0]["why"]
     plan["explore_calls"] = calls
     return plan
 
@@ -341,6 +343,7 @@ def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
     report.auto_k = raw.get("auto_k", 0)
     report.explore_calls = raw.get("explore_calls", 0)
     report.auto_trials = raw.get("auto_trials", {})
+    report.auto_why = raw.get("auto_why")
     report.sync_fallbacks = raw.get("fallbacks", {})
     report.predicted_s = raw.get("predicted", {})
     report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
@@ -452,4 +455,6 @@ def format_plan(report: BenchReport) -> str:
                  f"{auto.step_s * 1e3:.1f} ms; best measured "
                  f"{best.mode}: {best.step_s * 1e3:.1f} ms; auto/best {auto.step_s / best.step_s:.3f}"
                  + (f"; auto/K=1 {auto.step_s / k1.step_s:.3f}" if k1 else ""))
+    if report.auto_why:
+        lines.append(f"auto {report.auto_why}")
     return "\n".join(lines)

@@ -149,7 +149,7 @@ def auto_line(report: BenchReport) -> str:
              else f"splits into K = {report.auto_k}")
     trials = ", ".join(f"K={k} {t * 1e3:.0f} ms" for k, t in sorted(report.auto_trials.items()))
     return (f"mc2's default, micro_batches='auto', {split} here: its model ranked the K, "
-            f"{report.explore_calls} untimed calls tried the best few (best trial, rank 0: "
+            f"{report.explore_calls} untimed calls tried the best few (median trial, slowest rank: "
             f"{trials or 'none recorded'}) and it locked K={report.auto_k}; auto/serial step "
             f"time {ratio:.3f} (median of the rounds' ratios, spread +-{spread:.3f}): "
             f"{verdict}. Best fixed K: {best.mode} at {best.speedup:.3f}x serial's speed.")
