@@ -56,6 +56,43 @@ _STREAM = _HostStream()
 _INSTALLED = False
 
 
+class _HostRNGTracker:
+    """Megatron's CUDA RNG tracker (named generator states that dropout forks into) over the
+    CPU generator. Megatron-LM's ``model_parallel_cuda_manual_seed`` would call
+    ``torch.cuda.manual_seed``; here each named state is a CPU state seeded as Megatron seeds
+    it. (The tests run without dropout; the states are only forked into and out of.)"""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.states_ = {}
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Any:
+        if name not in self.states_:
+            raise KeyError(f"rng state {name!r} was not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
 def install() -> None:
     """Install the shims in this process (idempotent). Call before Megatron builds a layer."""
     global _INSTALLED
@@ -84,4 +121,25 @@ def install() -> None:
         return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = host_splits
+
+    # the RNG tracker that attention's dropout forks into, on the CPU generator
+    import megatron.core.tensor_parallel.random as random
+
+    random._CUDA_RNG_STATE_TRACKER = _HostRNGTracker()
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    seed_rng(1234)
     _INSTALLED = True
+
+
+def seed_rng(seed: int, rank: int = 0) -> None:
+    """Seed the named RNG states as ``model_parallel_cuda_manual_seed(seed)`` does (the
+    model-parallel state ``seed + 2718``, the expert-parallel one also by ``rank``), on the CPU
+    generator."""
+    import megatron.core.tensor_parallel.random as random
+
+    tracker = random._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * (rank + 1))
+    tracker.add(random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)

@@ -4,7 +4,10 @@ dispatcher, ``SequentialMLP`` experts) with the same weights (one loaded from th
 gradient, the router's and every expert's weight gradient within 1e-5 of Megatron's, the aux /
 seq-aux / z losses Megatron logs equal, the expert bias's token counters equal, state-dict keys
 identical. One world per size runs every case (tests/workers_megatron.py). Refusals raise
-``ValueError`` naming the field on every rank, and the ranks then meet in a collective.
+``ValueError`` naming the field on every rank, and the ranks then meet in a collective. A small
+``GPTModel`` built with ``use_mc2`` trains under Megatron's DDP with the same losses as without
+it, with the same checkpoint keys; ``import mc2.integrations.megatron_patch`` turns the GPT
+spec functions' MoE layers into ``MC2MoELayer`` with the config from ``MC2_MEGATRON_CONFIG``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import mc2  # noqa: E402
-from tests.workers_megatron import CASES, REFUSALS, compare_layers, refusals  # noqa: E402
+from tests.workers_megatron import (  # noqa: E402
+    CASES, REFUSALS, STEPS, compare_layers, gpt_training, patched_specs, refusals)
 
 TOLERANCE = 1e-5
 
@@ -63,3 +67,56 @@ def test_refusals_raise_naming_the_field_on_every_rank() -> None:
             message = found[field]
             assert message.startswith("ValueError: "), f"rank {rank}, {field}: {message}"
             assert field in message, f"rank {rank}: {message} does not name {field}"
+
+
+@pytest.mark.parametrize("overlap_grad_reduce", [True, False])
+def test_gpt_model_with_use_mc2_trains_as_megatrons(overlap_grad_reduce: bool) -> None:
+    for rank, found in enumerate(mc2.run_local(gpt_training, 2, args=(overlap_grad_reduce,),
+                                               deadline_s=600)):
+        assert found["mc2_layers"] == [True, True], found["mc2_layers"]
+        assert found["megatron_layers"] == ["MoELayer", "MoELayer"]
+        megatron, ours = found["losses megatron"], found["losses mc2"]
+        assert len(ours) == STEPS
+        assert ours == pytest.approx(megatron, rel=TOLERANCE), (rank, ours, megatron)
+        assert len(set(megatron)) == STEPS  # the steps changed the model
+        assert found["keys"]["mc2"] == found["keys"]["megatron"]
+        assert found["sharded_keys"]["mc2"] == found["sharded_keys"]["megatron"]
+        assert any(".mlp.experts." in k for k in found["keys"]["mc2"])
+        trained, reloaded = found["reload"]
+        assert reloaded == pytest.approx(trained, rel=TOLERANCE), "checkpoint without mc2"
+
+
+@pytest.mark.parametrize("source", ["text", "file"])
+def test_one_import_patches_the_gpt_specs(source: str, tmp_path) -> None:
+    text = '{"micro_batches": 3, "dedup": true}'
+    env = text
+    if source == "file":
+        path = tmp_path / "mc2.json"
+        path.write_text(text)
+        env = str(path)
+    want = mc2.MC2Config(micro_batches=3, dedup=True)
+    for found in mc2.run_local(patched_specs, 2, args=(env,)):
+        # the decoder block's two layers, a layer spec, a MoE spec
+        assert found["patched"] == [("MC2MoELayer", want)] * 4
+        assert found["built"] == ["MC2MoELayer", "MC2MoELayer"]
+        assert found["unpatched"] == [("MoELayer", None)] * 4
+
+
+def test_config_from_env_refuses_naming_the_variable(tmp_path) -> None:
+    from mc2.integrations.megatron import DEFAULT_CONFIG, ENV, config_from_env
+
+    assert config_from_env("") is DEFAULT_CONFIG
+    assert config_from_env('{"overlap": false}') == mc2.MC2Config(overlap=False)
+    for bad in ['{"micro_batches": 0}', '{"nope": 1}', "[1]", "{not json",
+                str(tmp_path / "missing.json")]:
+        with pytest.raises(ValueError, match=ENV):
+            config_from_env(bad)
+
+
+def test_use_mc2_refuses_a_spec_without_moe_layer() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mc2.integrations.megatron import use_mc2
+
+    with pytest.raises(ValueError, match="no MoELayer"):
+        use_mc2(get_gpt_layer_local_spec())

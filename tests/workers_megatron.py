@@ -216,3 +216,125 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     torch.distributed.all_reduce(ones, group=parallel_state.get_expert_model_parallel_group())
     found["after"] = str(int(ones.item()))
     return found
+
+
+def _gpt(config: Any, spec: Any) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ)
+
+
+VOCAB, STEPS = 32, 4
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(5 + rank)
+    position = torch.arange(SEQ).expand(BATCH, SEQ)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)  # True: masked
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), position, causal)
+            for _ in range(STEPS + 1)]
+
+
+def gpt_training(rank: int, world: int, overlap_grad_reduce: bool) -> dict[str, Any]:
+    """A 2-layer GPTModel (Megatron's local spec, 4 experts top-2, aux loss) built from the
+    spec and from ``use_mc2(spec)``, the same weights, each wrapped in Megatron's
+    DistributedDataParallel and trained ``STEPS`` Adam steps on the same batches (the
+    gradients read from ``main_grad``, where Megatron's DDP puts them; Megatron's own optimizer
+    allocates on CUDA and cannot run here). Returns both models' losses, their state-dict and
+    sharded-state-dict keys, which layers are MC2MoELayer on Megatron's EP group, and the loss
+    of an unpatched model loaded from the trained mc2 model's state_dict against the mc2
+    model's on the next batch."""
+    import mc2
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mc2.integrations.megatron import MC2MoELayer, use_mc2
+
+    start(world)
+    config = transformer_config(world, num_layers=2, num_moe_experts=4, moe_router_topk=2,
+                                moe_router_load_balancing_type="aux_loss",
+                                moe_aux_loss_coeff=0.01, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    models = {"megatron": _gpt(config, spec),
+              "mc2": _gpt(config, use_mc2(spec, config=mc2.MC2Config(micro_batches=2)))}
+    _fill_model(models["megatron"], rank)
+    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    ep = parallel_state.get_expert_model_parallel_group()
+    found: dict[str, Any] = {
+        "mc2_layers": [type(layer.mlp) is MC2MoELayer and layer.mlp.ep_group is ep
+                       for layer in models["mc2"].decoder.layers],
+        "megatron_layers": [type(layer.mlp).__name__ for layer in models["megatron"].decoder.layers],
+        "keys": {name: sorted(m.state_dict()) for name, m in models.items()},
+        "sharded_keys": {name: sorted(m.sharded_state_dict()) for name, m in models.items()},
+    }
+    batches = _batches(rank)
+    for name, model in models.items():
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+        losses = []
+        for ids, position, mask in batches[:STEPS]:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = ddp(ids, position, mask, labels=ids).mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            for p in ddp.parameters():
+                p.grad = p.main_grad
+            optimizer.step()
+            losses.append(float(loss))
+        found[f"losses {name}"] = losses
+    # the trained mc2 model's checkpoint in a model without mc2
+    plain = _gpt(config, spec)
+    plain.load_state_dict(models["mc2"].state_dict(), strict=True)
+    ids, position, mask = batches[STEPS]
+    with torch.no_grad():
+        found["reload"] = [float(m.eval()(ids, position, mask, labels=ids).mean())
+                           for m in (models["mc2"], plain)]
+    return found
+
+
+def _fill_model(model: torch.nn.Module, rank: int) -> None:
+    """:func:`_fill` over a model: the routed experts (``.mlp.experts.``) by rank."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or "tokens_per_expert" in name:
+                continue
+            own = rank if ".mlp.experts." in name else 0
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * own)
+            scale = 0.0 if name.endswith("bias") else 0.5 if "layernorm" not in name else 0.1
+            t.copy_(torch.randn(t.shape, generator=g) * scale + (1.0 if "layernorm.weight" in name
+                                                                    or name.endswith("norm.weight")
+                                                                    else 0.0))
+
+
+def patched_specs(rank: int, world: int, env: str) -> dict[str, Any]:
+    """``import mc2.integrations.megatron_patch`` with ``MC2_MEGATRON_CONFIG=env``, then the
+    GPT spec functions a pretrain_gpt-style script calls: what their MoE specs build and with
+    which config; then the same after ``unpatch()``."""
+    import os
+
+    os.environ["MC2_MEGATRON_CONFIG"] = env
+    start(world)
+    import mc2.integrations.megatron_patch as patch
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    config = transformer_config(world, num_layers=2, num_moe_experts=4, moe_router_topk=2)
+
+    def moe_modules() -> list[Any]:
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        layer = specs.get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+        moe = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
+        mlps = [s.submodules.mlp for s in block.layer_specs] + [layer.submodules.mlp, moe]
+        return [(m.module.__name__, m.params.get("mc2_config")) for m in mlps]
+
+    found = {"patched": moe_modules()}
+    model = _gpt(config, specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+    found["built"] = [type(layer.mlp).__name__ for layer in model.decoder.layers]
+    patch.unpatch()
+    found["unpatched"] = moe_modules()
+    return found

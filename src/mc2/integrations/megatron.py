@@ -38,9 +38,11 @@ before Megatron builds anything, so before any collective): see :func:`megatron_
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
 TESTED_VERSIONS = ("0.16.1",)
+# the config of mc2.integrations.megatron_patch: JSON text or a JSON file's path
+ENV = "MC2_MEGATRON_CONFIG"
 
 
 def _size(group: Any) -> int:
@@ -214,6 +218,36 @@ class MC2MoELayer(MoELayer):
         return out
 
 
+def config_from_env(value: str | None = None) -> MC2Config:
+    """The :class:`~mc2.MC2Config` that ``value`` (default: the environment variable
+    :data:`ENV`) names: JSON text or a JSON file's path.
+
+    Raises:
+        ValueError: naming :data:`ENV`, for a missing file, text that is not a JSON object, or
+            a field ``MC2Config`` does not have or refuses.
+    """
+    value = os.environ.get(ENV, "") if value is None else value
+    text = value.strip()
+    if not text:
+        return DEFAULT_CONFIG
+    if not text.startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"{ENV}={value!r} is neither JSON text nor the path of a file")
+        text = path.read_text()
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV}: not JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{ENV}: expected a JSON object of MC2Config fields, got "
+                         f"{type(values).__name__}")
+    try:
+        return MC2Config.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{ENV}: {exc}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # specs
 
@@ -224,36 +258,41 @@ def _is_moe_layer(module: Any) -> bool:
     return module is MoELayer or module is MC2MoELayer
 
 
-def _rewrite(obj: Any, config: MC2Config, found: list[str], where: str) -> Any:
+def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str) -> Any:
     if isinstance(obj, ModuleSpec):
         if _is_moe_layer(obj.module):
             found.append(where)
-            params = {**obj.params, "mc2_config": config}
-            return dataclasses.replace(obj, module=MC2MoELayer, params=params)
+            return dataclasses.replace(obj, module=MC2MoELayer, params={**obj.params, **extra})
         if isinstance(obj.module, type) and issubclass(obj.module, MoELayer):
             raise ValueError(f"use_mc2: {where} is {obj.module.__name__}, a MoELayer subclass of "
                              "the model's own; use_mc2 replaces only MoELayer")
-        return dataclasses.replace(obj, submodules=_rewrite(obj.submodules, config, found,
+        return dataclasses.replace(obj, submodules=_rewrite(obj.submodules, extra, found,
                                                             f"{where}.submodules"))
     if isinstance(obj, functools.partial) and _is_moe_layer(obj.func):  # megatron-core >= 0.17
         found.append(where)
-        return functools.partial(MC2MoELayer, *obj.args, **{**obj.keywords, "mc2_config": config})
+        return functools.partial(MC2MoELayer, *obj.args, **{**obj.keywords, **extra})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _rewrite(getattr(obj, f.name), config, found, f"{where}.{f.name}")
+        changes = {f.name: _rewrite(getattr(obj, f.name), extra, found, f"{where}.{f.name}")
                    for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **changes) if any(
             changes[k] is not getattr(obj, k) for k in changes) else obj
     if isinstance(obj, (list, tuple)):
-        items = [_rewrite(v, config, found, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items = [_rewrite(v, extra, found, f"{where}[{i}]") for i, v in enumerate(obj)]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
     return obj
 
 
-def use_mc2(spec: Any, *, config: MC2Config | None = None) -> Any:
+def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None) -> Any:
     """A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
     block's ``TransformerBlockSubmodules``) whose ``MoELayer`` specs build :class:`MC2MoELayer`
     with ``config``; their submodules (router, experts, shared experts) are kept, so the model's
     parameters and checkpoint keys do not change. ``spec`` itself is not modified.
+
+    ``pg_collection``: for a model built with a ``ProcessGroupCollection`` of its own. Megatron
+    0.16.1's ``TransformerLayer`` hands its collection to an MLP whose spec module is exactly
+    ``MoELayer`` (or one of its experts classes), not to a subclass, which then takes the
+    global ``parallel_state`` groups as ``MoELayer`` itself does without one; a model on the
+    global groups (``pretrain_gpt.py``'s) needs nothing here.
 
     Raises:
         ValueError: ``spec`` holds no ``MoELayer`` (``spec`` names the argument), or a subclass
@@ -262,7 +301,10 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None) -> Any:
     if config is not None and not isinstance(config, MC2Config):
         raise ValueError(f"config must be an mc2.MC2Config, got {type(config).__name__}")
     found: list[str] = []
-    out = _rewrite(copy.copy(spec), config or DEFAULT_CONFIG, found, "spec")
+    extra: dict[str, Any] = {"mc2_config": config or DEFAULT_CONFIG}
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
+    out = _rewrite(spec, extra, found, "spec")
     if not found:
         raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
     return out
