@@ -1,0 +1,163 @@
+"""Megatron-Core's own ``MoELayer`` (alltoall dispatcher, ``SequentialMLP``) against the same
+layer through mc2 (:class:`mc2.integrations.megatron.MC2MoELayer`), the same weights.
+
+2 local Gloo ranks, one thread each, megatron-core 0.16.1 with the tests' CPU shims
+(``tests/megatron_cpu.py``). One step is the peers' work (``../shared/peers``): ``y =
+layer(x); y.backward(dy)``, ``x`` and every parameter requiring grad, float32, SwiGLU experts,
+dropless, no aux loss; gradients set to None between steps, outside the timed region; a
+barrier before every step; a step's time is the slowest rank's. Each round runs every
+implementation in turn (one untimed step, then ``--steps`` timed ones); an implementation's
+figure is the median over rounds of its per-round median. mc2 variants: ``mc2`` (``"auto"``:
+its exploration calls run in untimed steps before the first round), ``mc2_k<N>`` (K fixed),
+``mc2_dedup`` (rows once per destination, ``"auto"``).
+
+Regimes: ``plain`` (loopback as it is) and ``<N>mbit`` (loopback shaped with ``tc tbf``, root;
+every process on the machine shares ``lo``, so only on a machine of your own)::
+
+    .venv/bin/python benchmarks/megatron_layer.py --tokens 1024 --hidden 512 --ffn 1024
+    .venv/bin/python benchmarks/megatron_layer.py            # the peers' shape, 4096 tok/rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import mc2  # noqa: E402
+
+
+def _config(variant: str) -> mc2.MC2Config:
+    if variant == "mc2":
+        return mc2.MC2Config()
+    if variant == "mc2_dedup":
+        return mc2.MC2Config(dedup=True)
+    if variant.startswith("mc2_k"):
+        return mc2.MC2Config(micro_batches=int(variant.removeprefix("mc2_k")))
+    raise ValueError(f"impls: unknown implementation {variant!r}")
+
+
+def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps: int,
+          rounds: int) -> dict[str, Any]:
+    from tests import megatron_cpu
+
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mc2.integrations.megatron import use_mc2
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=8,
+        ffn_hidden_size=shape["ffn"], moe_ffn_hidden_size=shape["ffn"],
+        num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
+        use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        moe_router_load_balancing_type="none", params_dtype=torch.float32)
+    spec = get_moe_module_spec(use_te=False, num_experts=shape["experts"], moe_grouped_gemm=False)
+    torch.manual_seed(0)  # the router alike on every rank
+    reference = build_module(spec, config=config)
+    with torch.no_grad():  # this rank's experts, seeded by rank
+        g = torch.Generator().manual_seed(100 + rank)
+        for name, p in reference.named_parameters():
+            if name.startswith("experts."):
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    layers = {"megatron": reference}
+    for impl in impls:
+        if impl != "megatron":
+            layers[impl] = build_module(use_mc2(spec, config=_config(impl)), config=config)
+            layers[impl].load_state_dict(reference.state_dict())
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g)
+    dy = torch.randn(shape["tokens"], 1, shape["hidden"], generator=g)
+
+    def step(layer: torch.nn.Module) -> float:
+        for p in layer.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_(True)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        y, _ = layer(xi)
+        y.backward(dy)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)
+        return float(took)
+
+    # outputs agree (one no-grad forward each), and "auto"'s exploration before timing
+    with torch.no_grad():
+        want = reference(x)[0]
+        errors = {impl: float((layers[impl](x)[0] - want).abs().max())
+                  for impl in layers if impl != "megatron"}
+    for impl in layers:
+        if impl != "megatron":
+            for _ in range(8):
+                step(layers[impl])
+    per_round: dict[str, list[float]] = {impl: [] for impl in layers}
+    for _ in range(rounds):
+        for impl, layer in layers.items():
+            step(layer)  # untimed
+            per_round[impl].append(statistics.median(step(layer) for _ in range(steps)))
+    return {"rounds": per_round, "max_abs_err": errors,
+            "median_s": {impl: statistics.median(r) for impl, r in per_round.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--impls", default="megatron,mc2,mc2_k1,mc2_k2")
+    parser.add_argument("--regimes", default="plain", help="plain, or e.g. 500mbit,200mbit")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    impls = [i for i in args.impls.split(",") if i]
+    shape = dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
+                 topk=args.topk)
+    out: dict[str, Any] = {"shape": shape, "steps": args.steps, "rounds": args.rounds}
+    for regime in args.regimes.split(","):
+        if regime == "plain":
+            shaping: Any = contextlib.nullcontext()
+        else:
+            from compare_peers import ShapedLoopback, can_shape
+
+            if (why := can_shape()) is not None:
+                raise SystemExit(f"regime {regime}: {why}")
+            shaping = ShapedLoopback(regime)
+        with shaping:
+            results = mc2.run_local(_rank, 2, args=(impls, shape, args.steps, args.rounds),
+                                    timeout_s=600, deadline_s=7200)
+        found = results[0]
+        base = found["median_s"]["megatron"]
+        print(f"[{regime}] tokens/rank {args.tokens} H{args.hidden} F{args.ffn} "
+              f"E{args.experts} top-{args.topk}")
+        for impl, median in found["median_s"].items():
+            rounds = " / ".join(f"{r * 1e3:.0f}" for r in found["rounds"][impl])
+            print(f"  {impl:10s} {median * 1e3:8.0f} ms  {base / median:5.2f}x  rounds {rounds} ms"
+                  + (f"  max|err| {found['max_abs_err'][impl]:.1e}"
+                     if impl in found["max_abs_err"] else ""))
+        out[regime] = found
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
