@@ -9,13 +9,15 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test bench lint clean
 
-$(VENV)/.installed: pyproject.toml requirements-megatron.txt
+$(VENV)/.installed: pyproject.toml requirements-megatron.txt requirements-torchtitan.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 # Megatron-Core (tests/test_megatron.py): --no-deps so that pip never replaces torch
 	$(PY) -m pip install -q --no-deps -r requirements-megatron.txt
+# TorchTitan (tests/test_torchtitan.py): --no-deps for the same reason
+	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt
 	touch $@
 
 venv: $(VENV)/.installed
