@@ -1,0 +1,182 @@
+"""mc2 in TorchTitan (0.3.0): its routed-experts node with mc2's pipeline in place of the
+token dispatcher's serial dispatch -> experts -> combine.
+
+TorchTitan's MoE block calls ``RoutedExperts``, which runs its token dispatcher (count
+exchange, a device-to-host read of the splits, the dispatch All-to-All), then the
+``GroupedExperts``, then the combine All-to-All, one after the other. :class:`MC2RoutedExperts`
+is that node with the three run as mc2's micro-batch pipeline (:func:`mc2.fused_expert`); the
+router, the shared experts, the parameters, their sharding and their state-dict keys stay
+TorchTitan's, so its checkpoints and Hugging Face conversion work as before.
+
+Switched on by TorchTitan's own configuration overrides, no fork::
+
+    --override.imports 'mc2.integrations.torchtitan.mc2_routed_experts={"micro_batches": "auto"}'
+
+or ``OverrideConfig(imports=[("mc2.integrations.torchtitan.mc2_routed_experts", {...})])`` in a
+config function; the keywords are :class:`~mc2.MC2Config` fields.
+
+**Experts.** A plain ``GroupedExperts`` (``w1``/``w3 [E, F, D]``, ``w2 [E, D, F]``) hands its
+local weights to :func:`mc2.fused_expert` as transposed views (gate ``w1ᵀ``, up ``w3ᵀ``, down
+``w2ᵀ``): no copy, the GEMMs read them in place. Like TorchTitan's it computes in bfloat16
+whatever the parameter dtype (under ``torch.autocast``: a bfloat16 parameter is used as it is,
+others are cast once per call, as TorchTitan's own ``.bfloat16()`` does). Any other experts
+module (gpt-oss's with biases, a converter that swapped ``_grouped_mm``) runs as mc2's experts
+stage (:func:`mc2.fused_expert_module`) with its own forward per micro-batch.
+
+**Sharding.** The forward keeps ``RoutedExperts.forward``'s positional argument names, to
+which TorchTitan's ``parallelize`` ties its sharding configs (``derive`` carries the config
+over). The EP group is the ``ep`` mesh TorchTitan gives the node in ``parallelize``; expert
+weights arrive as plain local shards (``spmd_types``) or as ``Shard(0)`` DTensors
+(``partial_dtensor``), and both reach mc2 as this rank's local experts. Without an ``ep`` mesh
+(EP = 1) there is nothing to overlap and TorchTitan's own forward runs.
+
+**Refused** (``ValueError`` on every rank, at configuration time, before any collective): a
+DeepEP or HybridEP token dispatcher configured on the same node (two owners of the exchange),
+and options that are not :class:`~mc2.MC2Config` fields or that it rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mc2.engine.autograd.ops import fused_expert, fused_expert_module
+from mc2.engine.decide.config import MC2Config
+
+from torchtitan.config import derive, override
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+
+# TorchTitan's dispatchers that own the exchange themselves (NVSHMEM / RDMA buffers): mc2 and
+# they cannot both move the tokens of one node
+_REFUSED_DISPATCHERS = ("DeepEPTokenDispatcher", "HybridEPTokenDispatcher")
+# the dtype TorchTitan's GroupedExperts computes its grouped GEMMs in
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def mc2_config_of(options: dict[str, Any]) -> MC2Config:
+    """:class:`~mc2.MC2Config` from the override's keywords; ``ValueError`` naming a keyword
+    that is no field (TorchTitan would raise ``TypeError`` from deep in its override code)."""
+    names = {f.name for f in dataclasses.fields(MC2Config)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"mc2_routed_experts: {unknown} are not MC2Config fields "
+                         f"(fields: {sorted(names)})")
+    return MC2Config(**options)
+
+
+def _refuse_dispatcher(dispatcher_config: Any) -> None:
+    """``ValueError`` when the node's dispatcher is DeepEP/HybridEP (checked on every rank
+    from the same configuration, so every rank raises)."""
+    for klass in type(dispatcher_config).__mro__:  # "DeepEPTokenDispatcher.Config", subclasses
+        name = klass.__qualname__.split(".")[0]
+        if name in _REFUSED_DISPATCHERS:
+            raise ValueError(
+                f"routed_experts.token_dispatcher is {name}: mc2 replaces the token exchange "
+                "itself and cannot run beside DeepEP/HybridEP; configure the All-to-All "
+                "dispatcher (or drop the mc2 override)")
+
+
+class MC2RoutedExperts(RoutedExperts):
+    """``RoutedExperts`` whose dispatch -> experts -> combine is mc2's pipeline (see the
+    module docstring). Parameters and their names are the parent's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        # MC2Config's fields, as the override received them (a plain dict: TorchTitan
+        # serialises configs with to_dict)
+        mc2: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, config: Config) -> None:
+        _refuse_dispatcher(config.token_dispatcher)
+        super().__init__(config)
+        self.mc2_config = mc2_config_of(config.mc2)
+        self.ep_group: Any = None
+
+    def parallelize(self, parallel_dims: Any) -> None:
+        """TorchTitan's parallelize (experts sharded over ``ep``, the dispatcher wired), then
+        the ``ep`` mesh's group kept as mc2's EP group."""
+        super().parallelize(parallel_dims)
+        mesh = parallel_dims.get_optional_mesh("ep")
+        self.ep_group = None if mesh is None else mesh.get_group()
+
+    def forward(
+        self,
+        x_BLD: Tensor,
+        topk_scores_BLK: Tensor,
+        topk_expert_ids_BLK: Tensor,
+        num_local_tokens_per_expert_E: Tensor,
+    ) -> Tensor:
+        """The routed experts' output ``(B, L, D)`` of this rank's tokens, through mc2.
+
+        The names are ``RoutedExperts.forward``'s: TorchTitan's sharding configs name them.
+        ``num_local_tokens_per_expert_E`` is not read (mc2 counts its routes itself).
+        """
+        if self.ep_group is None:  # EP = 1: no exchange to hide
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
+                                   num_local_tokens_per_expert_E)
+        experts = self.inner_experts
+        if _plain_grouped(experts):
+            w1, w2, w3 = (_local(experts.w1_EFD), _local(experts.w2_EDF),
+                          _local(experts.w3_EFD))
+            with torch.autocast(x_BLD.device.type, dtype=COMPUTE_DTYPE):
+                out = fused_expert(x_BLD, w3.transpose(-2, -1), w1.transpose(-2, -1),
+                                   w2.transpose(-2, -1), topk_expert_ids_BLK,
+                                   topk_scores_BLK, group=self.ep_group,
+                                   config=self.mc2_config)
+        else:
+            local = _local_experts(experts)
+            out = fused_expert_module(x_BLD, experts, topk_expert_ids_BLK,
+                                      topk_scores_BLK.to(x_BLD.dtype), group=self.ep_group,
+                                      config=self.mc2_config, local_experts=local,
+                                      forward=_stage_forward(experts, local))
+        return out.to(x_BLD.dtype)
+
+
+def _plain_grouped(experts: Any) -> bool:
+    """TorchTitan's own ``GroupedExperts`` with its own grouped GEMM (a converter that swaps
+    ``_grouped_mm`` for a quantised one computes something mc2's SwiGLU does not)."""
+    return (type(experts) is GroupedExperts
+            and "_grouped_mm" not in vars(experts)
+            and type(experts)._grouped_mm is GroupedExperts._grouped_mm)
+
+
+def _local(weight: Tensor) -> Tensor:
+    """This rank's experts of a weight: a ``Shard(0)`` DTensor's local shard (a view, no
+    copy, differentiable back to the DTensor parameter) or the plain shard itself."""
+    to_local = getattr(weight, "to_local", None)
+    return weight if to_local is None else to_local()
+
+
+def _local_experts(experts: Any) -> int:
+    """Experts held on this rank: the first parameter's local dim 0 (experts are stacked
+    there in every TorchTitan experts module)."""
+    first = next(iter(experts.parameters()))
+    return _local(first).shape[0]
+
+
+def _stage_forward(experts: Any, local: int) -> Any:
+    """TorchTitan's experts call ``(rows, tokens per local expert)`` in mc2's experts-stage
+    call ``(rows grouped by local expert, local ids [R, 1], unit weights)``. The counts are
+    summed on the device (no host read)."""
+    def forward(rows: Tensor, local_ids: Tensor, weights: Tensor) -> Tensor:
+        del weights  # unit: mc2 applies the routing weights after the combine
+        ids = torch.arange(local, device=rows.device)
+        counts = (local_ids.reshape(-1, 1) == ids).sum(0)
+        return experts(rows, counts)
+    return forward
+
+
+@override(target=RoutedExperts.Config,
+          description="mc2: dispatch -> experts -> combine as an overlapped micro-batch pipeline")
+def mc2_routed_experts(cfg: RoutedExperts.Config, **options: Any) -> MC2RoutedExperts.Config:
+    """TorchTitan override factory: every ``RoutedExperts`` node becomes
+    :class:`MC2RoutedExperts`, its fields (experts, dispatcher, sharding config) carried over
+    by ``derive``; ``options`` are :class:`~mc2.MC2Config` fields, checked here so that a bad
+    one fails at configuration, on every rank."""
+    mc2_config_of(options)
+    _refuse_dispatcher(cfg.token_dispatcher)
+    return derive(cfg, MC2RoutedExperts.Config, mc2=dict(options))
