@@ -1,0 +1,86 @@
+"""mc2 in TorchTitan 0.3.0 (issue 41): its MoE block with EP = 2 on Gloo, mc2's routed-experts
+node switched on by TorchTitan's ``--override.imports`` mechanism, against the same block with
+TorchTitan's All-to-All token dispatcher from the same weights and tokens: output, input
+gradient and every parameter's gradient within bfloat16 rounding (TorchTitan's GroupedExperts
+computes in bfloat16 whatever the parameter dtype, and so does mc2's node). Weights reach
+``fused_expert`` as views; DeepEP/HybridEP and bad options are refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import mc2  # noqa: E402
+from tests import workers_torchtitan as w  # noqa: E402
+
+# bfloat16 keeps 8 significant bits (relative rounding 2**-9, 2**-8 per GEMM output); sums of
+# a few dozen rounded products differ by a few of those. Relative to the tensor's largest
+# element, so a wrong route, weight or scale (errors of order 1) cannot pass. Seen: <= 8e-3;
+# gate and up swapped: >= 0.66.
+BF16 = 2e-2
+
+
+def _check(results: list[dict], tolerance: float) -> None:
+    for rank, r in enumerate(results):
+        assert r["node"] == "MC2RoutedExperts"
+        assert r["keys"] == r["ref_keys"], "state-dict keys are TorchTitan's"
+        assert r["local_experts"] == w.E // len(results)
+        assert r["group_size"] == len(results)
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= tolerance, (rank, worst, r["errors"])
+        assert any(k.endswith("w1_EFD") for k in r["errors"])
+
+
+@pytest.mark.parametrize("dtype,micro_batches", [("float32", 2), ("bfloat16", 3),
+                                                 ("float32", 1)])
+def test_equal_to_torchtitans_dispatcher_dtensor_weights(dtype: str, micro_batches: int) -> None:
+    """partial_dtensor: the experts are Shard(0) DTensors on the ep mesh."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        dtype, {"micro_batches": micro_batches}, "partial_dtensor", False, False))
+    assert all(r["dtensor"] for r in results)
+    _check(results, BF16)
+
+
+def test_equal_with_plain_local_shards_under_spmd_types() -> None:
+    """spmd_types: the experts are plain local (E/2, ...) tensors."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        "float32", {"micro_batches": 2}, "spmd_types", False, False))
+    assert not any(r["dtensor"] for r in results)
+    _check(results, BF16)
+
+
+def test_equal_with_shared_experts_and_auto() -> None:
+    """A DeepSeek/Qwen-style block (shared experts beside the routed ones, TorchTitan's own
+    sum), micro_batches="auto" (the planner measures on first use, on both ranks)."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        "float32", {"micro_batches": "auto"}, "partial_dtensor", True, False))
+    assert all(any("shared_experts" in k for k in r["errors"]) for r in results)
+    _check(results, BF16)
+
+
+def test_equal_under_full_activation_checkpointing() -> None:
+    """torch.utils.checkpoint over the whole block: the recompute runs mc2's call again (its
+    collectives included, on both ranks) and the gradients are the uncheckpointed ones."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        "float32", {"micro_batches": 2}, "partial_dtensor", False, True))
+    _check(results, BF16)
+
+
+def test_grouped_experts_weights_reach_fused_expert_as_views() -> None:
+    """bf16 parameters: gate = w1ᵀ, up = w3ᵀ, down = w2ᵀ, each a view of the local shard."""
+    for rank in mc2.run_local(w.weights_passed_without_copy, 2):
+        for name, seen in rank.items():
+            assert seen["same_memory"] and seen["transposed"], (name, seen)
+        assert rank["gate"]["shape"] == (w.E // 2, w.D, w.F)
+        assert rank["down"]["shape"] == (w.E // 2, w.F, w.D)
+
+
+def test_refusals_on_every_rank() -> None:
+    results = mc2.run_local(w.refusals, 2)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert "DeepEPTokenDispatcher" in errors["deepep"]
+    assert "HybridEPTokenDispatcher" in errors["hybridep"]
+    assert "micro_batch" in errors["unknown option"] and "MC2Config" in errors["unknown option"]
+    assert "micro_batches" in errors["bad value"]
