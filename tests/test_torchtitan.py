@@ -84,3 +84,16 @@ def test_refusals_on_every_rank() -> None:
     assert "HybridEPTokenDispatcher" in errors["hybridep"]
     assert "micro_batch" in errors["unknown option"] and "MC2Config" in errors["unknown option"]
     assert "micro_batches" in errors["bad value"]
+
+
+def test_gpt_oss_experts_run_as_mc2s_experts_stage() -> None:
+    """gpt-oss's experts (fused mlp1 with biases, clamped SwiGLU) are no SwiGLU mc2 computes:
+    TorchTitan's own module runs as the experts stage on each micro-batch. bfloat16: its
+    experts return bfloat16 whatever the input (TorchTitan's own block fails in float32)."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        "bfloat16", {"micro_batches": 2}, "partial_dtensor", False, False, True))
+    assert all(any(k.endswith("mlp2_bias_ED") for k in r["errors"]) for r in results)
+    for rank, r in enumerate(results):
+        assert r["node"] == "MC2RoutedExperts" and r["keys"] == r["ref_keys"]
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= BF16, (rank, worst, r["errors"])

@@ -22,9 +22,9 @@ D, F, E, K = 16, 24, 4, 2  # hidden, ffn, experts, top-k
 MC2 = "mc2.integrations.torchtitan.mc2_routed_experts"
 
 
-def moe_config(*, shared: bool = False, dispatcher: Any = None) -> Any:
-    """A TorchTitan ``MoE.Config`` (softmax top-k router, GroupedExperts), EP sharding set as
-    its models set it."""
+def moe_config(*, shared: bool = False, dispatcher: Any = None, gpt_oss: bool = False) -> Any:
+    """A TorchTitan ``MoE.Config`` (softmax top-k router, GroupedExperts or gpt-oss's experts
+    with biases), EP sharding set as its models set it."""
     import spmd_types as spmd
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
@@ -32,6 +32,7 @@ def moe_config(*, shared: bool = False, dispatcher: Any = None) -> Any:
         MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter)
     from torchtitan.models.common.moe_sharding import set_moe_sharding_config
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
     if dispatcher is None:
         dispatcher = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K)
@@ -44,19 +45,23 @@ def moe_config(*, shared: bool = False, dispatcher: Any = None) -> Any:
     cfg = MoE.Config(
         num_experts=E,
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E),
+            inner_experts=(GptOssGroupedExperts.Config if gpt_oss else GroupedExperts.Config)(
+                dim=D, hidden_dim=F, num_experts=E),
             token_dispatcher=dispatcher),
         router=TokenChoiceTopKRouter.Config(
             num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=K,
             score_func="softmax"),
         load_balance_coeff=None, shared_experts=shared_cfg)
-    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False, expert_param_layout={
-        "w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+    layout = {"mlp1_weight_EGD": spmd.S(1), "mlp1_bias_EG": spmd.S(1),
+              "mlp2_weight_EDF": spmd.S(2), "mlp2_bias_ED": spmd.R} if gpt_oss else {
+        "w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)}
+    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False, expert_param_layout=layout)
     return cfg
 
 
 def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
-          dtype: torch.dtype = torch.float32, shared: bool = False) -> torch.nn.Module:
+          dtype: torch.dtype = torch.float32, shared: bool = False,
+          gpt_oss: bool = False) -> torch.nn.Module:
     """The block with seeded weights (the same on every rank and in every build), then
     TorchTitan's parallelize with EP = ``world``. ``mc2``: the override's keywords (``None``:
     TorchTitan's own dispatcher)."""
@@ -65,7 +70,7 @@ def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import set_spmd_backend
 
-    cfg = moe_config(shared=shared)
+    cfg = moe_config(shared=shared, gpt_oss=gpt_oss)
     if mc2 is not None:
         applied = apply_overrides(OverrideConfig(imports=[(MC2, mc2)]), cfg)
         assert len(applied) == 1, applied
@@ -117,15 +122,18 @@ def relative_errors(ref: tuple, got: tuple) -> dict[str, float]:
 
 
 def equal_to_torchtitan(rank: int, world: int, dtype_name: str, options: dict,
-                        mc2_backend: str, shared: bool, checkpoint: bool) -> dict:
+                        mc2_backend: str, shared: bool, checkpoint: bool,
+                        gpt_oss: bool = False) -> dict:
     """TorchTitan's dispatcher and mc2's node, same weights and tokens: the relative errors,
     the node type that ran and the parameter names of both (state-dict keys)."""
     dtype = getattr(torch, dtype_name)
-    ref_moe = build(world, mc2=None, dtype=dtype, shared=shared)
+    ref_moe = build(world, mc2=None, dtype=dtype, shared=shared, gpt_oss=gpt_oss)
     ref = _run(ref_moe, rank, dtype)
-    moe = build(world, mc2=options, backend=mc2_backend, dtype=dtype, shared=shared)
+    moe = build(world, mc2=options, backend=mc2_backend, dtype=dtype, shared=shared,
+                gpt_oss=gpt_oss)
     got = _run(moe, rank, dtype, checkpoint=checkpoint)
-    weight = moe.routed_experts.inner_experts.w1_EFD
+    experts = moe.routed_experts.inner_experts
+    weight = experts.mlp1_weight_EGD if gpt_oss else experts.w1_EFD
     return {"errors": relative_errors(ref, got), "node": type(moe.routed_experts).__name__,
             "ref_keys": sorted(ref_moe.state_dict()), "keys": sorted(moe.state_dict()),
             "dtensor": hasattr(weight, "to_local"), "local_experts": _local(weight).shape[0],
