@@ -97,3 +97,24 @@ def test_gpt_oss_experts_run_as_mc2s_experts_stage() -> None:
         assert r["node"] == "MC2RoutedExperts" and r["keys"] == r["ref_keys"]
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= BF16, (rank, worst, r["errors"])
+
+
+def test_the_command_line_form_switches_the_node() -> None:
+    """The documented ``--override.imports`` token, parsed by TorchTitan's own CLI parser and
+    applied by its ``apply_overrides``, turns RoutedExperts into MC2RoutedExperts with the
+    keywords as its MC2Config."""
+    from torchtitan.config import OverrideConfig, apply_overrides
+    from torchtitan.config.override import parse_cli_imports
+
+    from mc2.integrations.torchtitan import MC2RoutedExperts
+
+    token = 'mc2.integrations.torchtitan.mc2_routed_experts={"micro_batches": "auto"}'
+    cfg = w.moe_config()
+    applied = apply_overrides(OverrideConfig(imports=parse_cli_imports([token])), cfg)
+    assert len(applied) == 1 and "MC2RoutedExperts" in applied[0]
+    assert isinstance(cfg.routed_experts, MC2RoutedExperts.Config)
+    assert cfg.routed_experts.mc2 == {"micro_batches": "auto"}
+    assert cfg.routed_experts.sharding_config is not None  # carried over by derive
+    node = cfg.routed_experts.build()
+    assert isinstance(node, MC2RoutedExperts) and node.mc2_config.micro_batches == "auto"
+    assert cfg.to_dict()["routed_experts"]["mc2"] == {"micro_batches": "auto"}
