@@ -22,9 +22,11 @@ D, F, E, K = 16, 24, 4, 2  # hidden, ffn, experts, top-k
 MC2 = "mc2.integrations.torchtitan.mc2_routed_experts"
 
 
-def moe_config(*, shared: bool = False, dispatcher: Any = None, gpt_oss: bool = False) -> Any:
+def moe_config(*, shared: bool = False, dispatcher: Any = None, gpt_oss: bool = False,
+               shape: tuple[int, int, int, int] = (D, F, E, K)) -> Any:
     """A TorchTitan ``MoE.Config`` (softmax top-k router, GroupedExperts or gpt-oss's experts
-    with biases), EP sharding set as its models set it."""
+    with biases), EP sharding set as its models set it. ``shape``: hidden, ffn, experts, top-k."""
+    D, F, E, K = shape  # noqa: N806  the module's constants by default
     import spmd_types as spmd
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
@@ -61,7 +63,8 @@ def moe_config(*, shared: bool = False, dispatcher: Any = None, gpt_oss: bool = 
 
 def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
           dtype: torch.dtype = torch.float32, shared: bool = False,
-          gpt_oss: bool = False) -> torch.nn.Module:
+          gpt_oss: bool = False, shape: tuple[int, int, int, int] = (D, F, E, K)
+          ) -> torch.nn.Module:
     """The block with seeded weights (the same on every rank and in every build), then
     TorchTitan's parallelize with EP = ``world``. ``mc2``: the override's keywords (``None``:
     TorchTitan's own dispatcher)."""
@@ -70,7 +73,7 @@ def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.utils import set_spmd_backend
 
-    cfg = moe_config(shared=shared, gpt_oss=gpt_oss)
+    cfg = moe_config(shared=shared, gpt_oss=gpt_oss, shape=shape)
     if mc2 is not None:
         applied = apply_overrides(OverrideConfig(imports=[(MC2, mc2)]), cfg)
         assert len(applied) == 1, applied
