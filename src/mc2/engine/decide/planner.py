@@ -56,7 +56,7 @@ from mc2.engine.transport.sizes import bucket
 from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
-_log = logging.getLogger("mc2.planner")
+_log = logging.getLogger(__name__)
 
 
 def _shape_text(weights: ExpertWeights | ModuleExperts, group: Any) -> str:
@@ -255,7 +255,7 @@ class Planner:
     first (:mod:`mc2.engine.decide.trials`). Where the best one's lead over another is within
     their spread, the close candidates run ``recheck`` more calls each (once) before the lock.
     The fastest K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
-    ``logging.INFO`` line on the ``mc2.planner`` logger says what was measured and why.
+    ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger says what was measured and why.
     Exploration costs at most ``explore * trials + explore * recheck`` calls per shape (9, or
     15 with a re-check, by default; one more candidate with a wire format), each a real,
     correct call; the timeline marks them (``auto trial K=...``). (Trusting the model alone,
