@@ -21,17 +21,18 @@ choice's runs), and the target: within 5% in at least 9 of 10 runs, never more t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import mc2
+from compare_peers import ShapedLoopback, can_shape
+from layer_rounds import slowest_rank_seconds
 
 
 def world_run(rank: int, world: int, choice: dict[str, Any], shape: dict[str, int],
@@ -51,16 +52,12 @@ def world_run(rank: int, world: int, choice: dict[str, Any], shape: dict[str, in
     times = []
     for step in range(warmup + steps):
         xs = x.clone().requires_grad_(True)
-        dist.barrier()
-        start = time.perf_counter()
-        out = mc2.fused_expert(xs, *ws, ids, rw, planner=planner, **choice)
-        out.sum().backward()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        elapsed = slowest_rank_seconds(lambda xs=xs: mc2.fused_expert(
+            xs, *ws, ids, rw, planner=planner, **choice).sum().backward())
         for w in ws:
             w.grad = None
         if step >= warmup:
-            times.append(float(elapsed))
+            times.append(elapsed)
     decisions = list(planner.decisions().values())
     return {"median_s": statistics.median(times),
             "locked": decisions[0]["locked"] if decisions else None,
@@ -96,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         choices[f"K={k}"] = {"micro_batches": k, **extra}
         if args.wire:
             choices[f"K={k} plain"] = {"micro_batches": k}
-    shaped = _shape(args.rate) if args.rate else None
+    if args.rate and (why := can_shape()) is not None:
+        raise SystemExit(f"--rate {args.rate}: {why}")
+    shaping = ShapedLoopback(args.rate, latency="400ms") if args.rate else \
+        contextlib.nullcontext()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in choices}
-    try:
+    with shaping:
         names = list(choices)
         for r in range(args.rounds):
             for j in range(len(names)):
@@ -109,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds} {name:>10}: {got['median_s'] * 1e3:8.1f} ms"
                       + (f"  locked K={got['locked']}{' plain' if got['plain_rows'] else ''}"
                          if name == "auto" else ""), file=sys.stderr, flush=True)
-    finally:
-        if shaped:
-            shaped()
     fixed = {n: statistics.median(r["median_s"] for r in v) for n, v in runs.items()
              if n != "auto"}
     best_name = min(fixed, key=fixed.get)
@@ -134,16 +131,6 @@ def main(argv: list[str] | None = None) -> int:
                                          "best_fixed": best_name, "auto_ratios": ratios},
                                         indent=1, default=str))
     return 0
-
-
-def _shape(rate: str):
-    """Shape loopback with tc tbf (as root); returns the function that removes it."""
-    import subprocess
-
-    cmd = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "512kb",
-           "latency", "400ms"]
-    subprocess.run(cmd, check=True)
-    return lambda: subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
 
 
 if __name__ == "__main__":

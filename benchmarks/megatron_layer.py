@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mc2  # noqa: E402
+from layer_rounds import add_layer_arguments, interleaved_rounds, shape_of, slowest_rank_seconds  # noqa: E402
 
 
 def _config(variant: str) -> mc2.MC2Config:
@@ -90,48 +89,28 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
         for p in layer.parameters():
             p.grad = None
         xi = x.clone().requires_grad_(True)
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        y, _ = layer(xi)
-        y.backward(dy)
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)
-        return float(took)
+        return slowest_rank_seconds(lambda: layer(xi)[0].backward(dy))
 
     # outputs agree (one no-grad forward each), and "auto"'s exploration before timing
     with torch.no_grad():
         want = reference(x)[0]
         errors = {impl: float((layers[impl](x)[0] - want).abs().max())
                   for impl in layers if impl != "megatron"}
-    for impl in layers:
-        if impl != "megatron":
-            for _ in range(8):
-                step(layers[impl])
-    per_round: dict[str, list[float]] = {impl: [] for impl in layers}
-    for _ in range(rounds):
-        for impl, layer in layers.items():
-            step(layer)  # untimed
-            per_round[impl].append(statistics.median(step(layer) for _ in range(steps)))
-    return {"rounds": per_round, "max_abs_err": errors,
-            "median_s": {impl: statistics.median(r) for impl, r in per_round.items()}}
+    timed = interleaved_rounds({impl: (lambda layer=layer: step(layer))
+                                for impl, layer in layers.items()},
+                               rounds=rounds, repeats=steps, warmup=8,
+                               warm=[impl for impl in layers if impl != "megatron"])
+    return {**timed, "max_abs_err": errors}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--impls", default="megatron,mc2,mc2_k1,mc2_k2")
+    add_layer_arguments(parser, tokens=4096, hidden=1024, ffn=2048,
+                        impls="megatron,mc2,mc2_k1,mc2_k2")
     parser.add_argument("--regimes", default="plain", help="plain, or e.g. 500mbit,200mbit")
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     impls = [i for i in args.impls.split(",") if i]
-    shape = dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
-                 topk=args.topk)
+    shape = shape_of(args)
     out: dict[str, Any] = {"shape": shape, "steps": args.steps, "rounds": args.rounds}
     for regime in args.regimes.split(","):
         if regime == "plain":

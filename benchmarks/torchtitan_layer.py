@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +25,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mc2  # noqa: E402
+from layer_rounds import add_layer_arguments, interleaved_rounds, shape_of, slowest_rank_seconds  # noqa: E402
 
 
 def _options(variant: str) -> dict[str, Any] | None:
@@ -57,46 +57,27 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
         for p in layer.parameters():
             p.grad = None
         xi = x.clone().requires_grad_(True)
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        layer(xi).backward(dy)
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)
-        return float(took)
+        return slowest_rank_seconds(lambda: layer(xi).backward(dy))
 
     with torch.no_grad():  # outputs agree (one no-grad forward each)
         want = layers[impls[0]](x).float()
         errors = {impl: float((layers[impl](x).float() - want).abs().max() / want.abs().max())
                   for impl in impls[1:]}
-    for impl in impls:  # "auto"'s exploration and warm-up, before timing
-        for _ in range(6):
-            step(layers[impl])
-    per_round: dict[str, list[float]] = {impl: [] for impl in impls}
-    for _ in range(rounds):
-        for impl in impls:
-            step(layers[impl])  # untimed
-            per_round[impl].append(statistics.median(step(layers[impl]) for _ in range(steps)))
-    return {"rounds": per_round, "rel_err_vs_first": errors,
-            "median_s": {impl: statistics.median(r) for impl, r in per_round.items()}}
+    # "auto"'s exploration and a warm-up of every implementation, before timing
+    timed = interleaved_rounds({impl: (lambda layer=layers[impl]: step(layer)) for impl in impls},
+                               rounds=rounds, repeats=steps, warmup=6)
+    return {**timed, "rel_err_vs_first": errors}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--impls", default="torchtitan,mc2,mc2_k1,mc2_k2")
-    parser.add_argument("--json", help="write the results here")
+    add_layer_arguments(parser, tokens=2048, hidden=512, ffn=1024,
+                        impls="torchtitan,mc2,mc2_k1,mc2_k2")
     args = parser.parse_args()
     impls = [i for i in args.impls.split(",") if i]
     if impls[0] != "torchtitan":
         raise SystemExit("impls: torchtitan first (the baseline)")
-    shape = dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
-                 topk=args.topk)
+    shape = shape_of(args)
     results = mc2.run_local(_rank, 2, args=(impls, shape, args.steps, args.rounds),
                             timeout_s=600, deadline_s=3600)
     found = results[0]
