@@ -32,7 +32,7 @@ import torch
 
 import mc2
 from compare_peers import ShapedLoopback, can_shape
-from layer_rounds import slowest_rank_seconds
+from layer_rounds import add_shape_arguments, slowest_rank_seconds
 
 
 def world_run(rank: int, world: int, choice: dict[str, Any], shape: dict[str, int],
@@ -68,11 +68,7 @@ def world_run(rank: int, world: int, choice: dict[str, Any], shape: dict[str, in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank (default 1024)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
+    add_shape_arguments(p, tokens=1024, hidden=512, ffn=1024)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--ks", default="1,2,4,8", help="fixed K to compare (default 1,2,4,8)")
     p.add_argument("--wire", default=None, help="a wire format for every choice (bf16, fp8)")

@@ -46,14 +46,21 @@ def interleaved_rounds(steps: dict[str, Callable[[], float]], *, rounds: int, re
             "median_s": {name: statistics.median(r) for name, r in per_round.items()}}
 
 
-def add_layer_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int, ffn: int,
-                        impls: str) -> None:
-    """The options every layer benchmark takes: the MoE shape, steps, rounds, impls, json."""
-    parser.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
+def add_shape_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int,
+                        ffn: int) -> None:
+    """The MoE shape's options (tokens per rank, hidden, ffn, experts, top-k)."""
+    parser.add_argument("--tokens", type=int, default=tokens,
+                        help=f"tokens per rank (default {tokens})")
     parser.add_argument("--hidden", type=int, default=hidden)
     parser.add_argument("--ffn", type=int, default=ffn)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
+
+
+def add_layer_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int, ffn: int,
+                        impls: str) -> None:
+    """The options every layer benchmark takes: the MoE shape, steps, rounds, impls, json."""
+    add_shape_arguments(parser, tokens=tokens, hidden=hidden, ffn=ffn)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--impls", default=impls)
@@ -61,6 +68,6 @@ def add_layer_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden:
 
 
 def shape_of(args: argparse.Namespace) -> dict[str, int]:
-    """The MoE shape :func:`add_layer_arguments` parsed."""
+    """The MoE shape :func:`add_shape_arguments` parsed."""
     return dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
                 topk=args.topk)
