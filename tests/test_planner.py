@@ -137,3 +137,44 @@ def test_trials_keep_k1_unless_a_split_gains_min_gain() -> None:
     assert trial_winner((1, 2, 4), [1.00, 1.10, 1.20], 0.02) == 1
     assert trial_winner((2, 4), [1.00, 0.99], 0.02) == 4  # no K = 1 tried: the fastest
     assert trial_winner((1, 4, -4), [1.00, 0.90, 0.89], 0.02) == -4  # plain rows: on time alone
+
+
+def test_trials_never_lock_slower_than_serial_plain_rows() -> None:
+    """With a wire format, K = 1 with plain rows is a baseline like K = 1: a split must beat
+    the faster of the two by ``min_gain``, and no lock measured slower than it."""
+    from mc2.engine.decide.trials import trial_winner
+
+    assert trial_winner((1, 2, -1), [1.00, 0.95, 0.96], 0.02) == -1  # 1% over plain serial
+    assert trial_winner((1, 2, -1), [1.00, 0.90, 0.96], 0.02) == 2
+    assert trial_winner((1, 4, -1, -4), [1.00, 1.10, 0.90, 0.89], 0.02) == -1
+    assert trial_winner((1, 4, -1), [0.95, 1.10, 1.00], 0.02) == 1  # the wire format pays
+
+
+@pytest.mark.parametrize("drift", [1.0, 0.0], ids=["guard", "no_guard"])
+def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
+    """After the lock, a steady state that runs clearly slower than its trials (here the
+    experts start sleeping 50 ms a forward) re-runs the shape's trials once, on every rank
+    at the same call, says so on the planner's logger and in the timeline, and never again;
+    a steady state like its trials does not. With ``drift=0`` nothing is watched."""
+    from tests.workers_drift import drifting_shape
+
+    a, b = mc2.run_local(drifting_shape, 2, args=(drift, 8, 20, 0.05))
+    assert a["calls"] == b["calls"], "every rank runs the same K and trials on every call"
+    locked_at, calls = a["locked_at"], a["calls"]
+    after = calls[locked_at:]
+    replans = [i for i, c in enumerate(after) if c["replan"]]
+    assert a["max_err"] < 1e-5  # every call, trial or not, the same function
+    if drift == 0:
+        assert replans == [] and not any(c["trial"] for c in after)
+        assert a["decision"]["replanned"] is None
+        return
+    # windows of 4: the one of the first 4 slow calls (8..11) is judged at call 12
+    assert replans == [12], [(c["k"], c["trial"], c["replan"]) for c in after]
+    assert not any(c["trial"] for c in after[:12])
+    retried = [c for c in after[12:] if c["trial"]]
+    assert len(retried) == 4  # 2 candidates x 2 calls, no re-check
+    assert all(not c["trial"] for c in after[12 + len(retried):])  # locked again, for good
+    why = a["decision"]["replanned"]
+    assert why is not None and "slower than its trials" in why
+    assert any("slower than its trials" in line for line in a["lines"])
+    assert sum("locked K=" in line for line in a["lines"]) == 2

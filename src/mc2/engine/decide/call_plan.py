@@ -203,8 +203,11 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
               group: Any, strategy: str, needs_grad: bool, wire: tuple[WireFormat, WireFormat],
-              timeline: Timeline | None) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
-    """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``."""
+              timeline: Timeline | None, watch: bool = True
+              ) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
+    """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``
+    (``watch``: its drift guard times the locked calls; not for capacity calls, which read
+    nothing on the host)."""
     if config.micro_batches != "auto":
         return int(config.micro_batches), None, wire
     if planner is None:
@@ -218,7 +221,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
             choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
                                     weights=weights, group=group, strategy=strategy,
                                     needs_grad=needs_grad, wire=wire,
-                                    sent_rows=agreement.max_rows)
+                                    sent_rows=agreement.max_rows, watch=watch)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
@@ -365,7 +368,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     k, on_pass_done, _ = _choose_k(
         config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
         group, "grouped" if grouped_path(weights) else "loop", needs_grad, (NONE, NONE),
-        timeline)
+        timeline, watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),

@@ -37,13 +37,15 @@ call's handshake already agreed on.
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mc2.device import streams
 from mc2.device.clock import Interval, clock_for
 from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_key, group_size
 from mc2.engine.compute.experts import ExpertWeights
@@ -203,7 +205,8 @@ class Choice:
         plain_rows: the requested wire format measured slower than rows in the compute dtype
             for this shape, so this call sends plain rows (the planner warned once).
         decided: on the call at which ``"auto"`` locked its K, the line saying why
-            (:func:`mc2.engine.decide.trials.describe`), for the timeline.
+            (:func:`mc2.engine.decide.trials.describe`), and on the call at which the drift
+            guard re-plans, why; for the timeline.
     """
 
     micro_batches: int
@@ -225,6 +228,9 @@ class _Trials:
     active: tuple[int, ...] = ()  # the candidates still being measured
     rechecked: bool = False
     stats: tuple = ()  # the TrialStats the lock was decided on
+    phases: tuple[str, ...] = ("forward",)  # what the trial times summed (:meth:`times`)
+    steady: list[dict[str, Interval]] = field(default_factory=list)  # locked calls, this window
+    replanned: str | None = None  # why the drift guard re-planned this shape (once)
 
     def next_candidate(self) -> int:
         """Round-robin over the active candidates: the one with the fewest calls, first in
@@ -236,12 +242,19 @@ class _Trials:
 
     def times(self) -> list[list[float]]:
         """Per candidate, each trial call's seconds: forward + backward where every call has
-        both, else forward only (the same rule on every rank)."""
+        both, else forward only (the same rule on every rank; kept in ``phases``)."""
         every = [t for k in self.candidates for t in self.samples[k]]
-        phases = ("forward", "backward") if all("backward" in t for t in every) \
+        self.phases = ("forward", "backward") if all("backward" in t for t in every) \
             else ("forward",)
-        return [[sum(t[p].seconds for p in phases if p in t) for t in self.samples[k]]
+        return [[sum(t[p].seconds for p in self.phases) for t in self.samples[k]]
                 for k in self.candidates]
+
+    def steady_median(self) -> tuple[float, int]:
+        """The median seconds of this window's locked calls that have every phase the trials
+        timed (a call whose backward has not run yet is left out), and how many there were."""
+        done = [sum(t[p].seconds for p in self.phases) for t in self.steady
+                if all(p in t for p in self.phases)]
+        return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
 class Planner:
@@ -257,14 +270,17 @@ class Planner:
     The fastest K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
     ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger says what was measured and why.
     Exploration costs at most ``explore * trials + explore * recheck`` calls per shape (9, or
-    15 with a re-check, by default; one more candidate with a wire format), each a real,
-    correct call; the timeline marks them (``auto trial K=...``). (Trusting the model alone,
-    without trials, was an option that never measured better than the trials; it was removed.)
+    15 with a re-check, by default; one or two more candidates with a wire format), each a
+    real, correct call; the timeline marks them (``auto trial K=...``). (Trusting the model
+    alone, without trials, was an option that never measured better than the trials; it was
+    removed.) A drift guard (``drift``) re-runs a shape's trials once where its steady state
+    later runs clearly slower than they measured.
 
-    With a wire format (:mod:`mc2.engine.transport.wire`), one more candidate is tried: the
-    model's best K with rows in the compute dtype. Where it wins, encoding costs more than the
-    bytes save on this link; the shape then sends plain rows (exact, and faster) and a
-    :class:`WireFormatWarning` says so once. A fixed ``micro_batches`` always honours the format.
+    With a wire format (:mod:`mc2.engine.transport.wire`), the model's best K with rows in the
+    compute dtype is tried too, and K = 1 with plain rows, the serial baseline no lock may be
+    slower than. Where plain rows win, encoding costs more than the bytes save on this link;
+    the shape then sends plain rows (exact, and faster) and a :class:`WireFormatWarning` says
+    so once. A fixed ``micro_batches`` always honours the format.
 
     Args:
         candidates: the K values considered.
@@ -274,15 +290,30 @@ class Planner:
         explore: how many of the model's best K the real calls try (K = 1 always among them).
         trials: calls per tried K (the first is its warm-up; the median of the rest counts).
         recheck: more calls for each candidate within the noise of the best, once (0: none).
+        drift: the drift guard's threshold. Each locked shape's calls keep being timed (two
+            clock stamps a pass, read only at a check); every ``drift_window`` calls the
+            group compares their median with the locked candidate's trial median (one
+            two-number all-reduce and one host read). Where the steady state runs more than
+            ``drift`` (a fraction) plus the trials' spread slower (a link that got slower,
+            another job on the node), the shape's trials run again, once, and one
+            ``logging.INFO`` line says why. 0: no guard. Capacity calls (which promise no host
+            read) and calls under graph capture are not watched.
+        drift_window: locked calls per drift check.
     """
 
     def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
-                 repeats: int = 3, explore: int = 3, trials: int = 3, recheck: int = 2) -> None:
+                 repeats: int = 3, explore: int = 3, trials: int = 3, recheck: int = 2,
+                 drift: float = 0.25, drift_window: int = 32) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
         if explore < 2 or trials < 1 or recheck < 0:
             raise ValueError(f"explore must be >= 2, trials >= 1 and recheck >= 0, got "
                              f"{explore}, {trials}, {recheck}")
+        if drift < 0 or drift_window < 2:
+            raise ValueError(f"drift must be >= 0 (0: no drift guard) and drift_window >= 2, "
+                             f"got {drift}, {drift_window}")
+        self.drift = drift
+        self.drift_window = drift_window
         self.candidates = tuple(candidates)
         self.min_gain = min_gain
         self.repeats = repeats
@@ -328,7 +359,7 @@ class Planner:
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", needs_grad: bool = True,
                wire: tuple[WireFormat, WireFormat] = NO_WIRE,
-               sent_rows: int | None = None) -> Choice:
+               sent_rows: int | None = None, watch: bool = True) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
         A collective whenever it calibrates or decides; every rank calls it with the same
@@ -336,10 +367,11 @@ class Planner:
         checks that every rank's planner has made as many choices for the group:
         :meth:`digest`). ``sent_rows``: where rows go once per destination, the most rows any
         rank sends (agreed in the handshake): the link is priced for those, the experts for
-        the pairs.
+        the pairs. ``watch``: time the locked calls for the drift guard (every rank passes
+        the same; capacity calls pass ``False``).
         """
         choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                              strategy=strategy, wire=wire, sent_rows=sent_rows)
+                              strategy=strategy, wire=wire, sent_rows=sent_rows, watch=watch)
         self._calls[group_key(group)] = self.digest(group) + 1
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         by_shape = self._forward_choice.setdefault(weights.anchor, {})
@@ -375,7 +407,7 @@ class Planner:
 
     def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                 strategy: str, wire: tuple[WireFormat, WireFormat],
-                sent_rows: int | None = None) -> Choice:
+                sent_rows: int | None = None, watch: bool = True) -> Choice:
         if group_size(group) == 1 or max_tokens <= 1:
             return Choice(1)
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
@@ -384,10 +416,10 @@ class Planner:
             ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                                  strategy=strategy, wire=wire, sent_rows=sent_rows)
             tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
-            if any(f.kind is not None for f in wire):  # the same K with plain rows: -K
+            if any(f.kind is not None for f in wire):  # plain rows, K = -candidate: the
                 plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, sent_rows=sent_rows)
-                tried.append(-plain[0])
+                tried += sorted({-1, -plain[0]})  # model's best, and the serial baseline
             order = tuple(sorted(tried, key=lambda c: (c < 0, abs(c))))
             state = self._shapes[key] = _Trials(order, {k: [] for k in tried},
                                                 calls=self.trials, active=order)
@@ -397,11 +429,63 @@ class Planner:
                 return Choice(abs(state.locked), plain_rows=state.locked < 0,
                               decided=describe(state.stats, state.locked, state.rechecked))
         if state.locked is not None:
-            return Choice(abs(state.locked), plain_rows=state.locked < 0)
+            if not watch or not self._watching(state, weights):
+                return Choice(abs(state.locked), plain_rows=state.locked < 0)
+            why = self._drifted(state, weights, group)
+            if why is None:
+                sample: dict[str, Interval] = {}
+                state.steady.append(sample)
+                return Choice(abs(state.locked), plain_rows=state.locked < 0,
+                              on_pass_done=sample.__setitem__)
+            state = self._shapes[key] = _Trials(state.candidates,
+                                                {k: [] for k in state.candidates},
+                                                calls=self.trials, active=state.candidates,
+                                                replanned=why)
+            choice = self._trial(state)
+            return Choice(choice.micro_batches, trial=True, on_pass_done=choice.on_pass_done,
+                          plain_rows=choice.plain_rows, decided=f"re-planning: {why}")
+        return self._trial(state)
+
+    @staticmethod
+    def _trial(state: _Trials) -> Choice:
+        """The next trial call of an undecided shape."""
         k = state.next_candidate()
         sample: dict[str, Interval] = {}
         state.samples[k].append(sample)
         return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
+
+    def _watching(self, state: _Trials, weights: ExpertWeights | ModuleExperts) -> bool:
+        """Whether this locked call is timed for the drift guard: the guard is on, the shape
+        has not been re-planned already, and no graph is being captured (a capture runs no
+        check; every rank captures the same calls, so all skip alike)."""
+        return (self.drift > 0 and state.replanned is None
+                and not streams.capturing(weights.device))
+
+    def _drifted(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any
+                 ) -> str | None:
+        """At the end of a window of ``drift_window`` locked calls, why the shape must be
+        re-planned (its steady state ran clearly slower than its trials), else ``None``.
+
+        A collective at the window's end (one all-reduce of two numbers: the slowest rank's
+        median, the fewest complete calls), reached at the same call on every rank: the
+        windows count the group's agreed calls."""
+        if len(state.steady) < self.drift_window:
+            return None
+        median, count = state.steady_median()
+        state.steady = []
+        flat = upload([median, -float(count)], weights.device, torch.float64)
+        slowest, fewest = read(all_reduce_max(flat, group))
+        if -fewest < self.drift_window // 2:
+            return None  # too few calls with every phase timed to judge
+        mine = next(st for st in state.stats if st.candidate == state.locked)
+        if slowest <= mine.median_s * (1 + self.drift) + mine.spread_s:
+            return None
+        why = (f"the steady state of {'K=' + str(abs(state.locked))} ran "
+               f"{slowest * 1e3:.1f} ms a call, {slowest / mine.median_s - 1:.0%} slower than "
+               f"its trials ({mine.median_s * 1e3:.1f} ms +-{mine.spread_s * 1e3:.1f}); "
+               "its trials run again, once")
+        _log.info("mc2 auto (%s): %s", _shape_text(weights, group), why)
+        return why
 
     def _decide(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any,
                 wire: tuple[WireFormat, WireFormat]) -> None:
@@ -449,6 +533,7 @@ class Planner:
                       "stats": {st.candidate: {"median_s": st.median_s, "spread_s": st.spread_s,
                                                "calls": st.calls} for st in s.stats},
                       "rechecked": s.rechecked,
+                      "replanned": s.replanned,
                       "why": describe(s.stats, s.locked, s.rechecked) if s.stats else None}
                 for key, s in self._shapes.items()}
 

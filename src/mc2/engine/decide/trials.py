@@ -56,16 +56,19 @@ def trial_stats(candidates: Sequence[int], times: Sequence[Sequence[float]]) -> 
 def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
     """The candidate to lock from its trial times (the group's slowest rank's).
 
-    The fastest, except that K = 1 stays unless a split measured at least ``min_gain`` faster:
-    K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within what the
-    trial calls on a busy host can tell apart. (A negative candidate, plain rows instead of the
-    wire format, wins on time alone.)
+    The fastest, except that a split (|K| > 1) must beat the serial baseline, K = 1 (and K = 1
+    with plain rows where it was tried), by at least ``min_gain``, else the faster baseline
+    stays: K = 1 has nothing in flight and re-reads no weights, and a smaller gain is within
+    what the trial calls on a busy host can tell apart. So no lock is ever a plan that measured
+    slower than K = 1 with plain rows, where that was tried. (Between a wire format and plain
+    rows at one K, time alone decides.)
     """
     best = min(range(len(seconds)), key=seconds.__getitem__)
-    if candidates[best] > 1 and 1 in candidates:
-        serial = seconds[list(candidates).index(1)]
-        if seconds[best] > serial * (1 - min_gain):
-            return 1
+    serial = [i for i, k in enumerate(candidates) if abs(k) == 1]
+    if abs(candidates[best]) > 1 and serial:
+        baseline = min(serial, key=seconds.__getitem__)
+        if seconds[best] > seconds[baseline] * (1 - min_gain):
+            return candidates[baseline]
     return candidates[best]
 
 

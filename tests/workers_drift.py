@@ -1,0 +1,87 @@
+"""Workers for the drift guard of ``"auto"``: a shape whose steady state slows down after its
+lock (an experts stage that starts sleeping, as a slower link or a neighbour's job would)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+import mc2
+
+
+class _SlowableExperts(torch.nn.Module):
+    """Two local linear experts; each forward sleeps ``delay`` seconds first."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.num_experts = 2
+        self.w = torch.nn.Parameter(torch.randn(2, hidden, hidden, generator=g) / hidden**0.5)
+        self.delay = 0.0
+
+    def forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.bmm(rows.unsqueeze(1), self.w[ids[:, 0]]).squeeze(1) * weights
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
+                   delay: float) -> dict[str, Any]:
+    """``quiet`` calls after the lock as the trials saw them, then ``slow`` calls with every
+    experts forward ``delay`` seconds slower. Returns per call the K used and whether it was
+    a trial, the decision, the planner's log lines and the outputs' largest error against the
+    first call's."""
+    lines = _Lines()
+    log = logging.getLogger("mc2.engine.decide.planner")
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    hidden, tokens = 32, 64
+    experts = _SlowableExperts(hidden, 10 + rank)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * 2, (tokens, 2), generator=g)
+    planner = mc2.Planner(candidates=(1, 2), explore=2, trials=2, recheck=0, drift=drift,
+                          drift_window=4)
+    calls: list[dict[str, Any]] = []
+    first = None
+    errors = []
+
+    def call() -> None:
+        nonlocal first
+        tl = mc2.Timeline()
+        out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
+                                      micro_batches="auto", planner=planner, timeline=tl)
+        out.sum().backward()
+        marks = [s.name for s in tl.spans if s.name.startswith("auto")]
+        calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
+                      "trial": any(m.startswith("auto trial") for m in marks),
+                      "replan": any(m.startswith("auto re-planning") for m in marks)})
+        first = out.detach() if first is None else first
+        errors.append(float((out.detach() - first).abs().max()))
+
+    call()  # a first call: the shape's trials begin
+    while not planner.settled():  # the call that locks the shape settles it
+        call()
+    locked_at = len(calls)  # the first call that runs the lock
+    for _ in range(quiet):
+        call()
+    experts.delay = delay
+    for _ in range(slow):
+        call()
+    log.removeHandler(lines)
+    (decision,) = planner.decisions().values()
+    return {"calls": calls, "locked_at": locked_at, "decision": decision, "lines": lines.lines,
+            "max_err": max(errors)}
