@@ -118,3 +118,21 @@ def test_the_command_line_form_switches_the_node() -> None:
     node = cfg.routed_experts.build()
     assert isinstance(node, MC2RoutedExperts) and node.mc2_config.micro_batches == "auto"
     assert cfg.to_dict()["routed_experts"]["mc2"] == {"micro_batches": "auto"}
+
+
+def test_selective_ac_with_the_mc2_override_recomputes_without_an_exchange() -> None:
+    """TorchTitan's own ``SelectiveAC`` over the block: as it is, its recompute runs mc2's
+    call again (more collectives in the backward, the same gradients); with the
+    ``mc2_selective_ac`` override it saves mc2's operator and the backward issues exactly
+    the collectives of an uncheckpointed one. Both equal TorchTitan's dispatcher."""
+    results = mc2.run_local(w.under_selective_ac, 2)
+    for rank, r in enumerate(results):
+        for mode, found in r.items():
+            worst = max(found["errors"], key=found["errors"].get)
+            assert found["errors"][worst] <= BF16, (rank, mode, worst, found["errors"])
+        assert r["mc2_selective"]["policy"] == "MC2SelectiveAC"
+        assert r["selective"]["policy"] == "SelectiveAC"
+        plain = r["none"]["backward_collectives"]
+        assert plain > 0
+        assert r["mc2_selective"]["backward_collectives"] == plain
+        assert r["selective"]["backward_collectives"] > plain  # TorchTitan's list: recomputed

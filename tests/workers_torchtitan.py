@@ -191,3 +191,56 @@ def refusals(rank: int, world: int) -> dict[str, str]:
         except ValueError as exc:
             out[case] = str(exc)
     return out
+
+
+def _ac_holder(policy: Any) -> Any:
+    """A config tree holding an activation-checkpointing policy config, as TorchTitan's
+    ``Trainer.Config.activation_checkpoint`` does (``apply_overrides`` needs a parent)."""
+    from dataclasses import dataclass
+
+    from torchtitan.config.configurable import Configurable
+
+    class _Job(Configurable):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Configurable.Config):
+            activation_checkpoint: Any = None
+
+    return _Job.Config(activation_checkpoint=policy)
+
+
+def under_selective_ac(rank: int, world: int) -> dict:
+    """TorchTitan's block through mc2 (K = 2) under TorchTitan's own ``SelectiveAC`` policy,
+    as it is and with the ``mc2_selective_ac`` override, against TorchTitan's dispatcher
+    without checkpointing: the relative errors and the collectives each backward issued."""
+    from torchtitan.config import OverrideConfig, apply_overrides
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from tests.workers_recompute import CollectiveCounter
+
+    dtype = torch.float32
+    ref = _run(build(world, mc2=None), rank, dtype)
+    found: dict[str, Any] = {}
+    for mode in ("none", "selective", "mc2_selective"):
+        moe = build(world, mc2={"micro_batches": 2})
+        holder = _ac_holder(SelectiveAC.Config())
+        if mode == "mc2_selective":
+            applied = apply_overrides(OverrideConfig(
+                imports=["mc2.integrations.torchtitan.mc2_selective_ac"]), holder)
+            assert len(applied) == 1, applied
+        policy = holder.activation_checkpoint.build()
+        block = moe if mode == "none" else policy._wrap_block(moe, base_fqn="layers.0")
+        torch.manual_seed(100 + rank)
+        x = torch.randn(2, 6, D, dtype=dtype).requires_grad_()
+        out = block(x)
+        weight = torch.linspace(-1.0, 1.0, out.numel()).view_as(out)
+        counter = CollectiveCounter()
+        try:
+            (out * weight).sum().backward()
+        finally:
+            counter.close()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): _local(p.grad).detach().clone()
+                 for n, p in block.named_parameters()}
+        found[mode] = {"errors": relative_errors(ref, (out.detach(), x.grad, grads)),
+                       "backward_collectives": counter.count,
+                       "policy": type(policy).__name__}
+    return found

@@ -30,6 +30,14 @@ weights arrive as plain local shards (``spmd_types``) or as ``Shard(0)`` DTensor
 (``partial_dtensor``), and both reach mc2 as this rank's local experts. Without an ``ep`` mesh
 (EP = 1) there is nothing to overlap and TorchTitan's own forward runs.
 
+**Selective activation checkpointing.** TorchTitan's ``SelectiveAC`` saves the outputs of the
+operators in its ``get_save_ops()`` and recomputes the rest. Under it mc2's call is one operator
+(:mod:`mc2.engine.autograd.recompute`), which TorchTitan's list does not name, so its recompute
+would run the call again, All-to-Alls included (correct, and the K its forward ran). A second
+override, ``mc2.integrations.torchtitan.mc2_selective_ac``, makes the ``selective`` policy
+:class:`MC2SelectiveAC`: TorchTitan's save list plus mc2's operators, so the recompute runs no
+exchange. Full AC recomputes the block, mc2's call with its forward's K.
+
 **Refused** (``ValueError`` on every rank, at configuration time, before any collective): a
 DeepEP or HybridEP token dispatcher configured on the same node (two owners of the exchange),
 and options that are not :class:`~mc2.MC2Config` fields or that it rejects.
@@ -45,9 +53,11 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.ops import fused_expert, fused_expert_module
+from mc2.engine.autograd.recompute import SAVED_OPERATORS
 from mc2.engine.decide.config import MC2Config
 
 from torchtitan.config import derive, override
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 # TorchTitan's dispatchers that own the exchange themselves (NVSHMEM / RDMA buffers): mc2 and
@@ -180,3 +190,26 @@ def mc2_routed_experts(cfg: RoutedExperts.Config, **options: Any) -> MC2RoutedEx
     mc2_config_of(options)
     _refuse_dispatcher(cfg.token_dispatcher)
     return derive(cfg, MC2RoutedExperts.Config, mc2=dict(options))
+
+
+class MC2SelectiveAC(SelectiveAC):
+    """TorchTitan's per-op selective activation checkpointing, saving mc2's fused call too:
+    its output and saved state come back in the recompute, which runs no All-to-All. Every
+    other choice (the operators saved, every second matmul recomputed, the router's matmul
+    forced to recompute) is TorchTitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        """TorchTitan's save list and mc2's operators."""
+        return set(super().get_save_ops()) | set(SAVED_OPERATORS)
+
+
+@override(target=SelectiveAC.Config,
+          description="mc2: selective activation checkpointing saves mc2's fused call")
+def mc2_selective_ac(cfg: SelectiveAC.Config) -> MC2SelectiveAC.Config:
+    """TorchTitan override factory: the ``selective`` activation-checkpointing policy becomes
+    :class:`MC2SelectiveAC`, its fields carried over by ``derive``."""
+    return derive(cfg, MC2SelectiveAC.Config)

@@ -22,6 +22,10 @@ from typing import Any, Callable
 
 from mc2.engine.autograd.operator import FUSED_EXPERT, FUSED_EXPERT_CAPACITY
 
+# what a selective-checkpointing policy saves to recompute an mc2 call without an exchange
+# (its own or a framework's: mc2.integrations.torchtitan.MC2SelectiveAC)
+SAVED_OPERATORS = (FUSED_EXPERT, FUSED_EXPERT_CAPACITY)
+
 
 def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     """A selective-checkpointing policy that keeps the fused call's output and state.
@@ -39,7 +43,7 @@ def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved = {FUSED_EXPERT, FUSED_EXPERT_CAPACITY, *also_save}
+    saved = {*SAVED_OPERATORS, *also_save}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
