@@ -70,8 +70,12 @@ def test_refusals_raise_naming_the_field_on_every_rank() -> None:
 
 
 @pytest.mark.parametrize("overlap_grad_reduce", [True, False])
-def test_gpt_model_with_use_mc2_trains_as_megatrons(overlap_grad_reduce: bool) -> None:
-    for rank, found in enumerate(mc2.run_local(gpt_training, 2, args=(overlap_grad_reduce,),
+def test_gpt_model_with_use_mc2_trains_as_megatrons(overlap_grad_reduce: bool,
+                                                    tmp_path) -> None:
+    """Training equal to Megatron's, and checkpoints that move both ways: ``state_dict``
+    always, Megatron's ``dist_checkpointing`` (``torch_dist``) in one of the two runs."""
+    where = str(tmp_path) if overlap_grad_reduce else None
+    for rank, found in enumerate(mc2.run_local(gpt_training, 2, args=(overlap_grad_reduce, where),
                                                deadline_s=600)):
         assert found["mc2_layers"] == [True, True], found["mc2_layers"]
         assert found["megatron_layers"] == ["MoELayer", "MoELayer"]
@@ -84,6 +88,12 @@ def test_gpt_model_with_use_mc2_trains_as_megatrons(overlap_grad_reduce: bool) -
         assert any(".mlp.experts." in k for k in found["keys"]["mc2"])
         trained, reloaded = found["reload"]
         assert reloaded == pytest.approx(trained, rel=TOLERANCE), "checkpoint without mc2"
+        if where is not None:
+            round_trip = found["dist_checkpointing"]
+            assert round_trip["layers"] == [[False, False], [True, True]]
+            trained, plain, back = round_trip["losses"]
+            assert plain == pytest.approx(trained, rel=TOLERANCE), "dist_checkpointing -> Megatron"
+            assert back == pytest.approx(trained, rel=TOLERANCE), "dist_checkpointing -> mc2"
 
 
 @pytest.mark.parametrize("source", ["text", "file"])

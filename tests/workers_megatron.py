@@ -9,6 +9,8 @@ Every function runs inside a rank of ``mc2.run_local``: it installs the tests' C
 
 from __future__ import annotations
 
+import contextlib
+
 import zlib
 from typing import Any
 
@@ -236,7 +238,8 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
             for _ in range(STEPS + 1)]
 
 
-def gpt_training(rank: int, world: int, overlap_grad_reduce: bool) -> dict[str, Any]:
+def gpt_training(rank: int, world: int, overlap_grad_reduce: bool,
+                 checkpoint_dir: str | None = None) -> dict[str, Any]:
     """A 2-layer GPTModel (Megatron's local spec, 4 experts top-2, aux loss) built from the
     spec and from ``use_mc2(spec)``, the same weights, each wrapped in Megatron's
     DistributedDataParallel and trained ``STEPS`` Adam steps on the same batches (the
@@ -244,7 +247,10 @@ def gpt_training(rank: int, world: int, overlap_grad_reduce: bool) -> dict[str, 
     allocates on CUDA and cannot run here). Returns both models' losses, their state-dict and
     sharded-state-dict keys, which layers are MC2MoELayer on Megatron's EP group, and the loss
     of an unpatched model loaded from the trained mc2 model's state_dict against the mc2
-    model's on the next batch."""
+    model's on the next batch. With ``checkpoint_dir``: the same through Megatron's
+    ``dist_checkpointing`` (its ``torch_dist`` format, every rank saving its own experts),
+    both ways: the trained mc2 model saved and loaded into a model without mc2, and that
+    model saved and loaded into a fresh mc2 model."""
     import mc2
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -294,7 +300,66 @@ def gpt_training(rank: int, world: int, overlap_grad_reduce: bool) -> dict[str, 
     with torch.no_grad():
         found["reload"] = [float(m.eval()(ids, position, mask, labels=ids).mean())
                            for m in (models["mc2"], plain)]
+    if checkpoint_dir is not None:
+        found["dist_checkpointing"] = _dist_checkpoint_round_trip(
+            models["mc2"], lambda: _gpt(config, spec),
+            lambda: _gpt(config, use_mc2(spec, config=mc2.MC2Config(micro_batches=2))),
+            checkpoint_dir, batches[STEPS])
     return found
+
+
+@contextlib.contextmanager
+def _may_start_processes() -> Any:
+    """Let this rank start processes for the block. Megatron's ``torch_dist`` writer hands its
+    files to a multiprocessing ``Manager`` queue (a spawned process), which a daemonic
+    process may not start; ``mc2.run_local``'s ranks are daemonic, torchrun's are not. The
+    manager ends with the rank (multiprocessing's exit finalizers). Moves no data."""
+    import multiprocessing
+
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
+
+
+def _dist_checkpoint_round_trip(trained: Any, without_mc2: Any, with_mc2: Any, root: str,
+                                batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """``trained`` (mc2) saved with ``dist_checkpointing`` and loaded into a model built by
+    ``without_mc2``; that one saved and loaded into a fresh ``with_mc2`` model. The losses of
+    the three on ``batch``, and the layer types that ran."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from mc2.integrations.megatron import MC2MoELayer
+
+    def save(model: Any, name: str) -> str:
+        path = Path(root) / name
+        if torch.distributed.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        with _may_start_processes():
+            dist_checkpointing.save(model.sharded_state_dict(), str(path))
+        return str(path)
+
+    def load(build: Any, path: str) -> Any:
+        model = build()
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path),
+                              strict=True)
+        return model.eval()
+
+    plain = load(without_mc2, save(trained, "from_mc2"))
+    back = load(with_mc2, save(plain, "from_megatron"))
+    ids, position, mask = batch
+    with torch.no_grad():
+        losses = [float(m.eval()(ids, position, mask, labels=ids).mean())
+                  for m in (trained, plain, back)]
+    return {"losses": losses,
+            "layers": [[type(layer.mlp) is MC2MoELayer for layer in m.decoder.layers]
+                       for m in (plain, back)]}
 
 
 def _fill_model(model: torch.nn.Module, rank: int) -> None:
