@@ -3,7 +3,9 @@
 Megatron-Core assumes CUDA in places that have no arithmetic in them: its alltoall dispatcher
 copies the split sizes to the host on a side stream and waits on an event, buffers are
 allocated on ``torch.cuda.current_device()``, and a TransformerEngine name is referenced
-whether or not TransformerEngine is installed. :func:`install` replaces exactly those, in the
+whether or not TransformerEngine is installed, and the legacy ``GroupedMLP`` calls the
+``grouped_gemm`` package's CUDA kernel (a stand-in with its contract, one matmul per expert:
+the same products). :func:`install` replaces exactly those, in the
 calling process only (each rank calls it first thing; the pytest process never does, so no
 other test sees a patched ``torch.cuda``). Nothing here computes: a stream is a no-op on CPU,
 the current device is ``"cpu"``, and the split sizes become the Python lists that
@@ -128,7 +130,30 @@ def install() -> None:
     random._CUDA_RNG_STATE_TRACKER = _HostRNGTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     seed_rng(1234)
+
+    # the legacy GroupedMLP calls the grouped_gemm package (CUDA kernels); a stand-in with
+    # its gmm's contract, one matmul per expert
+    import megatron.core.transformer.moe.grouped_gemm_util as grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm is None:
+        grouped_gemm_util.grouped_gemm = _GroupedGemm
+        grouped_gemm_util.ops = _GroupedGemm.ops
     _INSTALLED = True
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False
+         ) -> torch.Tensor:
+    """``grouped_gemm.ops.gmm``: rows of ``a`` grouped by ``batch_sizes`` (on the host), each
+    group times its own ``b[e]`` (``[E, K, N]``, or ``[E, N, K]`` with ``trans_b``)."""
+    groups = a.split(batch_sizes.tolist())
+    return torch.cat([g @ (w.t() if trans_b else w) for g, w in zip(groups, b)])
+
+
+class _GroupedGemm:
+    """What Megatron reads of the ``grouped_gemm`` module: ``ops.gmm``."""
+
+    class ops:  # noqa: N801  the package's name
+        gmm = staticmethod(_gmm)
 
 
 def seed_rng(seed: int, rank: int = 0) -> None:

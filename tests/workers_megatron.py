@@ -46,6 +46,8 @@ CASES: dict[str, dict[str, Any]] = {
                                                                                 micro_batches=3)),
     "serial": dict(num_moe_experts=4, moe_router_topk=2, mc2=dict(overlap=False,
                                                                  micro_batches=1)),
+    "grouped_mlp": dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, bf16=True,
+                        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
     "padding_mask": dict(num_moe_experts=4, moe_router_topk=2, padding=True,
                          moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1),
 }
@@ -151,7 +153,7 @@ def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         padding = fields.pop("padding", False)
         config = transformer_config(world, **fields)
         spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
-                                   moe_grouped_gemm=False)
+                                   moe_grouped_gemm=config.moe_grouped_gemm)
         reference = build_module(spec, config=config)
         layer = build_module(use_mc2(spec, config=mc2.MC2Config(**options)), config=config)
         assert type(layer) is MC2MoELayer, type(layer)

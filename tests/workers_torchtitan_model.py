@@ -1,0 +1,259 @@
+"""Rank functions for tests/test_torchtitan.py: a whole TorchTitan 0.3.0 Qwen3 MoE debug model
+(its own ``Qwen3Model.Config`` and ``_build_qwen3_moe_layers``, smaller numbers than
+``debugmodel_moe``) trained a few AdamW steps under TorchTitan's own ``parallelize_qwen3``:
+FSDP over the 4 ranks for the dense parameters (``fsdp`` mesh), EP = 2 for the experts,
+FSDP-sharded over the ``efsdp`` mesh (size 2). Built twice from the same seed, once as it is
+and once after TorchTitan's ``apply_overrides`` with mc2's override, and trained on the same
+tokens: the per-step losses of the two are what the test compares.
+
+The trainer's steps are followed where they matter here: the sharding configs
+``update_from_config`` sets, then the override, then the build, ``parallelize_qwen3``, TorchTitan's
+``CrossEntropyLoss`` normalised by the global token count, and its
+``register_moe_load_balancing_hook`` (the expert-bias update) on the optimizer.
+
+Shims, in this file only, each where the trainer needs an accelerator:
+
+- **Attention**: ``get_attention_config`` accepts ``"flex"``, ``"flex_flash"`` and
+  ``"varlen"`` for language models and refuses ``"sdpa"`` (``ValueError: sdpa is no longer
+  supported for language models``). Flex runs through ``torch.compile`` with
+  ``max_autotune`` (minutes of inductor compilation per rank on this CPU) and needs a
+  ``BlockMask``; varlen is the CUDA flash kernel. The layers are built with ``"flex"`` and
+  their inner attention config is then swapped for TorchTitan's own
+  ``ScaledDotProductAttention.Config`` (causal, no mask): the rest of each layer, and its
+  sharding configs, stay TorchTitan's.
+- **update_from_config**: it imports ``torchtitan.trainer``, which needs ``torchdata`` (not
+  installed: TorchTitan comes ``--no-deps``). For this parallelism (no TP, CP, PP, no DeepEP
+  dispatcher) all it does is ``set_qwen3_sharding_config(enable_sp=False, enable_ep=True)``,
+  called here directly.
+- **Weights**: built and initialised on the CPU (``init_weights`` with a fixed seed) before
+  ``parallelize_qwen3``, not on the meta device and after it as the trainer does, so that both
+  models start from the same weights (checked) without a checkpoint.
+- **Gradient reduction**: TorchTitan's ``disable_fsdp_gradient_division`` (divide factor 1)
+  makes FSDP reduce-scatter with ``ReduceOp.PREMUL_SUM(1.0)``, which Gloo refuses
+  (``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo``). FSDP's own
+  ``set_force_sum_reduction_for_comms(True)`` (its path for devices with SUM only) sends SUM
+  and skips the division by 1: the same gradients.
+- **Meshes**, as in tests/workers_torchtitan.py: the mesh device falls back to ``"cuda"``
+  without an accelerator (set to ``"cpu"``), and size-1 axes take the ``"fake"`` backend,
+  registered by importing ``torch.testing._internal.distributed.fake_pg``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+from torch import Tensor
+
+MC2 = "mc2.integrations.torchtitan.mc2_routed_experts"
+# a Qwen3 MoE far smaller than debugmodel_moe (dim 256, 8 layers, 64 experts top-8)
+VOCAB, DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 2, 4, 2, 16
+EXPERTS, TOP_K, MOE_HIDDEN = 8, 2, 64
+BATCH, SEQ = 2, 16  # tokens per rank and step: 32
+EP, LR = 2, 1e-2
+
+
+def qwen3_moe_config() -> Any:
+    """TorchTitan's Qwen3 MoE model config, as ``_debugmodel_moe`` writes it with smaller
+    numbers, the inner attention swapped for SDPA (the module docstring says why)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm)
+
+    layers = _build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM, moe_hidden_dim=MOE_HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+        attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1000000.0))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=layers)
+
+
+def parallelism(world: int, backend: str) -> Any:
+    """TorchTitan's ``ParallelismConfig`` for FSDP over the world with EP = 2."""
+    from torchtitan.config import ParallelismConfig
+
+    return ParallelismConfig(data_parallel_shard_degree=world, expert_parallel_degree=EP,
+                             spmd_backend=backend)
+
+
+def parallel_dims(world: int, backend: str) -> Any:
+    """The trainer's ``ParallelDims`` (dp_shard = world, ep = 2) with its meshes built."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    parallel_dims_module.device_type = "cpu"  # TorchTitan falls back to "cuda" without one
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=EP,
+                        world_size=world, spmd_backend=backend)
+    set_spmd_backend(backend)
+    dims.build_mesh()
+    return dims
+
+
+def build_model(world: int, backend: str, mc2: dict | None) -> torch.nn.Module:
+    """The model as the trainer configures it (the sharding configs ``update_from_config``
+    sets, then the override when ``mc2`` is given), built and initialised from seed 0 on the
+    CPU."""
+    from torchtitan.config import OverrideConfig, apply_overrides
+
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    cfg = qwen3_moe_config()
+    # what Qwen3Model.Config.update_from_config does for this parallelism (module docstring)
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=EP > 1)
+    if mc2 is not None:
+        applied = apply_overrides(OverrideConfig(imports=[(MC2, mc2)]), cfg)
+        assert len(applied) == LAYERS, applied
+    torch.manual_seed(0)
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Every parameter and buffer of ``a`` equals ``b``'s (same names, bitwise)."""
+    sa = dict(a.named_parameters()) | dict(a.named_buffers())
+    sb = dict(b.named_parameters()) | dict(b.named_buffers())
+    return sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+def parallelize(model: torch.nn.Module, dims: Any, world: int, backend: str
+                ) -> torch.nn.Module:
+    """TorchTitan's own ``parallelize_qwen3`` with the trainer's default training config
+    (bfloat16 FSDP parameters, float32 reduction), no compile, no activation checkpointing."""
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(),
+                              parallelism=parallelism(world, backend),
+                              compile_config=CompileConfig(), ac_config=None,
+                              dump_folder="/tmp")
+    sum_reductions_for_gloo(model)
+    model.train()
+    return model
+
+
+def sum_reductions_for_gloo(model: torch.nn.Module) -> None:
+    """FSDP's reduce-scatter as a plain SUM: TorchTitan sets the gradient divide factor to 1
+    (it normalises by the global token count itself), which FSDP sends as
+    ``ReduceOp.PREMUL_SUM(1.0)``, an op Gloo lacks. FSDP's own
+    ``set_force_sum_reduction_for_comms`` sends SUM and divides by the factor afterwards, a
+    division it skips for 1: the same sum."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def sharding(model: torch.nn.Module) -> dict:
+    """What FSDP + EP left on this rank. Per MoE layer: the experts node's type and EP group
+    size, and each expert weight's mesh axes, placements, the tensor dim its ``efsdp``
+    placement shards (``None``: not sharded there) and its local and global shapes. For the
+    other parameters: the (mesh axes, placements) they carry."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # FSDP over a dim EP already shards places a _StridedShard, which is no Shard subclass
+    shards = (Shard, _StridedShard)
+
+    layers = []
+    experts = set()
+    for layer in model.layers.values():
+        node = layer.moe.routed_experts
+        group = getattr(node, "ep_group", None)
+        weights = {}
+        for name, p in node.inner_experts.named_parameters():
+            experts.add(p)
+            axes = tuple(p.device_mesh.mesh_dim_names)
+            on_efsdp = p.placements[axes.index("efsdp")] if "efsdp" in axes else None
+            weights[name] = {"mesh": axes, "placements": tuple(str(x) for x in p.placements),
+                             "efsdp_dim": on_efsdp.dim if isinstance(on_efsdp, shards) else None,
+                             "local": tuple(p.to_local().shape), "global": tuple(p.shape)}
+        layers.append({"node": type(node).__name__,
+                       "group_size": None if group is None else group.size(),
+                       "weights": weights})
+    dense = sorted({(tuple(p.device_mesh.mesh_dim_names), tuple(str(x) for x in p.placements))
+                    for p in model.parameters() if p not in experts})
+    return {"layers": layers, "dense": dense}
+
+
+def same_shards(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Every parameter's local shard of ``a`` equals ``b``'s (after parallelize)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(
+        torch.equal(pa[n].to_local(), pb[n].to_local()) for n in pa)
+
+
+def batches(rank: int, steps: int) -> list[tuple[Tensor, Tensor]]:
+    """This rank's (tokens, labels) per step, seeded by rank, the same for both models. The
+    label is a fixed function of the token (a bigram the model can learn in a few steps), so
+    that the loss moves well beyond the two models' rounding differences."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        out.append((tokens, (tokens * 7 + 3) % VOCAB))
+    return out
+
+
+class Trainer:
+    """One model's optimizer, loss and load-balancing hook, as TorchTitan's trainer sets
+    them up; :meth:`step` is its ``train_step`` without gradient accumulation."""
+
+    def __init__(self, model: torch.nn.Module, dims: Any) -> None:
+        from torchtitan.components.loss import CrossEntropyLoss
+        from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
+
+        self.model, self.dims = model, dims
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        register_moe_load_balancing_hook(self.optimizer, [model], dims)
+        self.loss_fn = CrossEntropyLoss.Config().build()
+
+    def step(self, tokens: Tensor, labels: Tensor) -> float:
+        """Forward, backward and optimizer step; the global mean loss over all ranks."""
+        self.optimizer.zero_grad()
+        group = self.dims.get_mesh("batch").get_group()
+        valid = torch.tensor(labels.numel(), dtype=torch.int64)
+        dist.all_reduce(valid, group=group)
+        loss, _ = self.loss_fn(self.model(tokens), labels, valid)
+        loss.backward()
+        self.optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return float(total)
+
+
+def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
+                             backend: str = "partial_dtensor") -> dict:
+    """TorchTitan's Qwen3 MoE and the same with mc2's node, same weights and tokens, trained
+    ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran, state-dict
+    keys and the sharding of both; whether the weights were equal before and after
+    parallelize."""
+    dims = parallel_dims(world, backend)
+    ref = build_model(world, backend, None)
+    got = build_model(world, backend, options)
+    same_init = same_state(ref, got)
+    ref = parallelize(ref, dims, world, backend)
+    got = parallelize(got, dims, world, backend)
+    same_shards_init = same_shards(ref, got)
+    ref_trainer, got_trainer = Trainer(ref, dims), Trainer(got, dims)
+    ref_losses, losses = [], []
+    for tokens, labels in batches(rank, steps):
+        ref_losses.append(ref_trainer.step(tokens, labels))
+        losses.append(got_trainer.step(tokens, labels))
+    return {"same_init": same_init, "same_shards_init": same_shards_init,
+            "ref_losses": ref_losses, "losses": losses,
+            "ref_keys": sorted(ref.state_dict()), "keys": sorted(got.state_dict()),
+            "ref_sharding": sharding(ref), "sharding": sharding(got)}
