@@ -9,6 +9,7 @@ of them alike, and each one's figure is the median over rounds of its per-round 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Iterable
@@ -59,8 +60,11 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden:
 
 def add_layer_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int, ffn: int,
                         impls: str) -> None:
-    """The options every layer benchmark takes: the MoE shape, steps, rounds, impls, json."""
+    """The options every layer benchmark takes: the MoE shape, steps, rounds, impls,
+    regimes, json."""
     add_shape_arguments(parser, tokens=tokens, hidden=hidden, ffn=ffn)
+    parser.add_argument("--regimes", default="plain",
+                        help="plain, or shaped loopback (root) e.g. 500mbit,200mbit")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--impls", default=impls)
@@ -71,3 +75,54 @@ def shape_of(args: argparse.Namespace) -> dict[str, int]:
     """The MoE shape :func:`add_shape_arguments` parsed."""
     return dict(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts,
                 topk=args.topk)
+
+
+def regime(name: str) -> contextlib.AbstractContextManager:
+    """``plain``: loopback as it is; ``<rate>`` (``200mbit``): loopback shaped with ``tc tbf
+    rate <rate> burst 512kb latency 400ms`` for the block, removed after (root; every process
+    on the machine shares ``lo``, so only on a machine of your own)."""
+    if name == "plain":
+        return contextlib.nullcontext()
+    from compare_peers import ShapedLoopback, can_shape
+
+    if (why := can_shape()) is not None:
+        raise SystemExit(f"regime {name}: {why}")
+    return ShapedLoopback(name, latency="400ms")
+
+
+def print_regime(title: str, found: dict[str, Any], baseline: str, errors: dict[str, float],
+                 error_name: str) -> None:
+    """One regime's figures: each implementation's median, its speed against ``baseline``
+    (> 1: faster), its per-round medians and its error against the baseline's output."""
+    print(title)
+    base = found["median_s"][baseline]
+    for impl, median in found["median_s"].items():
+        rounds = " / ".join(f"{r * 1e3:.0f}" for r in found["rounds"][impl])
+        print(f"  {impl:12s} {median * 1e3:9.1f} ms  {base / median:5.2f}x  rounds {rounds} ms"
+              + (f"  {error_name} {errors[impl]:.1e}" if impl in errors else ""), flush=True)
+
+
+def run_regimes(rank_fn: Callable[..., dict[str, Any]], args: argparse.Namespace,
+                impls: list[str], describe: str, baseline: str, error_key: str,
+                error_name: str, deadline_s: float = 7200) -> dict[str, Any]:
+    """``rank_fn(rank, world, impls, shape, steps, rounds)`` on 2 local ranks in each of
+    ``--regimes``, printed as it ends and written to ``--json`` after each (a run cut short
+    keeps what it measured)."""
+    import json
+    from pathlib import Path
+
+    import mc2
+
+    shape = shape_of(args)
+    out: dict[str, Any] = {"shape": shape, "steps": args.steps, "rounds": args.rounds}
+    for name in args.regimes.split(","):
+        with regime(name):
+            results = mc2.run_local(rank_fn, 2, args=(impls, shape, args.steps, args.rounds),
+                                    timeout_s=600, deadline_s=deadline_s)
+        found = out[name] = results[0]
+        print_regime(f"[{name}] tokens/rank {args.tokens} H{args.hidden} F{args.ffn} "
+                     f"E{args.experts} top-{args.topk}, {describe}, {args.rounds} rounds x "
+                     f"{args.steps} steps", found, baseline, found[error_key], error_name)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    return out

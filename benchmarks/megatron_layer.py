@@ -11,18 +11,18 @@ figure is the median over rounds of its per-round median. mc2 variants: ``mc2`` 
 its exploration calls run in untimed steps before the first round), ``mc2_k<N>`` (K fixed),
 ``mc2_dedup`` (rows once per destination, ``"auto"``).
 
-Regimes: ``plain`` (loopback as it is) and ``<N>mbit`` (loopback shaped with ``tc tbf``, root;
-every process on the machine shares ``lo``, so only on a machine of your own)::
+Regimes (``--regimes``): ``plain`` (loopback as it is) and ``<N>mbit`` (loopback shaped with
+``tc tbf ... latency 400ms``, root; every process on the machine shares ``lo``, so only on a
+machine of your own)::
 
     .venv/bin/python benchmarks/megatron_layer.py --tokens 1024 --hidden 512 --ffn 1024
     .venv/bin/python benchmarks/megatron_layer.py            # the peers' shape, 4096 tok/rank
+    sudo .venv/bin/python benchmarks/megatron_layer.py --regimes plain,500mbit,200mbit
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mc2  # noqa: E402
-from layer_rounds import add_layer_arguments, interleaved_rounds, shape_of, slowest_rank_seconds  # noqa: E402
+from layer_rounds import (add_layer_arguments, interleaved_rounds, run_regimes,  # noqa: E402
+                          slowest_rank_seconds)
 
 
 def _config(variant: str) -> mc2.MC2Config:
@@ -107,36 +108,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_arguments(parser, tokens=4096, hidden=1024, ffn=2048,
                         impls="megatron,mc2,mc2_k1,mc2_k2")
-    parser.add_argument("--regimes", default="plain", help="plain, or e.g. 500mbit,200mbit")
     args = parser.parse_args()
     impls = [i for i in args.impls.split(",") if i]
-    shape = shape_of(args)
-    out: dict[str, Any] = {"shape": shape, "steps": args.steps, "rounds": args.rounds}
-    for regime in args.regimes.split(","):
-        if regime == "plain":
-            shaping: Any = contextlib.nullcontext()
-        else:
-            from compare_peers import ShapedLoopback, can_shape
-
-            if (why := can_shape()) is not None:
-                raise SystemExit(f"regime {regime}: {why}")
-            shaping = ShapedLoopback(regime)
-        with shaping:
-            results = mc2.run_local(_rank, 2, args=(impls, shape, args.steps, args.rounds),
-                                    timeout_s=600, deadline_s=7200)
-        found = results[0]
-        base = found["median_s"]["megatron"]
-        print(f"[{regime}] tokens/rank {args.tokens} H{args.hidden} F{args.ffn} "
-              f"E{args.experts} top-{args.topk}")
-        for impl, median in found["median_s"].items():
-            rounds = " / ".join(f"{r * 1e3:.0f}" for r in found["rounds"][impl])
-            print(f"  {impl:10s} {median * 1e3:8.0f} ms  {base / median:5.2f}x  rounds {rounds} ms"
-                  + (f"  max|err| {found['max_abs_err'][impl]:.1e}"
-                     if impl in found["max_abs_err"] else ""))
-        out[regime] = found
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-
+    if impls[0] != "megatron":
+        raise SystemExit("impls: megatron first (the baseline)")
+    run_regimes(_rank, args, impls, "float32, 2 ranks", "megatron", "max_abs_err", "max|err|")
 
 if __name__ == "__main__":
     main()

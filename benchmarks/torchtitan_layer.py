@@ -8,15 +8,17 @@ moe(x); y.backward(dy)``, gradients set to None outside the timed region, a barr
 step, a step's time the slowest rank's. Each round runs every implementation in turn (one
 untimed step, then ``--steps`` timed ones); an implementation's figure is the median over
 rounds of its per-round median. ``mc2`` is ``micro_batches="auto"`` (its exploration runs in
-untimed steps before the first round), ``mc2_k<N>`` fixes K. Plain loopback only::
+untimed steps before the first round), ``mc2_k<N>`` fixes K. Regimes (``--regimes``): ``plain``
+loopback and ``<N>mbit``, loopback shaped with ``tc tbf ... latency 400ms`` (root, a machine of
+your own)::
 
     .venv/bin/python benchmarks/torchtitan_layer.py --tokens 2048 --hidden 512 --ffn 1024
+    sudo .venv/bin/python benchmarks/torchtitan_layer.py --regimes plain,200mbit
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import mc2  # noqa: E402
-from layer_rounds import add_layer_arguments, interleaved_rounds, shape_of, slowest_rank_seconds  # noqa: E402
+from layer_rounds import (add_layer_arguments, interleaved_rounds, run_regimes,  # noqa: E402
+                          slowest_rank_seconds)
 
 
 def _options(variant: str) -> dict[str, Any] | None:
@@ -77,21 +79,8 @@ def main() -> None:
     impls = [i for i in args.impls.split(",") if i]
     if impls[0] != "torchtitan":
         raise SystemExit("impls: torchtitan first (the baseline)")
-    shape = shape_of(args)
-    results = mc2.run_local(_rank, 2, args=(impls, shape, args.steps, args.rounds),
-                            timeout_s=600, deadline_s=3600)
-    found = results[0]
-    base = found["median_s"]["torchtitan"]
-    print(f"[plain] tokens/rank {args.tokens} H{args.hidden} F{args.ffn} E{args.experts} "
-          f"top-{args.topk}, bf16, 2 ranks, {args.rounds} rounds x {args.steps} steps")
-    for impl in impls:
-        t = found["median_s"][impl]
-        err = found["rel_err_vs_first"].get(impl)
-        print(f"  {impl:12s} {t * 1e3:8.1f} ms  {base / t:5.2f}x"
-              + ("" if err is None else f"  rel err {err:.1e}"))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"shape": shape, **found}, indent=1))
-
+    run_regimes(_rank, args, impls, "bf16, 2 ranks", "torchtitan", "rel_err_vs_first",
+                "rel err", deadline_s=3600)
 
 if __name__ == "__main__":
     main()

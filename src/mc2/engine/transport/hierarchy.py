@@ -324,9 +324,12 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
 
     A collective: every rank of ``group`` calls it together. Both exchanges move the same
     uniform traffic, rows of ``row_bytes`` bytes (what a row takes on the wire, in the call's
-    wire format), synchronously, ``repeats`` times, timed with the device's clock; the group's
-    slowest times decide, so all ranks decide alike. Cached per (group, size rounded to a power
-    of two, row bytes).
+    wire format), synchronously, ``repeats`` times each, *alternating* (flat, 2-D, flat, ...:
+    a slow spell of the link or the host falls on both), timed with the device's clock. As for
+    ``"auto"``'s K (:mod:`mc2.engine.decide.trials`), each exchange counts as the group's
+    slowest rank (one all-reduce of every time) and each is scored by the median of its
+    exchanges; the 2-D one must be 5% faster. All ranks decide alike. Cached per (group,
+    size rounded to a power of two, row bytes).
     """
     world = nodes * per_node
     per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
@@ -341,15 +344,14 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
         rows = torch.zeros(per * world, row_bytes, dtype=torch.uint8, device=device)
         clock = clock_for(device)
 
-        def timed(exchange: Any) -> float:
-            exchange.dispatch(rows, async_op=False).wait()  # warm-up
-            times = []
-            for _ in range(repeats):  # a barrier before each, outside the timed interval
-                barrier(group, "hierarchy measurement", device)
-                times.append(clock.time(lambda: exchange.dispatch(rows, async_op=False).wait()))
-            return statistics.median(times)
+        def timed(exchange: Any) -> float:  # a barrier before each, outside the interval
+            barrier(group, "hierarchy measurement", device)
+            return clock.time(lambda: exchange.dispatch(rows, async_op=False).wait())
 
-        measured = upload([timed(flat), timed(two_d)], device, torch.float64)
-        slowest = read(all_reduce_max(measured, group))
-        _CHOICES[key] = slowest[1] < 0.95 * slowest[0]
+        for exchange in (flat, two_d):  # warm-up
+            exchange.dispatch(rows, async_op=False).wait()
+        times = [timed(exchange) for _ in range(repeats) for exchange in (flat, two_d)]
+        slowest = read(all_reduce_max(upload(times, device, torch.float64), group))
+        flat_s, two_d_s = (statistics.median(slowest[i::2]) for i in (0, 1))
+        _CHOICES[key] = two_d_s < 0.95 * flat_s
     return _CHOICES[key]
