@@ -144,7 +144,7 @@ def test_qwen3_moe_model_trains_like_torchtitan_under_fsdp_and_ep() -> None:
     the experts, FSDP-sharded over ``efsdp`` (2). Built twice from the same seed, with and
     without mc2's override, and trained 3 AdamW steps on the same tokens (TorchTitan's
     cross-entropy, its expert-bias hook, bf16 FSDP parameters): the global losses per step
-    agree within bfloat16 rounding (seen <= 3e-4) while they fall by far more; mc2's node
+    agree within bfloat16 rounding (seen 7e-5) while they fall by far more (~7 %); mc2's node
     ran in every layer on a 2-rank EP group; the state-dict keys and the sharding are
     TorchTitan's."""
     from tests import workers_torchtitan_model as m
