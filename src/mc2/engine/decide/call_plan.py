@@ -75,7 +75,8 @@ class CallPlan:
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
         on_pass_done: ``(phase, interval)`` called after each pass, for ``"auto"``'s trials
-            (an :class:`~mc2.device.clock.Interval`, read only when the planner decides).
+            and its drift guard (an :class:`~mc2.device.clock.Interval`, read only when the
+            planner decides or checks).
         wire: ``(dispatch, combine)`` formats of each pass's two exchanges
             (:mod:`mc2.engine.transport.wire`). The backward's exchanges use the same pair, and
             treat the rounding as the identity (straight-through): the gradient of a quantised
