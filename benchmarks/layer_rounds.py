@@ -126,3 +126,20 @@ def run_regimes(rank_fn: Callable[..., dict[str, Any]], args: argparse.Namespace
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
     return out
+
+
+def layer_benchmark(rank_fn: Callable[..., dict[str, Any]], *, doc: str, baseline: str,
+                    tokens: int, hidden: int, ffn: int, describe: str, error_key: str,
+                    error_name: str, deadline_s: float = 7200,
+                    argv: list[str] | None = None) -> dict[str, Any]:
+    """A framework layer benchmark's command line: the options, ``baseline`` first among
+    ``--impls``, then :func:`run_regimes`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_layer_arguments(parser, tokens=tokens, hidden=hidden, ffn=ffn,
+                        impls=f"{baseline},mc2,mc2_k1,mc2_k2")
+    args = parser.parse_args(argv)
+    impls = [i for i in args.impls.split(",") if i]
+    if impls[0] != baseline:
+        raise SystemExit(f"impls: {baseline} first (the baseline)")
+    return run_regimes(rank_fn, args, impls, describe, baseline, error_key, error_name,
+                       deadline_s=deadline_s)

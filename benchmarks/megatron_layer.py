@@ -22,7 +22,6 @@ machine of your own)::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mc2  # noqa: E402
-from layer_rounds import (add_layer_arguments, interleaved_rounds, run_regimes,  # noqa: E402
-                          slowest_rank_seconds)
+from layer_rounds import interleaved_rounds, layer_benchmark, slowest_rank_seconds  # noqa: E402
 
 
 def _config(variant: str) -> mc2.MC2Config:
@@ -105,14 +103,9 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_layer_arguments(parser, tokens=4096, hidden=1024, ffn=2048,
-                        impls="megatron,mc2,mc2_k1,mc2_k2")
-    args = parser.parse_args()
-    impls = [i for i in args.impls.split(",") if i]
-    if impls[0] != "megatron":
-        raise SystemExit("impls: megatron first (the baseline)")
-    run_regimes(_rank, args, impls, "float32, 2 ranks", "megatron", "max_abs_err", "max|err|")
+    layer_benchmark(_rank, doc=__doc__, baseline="megatron", tokens=4096, hidden=1024,
+                    ffn=2048, describe="float32, 2 ranks", error_key="max_abs_err",
+                    error_name="max|err|")
 
 if __name__ == "__main__":
     main()

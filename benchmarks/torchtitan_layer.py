@@ -18,7 +18,6 @@ your own)::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from layer_rounds import (add_layer_arguments, interleaved_rounds, run_regimes,  # noqa: E402
-                          slowest_rank_seconds)
+from layer_rounds import interleaved_rounds, layer_benchmark, slowest_rank_seconds  # noqa: E402
 
 
 def _options(variant: str) -> dict[str, Any] | None:
@@ -72,15 +70,9 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_layer_arguments(parser, tokens=2048, hidden=512, ffn=1024,
-                        impls="torchtitan,mc2,mc2_k1,mc2_k2")
-    args = parser.parse_args()
-    impls = [i for i in args.impls.split(",") if i]
-    if impls[0] != "torchtitan":
-        raise SystemExit("impls: torchtitan first (the baseline)")
-    run_regimes(_rank, args, impls, "bf16, 2 ranks", "torchtitan", "rel_err_vs_first",
-                "rel err", deadline_s=3600)
+    layer_benchmark(_rank, doc=__doc__, baseline="torchtitan", tokens=2048, hidden=512,
+                    ffn=1024, describe="bf16, 2 ranks", error_key="rel_err_vs_first",
+                    error_name="rel err", deadline_s=3600)
 
 if __name__ == "__main__":
     main()
