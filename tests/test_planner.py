@@ -150,15 +150,18 @@ def test_trials_never_lock_slower_than_serial_plain_rows() -> None:
     assert trial_winner((1, 4, -1), [0.95, 1.10, 1.00], 0.02) == 1  # the wire format pays
 
 
-@pytest.mark.parametrize("drift", [1.0, 0.0], ids=["guard", "no_guard"])
+@pytest.mark.parametrize("drift", [4.0, 0.0], ids=["guard", "no_guard"])
 def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
     """After the lock, a steady state that runs clearly slower than its trials (here the
-    experts start sleeping 50 ms a forward) re-runs the shape's trials once, on every rank
+    experts start sleeping 200 ms a forward: far beyond what a loaded machine adds to a
+    few-millisecond call, so the test does not depend on the machine's noise) re-runs the shape's trials once, on every rank
     at the same call, says so on the planner's logger and in the timeline, and never again;
-    a steady state like its trials does not. With ``drift=0`` nothing is watched."""
+    a steady state like its trials does not. With ``drift=0`` nothing is watched. The
+    threshold here (5x the trials' median plus their spread) is far above what the noise of
+    a loaded machine does to a call of a few milliseconds (2-3x seen), far below the sleep."""
     from tests.workers_drift import drifting_shape
 
-    a, b = mc2.run_local(drifting_shape, 2, args=(drift, 8, 20, 0.05))
+    a, b = mc2.run_local(drifting_shape, 2, args=(drift, 8, 20, 0.2))
     assert a["calls"] == b["calls"], "every rank runs the same K and trials on every call"
     locked_at, calls = a["locked_at"], a["calls"]
     after = calls[locked_at:]
@@ -169,7 +172,7 @@ def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
         assert a["decision"]["replanned"] is None
         return
     # windows of 4: the one of the first 4 slow calls (8..11) is judged at call 12
-    assert replans == [12], [(c["k"], c["trial"], c["replan"]) for c in after]
+    assert replans == [12], ([(c["k"], c["trial"], c["replan"]) for c in after], a["decision"])
     assert not any(c["trial"] for c in after[:12])
     retried = [c for c in after[12:] if c["trial"]]
     assert len(retried) == 4  # 2 candidates x 2 calls, no re-check
