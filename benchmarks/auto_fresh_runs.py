@@ -12,6 +12,9 @@ a fixed K's runs is what the machine does with no decision to make.
 
 For every ``"auto"`` run it reports the ratio to the best fixed choice (the median of that
 choice's runs), and the target: within 5% in at least 9 of 10 runs, never more than 15% slower.
+Beside it, the same ratio for the best fixed choice's own runs (the noise floor: what a run
+that made no decision at all scores on this machine), and each ``"auto"`` run against the
+fastest fixed run of its own round (paired: the machine's slow minutes fall on both).
 
     python benchmarks/auto_fresh_runs.py                        # plain loopback, 5 rounds
     python benchmarks/auto_fresh_runs.py --tokens 4096 --hidden 1024 --ffn 2048 --wire fp8
@@ -119,12 +122,23 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(f"{m:.1f}" for m in ms))
     print(f"  auto / best fixed ({best_name}): " + " ".join(f"{q:.3f}" for q in ratios)
           + f"; within 5% in {within} of {len(ratios)}, worst {max(ratios):.3f}")
+    own = [r["median_s"] / fixed[best_name] for r in runs[best_name]]
+    print(f"  noise floor, {best_name}'s own runs / their median: "
+          + " ".join(f"{q:.3f}" for q in own)
+          + f"; within 5% in {sum(q <= 1.05 for q in own)} of {len(own)}, worst {max(own):.3f}")
+    paired = [a["median_s"] / min(runs[n][r]["median_s"] for n in fixed)
+              for r, a in enumerate(runs["auto"])]
+    print("  paired, auto / the fastest fixed run of the same round: "
+          + " ".join(f"{q:.3f}" for q in paired)
+          + f"; within 5% in {sum(q <= 1.05 for q in paired)} of {len(paired)}")
     print("  auto locked: " + ", ".join(f"K={r['locked']}{' plain' if r['plain_rows'] else ''}"
                                         for r in runs["auto"]))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "runs": runs, "fixed_median_s": fixed,
-                                         "best_fixed": best_name, "auto_ratios": ratios},
+                                         "best_fixed": best_name, "auto_ratios": ratios,
+                                         "best_fixed_own_ratios": own,
+                                         "auto_paired_ratios": paired},
                                         indent=1, default=str))
     return 0
 

@@ -43,8 +43,11 @@ def interleaved_rounds(steps: dict[str, Callable[[], float]], *, rounds: int, re
         for name, step in steps.items():
             step()  # untimed
             per_round[name].append(statistics.median(step() for _ in range(repeats)))
+    from mc2.engine.decide.planner import default_decisions
+
     return {"rounds": per_round,
-            "median_s": {name: statistics.median(r) for name, r in per_round.items()}}
+            "median_s": {name: statistics.median(r) for name, r in per_round.items()},
+            "auto_decisions": [d["why"] for d in default_decisions()]}
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int,
@@ -100,6 +103,8 @@ def print_regime(title: str, found: dict[str, Any], baseline: str, errors: dict[
         rounds = " / ".join(f"{r * 1e3:.0f}" for r in found["rounds"][impl])
         print(f"  {impl:12s} {median * 1e3:9.1f} ms  {base / median:5.2f}x  rounds {rounds} ms"
               + (f"  {error_name} {errors[impl]:.1e}" if impl in errors else ""), flush=True)
+    for why in found.get("auto_decisions", []):
+        print(f"  auto {why}", flush=True)
 
 
 def run_regimes(rank_fn: Callable[..., dict[str, Any]], args: argparse.Namespace,
@@ -134,7 +139,7 @@ def layer_benchmark(rank_fn: Callable[..., dict[str, Any]], *, doc: str, baselin
                     argv: list[str] | None = None) -> dict[str, Any]:
     """A framework layer benchmark's command line: the options, ``baseline`` first among
     ``--impls``, then :func:`run_regimes`."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     add_layer_arguments(parser, tokens=tokens, hidden=hidden, ffn=ffn,
                         impls=f"{baseline},mc2,mc2_k1,mc2_k2")
     args = parser.parse_args(argv)

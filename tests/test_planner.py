@@ -153,8 +153,7 @@ def test_trials_never_lock_slower_than_serial_plain_rows() -> None:
 @pytest.mark.parametrize("drift", [4.0, 0.0], ids=["guard", "no_guard"])
 def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
     """After the lock, a steady state that runs clearly slower than its trials (here the
-    experts start sleeping 200 ms a forward: far beyond what a loaded machine adds to a
-    few-millisecond call, so the test does not depend on the machine's noise) re-runs the shape's trials once, on every rank
+    experts start sleeping 200 ms a forward) re-runs the shape's trials once, on every rank
     at the same call, says so on the planner's logger and in the timeline, and never again;
     a steady state like its trials does not. With ``drift=0`` nothing is watched. The
     threshold here (5x the trials' median plus their spread) is far above what the noise of

@@ -59,6 +59,18 @@ def test_equal_with_shared_experts_and_auto() -> None:
     _check(results, BF16)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_equal_to_the_unsharded_block_in_one_process(world: int) -> None:
+    """EP = 2 and 4 with mc2 against EP = 1 (the block unsharded, TorchTitan's local path) on
+    every rank's tokens at once: output, input gradient, every expert's and router gradient."""
+    results = mc2.run_local(w.equal_to_ep1, world, args=({"micro_batches": 2},))
+    for rank, r in enumerate(results):
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= BF16, (rank, worst, r["errors"])
+        assert any(k.endswith("w1_EFD") for k in r["errors"])
+        assert any("router" in k for k in r["errors"])
+
+
 def test_equal_under_full_activation_checkpointing() -> None:
     """torch.utils.checkpoint over the whole block: the recompute runs mc2's call again (its
     collectives included, on both ranks) and the gradients are the uncheckpointed ones."""

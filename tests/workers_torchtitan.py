@@ -143,6 +143,42 @@ def equal_to_torchtitan(rank: int, world: int, dtype_name: str, options: dict,
             "group_size": moe.routed_experts.ep_group.size()}
 
 
+def equal_to_ep1(rank: int, world: int, options: dict) -> dict:
+    """mc2's node with EP = ``world`` against the same block unsharded (EP = 1, TorchTitan's
+    local path, no collective) in this process, fed every rank's batch at once: this rank's
+    output and input gradient, the experts it holds (their gradients collect every rank's
+    tokens) and the replicated parameters (their gradients summed over the ranks)."""
+    import torch.distributed as dist
+
+    got = _run(build(world, mc2=options), rank, torch.float32)
+    cfg = moe_config()
+    torch.manual_seed(0)
+    ref_moe = cfg.build()
+    with torch.no_grad():
+        for p in ref_moe.parameters():
+            p.normal_(0.0, 0.3)
+    xs = []
+    for r in range(world):  # every rank's batch, as _run seeds it
+        torch.manual_seed(100 + r)
+        xs.append(torch.randn(2, 6, D))
+    x = torch.cat(xs).requires_grad_()
+    out = ref_moe(x)
+    weight = torch.linspace(-1.0, 1.0, out.numel() // world).view_as(out[:2])
+    (out.view(world, *out[:2].shape) * weight).sum().backward()
+    local = E // world
+    grads = {}
+    for name, p in ref_moe.named_parameters():
+        if name.startswith("routed_experts.inner_experts."):
+            grads[name] = p.grad[rank * local:(rank + 1) * local]
+        else:  # replicated: this rank's gradient is its tokens' share
+            summed = got[2][name].clone()
+            dist.all_reduce(summed)
+            got[2][name] = summed
+            grads[name] = p.grad
+    ref = (out[2 * rank:2 * rank + 2].detach(), x.grad[2 * rank:2 * rank + 2], grads)
+    return {"errors": relative_errors(ref, got)}
+
+
 def weights_passed_without_copy(rank: int, world: int) -> dict:
     """The tensors the node hands to ``fused_expert`` for bf16 GroupedExperts: whether each
     shares the parameter's memory (a view) and is its transpose."""

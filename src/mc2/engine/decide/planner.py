@@ -648,3 +648,11 @@ def planner_for(group: Any) -> Planner:
     if key not in _GROUP_PLANNERS:
         _GROUP_PLANNERS[key] = Planner()
     return _GROUP_PLANNERS[key]
+
+
+def default_decisions() -> list[dict[str, Any]]:
+    """What ``"auto"`` decided in this process through the default planners (the calls that
+    passed no ``planner=``, e.g. a framework's layers): every shape's
+    :meth:`Planner.decisions` entry, for logs and benchmarks that do not hold the planner."""
+    return [d for planner in _GROUP_PLANNERS.values() for d in planner.decisions().values()]
+
