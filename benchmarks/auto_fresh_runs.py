@@ -14,7 +14,9 @@ For every ``"auto"`` run it reports the ratio to the best fixed choice (the medi
 choice's runs), and the target: within 5% in at least 9 of 10 runs, never more than 15% slower.
 Beside it, the same ratio for the best fixed choice's own runs (the noise floor: what a run
 that made no decision at all scores on this machine), and each ``"auto"`` run against the
-fastest fixed run of its own round (paired: the machine's slow minutes fall on both).
+best fixed choice's run of its own round (paired: the machine's slow minutes fall on both),
+and the decision itself: the median of the fixed choice each ``"auto"`` run locked against the
+best's (1.0: it locked the best plan, whatever its own world's noise).
 
     python benchmarks/auto_fresh_runs.py                        # plain loopback, 5 rounds
     python benchmarks/auto_fresh_runs.py --tokens 4096 --hidden 1024 --ffn 2048 --wire fp8
@@ -66,6 +68,11 @@ def world_run(rank: int, world: int, choice: dict[str, Any], shape: dict[str, in
             "locked": decisions[0]["locked"] if decisions else None,
             "plain_rows": decisions[0]["plain_rows"] if decisions else None,
             "why": decisions[0]["why"] if decisions else None}
+
+
+def locked_name(run: dict[str, Any]) -> str:
+    """The fixed choice an ``"auto"`` run locked, named as the fixed runs are."""
+    return f"K={run['locked']}{' plain' if run['plain_rows'] else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,19 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  noise floor, {best_name}'s own runs / their median: "
           + " ".join(f"{q:.3f}" for q in own)
           + f"; within 5% in {sum(q <= 1.05 for q in own)} of {len(own)}, worst {max(own):.3f}")
-    paired = [a["median_s"] / min(runs[n][r]["median_s"] for n in fixed)
-              for r, a in enumerate(runs["auto"])]
-    print("  paired, auto / the fastest fixed run of the same round: "
+    paired = [a["median_s"] / runs[best_name][r]["median_s"] for r, a in enumerate(runs["auto"])]
+    print(f"  paired, auto / {best_name}'s run of the same round: "
           + " ".join(f"{q:.3f}" for q in paired)
           + f"; within 5% in {sum(q <= 1.05 for q in paired)} of {len(paired)}")
-    print("  auto locked: " + ", ".join(f"K={r['locked']}{' plain' if r['plain_rows'] else ''}"
-                                        for r in runs["auto"]))
+    decided = [fixed.get(locked_name(r), float("nan")) / fixed[best_name] for r in runs["auto"]]
+    print("  decided, the median of the plan each auto run locked / the best's: "
+          + " ".join(f"{q:.3f}" for q in decided)
+          + f"; within 5% in {sum(q <= 1.05 for q in decided)} of {len(decided)}")
+    print("  auto locked: " + ", ".join(locked_name(r) for r in runs["auto"]))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "runs": runs, "fixed_median_s": fixed,
                                          "best_fixed": best_name, "auto_ratios": ratios,
                                          "best_fixed_own_ratios": own,
-                                         "auto_paired_ratios": paired},
+                                         "auto_paired_ratios": paired,
+                                         "auto_decided_ratios": decided},
                                         indent=1, default=str))
     return 0
 
