@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from mc2.engine.decide.planner import default_decisions
+
 
 def slowest_rank_seconds(run: Callable[[], Any]) -> float:
     """Seconds ``run()`` took on the group's slowest rank (a barrier first, then one
@@ -43,8 +45,6 @@ def interleaved_rounds(steps: dict[str, Callable[[], float]], *, rounds: int, re
         for name, step in steps.items():
             step()  # untimed
             per_round[name].append(statistics.median(step() for _ in range(repeats)))
-    from mc2.engine.decide.planner import default_decisions
-
     return {"rounds": per_round,
             "median_s": {name: statistics.median(r) for name, r in per_round.items()},
             "auto_decisions": [d["why"] for d in default_decisions()]}

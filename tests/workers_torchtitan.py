@@ -77,12 +77,7 @@ def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
     if mc2 is not None:
         applied = apply_overrides(OverrideConfig(imports=[(MC2, mc2)]), cfg)
         assert len(applied) == 1, applied
-    torch.manual_seed(0)
-    moe = cfg.build()
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0.0, 0.3)
-    moe.to(dtype)
+    moe = _seeded(cfg).to(dtype)
     parallel_dims_module.device_type = "cpu"  # TorchTitan falls back to "cuda" without one
     dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world,
                         world_size=world, spmd_backend=backend)
@@ -92,6 +87,27 @@ def build(world: int, *, mc2: dict | None, backend: str = "partial_dtensor",
     return moe
 
 
+def _seeded(cfg: Any) -> torch.nn.Module:
+    """The block of ``cfg`` with the weights every build gets (seed 0, normal 0.3)."""
+    torch.manual_seed(0)
+    moe = cfg.build()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+    return moe
+
+
+def _batch(rank: int, dtype: torch.dtype) -> Tensor:
+    """Rank ``rank``'s tokens ``(2, 6, D)``, the same in every process."""
+    torch.manual_seed(100 + rank)
+    return torch.randn(2, 6, D, dtype=dtype)
+
+
+def _loss_weight(out: Tensor) -> Tensor:
+    """The weights of the loss ``sum(out * weight)``: every output element counts, differently."""
+    return torch.linspace(-1.0, 1.0, out.numel()).view_as(out).to(out.dtype)
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -99,15 +115,13 @@ def _local(t: Tensor) -> Tensor:
 def _run(moe: torch.nn.Module, rank: int, dtype: torch.dtype, checkpoint: bool = False
          ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Forward and backward of a rank-seeded batch (a loss that weighs every output)."""
-    torch.manual_seed(100 + rank)
-    x = torch.randn(2, 6, D, dtype=dtype).requires_grad_()
+    x = _batch(rank, dtype).requires_grad_()
     if checkpoint:
         from torch.utils.checkpoint import checkpoint as full_ac
         out = full_ac(moe, x, use_reentrant=False)
     else:
         out = moe(x)
-    weight = torch.linspace(-1.0, 1.0, out.numel()).view_as(out).to(dtype)
-    (out.float() * weight.float()).sum().backward()
+    (out.float() * _loss_weight(out).float()).sum().backward()
     grads = {n: _local(p.grad).detach().clone() for n, p in moe.named_parameters()}
     return out.detach().clone(), x.grad.detach().clone(), grads
 
@@ -151,20 +165,10 @@ def equal_to_ep1(rank: int, world: int, options: dict) -> dict:
     import torch.distributed as dist
 
     got = _run(build(world, mc2=options), rank, torch.float32)
-    cfg = moe_config()
-    torch.manual_seed(0)
-    ref_moe = cfg.build()
-    with torch.no_grad():
-        for p in ref_moe.parameters():
-            p.normal_(0.0, 0.3)
-    xs = []
-    for r in range(world):  # every rank's batch, as _run seeds it
-        torch.manual_seed(100 + r)
-        xs.append(torch.randn(2, 6, D))
-    x = torch.cat(xs).requires_grad_()
+    ref_moe = _seeded(moe_config())
+    x = torch.cat([_batch(r, torch.float32) for r in range(world)]).requires_grad_()
     out = ref_moe(x)
-    weight = torch.linspace(-1.0, 1.0, out.numel() // world).view_as(out[:2])
-    (out.view(world, *out[:2].shape) * weight).sum().backward()
+    (out.view(world, *out[:2].shape) * _loss_weight(out[:2])).sum().backward()
     local = E // world
     grads = {}
     for name, p in ref_moe.named_parameters():

@@ -655,4 +655,3 @@ def default_decisions() -> list[dict[str, Any]]:
     passed no ``planner=``, e.g. a framework's layers): every shape's
     :meth:`Planner.decisions` entry, for logs and benchmarks that do not hold the planner."""
     return [d for planner in _GROUP_PLANNERS.values() for d in planner.decisions().values()]
-
