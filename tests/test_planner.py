@@ -9,7 +9,7 @@ import mc2
 from mc2.engine.decide.pipeline_cost import overlapped_pass
 from mc2.engine.decide.planner import Calibration, Workload, choose, predict
 from mc2.engine.decide.routing import micro_batch_fractions
-from tests.workers import auto_choice, auto_trials
+from tests.workers import auto_choice, auto_trials, auto_widening
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
 CAL = Calibration(expert_fixed_s=0.0, expert_row_s=1e-3, link_latency_s=0.0,
@@ -97,13 +97,15 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     a, b = results
     assert a["used"] == b["used"], "every rank must run the same K on every call"
     decision = a["decision"]
-    tried, locked = decision["tried"], decision["locked"]
-    assert 1 in tried and len(tried) <= 3
+    tried, locked, widened = decision["tried"], decision["locked"], decision["widened"]
+    assert 1 in tried and len(tried) == 3 + len(widened) and len(widened) <= 2
     per_k = {k: len(v) for k, v in decision["times"].items()}
     n_trials = sum(per_k.values())
-    # 2 calls each, round-robin; a re-check inside the noise adds 2 calls per close candidate
-    assert n_trials == 6 + (2 * sum(1 for n in per_k.values() if n > 2)
-                            if decision["rechecked"] else 0), (per_k, decision["rechecked"])
+    # 2 calls each, round-robin; an untried neighbour of the best adds its 2 and 1 more of
+    # the best; a re-check inside the noise adds 2 calls per close candidate
+    first = 6 + (2 * len(widened) + 1 if widened else 0)
+    assert first <= n_trials <= first + (2 * len(tried) if decision["rechecked"] else 0)
+    assert (n_trials - first) % 2 == 0, (per_k, decision)
     assert sum(1 for marks in a["trials"] if marks) == n_trials  # bounded, and visible
     assert all(not marks for marks in a["trials"][n_trials:])
     assert a["used"][:3] == [abs(k) for k in sorted(per_k, key=lambda c: (c < 0, abs(c)))]
@@ -112,6 +114,53 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     # every call, trial or not, computes the same function
     for out in a["outs"][1:]:
         torch.testing.assert_close(out, a["outs"][0], rtol=0, atol=1e-5)
+
+
+def test_untried_neighbours_of_the_best_are_the_next_k_either_side() -> None:
+    from mc2.engine.decide.trials import untried_neighbours
+
+    ladder = (1, 2, 4, 8, 16)
+    assert untried_neighbours(ladder, (1, 4, 8), 4) == [2]  # the run that locked K=4 over K=2
+    assert untried_neighbours(ladder, (1, 2, 4), 2) == []  # bracketed: nothing to add
+    assert untried_neighbours(ladder, (1, 4, 16), 4) == [2, 8]
+    assert untried_neighbours(ladder, (1, 8, 16), 16) == []  # the ladder's end, 8 tried
+    assert untried_neighbours(ladder, (1, 4, 8), 1) == [2]
+    assert untried_neighbours(ladder, (1, 2, 4, -1, -4), -4) == [-2, -8]  # plain rows' own K
+    assert untried_neighbours((1, 2), (1, 2), 2) == []
+
+
+def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() -> None:
+    """A prior ranking K = 4 and 16 first: K = 1, 4 and 16 run first, then the untried
+    neighbours of whichever measured fastest (the group's slowest rank's median), beside
+    more calls of it, and the lock is the fastest of all on every rank."""
+    from mc2.engine.decide.trials import trial_stats, trial_winner, untried_neighbours
+
+    order = [4, 16, 1, 2, 8, 32]
+    a, b = mc2.run_local(auto_widening, 2, args=(order, 24))
+    assert a["used"] == b["used"], "every rank must run the same K on every call"
+    da, db = a["decision"], b["decision"]
+
+    def slowest(k: int, calls: slice) -> list[float]:
+        return [max(sum(t.values()) for t in pair)
+                for pair in zip(da["times"][k][calls], db["times"][k][calls])]
+
+    assert a["used"][:6] == [1, 4, 16, 1, 4, 16]  # round-robin, 2 calls each
+    first = trial_stats((1, 4, 16), [slowest(k, slice(0, 2)) for k in (1, 4, 16)])
+    best = min(first, key=lambda s: s.median_s).candidate
+    expected = untried_neighbours((1, 2, 4, 8, 16, 32), (1, 4, 16), best)
+    assert expected and da["widened"] == tuple(expected) == db["widened"]
+    assert sorted(da["tried"]) == sorted([1, 4, 16, *expected])
+    n_widen = 2 * len(expected) + 1
+    # each neighbour's warm-up call, then the best and the neighbours alternate
+    assert a["used"][6:6 + n_widen] == [*expected, best, *expected]
+    assert len(da["times"][best]) >= 3 and all(len(da["times"][k]) >= 2 for k in expected)
+    ks = sorted(da["times"])
+    final = trial_stats(ks, [slowest(k, slice(None)) for k in ks])
+    locked = trial_winner(ks, [s.median_s for s in final], 0.02)
+    assert da["locked"] == db["locked"] == locked
+    n_trials = sum(len(v) for v in da["times"].values())
+    assert a["used"][n_trials:] == [locked] * (24 - n_trials)
+    assert "tried beside the first round's best" in da["why"]
 
 
 def test_a_lucky_call_does_not_decide_and_a_lead_inside_the_noise_is_rechecked() -> None:

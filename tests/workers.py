@@ -300,6 +300,39 @@ def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
     return {"used": used, "trials": trial_marks, "decision": decision, "outs": outs}
 
 
+class _PriorPlanner(mc2.Planner):
+    """A planner whose cost model ranks K as given (the prior of a run whose calibration
+    came out another way), so which K the first round leaves out is known."""
+
+    def __init__(self, order: list[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.order = order
+
+    def ranked(self, **_: Any) -> list[int]:
+        return list(self.order)
+
+
+def auto_widening(rank: int, world: int, order: list[int], calls: int) -> dict:
+    """``"auto"`` with a prior that leaves out the neighbours of whatever wins the first
+    round: the K each call used, and this rank's trial times."""
+    g = torch.Generator().manual_seed(rank)
+    local, hidden, ffn, tokens = 2, 64, 128, 300
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens, 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = _PriorPlanner(order, candidates=tuple(sorted(order)), explore=3, trials=2)
+    used = []
+    for _ in range(calls):
+        tl = mc2.Timeline()
+        mc2.fused_expert(x.clone().requires_grad_(True), *ws, ids, micro_batches="auto",
+                         planner=planner, timeline=tl).sum().backward()
+        used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
+    (decision,) = planner.decisions().values()
+    return {"used": used, "decision": decision}
+
+
 def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: Problem,
                              wires: list[Any]) -> list[list[int]]:
     """For each wire format in turn, ``hierarchy="auto"``: the row widths (bytes) it measured."""

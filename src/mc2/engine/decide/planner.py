@@ -53,7 +53,8 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
-from mc2.engine.decide.trials import contenders, describe, trial_stats, trial_winner
+from mc2.engine.decide.trials import (contenders, describe, trial_stats, trial_winner,
+                                      untried_neighbours)
 from mc2.engine.transport.sizes import bucket
 from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
 
@@ -223,22 +224,33 @@ class _Trials:
 
     candidates: tuple[int, ...]
     samples: dict[int, list[dict[str, Interval]]]  # K -> one {phase: time} per trial call
+    targets: dict[int, int]  # calls each active candidate must have had before the next decision
+    ladder: tuple[int, ...] = ()  # every K this shape allows, ascending (where neighbours come from)
     locked: int | None = None
-    calls: int = 0  # calls each active candidate must have had before the next decision
     active: tuple[int, ...] = ()  # the candidates still being measured
     rechecked: bool = False
+    widened: tuple[int, ...] | None = None  # the neighbours tried after the first round (once)
     stats: tuple = ()  # the TrialStats the lock was decided on
     phases: tuple[str, ...] = ("forward",)  # what the trial times summed (:meth:`times`)
     steady: list[dict[str, Interval]] = field(default_factory=list)  # locked calls, this window
     replanned: str | None = None  # why the drift guard re-planned this shape (once)
 
     def next_candidate(self) -> int:
-        """Round-robin over the active candidates: the one with the fewest calls, first in
-        order, so a slow spell of the machine falls on every candidate alike."""
-        return min(self.active, key=lambda k: (len(self.samples[k]), self.active.index(k)))
+        """Round-robin over the active candidates: the one with the most calls still to make,
+        first in order, so a slow spell of the machine falls on every candidate alike (a
+        neighbour tried later makes its warm-up call, then alternates with the best)."""
+        return min(self.active, key=lambda k: (len(self.samples[k]) - self.targets.get(k, 0),
+                                               self.active.index(k)))
 
     def explored(self) -> bool:
-        return all(len(self.samples[k]) >= self.calls for k in self.active)
+        return all(len(self.samples[k]) >= self.targets.get(k, 0) for k in self.active)
+
+    def again(self, trials: int, why: str) -> _Trials:
+        """The same candidates measured afresh, ``trials`` calls each (the drift guard's
+        re-plan): no widening, the neighbours already being among them."""
+        return _Trials(self.candidates, {k: [] for k in self.candidates},
+                       dict.fromkeys(self.candidates, trials), self.ladder,
+                       active=self.candidates, widened=(), replanned=why)
 
     def times(self) -> list[list[float]]:
         """Per candidate, each trial call's seconds: forward + backward where every call has
@@ -257,6 +269,11 @@ class _Trials:
         return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
+def _in_order(candidates: Sequence[int]) -> tuple[int, ...]:
+    """Candidates in trial order: the wire format's K ascending, then plain rows' (negative)."""
+    return tuple(sorted(candidates, key=lambda c: (c < 0, abs(c))))
+
+
 class Planner:
     """Chooses ``micro_batches`` for ``"auto"``: the model ranks, the real calls decide.
 
@@ -265,13 +282,19 @@ class Planner:
     run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, round-robin;
     every rank records each call's forward and backward time, one ``all_reduce`` takes the
     slowest rank's per call, and each candidate is scored by the median of its calls after its
-    first (:mod:`mc2.engine.decide.trials`). Where the best one's lead over another is within
-    their spread, the close candidates run ``recheck`` more calls each (once) before the lock.
-    The fastest K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
-    ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger says what was measured and why.
-    Exploration costs at most ``explore * trials + explore * recheck`` calls per shape (9, or
-    15 with a re-check, by default; one or two more candidates with a wire format), each a
-    real, correct call; the timeline marks them (``auto trial K=...``). (Trusting the model
+    first (:mod:`mc2.engine.decide.trials`). Where the best one's neighbour on the ladder of
+    candidates (the next smaller or larger K) was not tried, it is tried next, ``trials``
+    calls, beside ``trials - 1`` more calls of the best (once): the model's ranking is the
+    prior, the measured neighbourhood of the winner decides. Where the best one's lead over
+    another is within their spread, the close candidates run ``recheck`` more calls each
+    (once) before the lock. The fastest K is locked for the shape (K = 1 unless a split gains
+    ``min_gain``), and one ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger
+    says what was measured and why. Exploration costs ``explore * trials`` calls per shape (9
+    by default), up to ``2 * trials + trials - 1`` more where the winner's neighbours were
+    untried (usually 5: one neighbour) and ``recheck`` more per close candidate (so at most
+    9 + 8 + 10 = 27, typically 9-16; a wire format adds K = 1 and the model's best with plain
+    rows: at most 15 + 8 + 14 = 37), each a real, correct call; the timeline marks them
+    (``auto trial K=...``). (Trusting the model
     alone, without trials, was an option that never measured better than the trials; it was
     removed.) A drift guard (``drift``) re-runs a shape's trials once where its steady state
     later runs clearly slower than they measured.
@@ -420,14 +443,15 @@ class Planner:
                 plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
                                     group=group, strategy=strategy, sent_rows=sent_rows)
                 tried += sorted({-1, -plain[0]})  # model's best, and the serial baseline
-            order = tuple(sorted(tried, key=lambda c: (c < 0, abs(c))))
+            order = _in_order(tried)
             state = self._shapes[key] = _Trials(order, {k: [] for k in tried},
-                                                calls=self.trials, active=order)
+                                                dict.fromkeys(order, self.trials),
+                                                tuple(sorted(ranked)), active=order)
         if state.locked is None and state.explored():
             self._decide(state, weights, group, wire)
             if state.locked is not None:
                 return Choice(abs(state.locked), plain_rows=state.locked < 0,
-                              decided=describe(state.stats, state.locked, state.rechecked))
+                              decided=describe(state.stats, state.locked, state.rechecked, state.widened))
         if state.locked is not None:
             if not watch or not self._watching(state, weights):
                 return Choice(abs(state.locked), plain_rows=state.locked < 0)
@@ -437,10 +461,7 @@ class Planner:
                 state.steady.append(sample)
                 return Choice(abs(state.locked), plain_rows=state.locked < 0,
                               on_pass_done=sample.__setitem__)
-            state = self._shapes[key] = _Trials(state.candidates,
-                                                {k: [] for k in state.candidates},
-                                                calls=self.trials, active=state.candidates,
-                                                replanned=why)
+            state = self._shapes[key] = state.again(self.trials, why)
             choice = self._trial(state)
             return Choice(choice.micro_batches, trial=True, on_pass_done=choice.on_pass_done,
                           plain_rows=choice.plain_rows, decided=f"re-planning: {why}")
@@ -497,17 +518,27 @@ class Planner:
         slowest = iter(read(all_reduce_max(flat, group)))
         reduced = [[next(slowest) for _ in per] for per in times]
         stats = trial_stats(state.candidates, reduced)
+        best = min(stats, key=lambda st: st.median_s).candidate
+        if state.widened is None:
+            state.widened = tuple(untried_neighbours(state.ladder, state.candidates, best))
+            if state.widened:  # the neighbours, and as many more calls of the best beside them
+                state.candidates = _in_order(state.candidates + state.widened)
+                state.samples.update({k: [] for k in state.widened})
+                state.targets.update(dict.fromkeys(state.widened, self.trials))
+                state.targets[best] = len(state.samples[best]) + max(1, self.trials - 1)
+                state.active = (best,) + state.widened
+                return
         close = contenders(stats)
         if len(close) > 1 and not state.rechecked and self.recheck > 0:
             state.rechecked = True
             state.active = tuple(close)
-            state.calls = max(len(state.samples[k]) for k in close) + self.recheck
+            state.targets.update({k: len(state.samples[k]) + self.recheck for k in close})
             return
         medians = [st.median_s for st in stats]
         state.locked = trial_winner(state.candidates, medians, self.min_gain)
         state.stats = tuple(stats)
         _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
-                  describe(stats, state.locked, state.rechecked))
+                  describe(stats, state.locked, state.rechecked, state.widened))
         if state.locked < 0:
             self._say_plain_rows_won(wire, weights, medians, state)
 
@@ -533,8 +564,9 @@ class Planner:
                       "stats": {st.candidate: {"median_s": st.median_s, "spread_s": st.spread_s,
                                                "calls": st.calls} for st in s.stats},
                       "rechecked": s.rechecked,
+                      "widened": tuple(abs(c) for c in s.widened or ()),
                       "replanned": s.replanned,
-                      "why": describe(s.stats, s.locked, s.rechecked) if s.stats else None}
+                      "why": describe(s.stats, s.locked, s.rechecked, s.widened) if s.stats else None}
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,

@@ -11,6 +11,12 @@ another run of the same command found. The trials therefore
   as the spread;
 - when the best candidate's lead over another is within their spread, run more rounds of the
   candidates that are that close (once), and decide on all their calls;
+- once, where the best candidate's neighbour on the ladder of allowed K (the next smaller or
+  larger K, with the same rows) was not among those tried, try it too, beside more calls of
+  the best (:func:`untried_neighbours`): the cost model's ranking picks what is tried first,
+  and its calibration is measured on the same noisy machine, so one run's prior can leave out
+  the K another run finds best (seen: K = 1, 4, 8 tried, K = 4 locked, 26% slower than the
+  K = 2 every other run locked);
 - keep K = 1 unless a split is at least ``min_gain`` faster (:func:`trial_winner`).
 
 Every rank computes the same decision: the times are the group's maximum, reduced in one
@@ -72,6 +78,18 @@ def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: 
     return candidates[best]
 
 
+def untried_neighbours(ladder: Sequence[int], tried: Sequence[int], best: int) -> list[int]:
+    """The K next to ``best`` on ``ladder`` (the allowed K, ascending) that are not in
+    ``tried``, with ``best``'s sign (negative: plain rows), smaller first. Empty when the best
+    candidate is already bracketed by measured neighbours (or the ladder's end)."""
+    if abs(best) not in ladder:
+        return []
+    i = list(ladder).index(abs(best))
+    sign = -1 if best < 0 else 1
+    near = [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
+    return [sign * k for k in near if sign * k not in tried]
+
+
 def contenders(stats: Sequence[TrialStats]) -> list[int]:
     """The candidates whose median is within the noise of the best one's (the best's spread or
     theirs, whichever is larger), the best included; one candidate means the lead is clear."""
@@ -88,12 +106,16 @@ def margin(stats: Sequence[TrialStats], winner: int) -> float:
     return min(others) / mine - 1 if others and mine > 0 else float("inf")
 
 
-def describe(stats: Sequence[TrialStats], winner: int, rechecked: bool) -> str:
-    """One line: what was measured and why ``winner`` was locked."""
+def describe(stats: Sequence[TrialStats], winner: int, rechecked: bool,
+             widened: Sequence[int] | None = ()) -> str:
+    """One line: what was measured and why ``winner`` was locked (``widened``: the neighbours
+    tried after the first round)."""
     def name(k: int) -> str:
         return f"K={abs(k)}" + (" plain rows" if k < 0 else "")
 
     measured = ", ".join(f"{name(s.candidate)} {s.median_s * 1e3:.1f} ms +-"
                          f"{s.spread_s * 1e3:.1f} ({s.calls} calls)" for s in stats)
     return (f"locked {name(winner)}: {measured}; runner-up {margin(stats, winner):+.1%}"
-            f"{' after a re-check inside the noise' if rechecked else ''}")
+            + (f"; {', '.join(map(name, widened))} tried beside the first round's best"
+               if widened else "")
+            + (" after a re-check inside the noise" if rechecked else ""))
