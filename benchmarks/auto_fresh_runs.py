@@ -7,7 +7,11 @@ starts ``--rounds`` fresh worlds (fresh ranks: a fresh planner each). In each on
 runs its trials until the planner has locked, then every fixed choice (K, and with ``--wire``
 that format's rows and plain rows) makes one warm-up call, and then ``--steps`` steps in which
 ``"auto"`` and every fixed choice each run one call (forward + backward of ``fused_expert``,
-timed as the group's slowest rank), in a rotating order. So each of ``"auto"``'s steps has the
+timed as the group's slowest rank), in a rotating order. Each timed call follows an untimed
+call of the same choice, so what is timed is the steady-state step a job of that plan runs:
+without it each call paid for its predecessor (a call after a K = 8 call ran ~25% slower here
+at 256 tokens, whichever plan it was), and in a fixed rotation ``"auto"`` always followed the
+same choice. So each of ``"auto"``'s steps has the
 best fixed choice's step of the same seconds beside it: this machine's slow spells (seconds
 long, and ±20% from call to call) fall on both, and the comparison is of the plans, not of
 the minutes they ran in. (Fixed choices in fresh worlds of their own spread by up to 54% here,
@@ -43,14 +47,16 @@ import mc2
 from compare_peers import ShapedLoopback, can_shape
 from layer_rounds import add_shape_arguments, slowest_rank_seconds
 
-MAX_TRIAL_CALLS = 64  # far above the planner's budget: a planner that never locks is an error
+# far above the planner's budget (86 calls at most): a planner that never locks is an error
+MAX_TRIAL_CALLS = 128
 
 
 def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: dict[str, int],
               steps: int) -> dict[str, Any]:
     """One fresh world: ``"auto"``'s trials until it locks, a warm-up call of every fixed
-    choice, then ``steps`` rounds of one timed call per choice, rotating; the slowest rank's
-    step times per choice, and what ``"auto"`` locked."""
+    choice, then ``steps`` rounds of one timed call per choice (each after an untimed call of
+    the same choice: the steady state, not the predecessor's aftermath), rotating; the
+    slowest rank's step times per choice, and what ``"auto"`` locked."""
     g = torch.Generator().manual_seed(1 + rank)
     tokens, hidden, ffn, local, topk = (shape[k] for k in ("tokens", "hidden", "ffn", "local",
                                                            "topk"))
@@ -86,6 +92,7 @@ def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: 
     for s in range(steps):
         for j in range(len(names)):
             name = names[(j + s) % len(names)]
+            step(choices[name])  # settles: the timed call follows its own plan
             times[name].append(step(choices[name]))
     decision = next(iter(planner.decisions().values()))
     return {"times_s": times, "trial_calls": trial_calls, "trials_s": trials_s,

@@ -92,7 +92,7 @@ def test_auto_keeps_tiny_batches_whole() -> None:
 
 
 def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() -> None:
-    calls = 14
+    calls = 64  # above the most trial calls this planner can make (62)
     results = mc2.run_local(auto_trials, 2, args=([300, 37], calls))
     a, b = results
     assert a["used"] == b["used"], "every rank must run the same K on every call"
@@ -100,15 +100,22 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     tried, locked, widened = decision["tried"], decision["locked"], decision["widened"]
     assert 1 in tried and len(tried) == 3 + len(widened) and len(widened) <= 2
     per_k = {k: len(v) for k, v in decision["times"].items()}
-    n_trials = sum(per_k.values())
-    # 2 calls each, round-robin; an untried neighbour of the best adds its 2 and 1 more of
-    # the best; a re-check inside the noise adds 2 calls per close candidate
+    n_timed = sum(per_k.values())
+    # 2 timed calls each, round-robin; an untried neighbour of the best adds its 2 and 1 more
+    # of the best; each re-check inside the noise (2 at most) adds 2 per close candidate
     first = 6 + (2 * len(widened) + 1 if widened else 0)
-    assert first <= n_trials <= first + (2 * len(tried) if decision["rechecked"] else 0)
-    assert (n_trials - first) % 2 == 0, (per_k, decision)
+    assert first <= n_timed <= first + 2 * len(tried) * decision["rechecked"]
+    assert (n_timed - first) % 2 == 0, (per_k, decision)
+    n_trials = n_timed + decision["settle_calls"]
     assert sum(1 for marks in a["trials"] if marks) == n_trials  # bounded, and visible
     assert all(not marks for marks in a["trials"][n_trials:])
-    assert a["used"][:3] == [abs(k) for k in sorted(per_k, key=lambda c: (c < 0, abs(c)))]
+    order = [abs(k) for k in sorted(per_k, key=lambda c: (c < 0, abs(c)))][:3]
+    assert a["used"][:12] == [k for k in order for _ in range(2)] * 2  # settle, timed; twice
+    # a timed call always follows a call of its own K; a settling call only a switch of K
+    for i, (marks, k) in enumerate(zip(a["trials"][:n_trials], a["used"])):
+        settling = "(settling, untimed)" in marks[0]
+        assert settling == (i == 0 or a["used"][i - 1] != k), (i, a["trials"][:n_trials])
+    assert decision["settle_calls"] <= n_timed
     assert a["used"][n_trials:] == [locked] * (calls - n_trials)
     assert locked == b["decision"]["locked"] and decision["why"].startswith(f"locked K={locked}")
     # every call, trial or not, computes the same function
@@ -136,7 +143,8 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
     from mc2.engine.decide.trials import trial_stats, trial_winner, untried_neighbours
 
     order = [4, 16, 1, 2, 8, 32]
-    a, b = mc2.run_local(auto_widening, 2, args=(order, 24))
+    calls = 64  # above the most trial calls: 12 + 10 + 2 re-checks of five (40)
+    a, b = mc2.run_local(auto_widening, 2, args=(order, calls))
     assert a["used"] == b["used"], "every rank must run the same K on every call"
     da, db = a["decision"], b["decision"]
 
@@ -144,36 +152,36 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
         return [max(sum(t.values()) for t in pair)
                 for pair in zip(da["times"][k][calls], db["times"][k][calls])]
 
-    assert a["used"][:6] == [1, 4, 16, 1, 4, 16]  # round-robin, 2 calls each
+    # round-robin, 2 timed calls each, each after a settling call of the same K
+    assert a["used"][:12] == [1, 1, 4, 4, 16, 16] * 2
     first = trial_stats((1, 4, 16), [slowest(k, slice(0, 2)) for k in (1, 4, 16)])
     best = min(first, key=lambda s: s.median_s).candidate
     expected = untried_neighbours((1, 2, 4, 8, 16, 32), (1, 4, 16), best)
     assert expected and da["widened"] == tuple(expected) == db["widened"]
     assert sorted(da["tried"]) == sorted([1, 4, 16, *expected])
-    n_widen = 2 * len(expected) + 1
-    # each neighbour's warm-up call, then the best and the neighbours alternate
-    assert a["used"][6:6 + n_widen] == [*expected, best, *expected]
+    # the neighbours and the best alternate, each turn a settling call and a timed one
+    turns = [*expected, best, *expected]
+    assert a["used"][12:12 + 2 * len(turns)] == [k for k in turns for _ in range(2)]
     assert len(da["times"][best]) >= 3 and all(len(da["times"][k]) >= 2 for k in expected)
     ks = sorted(da["times"])
     final = trial_stats(ks, [slowest(k, slice(None)) for k in ks])
     locked = trial_winner(ks, [s.median_s for s in final], 0.02)
     assert da["locked"] == db["locked"] == locked
-    n_trials = sum(len(v) for v in da["times"].values())
-    assert a["used"][n_trials:] == [locked] * (24 - n_trials)
+    n_trials = sum(len(v) for v in da["times"].values()) + da["settle_calls"]
+    assert a["used"][n_trials:] == [locked] * (calls - n_trials)
     assert "tried beside the first round's best" in da["why"]
 
 
 def test_a_lucky_call_does_not_decide_and_a_lead_inside_the_noise_is_rechecked() -> None:
-    """The median of a candidate's calls after its warm-up counts, not its best call; where
-    the best lead is within the spread, the close candidates are measured again."""
+    """The median of a candidate's timed calls counts, not its best call; where the best
+    lead is within the spread, the close candidates are measured again."""
     from mc2.engine.decide.trials import contenders, margin, trial_stats
 
-    cold = 9.0  # each candidate's first call: its buffers are cold, dropped
-    stats = trial_stats((1, 2, 4), [[cold, 1.00, 1.02], [cold, 0.60, 1.40], [cold, 1.50, 1.52]])
+    stats = trial_stats((1, 2, 4), [[1.00, 1.02], [0.60, 1.40], [1.50, 1.52]])
     assert [s.median_s for s in stats] == pytest.approx([1.01, 1.00, 1.51])
     assert stats[1].spread_s == pytest.approx(0.40) and stats[1].calls == 2
     assert contenders(stats) == [1, 2]  # K=2's lead of 1% is inside its spread: measure again
-    clear = trial_stats((1, 2, 4), [[cold, 1.00, 1.01], [cold, 0.80, 0.81], [cold, 1.3, 1.3]])
+    clear = trial_stats((1, 2, 4), [[1.00, 1.01], [0.80, 0.81], [1.3, 1.3]])
     assert contenders(clear) == [2]
     assert margin(clear, 2) == pytest.approx(1.005 / 0.805 - 1)
 
@@ -223,7 +231,10 @@ def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
     assert replans == [12], ([(c["k"], c["trial"], c["replan"]) for c in after], a["decision"])
     assert not any(c["trial"] for c in after[:12])
     retried = [c for c in after[12:] if c["trial"]]
-    assert len(retried) == 4  # 2 candidates x 2 calls, no re-check
+    # 2 candidates x 2 timed calls, no re-check, and a settling call at each switch of K (the
+    # first trial settles only if it is not the K the locked calls ran)
+    settled = a["decision"]["settle_calls"]
+    assert settled in (3, 4) and len(retried) == 4 + settled
     assert all(not c["trial"] for c in after[12 + len(retried):])  # locked again, for good
     why = a["decision"]["replanned"]
     assert why is not None and "slower than its trials" in why

@@ -226,7 +226,8 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
-        timeline.mark("compute", f"auto trial K={choice.micro_batches}", "forward")
+        timeline.mark("compute", f"auto trial K={choice.micro_batches}"
+                      + (" (settling, untimed)" if choice.settling else ""), "forward")
     if timeline is not None and choice.decided:  # and so is the decision, with its reasons
         timeline.mark("compute", f"auto {choice.decided}", "forward")
     return choice.micro_batches, choice.on_pass_done, wire

@@ -59,6 +59,10 @@ from mc2.engine.transport.sizes import bucket
 from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
+# Re-check rounds while the best lead is inside the noise. Two, not one: at 256 tokens on this
+# project's CPU machine one round of 2 more calls each still locked K = 1 with fp8 rows over
+# K = 1 with plain rows, 10% faster in the steady state, their trials' spreads overlapping.
+RECHECK_ROUNDS = 2
 _log = logging.getLogger(__name__)
 
 
@@ -202,6 +206,8 @@ class Choice:
     Attributes:
         micro_batches: K.
         trial: this call is one of ``"auto"``'s bounded trials (see :class:`Planner`).
+        settling: a trial call that is not timed: it runs a K the previous call did not, so
+            that the next, timed, call of that K is in its steady state.
         on_pass_done: ``(phase, interval)`` to report each pass's time to (trials only).
         plain_rows: the requested wire format measured slower than rows in the compute dtype
             for this shape, so this call sends plain rows (the planner warned once).
@@ -215,6 +221,7 @@ class Choice:
     on_pass_done: Callable[[str, Interval], None] | None = None
     plain_rows: bool = False  # send rows in the compute dtype, not the requested wire format
     decided: str | None = None
+    settling: bool = False  # an untimed trial call: the K changed (:meth:`_Trials.next_call`)
 
 
 @dataclass
@@ -228,19 +235,34 @@ class _Trials:
     ladder: tuple[int, ...] = ()  # every K this shape allows, ascending (where neighbours come from)
     locked: int | None = None
     active: tuple[int, ...] = ()  # the candidates still being measured
-    rechecked: bool = False
+    rechecks: int = 0  # re-check rounds run inside the noise (at most RECHECK_ROUNDS)
     widened: tuple[int, ...] | None = None  # the neighbours tried after the first round (once)
     stats: tuple = ()  # the TrialStats the lock was decided on
     phases: tuple[str, ...] = ("forward",)  # what the trial times summed (:meth:`times`)
     steady: list[dict[str, Interval]] = field(default_factory=list)  # locked calls, this window
     replanned: str | None = None  # why the drift guard re-planned this shape (once)
+    last: int | None = None  # the candidate the previous call of this shape ran
+    settle_calls: int = 0  # untimed trial calls (:meth:`next_call`)
 
     def next_candidate(self) -> int:
-        """Round-robin over the active candidates: the one with the most calls still to make,
-        first in order, so a slow spell of the machine falls on every candidate alike (a
-        neighbour tried later makes its warm-up call, then alternates with the best)."""
+        """Round-robin over the active candidates: the one with the most timed calls still to
+        make, first in order, so a slow spell of the machine falls on every candidate alike
+        (a neighbour tried later alternates with the best)."""
         return min(self.active, key=lambda k: (len(self.samples[k]) - self.targets.get(k, 0),
                                                self.active.index(k)))
+
+    def next_call(self) -> tuple[int, bool]:
+        """``(candidate, timed)``: the next trial call. A call of a candidate other than the
+        previous call's settles (runs, untimed): a call right after another K's runs slower
+        than the steady state of its own K (measured here: up to +40% at 256 tokens, and
+        unevenly, so round-robin without it ranked the candidates wrong), and the steady
+        state is what the lock is for."""
+        k = self.next_candidate()
+        timed = k == self.last
+        self.last = k
+        if not timed:
+            self.settle_calls += 1
+        return k, timed
 
     def explored(self) -> bool:
         return all(len(self.samples[k]) >= self.targets.get(k, 0) for k in self.active)
@@ -250,7 +272,7 @@ class _Trials:
         re-plan): no widening, the neighbours already being among them."""
         return _Trials(self.candidates, {k: [] for k in self.candidates},
                        dict.fromkeys(self.candidates, trials), self.ladder,
-                       active=self.candidates, widened=(), replanned=why)
+                       active=self.candidates, widened=(), replanned=why, last=self.locked)
 
     def times(self) -> list[list[float]]:
         """Per candidate, each trial call's seconds: forward + backward where every call has
@@ -279,22 +301,25 @@ class Planner:
 
     For each new shape (token count within 1/16, weights, group) the cost model, calibrated
     once per weight shape and group, ranks every candidate K. The first calls of that shape then
-    run K = 1 and the model's next ``explore - 1`` best, ``trials`` calls each, round-robin;
-    every rank records each call's forward and backward time, one ``all_reduce`` takes the
-    slowest rank's per call, and each candidate is scored by the median of its calls after its
-    first (:mod:`mc2.engine.decide.trials`). Where the best one's neighbour on the ladder of
+    run K = 1 and the model's next ``explore - 1`` best, ``trials`` timed calls each,
+    round-robin, each timed call after an untimed one of the same K (a call right after
+    another K's is slower than that K's steady state, and unevenly so:
+    :mod:`mc2.engine.decide.trials`); every rank records each timed call's forward and
+    backward time, one ``all_reduce`` takes the slowest rank's per call, and each candidate is
+    scored by the median of its timed calls. Where the best one's neighbour on the ladder of
     candidates (the next smaller or larger K) was not tried, it is tried next, ``trials``
-    calls, beside ``trials - 1`` more calls of the best (once): the model's ranking is the
-    prior, the measured neighbourhood of the winner decides. Where the best one's lead over
-    another is within their spread, the close candidates run ``recheck`` more calls each
-    (once) before the lock. The fastest K is locked for the shape (K = 1 unless a split gains
-    ``min_gain``), and one ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger
-    says what was measured and why. Exploration costs ``explore * trials`` calls per shape (9
-    by default), up to ``2 * trials + trials - 1`` more where the winner's neighbours were
-    untried (usually 5: one neighbour) and ``recheck`` more per close candidate (so at most
-    9 + 8 + 10 = 27, typically 9-16; a wire format adds K = 1 and the model's best with plain
-    rows: at most 15 + 8 + 14 = 37), each a real, correct call; the timeline marks them
-    (``auto trial K=...``). (Trusting the model
+    timed calls, beside ``trials - 1`` (at least 1) more of the best (once): the model's
+    ranking is the prior, the measured neighbourhood of the winner decides. Where the best
+    one's lead over another is within their spread, the close candidates run ``recheck`` more
+    timed calls each before the lock, and once more if it still is. The fastest K is locked
+    for the shape (K = 1 unless a split gains ``min_gain``), and one ``logging.INFO`` line on
+    the ``mc2.engine.decide.planner`` logger says what was measured and why. Exploration costs
+    ``2 * explore * trials`` calls per shape (12 by default), 6 more where one neighbour of
+    the winner was untried (10 for two) and ``2 * recheck`` more per close candidate and
+    re-check round (at most 12 + 10 + 40 = 62, typically 12-26; a wire format adds K = 1 and
+    the model's best with plain rows: at most 20 + 10 + 56 = 86, typically 20-40; measured in
+    docs/measurements.md), each a real, correct call; the
+    timeline marks them (``auto trial K=...``). (Trusting the model
     alone, without trials, was an option that never measured better than the trials; it was
     removed.) A drift guard (``drift``) re-runs a shape's trials once where its steady state
     later runs clearly slower than they measured.
@@ -311,8 +336,10 @@ class Planner:
             (:func:`trial_winner`).
         repeats: timing repeats per calibration measurement (medians are used).
         explore: how many of the model's best K the real calls try (K = 1 always among them).
-        trials: calls per tried K (the first is its warm-up; the median of the rest counts).
-        recheck: more calls for each candidate within the noise of the best, once (0: none).
+        trials: timed calls per tried K (each after an untimed call of the same K where the
+            previous call ran another; their median counts).
+        recheck: more timed calls for each candidate within the noise of the best, per
+            re-check round (at most ``RECHECK_ROUNDS``, 2; 0: none).
         drift: the drift guard's threshold. Each locked shape's calls keep being timed (two
             clock stamps a pass, read only at a check); every ``drift_window`` calls the
             group compares their median with the locked candidate's trial median (one
@@ -325,7 +352,7 @@ class Planner:
     """
 
     def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
-                 repeats: int = 3, explore: int = 3, trials: int = 3, recheck: int = 2,
+                 repeats: int = 3, explore: int = 3, trials: int = 2, recheck: int = 2,
                  drift: float = 0.25, drift_window: int = 32) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
@@ -451,7 +478,7 @@ class Planner:
             self._decide(state, weights, group, wire)
             if state.locked is not None:
                 return Choice(abs(state.locked), plain_rows=state.locked < 0,
-                              decided=describe(state.stats, state.locked, state.rechecked, state.widened))
+                              decided=describe(state.stats, state.locked, state.rechecks, state.widened))
         if state.locked is not None:
             if not watch or not self._watching(state, weights):
                 return Choice(abs(state.locked), plain_rows=state.locked < 0)
@@ -464,13 +491,16 @@ class Planner:
             state = self._shapes[key] = state.again(self.trials, why)
             choice = self._trial(state)
             return Choice(choice.micro_batches, trial=True, on_pass_done=choice.on_pass_done,
-                          plain_rows=choice.plain_rows, decided=f"re-planning: {why}")
+                          plain_rows=choice.plain_rows, decided=f"re-planning: {why}",
+                          settling=choice.settling)
         return self._trial(state)
 
     @staticmethod
     def _trial(state: _Trials) -> Choice:
-        """The next trial call of an undecided shape."""
-        k = state.next_candidate()
+        """The next trial call of an undecided shape: timed, or settling (:meth:`_Trials.next_call`)."""
+        k, timed = state.next_call()
+        if not timed:
+            return Choice(abs(k), trial=True, plain_rows=k < 0, settling=True)
         sample: dict[str, Interval] = {}
         state.samples[k].append(sample)
         return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
@@ -529,8 +559,8 @@ class Planner:
                 state.active = (best,) + state.widened
                 return
         close = contenders(stats)
-        if len(close) > 1 and not state.rechecked and self.recheck > 0:
-            state.rechecked = True
+        if len(close) > 1 and state.rechecks < RECHECK_ROUNDS and self.recheck > 0:
+            state.rechecks += 1
             state.active = tuple(close)
             state.targets.update({k: len(state.samples[k]) + self.recheck for k in close})
             return
@@ -538,7 +568,7 @@ class Planner:
         state.locked = trial_winner(state.candidates, medians, self.min_gain)
         state.stats = tuple(stats)
         _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
-                  describe(stats, state.locked, state.rechecked, state.widened))
+                  describe(stats, state.locked, state.rechecks, state.widened))
         if state.locked < 0:
             self._say_plain_rows_won(wire, weights, medians, state)
 
@@ -563,10 +593,11 @@ class Planner:
                                 for k, v in s.samples.items()},
                       "stats": {st.candidate: {"median_s": st.median_s, "spread_s": st.spread_s,
                                                "calls": st.calls} for st in s.stats},
-                      "rechecked": s.rechecked,
+                      "rechecked": s.rechecks,
                       "widened": tuple(abs(c) for c in s.widened or ()),
                       "replanned": s.replanned,
-                      "why": describe(s.stats, s.locked, s.rechecked, s.widened) if s.stats else None}
+                      "settle_calls": s.settle_calls,
+                      "why": describe(s.stats, s.locked, s.rechecks, s.widened) if s.stats else None}
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,

@@ -4,13 +4,19 @@ Why not the best of two calls per K (what ``"auto"`` did): on a host shared with
 a link whose speed wanders, one lucky call decides, and a run can lock a K 1.7x slower than
 another run of the same command found. The trials therefore
 
-- run the candidates *round-robin* (K=1, K=2, K=4, K=1, ...), so a slow phase of the machine
+- run the candidates *round-robin* (K=1, K=2, K=4, K=1, ...: each turn one timed call, after
+  an untimed one where the K changed, see below), so a slow phase of the machine
   hits every candidate rather than the one whose turn it was;
-- score each call by the group's *slowest rank* (the step waits for it), drop each candidate's
-  first call (its buffers are cold) and take the *median* of the rest, with half their range
-  as the spread;
+- time a call only where the call before it (of the same shape) ran the same candidate: a
+  switch of K first runs one untimed call of the new K. A call right after another K's ran up
+  to 40% slower than its own K's steady state on this project's CPU machine at 256 tokens
+  (buffers of other sizes to re-make), and not evenly (K = 1 after a split paid most), so the
+  round-robin without it ranked the candidates by their predecessors and locked K = 2 where
+  K = 1 was 21% faster. That untimed call is also each candidate's warm-up;
+- score each call by the group's *slowest rank* (the step waits for it) and take the
+  *median* of a candidate's timed calls, with half their range as the spread;
 - when the best candidate's lead over another is within their spread, run more rounds of the
-  candidates that are that close (once), and decide on all their calls;
+  candidates that are that close (twice at most), and decide on all their calls;
 - once, where the best candidate's neighbour on the ladder of allowed K (the next smaller or
   larger K, with the same rows) was not among those tried, try it too, beside more calls of
   the best (:func:`untried_neighbours`): the cost model's ranking picks what is tried first,
@@ -38,7 +44,8 @@ class TrialStats:
         candidate: K (negative: K with plain rows instead of the wire format).
         median_s: median seconds of its measured calls (the group's slowest rank each).
         spread_s: half the range of those calls (0 with one call).
-        calls: how many calls were measured (its warm-up call not counted).
+        calls: how many calls were timed (the untimed calls that settle a switch of K
+            not counted).
     """
 
     candidate: int
@@ -48,12 +55,12 @@ class TrialStats:
 
 
 def trial_stats(candidates: Sequence[int], times: Sequence[Sequence[float]]) -> list[TrialStats]:
-    """Per candidate, the statistics of ``times[i]`` (its calls in order, each the group's
-    slowest rank's seconds); a candidate's first call is its warm-up and is dropped when
-    others follow."""
+    """Per candidate, the statistics of ``times[i]`` (its timed calls, each the group's
+    slowest rank's seconds; each came right after a call of the same candidate, so none is
+    cold)."""
     out = []
     for k, calls in zip(candidates, times):
-        measured = list(calls[1:]) if len(calls) > 1 else list(calls)
+        measured = list(calls)
         spread = (max(measured) - min(measured)) / 2 if len(measured) > 1 else 0.0
         out.append(TrialStats(k, statistics.median(measured), spread, len(measured)))
     return out
@@ -106,7 +113,7 @@ def margin(stats: Sequence[TrialStats], winner: int) -> float:
     return min(others) / mine - 1 if others and mine > 0 else float("inf")
 
 
-def describe(stats: Sequence[TrialStats], winner: int, rechecked: bool,
+def describe(stats: Sequence[TrialStats], winner: int, rechecks: int,
              widened: Sequence[int] | None = ()) -> str:
     """One line: what was measured and why ``winner`` was locked (``widened``: the neighbours
     tried after the first round)."""
@@ -118,4 +125,5 @@ def describe(stats: Sequence[TrialStats], winner: int, rechecked: bool,
     return (f"locked {name(winner)}: {measured}; runner-up {margin(stats, winner):+.1%}"
             + (f"; {', '.join(map(name, widened))} tried beside the first round's best"
                if widened else "")
-            + (" after a re-check inside the noise" if rechecked else ""))
+            + (f" after {'a re-check' if rechecks == 1 else f'{rechecks} re-checks'} inside "
+               "the noise" if rechecks else ""))
