@@ -47,9 +47,6 @@ import mc2
 from compare_peers import ShapedLoopback, can_shape
 from layer_rounds import add_shape_arguments, slowest_rank_seconds
 
-# far above the planner's budget (86 calls at most): a planner that never locks is an error
-MAX_TRIAL_CALLS = 128
-
 
 def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: dict[str, int],
               steps: int) -> dict[str, Any]:
@@ -80,8 +77,8 @@ def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: 
     started = time.perf_counter()
     trial_calls = 0
     while not (trial_calls and planner.settled()):
-        if trial_calls == MAX_TRIAL_CALLS:
-            raise RuntimeError(f"auto did not lock in {MAX_TRIAL_CALLS} calls")
+        if trial_calls > planner.most_trial_calls():  # the planner's own bound: stuck
+            raise RuntimeError(f"auto did not lock in {trial_calls} calls")
         step(choices["auto"])
         trial_calls += 1
     trials_s = time.perf_counter() - started

@@ -94,7 +94,7 @@ def worker(rank: int, world: int, a: argparse.Namespace) -> dict:
         if mode.startswith("auto"):
             known = set(planner.decisions())
             calls = 0
-            while calls == 0 or (calls < 20 and not planner.settled()):
+            while calls == 0 or (calls <= planner.most_trial_calls() and not planner.settled()):
                 step(mode, workspace=workspace)
                 calls += 1
             explore_calls += calls

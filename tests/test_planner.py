@@ -107,6 +107,8 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     assert first <= n_timed <= first + 2 * len(tried) * decision["rechecked"]
     assert (n_timed - first) % 2 == 0, (per_k, decision)
     n_trials = n_timed + decision["settle_calls"]
+    bound = mc2.Planner(candidates=(1, 2, 4, 8), explore=3, trials=2).most_trial_calls(False)
+    assert n_trials <= bound == 62 < calls
     assert sum(1 for marks in a["trials"] if marks) == n_trials  # bounded, and visible
     assert all(not marks for marks in a["trials"][n_trials:])
     order = [abs(k) for k in sorted(per_k, key=lambda c: (c < 0, abs(c)))][:3]

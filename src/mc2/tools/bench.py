@@ -262,7 +262,7 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
     plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
     autos = [m for m in modes if m.micro_batches == "auto"]
     calls = 0
-    while calls == 0 or (calls < 20 * len(autos) and not planner.settled()):
+    while calls == 0 or (calls <= planner.most_trial_calls() and not planner.settled()):
         for auto in autos:
             _step(*problem, auto, cfg, None)
         calls += 1

@@ -579,6 +579,15 @@ class Planner:
         plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
         _warn_wire_loses(wire, weights.dtype, best_wire, plain)
 
+    def most_trial_calls(self, wire: bool = True) -> int:
+        """The most calls one shape's trials can take (settling calls included; ``wire``: with
+        a wire format, whose plain-rows candidates add two): what a caller that runs calls
+        until :meth:`settled` may allow before calling the planner stuck."""
+        tried = self.explore + (2 if wire else 0)
+        first = 2 * tried * self.trials
+        widen = 2 * (2 * self.trials + max(1, self.trials - 1))  # both neighbours, the best
+        return first + widen + RECHECK_ROUNDS * 2 * self.recheck * (tried + 2)
+
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
         return all(s.locked is not None for s in self._shapes.values())
