@@ -10,7 +10,8 @@ each, plain processes (no malloc tuning), 2 warm-ups, then the median over steps
 rank's time, a barrier before each step. Each regime runs ``--rounds`` rounds of (DeepSpeed,
 Megatron, mc2) back to back and takes each library's median round, so that a slow spell of a
 shared machine hits every library alike. mc2 uses ``micro_batches="auto"``; its exploration
-calls (at most 6 for a shape) run as extra warm-ups and are reported. The peak resident memory
+calls (until it locks: ``Planner.most_trial_calls`` bounds them) run as extra warm-ups and are
+reported. The peak resident memory
 of each run's largest process is reported beside its time (for mc2, read right after its
 ``"auto"`` steps, before its serial baseline runs in the same process).
 

@@ -17,7 +17,20 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from mc2.engine.decide.planner import default_decisions
+from mc2.engine.decide.planner import Planner, default_decisions
+
+
+def until_auto_locked(step: Callable[[], Any]) -> int:
+    """Run ``step`` until every shape the default planners have seen has locked its K (the
+    framework layers' ``"auto"``), at most as many calls as a planner's trials can take; the
+    calls run. So no trial call, and no settling call between them, lands in a timed round."""
+    calls = 0
+    while any(d["locked"] is None for d in default_decisions()):
+        if calls > Planner().most_trial_calls():
+            raise RuntimeError(f'"auto" did not lock in {calls} calls')
+        step()
+        calls += 1
+    return calls
 
 
 def slowest_rank_seconds(run: Callable[[], Any]) -> float:
@@ -33,13 +46,14 @@ def slowest_rank_seconds(run: Callable[[], Any]) -> float:
 
 def interleaved_rounds(steps: dict[str, Callable[[], float]], *, rounds: int, repeats: int,
                        warmup: int, warm: Iterable[str] | None = None) -> dict[str, Any]:
-    """``warmup`` untimed steps of each of ``warm`` (default: all; ``"auto"``'s trials among
-    them), then ``rounds`` rounds in which every implementation runs one untimed step and
-    ``repeats`` timed ones. ``{"rounds": name -> per-round medians, "median_s": name ->
-    median of those}``."""
+    """``warmup`` untimed steps of each of ``warm`` (default: all), each then until
+    ``"auto"`` has locked (:func:`until_auto_locked`), then ``rounds`` rounds in which every
+    implementation runs one untimed step and ``repeats`` timed ones. ``{"rounds": name ->
+    per-round medians, "median_s": name -> median of those}``."""
     for name in steps if warm is None else warm:
         for _ in range(warmup):
             steps[name]()
+        until_auto_locked(steps[name])
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():

@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE))
 
 import mc2  # noqa: E402
 from compare_peers import ShapedLoopback, can_shape  # noqa: E402
+from layer_rounds import until_auto_locked  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
 OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
@@ -124,6 +125,7 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
             _step(model, mode, ids)
+        until_auto_locked(lambda m=mode: _step(model, m, ids))  # the layers' micro_batches="auto"
         while mode == "auto" and _AUTO["decision"].chosen is None:
             _step(model, mode, ids)
     for _ in range(rounds):

@@ -184,7 +184,10 @@ def test_a_lucky_call_does_not_decide_and_a_lead_inside_the_noise_is_rechecked()
     assert stats[1].spread_s == pytest.approx(0.40) and stats[1].calls == 2
     assert contenders(stats) == [1, 2]  # K=2's lead of 1% is inside its spread: measure again
     clear = trial_stats((1, 2, 4), [[1.00, 1.01], [0.80, 0.81], [1.3, 1.3]])
-    assert contenders(clear) == [2]
+    assert contenders(clear) == [2] == contenders(clear, 0.1)  # a 24% lead is clear
+    # two calls each that happen to agree: a 5% lead is inside the floor, not their spread
+    tight = trial_stats((1, 2), [[1.00, 1.00], [0.95, 0.95]])
+    assert contenders(tight) == [2] and contenders(tight, 0.1) == [1, 2]
     assert margin(clear, 2) == pytest.approx(1.005 / 0.805 - 1)
 
 

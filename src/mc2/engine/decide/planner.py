@@ -63,6 +63,9 @@ NO_WIRE = (NONE, NONE)
 # project's CPU machine one round of 2 more calls each still locked K = 1 with fp8 rows over
 # K = 1 with plain rows, 10% faster in the steady state, their trials' spreads overlapping.
 RECHECK_ROUNDS = 2
+# A lead under this fraction is re-checked whatever the trials' spread says
+# (:func:`mc2.engine.decide.trials.contenders`).
+RECHECK_WITHIN = 0.10
 _log = logging.getLogger(__name__)
 
 
@@ -310,8 +313,8 @@ class Planner:
     candidates (the next smaller or larger K) was not tried, it is tried next, ``trials``
     timed calls, beside ``trials - 1`` (at least 1) more of the best (once): the model's
     ranking is the prior, the measured neighbourhood of the winner decides. Where the best
-    one's lead over another is within their spread, the close candidates run ``recheck`` more
-    timed calls each before the lock, and once more if it still is. The fastest K is locked
+    one's lead over another is within their spread (or under 10%), the close candidates run
+    ``recheck`` more timed calls each before the lock, and once more if it still is. The fastest K is locked
     for the shape (K = 1 unless a split gains ``min_gain``), and one ``logging.INFO`` line on
     the ``mc2.engine.decide.planner`` logger says what was measured and why. Exploration costs
     ``2 * explore * trials`` calls per shape (12 by default), 6 more where one neighbour of
@@ -558,7 +561,7 @@ class Planner:
                 state.targets[best] = len(state.samples[best]) + max(1, self.trials - 1)
                 state.active = (best,) + state.widened
                 return
-        close = contenders(stats)
+        close = contenders(stats, RECHECK_WITHIN)
         if len(close) > 1 and state.rechecks < RECHECK_ROUNDS and self.recheck > 0:
             state.rechecks += 1
             state.active = tuple(close)

@@ -15,8 +15,9 @@ another run of the same command found. The trials therefore
   K = 1 was 21% faster. That untimed call is also each candidate's warm-up;
 - score each call by the group's *slowest rank* (the step waits for it) and take the
   *median* of a candidate's timed calls, with half their range as the spread;
-- when the best candidate's lead over another is within their spread, run more rounds of the
-  candidates that are that close (twice at most), and decide on all their calls;
+- when the best candidate's lead over another is within their spread (or under 10%,
+  :func:`contenders`), run more rounds of the candidates that are that close (twice at
+  most), and decide on all their calls;
 - once, where the best candidate's neighbour on the ladder of allowed K (the next smaller or
   larger K, with the same rows) was not among those tried, try it too, beside more calls of
   the best (:func:`untried_neighbours`): the cost model's ranking picks what is tried first,
@@ -97,12 +98,19 @@ def untried_neighbours(ladder: Sequence[int], tried: Sequence[int], best: int) -
     return [sign * k for k in near if sign * k not in tried]
 
 
-def contenders(stats: Sequence[TrialStats]) -> list[int]:
+def contenders(stats: Sequence[TrialStats], floor: float = 0.0) -> list[int]:
     """The candidates whose median is within the noise of the best one's (the best's spread or
-    theirs, whichever is larger), the best included; one candidate means the lead is clear."""
+    theirs, whichever is larger, and at least ``floor`` times the best's median), the best
+    included; one candidate means the lead is clear.
+
+    Why a floor: the spread of two calls is a poor estimate of the noise. Calls of one K
+    differ by ~10% from call to call on this project's CPU machine, in spells, so two of them
+    often land close together: at 256 tokens two runs of five locked K = 2 on a 4% and a 7%
+    lead with spreads under 4%, where K = 1 was 13% faster in the steady state."""
     best = min(stats, key=lambda s: s.median_s)
     return [s.candidate for s in stats
-            if s.median_s - best.median_s <= max(s.spread_s, best.spread_s)]
+            if s.median_s - best.median_s <= max(s.spread_s, best.spread_s,
+                                                 floor * best.median_s)]
 
 
 def margin(stats: Sequence[TrialStats], winner: int) -> float:
