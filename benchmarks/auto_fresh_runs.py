@@ -45,7 +45,7 @@ import torch
 
 import mc2
 from compare_peers import ShapedLoopback, can_shape
-from layer_rounds import add_shape_arguments, slowest_rank_seconds
+from layer_rounds import add_shape_arguments, slowest_rank_seconds, until_auto_locked
 
 
 def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: dict[str, int],
@@ -75,12 +75,8 @@ def world_run(rank: int, world: int, choices: dict[str, dict[str, Any]], shape: 
         return took
 
     started = time.perf_counter()
-    trial_calls = 0
-    while not (trial_calls and planner.settled()):
-        if trial_calls > planner.most_trial_calls():  # the planner's own bound: stuck
-            raise RuntimeError(f"auto did not lock in {trial_calls} calls")
-        step(choices["auto"])
-        trial_calls += 1
+    step(choices["auto"])  # the shape's first call: its trials begin
+    trial_calls = 1 + until_auto_locked(lambda: step(choices["auto"]), planner)
     trials_s = time.perf_counter() - started
     names = list(choices)
     for name in names:

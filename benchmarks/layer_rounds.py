@@ -20,13 +20,16 @@ import torch.distributed as dist
 from mc2.engine.decide.planner import Planner, default_decisions
 
 
-def until_auto_locked(step: Callable[[], Any]) -> int:
-    """Run ``step`` until every shape the default planners have seen has locked its K (the
-    framework layers' ``"auto"``), at most as many calls as a planner's trials can take; the
-    calls run. So no trial call, and no settling call between them, lands in a timed round."""
+def until_auto_locked(step: Callable[[], Any], planner: Planner | None = None) -> int:
+    """Run ``step`` until ``planner`` has locked every shape it has seen (default: the
+    default planners, the framework layers' ``"auto"``), raising where that takes more calls
+    than a planner's trials can; the calls run. So no trial call, and no settling call between
+    them, lands in a timed round."""
+    bound = (planner or Planner()).most_trial_calls()
     calls = 0
-    while any(d["locked"] is None for d in default_decisions()):
-        if calls > Planner().most_trial_calls():
+    while not (planner.settled() if planner is not None
+               else all(d["locked"] is not None for d in default_decisions())):
+        if calls > bound:
             raise RuntimeError(f'"auto" did not lock in {calls} calls')
         step()
         calls += 1

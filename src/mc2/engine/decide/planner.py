@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import statistics
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -314,18 +314,17 @@ class Planner:
     timed calls, beside ``trials - 1`` (at least 1) more of the best (once): the model's
     ranking is the prior, the measured neighbourhood of the winner decides. Where the best
     one's lead over another is within their spread (or under 10%), the close candidates run
-    ``recheck`` more timed calls each before the lock, and once more if it still is. The fastest K is locked
-    for the shape (K = 1 unless a split gains ``min_gain``), and one ``logging.INFO`` line on
-    the ``mc2.engine.decide.planner`` logger says what was measured and why. Exploration costs
-    ``2 * explore * trials`` calls per shape (12 by default), 6 more where one neighbour of
-    the winner was untried (10 for two) and ``2 * recheck`` more per close candidate and
-    re-check round (at most 12 + 10 + 40 = 62, typically 12-26; a wire format adds K = 1 and
-    the model's best with plain rows: at most 20 + 10 + 56 = 86, typically 20-40; measured in
-    docs/measurements.md), each a real, correct call; the
-    timeline marks them (``auto trial K=...``). (Trusting the model
-    alone, without trials, was an option that never measured better than the trials; it was
-    removed.) A drift guard (``drift``) re-runs a shape's trials once where its steady state
-    later runs clearly slower than they measured.
+    ``recheck`` more timed calls each before the lock, and once more if it still is. The fastest
+    K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
+    ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger says what was measured and
+    why. Exploration costs ``2 * explore * trials`` calls per shape (12 by default), 6 more
+    where one neighbour of the winner was untried (10 for two) and ``2 * recheck`` more per
+    close candidate and re-check round (at most 12 + 10 + 40 = 62, typically 12-26; a wire
+    format adds K = 1 and the model's best with plain rows: at most 20 + 10 + 56 = 86, typically
+    20-40; measured in docs/measurements.md), each a real, correct call; the timeline marks them
+    (``auto trial K=...``). (Trusting the model alone, without trials, was an option that never
+    measured better than the trials; it was removed.) A drift guard (``drift``) re-runs a
+    shape's trials once where its steady state later runs clearly slower than they measured.
 
     With a wire format (:mod:`mc2.engine.transport.wire`), the model's best K with rows in the
     compute dtype is tried too, and K = 1 with plain rows, the serial baseline no lock may be
@@ -492,15 +491,13 @@ class Planner:
                 return Choice(abs(state.locked), plain_rows=state.locked < 0,
                               on_pass_done=sample.__setitem__)
             state = self._shapes[key] = state.again(self.trials, why)
-            choice = self._trial(state)
-            return Choice(choice.micro_batches, trial=True, on_pass_done=choice.on_pass_done,
-                          plain_rows=choice.plain_rows, decided=f"re-planning: {why}",
-                          settling=choice.settling)
+            return replace(self._trial(state), decided=f"re-planning: {why}")
         return self._trial(state)
 
     @staticmethod
     def _trial(state: _Trials) -> Choice:
-        """The next trial call of an undecided shape: timed, or settling (:meth:`_Trials.next_call`)."""
+        """The next trial call of an undecided shape: timed, or settling
+        (:meth:`_Trials.next_call`)."""
         k, timed = state.next_call()
         if not timed:
             return Choice(abs(k), trial=True, plain_rows=k < 0, settling=True)
