@@ -55,7 +55,7 @@ def _save(path: str) -> None:
 
 def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decode: int,
           steps: int, rounds: int, layout: str = "dp",
-          what: tuple[str, ...] = ("train", "decode")) -> dict[str, Any]:
+          what: tuple[str, ...] = ("train", "decode"), warmup: int = 0) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -102,6 +102,10 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
             model(decode_ids)
 
     times: dict[str, dict[str, list[float]]] = {i: {w: [] for w in what} for i in impls}
+    for impl in impls:  # --warmup: untimed calls before the first round (a new shape's first)
+        for part, fn in (("train", train), ("decode", serve)):
+            for _ in range(warmup if part in what else 0):
+                fn(models[impl])
     for n in range(rounds):
         order = impls if n % 2 == 0 else impls[::-1]
         for impl in order:
@@ -122,7 +126,7 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     impls = args.impls.split(",")
     call = lambda: mc2.run_local(  # noqa: E731
         _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds,
-                        args.layout, tuple(args.what.split(","))),
+                        args.layout, tuple(args.what.split(",")), args.warmup),
         deadline_s=7200, timeout_s=1800)
     if regime == "plain":
         results = call()
@@ -155,6 +159,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1, help="timed steps per round")
     p.add_argument("--what", default="train,decode", help="train, decode or both")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed calls per implementation before the first round (each round "
+                        "adds one): --warmup 4 --steps 9 times a new shape's calls 6-14")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     rows = []

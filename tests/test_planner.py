@@ -9,7 +9,7 @@ import mc2
 from mc2.engine.decide.pipeline_cost import overlapped_pass
 from mc2.engine.decide.planner import Calibration, Workload, choose, predict
 from mc2.engine.decide.routing import micro_batch_fractions
-from tests.workers import auto_choice, auto_trials, auto_widening
+from tests.workers import auto_choice, auto_decode, auto_trials, auto_widening
 
 # one expert per rank-local set, 1 ms per row (forward+backward), no fixed cost
 CAL = Calibration(expert_fixed_s=0.0, expert_row_s=1e-3, link_latency_s=0.0,
@@ -85,10 +85,38 @@ def test_auto_agrees_across_ranks_with_different_token_counts() -> None:
     assert results[0]["calibration"] == results[1]["calibration"], "reduced to the same values"
 
 
-def test_auto_keeps_tiny_batches_whole() -> None:
-    # the article's trap: 4 tokens per rank; each extra micro-batch re-runs every expert's GEMMs
-    results = mc2.run_local(auto_choice, 2, args=([4, 4], 512, 1024))
-    assert [r["used"] for r in results] == [1, 1], results[0]["predicted"]
+@pytest.mark.parametrize("hidden, ffn", [(512, 1024), (1024, 2048)])
+def test_auto_runs_no_split_of_a_decode_sized_batch(hidden: int, ffn: int) -> None:
+    # the article's trap: 4 tokens per rank; each extra micro-batch re-runs every expert's
+    # GEMMs and pays two more latencies a pass, and nothing is there to hide: the model rules
+    # every split out before any trial, so not one of 40 no-grad and 40 training calls splits
+    calls = 40
+    results = mc2.run_local(auto_decode, 2, args=(4, calls, hidden, ffn))
+    for r in results:
+        assert r["used"] == [1] * (2 * calls), r["used"]
+        assert not any(m.startswith("auto trial") for marks in r["marks"] for m in marks)
+        assert r["equal"], "every call equals a fixed K = 1 call"
+        decision = r["decision"]
+        assert decision["locked"] == 1 and decision["times"] == {1: []}
+        assert decision["settle_calls"] == 0 and "without trials" in decision["why"]
+    # the decision is said once, on the first call, where it was made
+    assert [i for i, m in enumerate(results[0]["marks"]) if m] == [0]
+    assert "locked without trials" in results[0]["marks"][0][0]
+
+
+def test_a_split_the_model_gives_a_chance_is_tried() -> None:
+    # the rule itself: within the margin a split is tried, beyond it not
+    from mc2.engine.decide.chance import PRIOR_MARGIN, SAFETY, ModelError, with_a_chance
+    predicted = {1: 1.0, 2: 1.15, 4: 1.6, 8: 3.0}
+    assert with_a_chance(predicted, PRIOR_MARGIN) == [2]
+    error = ModelError()
+    assert error.margin() == PRIOR_MARGIN
+    error.learn({1: 1.0, 2: 1.2, 4: 1.6}, {1: 1.0, 2: 1.2, 4: 1.6})  # the model was right
+    assert error.margin() == pytest.approx(SAFETY) and error.observations == 2
+    assert with_a_chance(predicted, error.margin()) == [2]
+    error.learn({1: 1.0, 4: 2.0}, {1: 1.0, 4: 1.0})  # it over-predicted K = 4 twice over
+    assert error.margin() == pytest.approx(2 * SAFETY)
+    assert with_a_chance(predicted, error.margin()) == [2, 4]
 
 
 def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() -> None:

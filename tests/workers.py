@@ -174,12 +174,42 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
                            planner=planner, timeline=tl)
     out.sum().backward()
     used = 1 + max((s.micro_batch for s in tl.spans), default=0)
-    cal = next(iter(planner._cache.values()))
     weights = mc2.engine.compute.experts.ExpertWeights.split_of(*ws)
+    cal = planner.calibration(weights, None)  # measured (together) or the call's own
     work = planner.workload(max(tokens), 2, weights, None)
     return {"used": used, "calibration": cal,
             "predicted": {k: mc2.engine.decide.planner.predict(cal, work, k).step_s
                           for k in (1, 2, 4, 8, 16)}}
+
+
+def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn: int) -> dict:
+    """``"auto"`` over ``calls`` no-grad calls, then ``calls`` forward + backward calls, of a
+    decode-sized batch: the K each call ran and its trial marks (from the timeline), the
+    planner's decision, and whether every output equals a fixed K = 1 call's."""
+    g = torch.Generator().manual_seed(rank)
+    local = 2
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens, 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, hidden, ffn, generator=g) * 0.05,
+          torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = mc2.Planner()
+    used, marks, equal = [], [], True
+    expected = mc2.fused_expert(x, *ws, ids, micro_batches=1)
+    for n in range(2 * calls):
+        grad = n >= calls
+        tl = mc2.Timeline()
+        with torch.set_grad_enabled(grad):
+            out = mc2.fused_expert(x.clone().requires_grad_(grad), *ws, ids,
+                                   micro_batches="auto", planner=planner, timeline=tl)
+            if grad:
+                out.sum().backward()
+        used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
+        marks.append([s.name for s in tl.spans if s.name.startswith("auto")])
+        equal = equal and torch.equal(out.detach(), expected)
+    (decision,) = planner.decisions().values()
+    return {"used": used, "marks": marks, "decision": decision, "equal": equal,
+            "margin": planner.model_error(None).margin()}
 
 
 def run_with_shared(rank: int, world: int, problem: Problem, shared: list, k: int,
@@ -286,7 +316,9 @@ def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
     ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, ffn, hidden, generator=g) * 0.05]
-    planner = mc2.Planner(candidates=(1, 2, 4, 8), explore=3, trials=2)
+    # the model's ranking fixed (K ascending, every split with a chance): the trials' order is
+    # then known whatever this machine's calibration says
+    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2)
     used, trial_marks, outs = [], [], []
     for _ in range(calls):
         tl = mc2.Timeline()
@@ -300,7 +332,7 @@ def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
     return {"used": used, "trials": trial_marks, "decision": decision, "outs": outs}
 
 
-class _PriorPlanner(mc2.Planner):
+class PriorPlanner(mc2.Planner):
     """A planner whose cost model ranks K as given (the prior of a run whose calibration
     came out another way), so which K the first round leaves out is known."""
 
@@ -308,8 +340,10 @@ class _PriorPlanner(mc2.Planner):
         super().__init__(**kwargs)
         self.order = order
 
-    def ranked(self, **_: Any) -> list[int]:
-        return list(self.order)
+    def predictions(self, *, max_tokens: int, **_: Any) -> dict[int, float]:
+        # every K this size allows close to K = 1's step (so all have a chance), in order
+        return {k: 1.0 + 0.01 * i for i, k in enumerate(self.order)
+                if k == 1 or (k in self.candidates and k <= max_tokens)}
 
 
 def auto_widening(rank: int, world: int, order: list[int], calls: int) -> dict:
@@ -322,7 +356,7 @@ def auto_widening(rank: int, world: int, order: list[int], calls: int) -> dict:
     ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, ffn, hidden, generator=g) * 0.05]
-    planner = _PriorPlanner(order, candidates=tuple(sorted(order)), explore=3, trials=2)
+    planner = PriorPlanner(order, candidates=tuple(sorted(order)), explore=3, trials=2)
     used = []
     for _ in range(calls):
         tl = mc2.Timeline()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import mc2
+from tests.workers import PriorPlanner
 
 
 class _SlowableExperts(torch.nn.Module):
@@ -53,8 +54,8 @@ def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.randint(0, world * 2, (tokens, 2), generator=g)
-    planner = mc2.Planner(candidates=(1, 2), explore=2, trials=2, recheck=0, drift=drift,
-                          drift_window=4)
+    planner = PriorPlanner([1, 2], candidates=(1, 2), explore=2, trials=2, recheck=0,
+                           drift=drift, drift_window=4)
     calls: list[dict[str, Any]] = []
     first = None
     errors = []

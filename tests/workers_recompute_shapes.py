@@ -34,7 +34,9 @@ def _step(rank: int, world: int, checkpointed: bool) -> dict[str, Any]:
     hidden, ffn, local = 16, 24, 2
     experts = [(torch.randn(local, *shape, dtype=torch.float64) * 0.3).requires_grad_(True)
                for shape in ((hidden, ffn), (hidden, ffn), (ffn, hidden))]
-    planner = mc2.Planner(candidates=(1, 3), explore=2, trials=1)
+    from tests.workers import PriorPlanner
+
+    planner = PriorPlanner([1, 3], candidates=(1, 3), explore=2, trials=1)
     timelines = {name: mc2.Timeline() for name in TOKENS}
 
     def call(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -10,6 +10,11 @@ forward and backward of both on this rank's own weight shape, once per (layout, 
 device), with the device's clock (:mod:`mc2.device.clock`), and takes ``"grouped"`` only where it
 measured at least :data:`MIN_GAIN` faster. The strategy is local arithmetic: ranks need not
 agree on it, and the choice never changes what crosses the wire.
+
+On a CPU ``"auto"`` takes ``"loop"`` without timing: there :func:`grouped_mm_into`'s kernel is
+the same per-expert loop of ``mm`` (plus a read of the offsets), so it cannot win, and timing it
+cost a process's first call ~2 s (1.4 s of it importing ``torch._dynamo``, which a custom op's
+first call does; hidden 1024, ffn 2048, docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights) -> str:
         return strategy
     if not isinstance(weights, ExpertWeights):  # a module stage runs its own GEMMs
         return "loop"
-    if grouped_problem(weights.dtype, weights.device) is not None:
+    if weights.device.type == "cpu" or grouped_problem(weights.dtype, weights.device) is not None:
         return "loop"
     key = (weights.packed, tuple(weights.down.shape), weights.dtype, str(weights.device))
     if key not in _CHOSEN:

@@ -51,6 +51,7 @@ from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, 
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.transport.host import read, upload
+from mc2.engine.decide.chance import ModelError, ruled_out, with_a_chance
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
 from mc2.engine.decide.trials import (contenders, describe, trial_stats, trial_winner,
@@ -181,14 +182,13 @@ def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torc
 
 
 def _measure_row_overhead(hidden: int, dtype: torch.dtype, device: torch.device,
-                          repeats: int) -> float:
+                          repeats: int, rows: int = 2048) -> float:
     """Seconds per routed row for the row moves of a forward + backward.
 
     Per row and pass the pipeline gathers it (``index_select``), reorders it to expert order and
     back, and scatters the result (``index_copy_`` / ``index_add_``): about four row copies a
-    pass, measured here as one gather + one copy + one add, twice.
+    pass, measured here as one gather + one copy + one add, twice, on ``rows`` rows.
     """
-    rows = 2048
     x = torch.randn(rows, hidden, dtype=dtype, device=device)
     out = torch.zeros_like(x)
     index = torch.randperm(rows, device=device)
@@ -246,6 +246,8 @@ class _Trials:
     replanned: str | None = None  # why the drift guard re-planned this shape (once)
     last: int | None = None  # the candidate the previous call of this shape ran
     settle_calls: int = 0  # untimed trial calls (:meth:`next_call`)
+    ruled_out: str | None = None  # why K = 1 was locked without trials (:mod:`chance`)
+    predicted: dict[int, float] = field(default_factory=dict)  # the model's seconds per K
 
     def next_candidate(self) -> int:
         """Round-robin over the active candidates: the one with the most timed calls still to
@@ -275,7 +277,8 @@ class _Trials:
         re-plan): no widening, the neighbours already being among them."""
         return _Trials(self.candidates, {k: [] for k in self.candidates},
                        dict.fromkeys(self.candidates, trials), self.ladder,
-                       active=self.candidates, widened=(), replanned=why, last=self.locked)
+                       active=self.candidates, widened=(), replanned=why, last=self.locked,
+                       predicted=self.predicted)
 
     def times(self) -> list[list[float]]:
         """Per candidate, each trial call's seconds: forward + backward where every call has
@@ -373,9 +376,11 @@ class Planner:
         self.trials = trials
         self.recheck = recheck
         self._cache: dict[tuple, Calibration] = {}
+        self._quick: dict[tuple, Calibration] = {}  # :meth:`quick_calibration`, until the full
         self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
         self._calls: dict[tuple, int] = {}  # choose() calls per group: the handshake's digest
+        self._errors: dict[tuple, ModelError] = {}  # per group: the model against its trials
         # the last forward's choice per weight tensor and shape (:meth:`shape_key`), for a
         # call made again in a backward: weights may serve calls of several shapes
         self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -385,8 +390,29 @@ class Planner:
         """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
         key = (weights.cache_key, group_key(group))
         if key not in self._cache:
-            self._cache[key] = self._measure(weights, group, strategy)
+            self._cache[key] = self._measure(weights, group, strategy,
+                                             quick=self._quick.pop(key, None))
         return self._cache[key]
+
+    def quick_calibration(self, weights: ExpertWeights | ModuleExperts, group: Any,
+                          strategy: str = "loop") -> Calibration:
+        """The cheap part of :meth:`calibration` (a collective, like it), enough to rule
+        splits out: the full one where it was measured, else the expert line fitted on 4
+        and 32 rows (one timed step each), the link's latency and bandwidth, the row moves of
+        512 rows, and no interference.
+
+        Why: the full calibration's largest parts, a 256-row expert step and the
+        interference of a transfer under one, took ~1 s of a decode-sized first call
+        (hidden 1024, ffn 2048; docs/measurements.md), where they decide nothing: leaving
+        interference out only makes splits look better, so a split this calibration rules
+        out, the full one would too. Where a split keeps a chance, the full calibration
+        follows (reusing these measurements) and the trials with it."""
+        key = (weights.cache_key, group_key(group))
+        if key in self._cache:
+            return self._cache[key]
+        if key not in self._quick:
+            self._quick[key] = self._measure(weights, group, strategy, full=False)
+        return self._quick[key]
 
     def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
              strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
@@ -399,14 +425,28 @@ class Planner:
         return choose(cal, self.workload(max_tokens, topk, weights, group, wire, sent_rows),
                       self.candidates, self.min_gain, max_tokens)
 
+    def predictions(self, *, max_tokens: int, topk: int,
+                    weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop",
+                    wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+                    sent_rows: int | None = None, quick: bool = False) -> dict[int, float]:
+        """The model's step seconds of every candidate K this size allows (K = 1 always),
+        in ascending K (``quick``: on :meth:`quick_calibration`, optimistic for splits)."""
+        cal = (self.quick_calibration if quick else self.calibration)(weights, group, strategy)
+        work = self.workload(max_tokens, topk, weights, group, wire, sent_rows)
+        allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
+        return {k: predict(cal, work, k).step_s for k in allowed}
+
     def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
                sent_rows: int | None = None) -> list[int]:
         """The candidates the model allows, best predicted first."""
-        cal = self.calibration(weights, group, strategy)
-        work = self.workload(max_tokens, topk, weights, group, wire, sent_rows)
-        allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
-        return sorted(allowed, key=lambda k: predict(cal, work, k).step_s)
+        preds = self.predictions(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                                 strategy=strategy, wire=wire, sent_rows=sent_rows)
+        return sorted(preds, key=preds.__getitem__)
+
+    def model_error(self, group: Any) -> ModelError:
+        """How far the cost model has been from the trials on ``group`` (:mod:`chance`)."""
+        return self._errors.setdefault(group_key(group), ModelError())
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", needs_grad: bool = True,
@@ -465,17 +505,12 @@ class Planner:
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         state = self._shapes.get(key)
         if state is None:
-            ranked = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                                 strategy=strategy, wire=wire, sent_rows=sent_rows)
-            tried = [1] + [k for k in ranked if k != 1][: self.explore - 1]
-            if any(f.kind is not None for f in wire):  # plain rows, K = -candidate: the
-                plain = self.ranked(max_tokens=max_tokens, topk=topk, weights=weights,
-                                    group=group, strategy=strategy, sent_rows=sent_rows)
-                tried += sorted({-1, -plain[0]})  # model's best, and the serial baseline
-            order = _in_order(tried)
-            state = self._shapes[key] = _Trials(order, {k: [] for k in tried},
-                                                dict.fromkeys(order, self.trials),
-                                                tuple(sorted(ranked)), active=order)
+            state = self._shapes[key] = self._first_trials(
+                max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                strategy=strategy, wire=wire, sent_rows=sent_rows)
+            if state.ruled_out is not None:  # no split has a chance: no trials at all
+                _log.info("mc2 auto (%s): %s", _shape_text(weights, group), state.ruled_out)
+                return Choice(1, decided=state.ruled_out)
         if state.locked is None and state.explored():
             self._decide(state, weights, group, wire)
             if state.locked is not None:
@@ -494,6 +529,37 @@ class Planner:
             return replace(self._trial(state), decided=f"re-planning: {why}")
         return self._trial(state)
 
+    def _first_trials(self, *, max_tokens: int, topk: int,
+                      weights: ExpertWeights | ModuleExperts, group: Any, strategy: str,
+                      wire: tuple[WireFormat, WireFormat], sent_rows: int | None) -> _Trials:
+        """A new shape's trials: K = 1 and the model's ``explore - 1`` best splits among those
+        it gives a chance (:mod:`mc2.engine.decide.chance`); with a wire format, K = 1 and the
+        best such K with plain rows too. Where no split has a chance (and no wire format asks
+        for plain rows' trial), K = 1 is locked at once."""
+        shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                     strategy=strategy, sent_rows=sent_rows)
+        margin = self.model_error(group).margin()
+        wired = any(f.kind is not None for f in wire)
+        optimistic = self.predictions(wire=wire, quick=True, **shape)
+        if not wired and not with_a_chance(optimistic, margin):
+            return _Trials((1,), {1: []}, {}, (1,), locked=1, widened=(),
+                           ruled_out=ruled_out(optimistic, margin))
+        predicted = self.predictions(wire=wire, **shape)
+        chance = with_a_chance(predicted, margin)
+        ranked = [k for k in self.ranked(wire=wire, **shape) if k in chance]
+        tried = [1] + ranked[: self.explore - 1]
+        if wired:  # plain rows, K = -candidate: the
+            plain = {1, *with_a_chance(self.predictions(**shape), margin)}  # model's best
+            best = next(k for k in self.ranked(**shape) if k in plain)  # and the serial one
+            tried += sorted({-1, -best})
+        order = _in_order(tried)
+        ladder = tuple(sorted({1, *chance}))
+        if order == (1,):
+            return _Trials(order, {1: []}, {}, ladder, locked=1, widened=(),
+                           ruled_out=ruled_out(predicted, margin), predicted=predicted)
+        return _Trials(order, {k: [] for k in tried}, dict.fromkeys(order, self.trials),
+                       ladder, active=order, predicted=predicted)
+
     @staticmethod
     def _trial(state: _Trials) -> Choice:
         """The next trial call of an undecided shape: timed, or settling
@@ -509,7 +575,7 @@ class Planner:
         """Whether this locked call is timed for the drift guard: the guard is on, the shape
         has not been re-planned already, and no graph is being captured (a capture runs no
         check; every rank captures the same calls, so all skip alike)."""
-        return (self.drift > 0 and state.replanned is None
+        return (self.drift > 0 and state.replanned is None and bool(state.stats)
                 and not streams.capturing(weights.device))
 
     def _drifted(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any
@@ -567,6 +633,8 @@ class Planner:
         medians = [st.median_s for st in stats]
         state.locked = trial_winner(state.candidates, medians, self.min_gain)
         state.stats = tuple(stats)
+        self.model_error(group).learn(
+            state.predicted, {st.candidate: st.median_s for st in stats if st.candidate > 0})
         _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
                   describe(stats, state.locked, state.rechecks, state.widened))
         if state.locked < 0:
@@ -606,7 +674,8 @@ class Planner:
                       "widened": tuple(abs(c) for c in s.widened or ()),
                       "replanned": s.replanned,
                       "settle_calls": s.settle_calls,
-                      "why": describe(s.stats, s.locked, s.rechecks, s.widened) if s.stats else None}
+                      "why": describe(s.stats, s.locked, s.rechecks, s.widened) if s.stats
+                      else s.ruled_out}
                 for key, s in self._shapes.items()}
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
@@ -638,20 +707,33 @@ class Planner:
             self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
 
-    def _measure(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str) -> Calibration:
-        """Every constant of the model, each rank's own, then the group's maximum."""
+    def _measure(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str, *,
+                 full: bool = True, quick: Calibration | None = None) -> Calibration:
+        """Every constant of the model, each rank's own, then the group's maximum.
+
+        ``full=False``: the quick stage (:meth:`quick_calibration`): the expert line on 4 and
+        32 rows, no interference. ``quick``: that stage's result, whose link constants the
+        full one reuses rather than measures again."""
         one = weights.for_calibration()
-        probe = _Probe(one, strategy, group, self.repeats)
+        # the quick stage times each expert size once: it only has to tell a split that
+        # cannot win, and its cost is a decode-sized first call's whole overhead
+        probe = _Probe(one, strategy, group, self.repeats if full else 1)
+        small, large = 4, 256 if full else 32  # 256: large enough to see cache effects
         with torch.no_grad():
-            small, large = 4, 256  # large enough to see cache effects of big micro-batches
             probe.expert_step(small)  # warm-up
             fixed, per_row = _fit_line(small, probe.time(lambda: probe.expert_step(small)),
                                        large, probe.time(lambda: probe.expert_step(large)))
-            link = (0.0, 0.0, 0.0)
-            if group_size(group) > 1:
-                link = probe.link(per_row, large)
-            row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device, self.repeats)
-        values = upload([fixed, per_row, *link, row_overhead], one.device, torch.float64)
+            if quick is not None:
+                latency, per_byte = quick.link_latency_s, quick.link_s_per_byte
+            else:
+                latency, per_byte = probe.link() if group_size(group) > 1 else (0.0, 0.0)
+            row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device,
+                                                 self.repeats, rows=2048 if full else 512)
+            interference = 0.0
+            if full and group_size(group) > 1:
+                interference = probe.interference(per_row, large, latency, per_byte)
+        values = upload([fixed, per_row, latency, per_byte, interference, row_overhead],
+                        one.device, torch.float64)
         return Calibration(*read(all_reduce_max(values, group)))
 
 
@@ -683,15 +765,23 @@ class _Probe:
         barrier(self.group, "planner measurement", self.one.device)
         return self.time(lambda: self.a2a(rows_per_peer).wait())
 
-    def link(self, per_row: float, large: int) -> tuple[float, float, float]:
-        """``(latency, seconds per byte, interference)`` of the group's All-to-All."""
+    def bytes_per(self, rows_per_peer: int) -> int:
+        """Bytes one rank sends off-rank in :meth:`a2a` of ``rows_per_peer``."""
+        world = group_size(self.group)
+        return rows_per_peer * (world - 1) * self.one.hidden * self.one.element_size
+
+    def link(self) -> tuple[float, float]:
+        """``(latency, seconds per byte)`` of the group's All-to-All."""
         row_small, row_large = 1, 256
         self.a2a(row_small).wait()
         t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
-        world = group_size(self.group)
-        bytes_per = lambda r: r * (world - 1) * self.one.hidden * self.one.element_size  # noqa: E731
-        latency, per_byte = _fit_line(bytes_per(row_small), t_lat, bytes_per(row_large), t_big)
-        # compute alone vs with a transfer in flight
+        return _fit_line(self.bytes_per(row_small), t_lat, self.bytes_per(row_large), t_big)
+
+    def interference(self, per_row: float, large: int, latency: float,
+                     per_byte: float) -> float:
+        """How much a transfer in flight slows compute down, per second of transfer."""
+        row_large = 256
+        t_big = latency + per_byte * self.bytes_per(row_large)
         rows = min(max(large, int(4 * t_big / max(per_row, 1e-9))), 4096)
         alone = self.time(lambda: self.expert_step(rows))
         barrier(self.group, "planner measurement", self.one.device)
@@ -702,8 +792,8 @@ class _Probe:
             pending.wait()
 
         together = self.time(with_transfer)
-        moved = latency + per_byte * bytes_per(row_large * 4)
-        return latency, per_byte, min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
+        moved = latency + per_byte * self.bytes_per(row_large * 4)
+        return min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
 
 _GROUP_PLANNERS: dict[tuple, Planner] = {}
