@@ -5,11 +5,14 @@ the first call pays.
 Each fresh 2-rank Gloo world (one thread a rank, plain processes) runs ``--calls`` no-grad
 calls, then ``--calls`` forward + backward calls, of ``--tokens`` tokens per rank through
 :func:`mc2.fused_expert` (hidden 1024, ffn 2048, 2 experts per rank, top-2: the shape of issue
-53), once with ``"auto"`` and once with a fixed K = 1, the two kinds of world alternating.
-Per world it reports the K each call ran (read from the timeline: ``1 +`` the highest
-micro-batch index of its spans), the total seconds of all calls, and the first call split
-into the planner's calibration (the ``Planner._measure`` collective), the handshake (the
-``handshake`` spans), and the rest::
+53), each call once with ``"auto"`` and once with a fixed K = 1, interleaved call by call (which
+of the two goes first alternates from world to world, so the world's own first collectives fall
+on both alike). So both totals come from the same minutes of the same world: fresh worlds of
+one mode each differed by up to 10% here, more than what is measured. Per world it reports
+the K each ``"auto"`` call ran (read from the timeline: ``1 +`` the highest micro-batch index of
+its spans), both totals, and each mode's first call with ``"auto"``'s split into the planner's
+calibration (the ``Planner._measure`` collective), the handshake (the ``handshake`` spans), and
+the rest::
 
     .venv/bin/python benchmarks/decode_auto.py --worlds 3 --json docs/decode_auto.json
 
@@ -37,7 +40,7 @@ from compare_peers import ShapedLoopback  # noqa: E402
 HIDDEN, FFN, LOCAL, TOPK = 1024, 2048, 2, 2
 
 
-def _world(rank: int, world: int, tokens: int, calls: int, k: Any) -> dict[str, Any]:
+def _world(rank: int, world: int, tokens: int, calls: int, auto_first: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, HIDDEN, generator=g)
@@ -57,23 +60,26 @@ def _world(rank: int, world: int, tokens: int, calls: int, k: Any) -> dict[str, 
             calibration_s.append(time.perf_counter() - start)
 
     planner_module.Planner._measure = timed_measure  # type: ignore[method-assign]
+    modes: tuple[Any, ...] = ("auto", 1) if auto_first else (1, "auto")
     used: list[int] = []
-    seconds: list[float] = []
+    seconds: dict[str, list[float]] = {"auto": [], "1": []}
     handshake_first = 0.0
     for n in range(2 * calls):
         grad = n >= calls
-        tl = mc2.Timeline()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        with torch.set_grad_enabled(grad):
-            out = mc2.fused_expert(x.clone().requires_grad_(grad), *ws, ids, rw,
-                                   micro_batches=k, timeline=tl)
-            if grad:
-                out.sum().backward()
-        seconds.append(time.perf_counter() - start)
-        used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
-        if n == 0:
-            handshake_first = sum(s.duration for s in tl.spans if s.name == "handshake")
+        for mode in modes:
+            tl = mc2.Timeline()
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                out = mc2.fused_expert(x.clone().requires_grad_(grad), *ws, ids, rw,
+                                       micro_batches=mode, timeline=tl)
+                if grad:
+                    out.sum().backward()
+            seconds[str(mode)].append(time.perf_counter() - start)
+            if mode == "auto":
+                used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
+                if n == 0:
+                    handshake_first = sum(s.duration for s in tl.spans if s.name == "handshake")
     planner_module.Planner._measure = measure  # type: ignore[method-assign]
     return {"used": used, "seconds": seconds, "calibration_s": sum(calibration_s),
             "handshake_first_s": handshake_first}
@@ -93,31 +99,37 @@ def main() -> int:
         shaped.__enter__()
     try:
         for world in range(args.worlds):
-            for mode in ("auto", 1) if world % 2 == 0 else (1, "auto"):
-                ranks = mc2.run_local(_world, 2, args=(args.tokens, args.calls, mode),
-                                      deadline_s=1800, timeout_s=600)
-                slowest = [max(r["seconds"][i] for r in ranks)
+            auto_first = world % 2 == 0
+            ranks = mc2.run_local(_world, 2, args=(args.tokens, args.calls, auto_first),
+                                  deadline_s=1800, timeout_s=600)
+            row: dict[str, Any] = {"world": world, "auto_first": auto_first,
+                                   "used": ranks[0]["used"],
+                                   "split_calls": sum(k > 1 for k in ranks[0]["used"]),
+                                   "calibration_s": max(r["calibration_s"] for r in ranks),
+                                   "handshake_first_s": max(r["handshake_first_s"]
+                                                            for r in ranks)}
+            for mode in ("auto", "1"):
+                slowest = [max(r["seconds"][mode][i] for r in ranks)
                            for i in range(2 * args.calls)]
-                row = {"world": world, "mode": str(mode), "used": ranks[0]["used"],
-                       "split_calls": sum(k > 1 for k in ranks[0]["used"]),
-                       "total_s": sum(slowest), "first_s": slowest[0],
-                       "calibration_s": max(r["calibration_s"] for r in ranks),
-                       "handshake_first_s": max(r["handshake_first_s"] for r in ranks),
-                       "median_call_s": statistics.median(slowest[1:])}
-                rows.append(row)
-                print(f"world {world} {row['mode']:>4}: {row['split_calls']} calls at K > 1, "
-                      f"total {row['total_s']:.2f} s, first call {row['first_s']:.2f} s "
-                      f"(calibration {row['calibration_s']:.2f} s, handshake "
-                      f"{row['handshake_first_s']:.2f} s), median call "
-                      f"{1e3 * row['median_call_s']:.1f} ms", flush=True)
+                row[mode] = {"total_s": sum(slowest), "first_s": slowest[0],
+                             "median_call_s": statistics.median(slowest[1:])}
+            rows.append(row)
+            a, k1 = row["auto"], row["1"]
+            print(f"world {world} ({'auto' if auto_first else 'K=1'} first): auto ran "
+                  f"{row['split_calls']} calls at K > 1; total auto {a['total_s']:.2f} s, "
+                  f"K=1 {k1['total_s']:.2f} s ({a['total_s'] / k1['total_s']:.3f}x); first "
+                  f"call auto {a['first_s']:.3f} s (calibration {row['calibration_s']:.3f} s, "
+                  f"handshake {row['handshake_first_s']:.3f} s), K=1 {k1['first_s']:.3f} s",
+                  flush=True)
     finally:
         if shaped is not None:
             shaped.__exit__(None, None, None)
-    for mode in ("auto", "1"):
-        mine = [r for r in rows if r["mode"] == mode]
-        print(f"{mode:>4}: split calls {sum(r['split_calls'] for r in mine)}, total "
-              f"{statistics.median(r['total_s'] for r in mine):.2f} s (median world), first call "
-              f"{statistics.median(r['first_s'] for r in mine):.2f} s")
+    ratios = [r["auto"]["total_s"] / r["1"]["total_s"] for r in rows]
+    firsts = [r["auto"]["first_s"] - r["1"]["first_s"] for r in rows]
+    print(f"auto over K=1, total of {2 * args.calls} calls: "
+          + ", ".join(f"{x:.3f}x" for x in ratios)
+          + f"; calls at K > 1: {sum(r['split_calls'] for r in rows)}; first call auto - K=1: "
+          + ", ".join(f"{x:+.3f} s" for x in firsts))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows}, indent=1))

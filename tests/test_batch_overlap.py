@@ -43,8 +43,13 @@ def _weight_grads_wait_for_the_other(order: list[tuple[str, int]], micro_batches
     ("float64", False, {"hierarchy": "2d"}, {"world": 4, "nodes": 2}, 1e-12),
     ("float64", False, {}, {"kind": "Qwen2Moe"}, 1e-12),
     ("float64", True, {"dedup": True}, {}, 1e-12),
+    # fixed slabs, no host read: raised AttributeError under batch overlap before capacity's
+    # steps became the one pass body's
+    ("float64", False, {"capacity": 256}, {}, 1e-12),
+    ("float64", True, {"capacity": 256}, {"checkpointing": True}, 1e-12),
 ], ids=["float64", "one-expert+checkpointing", "float32+bf16-wire+gradient-sync",
-        "2d-on-2-nodes", "qwen2-moe-gated-shared-expert", "one-expert+dedup"])
+        "2d-on-2-nodes", "qwen2-moe-gated-shared-expert", "one-expert+dedup", "capacity",
+        "one-expert+capacity+checkpointing"])
 def test_batch_overlap_equals_the_plain_model(dtype, hostile, options, stack, tol) -> None:
     options = {k: v for k, v in options.items() if k != "shared"}
     world = stack.get("world", 2)

@@ -49,6 +49,23 @@ def test_mc2_layer_equals_megatrons_moe_layer(world: int, case: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_the_layer_runs_its_config_and_reads_the_host_as_fused_expert_does(world: int) -> None:
+    """The configured K and rows once per destination ran (the timeline), and the call read
+    the host no more than ``fused_expert`` itself (two reads in the forward, none in the
+    backward): Megatron's experts get ``tokens_per_expert`` from the counts the call read,
+    and a capacity factor's dropped slots are found on the device (no ``nonzero``)."""
+    for results in _layers(world):
+        for case, found in results.items():
+            if case not in CASES:
+                continue
+            options = CASES[case].get("mc2", {"micro_batches": 2})
+            assert found["micro_batches"] == options["micro_batches"], case
+            assert found["rows_once"] == options.get("dedup", False), case
+            assert found["forward_reads"] <= 2, (case, found["forward_read_ops"])
+            assert found["backward_reads"] == 0, case
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_the_cases_exercise_what_they_name(world: int) -> None:
     """The capacity cases drop slots, the aux-loss cases log a nonzero loss, and the
     expert-bias case counts tokens: equality there is not equality of nothing."""

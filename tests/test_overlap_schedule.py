@@ -7,7 +7,8 @@ issued each exchange and when the schedule waited for it (``tests/workers_schedu
 :func:`overlap_problems` checks the order against the experts' spans: forward and backward, the
 flat exchange, rows once per destination (``dedup``), and the 2-D exchange on 4 ranks shown as
 2 nodes of 2. The checker is itself checked: on the serial schedule (``overlap=False``) it must
-find every pair not overlapped.
+find every pair not overlapped, and on the overlapped schedule with every exchange issued
+blocking (``async_op=False`` forced at the transport) every pair issued blocking.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def overlap_problems(exchanges: list[Exchange], experts: list[Experts], k: int) 
 
     For each phase and each ``i < k - 1``: ``dispatch(i+1)`` must have been issued before
     ``experts(i)`` started and waited for only after it ended; ``combine(i)`` likewise around
-    ``experts(i+1)``. Also a problem: a transfer missing, recorded twice, or never reported
-    complete (the record would prove nothing)."""
+    ``experts(i+1)``; and each of them issued asynchronously. Also a problem: a transfer
+    missing, recorded twice, or never reported complete (the record would prove nothing)."""
     problems = []
     found = {(e.phase, e.name, e.micro_batch): e for e in exchanges}
     if len(found) != len(exchanges):
@@ -50,6 +51,9 @@ def overlap_problems(exchanges: list[Exchange], experts: list[Experts], k: int) 
                 e, s = found.get((phase, name, moving)), ran.get((phase, computing))
                 if e is None or s is None:
                     continue
+                if not e.asynchronous:
+                    problems.append(f"{phase}: {name}({moving}) issued blocking: done before "
+                                    f"experts({computing}) ran, nothing overlapped")
                 if not e.issued <= s.start < s.end <= e.waited:
                     problems.append(
                         f"{phase}: {name}({moving}) not overlapped with experts({computing}): "
@@ -62,7 +66,10 @@ def _cases(world: int) -> list[tuple[str, dict]]:
     hierarchy = "2d" if world == 4 else "flat"
     return [(f"{hierarchy} overlapped", {"hierarchy": hierarchy}),
             (f"{hierarchy} dedup overlapped", {"hierarchy": hierarchy, "dedup": True}),
-            (f"{hierarchy} serial", {"hierarchy": hierarchy, "overlap": False})]
+            (f"{hierarchy} serial", {"hierarchy": hierarchy, "overlap": False}),
+            (f"{hierarchy} blocking issues", {"hierarchy": hierarchy, "blocking_issues": True}),
+            (f"{hierarchy} dedup blocking issues", {"hierarchy": hierarchy, "dedup": True,
+                                                    "blocking_issues": True})]
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=("2 ranks", "2 nodes x 2"))
@@ -76,7 +83,8 @@ def world(request) -> tuple[int, list[tuple[str, dict]], list[list[dict]]]:
     return n, cases, results
 
 
-@pytest.mark.parametrize("case", range(3), ids=("overlapped", "dedup overlapped", "serial"))
+@pytest.mark.parametrize("case", range(5), ids=("overlapped", "dedup overlapped", "serial",
+                                                 "blocking issues", "dedup blocking issues"))
 def test_the_next_dispatch_travels_while_the_experts_compute(world, case: int) -> None:
     n, cases, results = world
     name, options = cases[case]
@@ -85,10 +93,18 @@ def test_the_next_dispatch_travels_while_the_experts_compute(world, case: int) -
         assert {e.via for e in got["exchanges"]} == \
             {"TwoStageExchange" if n == 4 else "FlatExchange"}, (name, rank)
         problems = overlap_problems(got["exchanges"], got["experts"], K)
-        if options.get("overlap", True):
+        if options.get("blocking_issues"):  # the overlapped schedule, every issue blocking:
+            # the checker must refuse every pair, both phases
+            blocked = [p for p in problems if "issued blocking" in p]
+            assert len(blocked) == len(problems) == len(PHASES) * 2 * (K - 1), \
+                (name, rank, problems)
+        elif options.get("overlap", True):
             assert got["fell_back"] is None, (name, rank)
             assert problems == [], (name, rank)
-        else:  # the checker must see through a serial schedule: every pair, both phases
+        else:  # the checker must see through a serial schedule: every pair, both phases,
+            # in the order of its steps and in the way it issued them
+            pairs = len(PHASES) * 2 * (K - 1)
             overlapped = [p for p in problems if "not overlapped" in p]
-            assert len(overlapped) == len(problems) == len(PHASES) * 2 * (K - 1), \
+            blocked = [p for p in problems if "issued blocking" in p]
+            assert len(overlapped) == len(blocked) == pairs and len(problems) == 2 * pairs, \
                 (name, rank, problems)

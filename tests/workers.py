@@ -318,7 +318,8 @@ def auto_trials(rank: int, world: int, tokens: list[int], calls: int) -> dict:
           torch.randn(local, ffn, hidden, generator=g) * 0.05]
     # the model's ranking fixed (K ascending, every split with a chance): the trials' order is
     # then known whatever this machine's calibration says
-    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2)
+    # no drift guard: a slow spell of a loaded machine after the lock would re-plan
+    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2, drift=0)
     used, trial_marks, outs = [], [], []
     for _ in range(calls):
         tl = mc2.Timeline()
@@ -356,7 +357,8 @@ def auto_widening(rank: int, world: int, order: list[int], calls: int) -> dict:
     ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, ffn, hidden, generator=g) * 0.05]
-    planner = PriorPlanner(order, candidates=tuple(sorted(order)), explore=3, trials=2)
+    planner = PriorPlanner(order, candidates=tuple(sorted(order)), explore=3, trials=2,
+                           drift=0)
     used = []
     for _ in range(calls):
         tl = mc2.Timeline()

@@ -39,6 +39,9 @@ class Exchange:
         issued: the issuing call returned: the transfer is in flight from here.
         waited: the schedule began to wait for it.
         completed: the backend reported it done (a synchronous transfer: when it returned).
+        asynchronous: it was issued with ``async_op=True``. A blocking issue returns a
+            finished transfer: its issue and wait would still bracket the experts, so without
+            this the proof would pass a schedule that overlaps nothing.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Exchange:
     issued: float
     waited: float
     completed: float | None
+    asynchronous: bool
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class _Transfer:
     via: str
     issued: float
     transfer: Any
+    asynchronous: bool
     completed: float | None = None
     waited: float | None = None
     micro_batch: int | None = None
@@ -79,15 +84,18 @@ class ScheduleRecorder:
     """Records every exchange issued while :meth:`installed` is active (see the module
     docstring); :meth:`exchanges` returns those the schedule waited for by micro-batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking: bool = False) -> None:
+        """``blocking``: issue every exchange with ``async_op=False`` whatever the schedule
+        asks (the checker's own check: a schedule that blocks overlaps nothing)."""
         self._live: dict[int, _Transfer] = {}
         self._waited: list[_Transfer] = []
+        self._blocking = blocking
 
     def exchanges(self) -> list[Exchange]:
         """The exchanges waited for so far (read once the call is over: a completion is filed
         by the backend's thread, which may run just after the wait returned)."""
         return [Exchange(r.name, str(r.phase), int(r.micro_batch), r.via, r.issued,
-                         float(r.waited), r.completed)
+                         float(r.waited), r.completed, r.asynchronous)
                 for r in self._waited if r.micro_batch is not None and r.waited is not None]
 
     @contextmanager
@@ -111,8 +119,9 @@ class ScheduleRecorder:
     def _issuing(self, issue: Callable[..., Any], name: str, via: str) -> Callable[..., Any]:
         def recorded(exchange: Any, rows: torch.Tensor, *, async_op: bool,
                      on_complete: Any = None) -> Any:
+            async_op = async_op and not self._blocking
             transfer = issue(exchange, rows, async_op=async_op, on_complete=on_complete)
-            record = _Transfer(name, via, time.perf_counter(), transfer)
+            record = _Transfer(name, via, time.perf_counter(), transfer, async_op)
             self._live[id(transfer)] = record
             _on_completion(transfer, record)
             return transfer
@@ -149,15 +158,18 @@ def _on_completion(transfer: Any, record: _Transfer) -> None:
 def record_schedules(rank: int, world: int, cases: list[tuple[Problem, dict[str, Any]]]
                      ) -> list[dict[str, Any]]:
     """Forward and backward of each ``(problem, fused_expert options)``, recorded: the
-    exchanges, the experts' spans, and whether overlap fell back to synchronous."""
+    exchanges, the experts' spans, and whether overlap fell back to synchronous. An option
+    ``blocking_issues=True`` is the recorder's: every exchange is issued blocking."""
     import mc2
 
     results = []
     for problem, options in cases:
+        options = dict(options)
+        blocking = options.pop("blocking_issues", False)  # the recorder's, not the call's
         x = problem.xs[rank].clone().requires_grad_(True)
         weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
         timeline = mc2.Timeline()
-        recorder = ScheduleRecorder()
+        recorder = ScheduleRecorder(blocking)
         with recorder.installed():
             out = mc2.fused_expert(x, *weights, problem.ids[rank], problem.rws[rank],
                                    timeline=timeline, **options)

@@ -29,8 +29,9 @@ Megatron's experts take ``(tokens grouped by local expert, tokens_per_expert, pr
 scale each expert's activation by the token's probability; mc2 hands the stage unit weights and
 scales the expert's output after the combine. Without an output bias the two are the same
 product (``fc2`` is linear), so the probabilities' gradients are the same too. A slot the
-capacity factor dropped sends nothing: when the router can drop, the rows are the kept
-(token, expert) pairs, one expert each, and their outputs are summed back per token.
+capacity factor dropped travels with weight zero (the routing map's own zero) and adds nothing;
+the call reads nothing to the host beyond its own two reads: the top-k slots come from the map
+on the device, and the experts' ``tokens_per_expert`` from the counts the call read anyway.
 
 **What is refused** (``ValueError`` naming the field, raised by ``__init__`` on every rank
 before Megatron builds anything, so before any collective): see :func:`megatron_problem`.
@@ -97,8 +98,9 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
         return ("tensor_model_parallel_size must be 1 for MC2MoELayer (tokens sharded over "
                 f"tensor-parallel ranks are not gathered), got {config.tensor_model_parallel_size}")
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
-        return ("moe_pad_expert_input_to_capacity is not supported by MC2MoELayer (a dropped slot "
-                "sends nothing; padding rows are not sent); set it to False")
+        return ("moe_pad_expert_input_to_capacity is not supported by MC2MoELayer (rows are not "
+                "padded to the capacity; mc2's own capacity mode is MC2Config(capacity=N)); set "
+                "it to False")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         return ("overlap_moe_expert_parallel_comm is Megatron's own All-to-All overlap, which "
                 "MC2MoELayer replaces; set it to False")
@@ -183,37 +185,34 @@ class MC2MoELayer(MoELayer):
         """The routed experts' weighted sum for every token, through mc2's pipeline.
 
         ``probs [T, E]`` (zero off the route) and ``routing_map [T, E] bool`` are the router's.
-        Without a capacity factor every token has ``moe_router_topk`` experts, taken from the
-        map; with one, a token may have fewer, and the kept (token, expert) pairs go as rows of
-        one expert each (a dropped slot sends nothing).
+        Every token's ``moe_router_topk`` slots are taken from the map (``topk`` of it, on
+        the device: no read); with a capacity factor a token may keep fewer, and its dropped
+        slots go to some expert with weight zero (the map's own zero, so no gradient reaches
+        the probabilities there either): each adds nothing, exactly. One read-free path for
+        both (the capacity factor's used to take the kept pairs with ``nonzero``, which makes
+        the host wait for the device).
         """
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.config.moe_expert_capacity_factor is None:
-            ids = routing_map.to(torch.int8).topk(self.config.moe_router_topk, dim=-1,
-                                                  sorted=False).indices
-            weights = probs.gather(1, ids)
-            out = self._pipeline(x, ids, weights)
-        else:
-            tokens, experts = routing_map.nonzero(as_tuple=True)
-            rows = self._pipeline(x.index_select(0, tokens), experts.unsqueeze(1),
-                                  probs[tokens, experts].unsqueeze(1))
-            out = x.new_zeros(x.shape).index_add(0, tokens, rows)
+        ids = routing_map.to(torch.int8).topk(self.config.moe_router_topk, dim=-1,
+                                              sorted=False).indices
+        weights = probs.gather(1, ids)
+        if self.config.moe_expert_capacity_factor is not None:
+            weights = weights * routing_map.gather(1, ids).to(weights.dtype)
+        out = fused_expert_module(x, self.experts, ids, weights.to(x.dtype),
+                                  group=self.ep_group, config=self.mc2_config,
+                                  num_experts=self.config.num_moe_experts,
+                                  local_experts=self.num_local_experts,
+                                  forward=self._experts_stage, tokens_per_expert=True)
         return out.reshape(shape)
 
-    def _pipeline(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        return fused_expert_module(x, self.experts, ids, weights.to(x.dtype),
-                                   group=self.ep_group, config=self.mc2_config,
-                                   num_experts=self.config.num_moe_experts,
-                                   local_experts=self.num_local_experts,
-                                   forward=self._experts_stage)
-
-    def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor) -> Tensor:
+    def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor,
+                       tokens_per_expert: Tensor) -> Tensor:
         """mc2's experts-stage contract (rows grouped by local expert, local ids ``[R, 1]``,
-        unit weights ``[R, 1]``) as Megatron's experts call: ``tokens_per_expert`` on the host,
-        as Megatron's dispatchers hand it (its grouped GEMMs read it there)."""
-        counts = torch.bincount(local_ids.reshape(-1), minlength=self.num_local_experts).cpu()
-        out, bias = self.experts(rows, counts, weights.reshape(-1))
+        unit weights ``[R, 1]``, and ``tokens_per_expert`` on the host, from the counts the
+        call read anyway) as Megatron's experts call: its grouped GEMMs read the counts on the
+        host, as Megatron's dispatchers hand them."""
+        out, bias = self.experts(rows, tokens_per_expert, weights.reshape(-1))
         assert bias is None, "the experts' output bias is refused by megatron_problem"
         return out
 

@@ -90,7 +90,9 @@ class HostSyncCounter(TorchFunctionMode):
     def _kind(self, func: Any, args: tuple, kwargs: dict) -> str | None:
         name = _name(func)
         if name in READS:
-            return "read"
+            # a CPU tensor made from host data (a count list handed on as a tensor) is read
+            # back without waiting for any device
+            return None if args and self._made_from_host(args[0]) else "read"
         if name == "__getitem__" and _boolean_index(args):
             return "read"
         if name == "repeat_interleave":

@@ -231,6 +231,7 @@ def fused_expert_module(
     num_experts: int | None = None,
     local_experts: int | None = None,
     forward: ExpertsForward | None = None,
+    tokens_per_expert: bool = False,
     timeline: Timeline | None = None,
     planner: Planner | None = None,
     workspace: Workspace | None = None,
@@ -252,6 +253,10 @@ def fused_expert_module(
         local_experts: experts on this rank (default ``experts.num_experts``).
         forward: the forward to run instead of ``experts.forward`` (a module whose ``forward``
             was replaced, as Hugging Face's expert parallelism does, keeps the original).
+        tokens_per_expert: call the forward with a fourth argument, the rows per local expert
+            (``[L]`` int64 on the CPU), for experts that need the counts on the host
+            (Megatron's): built from the counts the call read anyway, so the stage reads
+            nothing per micro-batch.
 
     Everything else is as in :func:`fused_expert` (no shared experts: a model computes them
     beside the call). Not traceable by ``torch.compile``/``torch.export`` (a module is no
@@ -263,7 +268,7 @@ def fused_expert_module(
         raise ValueError("fused_expert_module cannot be traced by torch.compile or torch.export "
                          "(a module is no operator argument); use fused_expert_packed there")
     module = ModuleExperts.of(experts, x.shape[-1], forward=forward,
-                              local_experts=local_experts)
+                              local_experts=local_experts, tokens_per_expert=tokens_per_expert)
     if selective_region():
         raise ValueError("fused_expert_module cannot run inside a selective activation "
                          "checkpointing region; checkpoint the whole layer instead")

@@ -47,8 +47,9 @@ from mc2.observation.profiler import active_timeline
 from mc2.engine.autograd.prepare import autocast_inputs, function_inputs, guarded
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
+from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.run import (
-    CallInputs, ForwardState, PassOutput, advance, backward_stages, combine_grads, forward_stages,
+    CallInputs, ForwardState, advance, backward_stages, combine_grads, forward_stages,
     state_of, weighted_sum
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
@@ -110,14 +111,13 @@ class _Begin(torch.autograd.Function):
         ctx.state = state
         flags = ctx.needs_input_grad
         shared = state.inputs.shared_up is not None
-        state.needs.x = flags[0]
+        state.needs.x, state.needs.combine = flags[0], flags[1]
         if shared:
             state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[3:6]
         state.needs.experts = tuple(flags[3 + 3 * shared:])
         flat = x.reshape(-1, x.shape[-1])
         state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
-                                       state.inputs.shared_weights(), state.call,
-                                       state.needs.experts)
+                                       state.inputs.shared_weights(), state.call, state.needs)
         state.step_forward()
         return _token(x)
 

@@ -13,7 +13,10 @@ exchanges exactly as the SwiGLU stage is.
     forward(rows [R, H], local_ids [R, 1] int64, weights [R, 1]) -> [R, H]
 
 Rows arrive grouped by local expert (ids ascending); ``weights`` are ones: the routing weights
-are applied where the token lives, after the combine, as in the SwiGLU stage.
+are applied where the token lives, after the combine, as in the SwiGLU stage. A stage made with
+``tokens_per_expert=True`` (Megatron's experts, whose grouped GEMMs take the counts on the host)
+is called with a fourth argument, ``tokens_per_expert [L]`` int64 on the CPU, built from the
+counts the call already read: the stage needs no read of its own, per micro-batch.
 
 **Why a graph per micro-batch, and why one backward call for inputs and weights.** The rows'
 gradient must go back on the wire as soon as it exists; the SwiGLU stage computes the weight
@@ -41,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]
+ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]  # the contract (module docstring)
 # modules already tried on one row, by (hidden, dtype, device): a module that cannot take the
 # call's rows fails there, before the handshake, not on the ranks that got rows mid-pipeline
 _TRIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
@@ -69,18 +72,21 @@ class ModuleExperts:
         hidden: the rows' width.
         names: the parameters' names in ``module``, in the order of :meth:`tensors`.
         params: the parameters as this call sees them.
+        tokens_per_expert: ``forward`` also takes the rows per local expert, on the host.
     """
 
     module: nn.Module
-    forward: ExpertsForward
+    forward: Callable[..., Tensor]
     local_experts: int
     hidden: int
     names: tuple[str, ...]
     params: tuple[Tensor, ...]
+    tokens_per_expert: bool = False
 
     @staticmethod
-    def of(module: nn.Module, hidden: int, *, forward: ExpertsForward | None = None,
-           local_experts: int | None = None) -> "ModuleExperts":
+    def of(module: nn.Module, hidden: int, *, forward: Callable[..., Tensor] | None = None,
+           local_experts: int | None = None, tokens_per_expert: bool = False
+           ) -> "ModuleExperts":
         """The module's floating-point parameters, read now (inside any context that swapped
         them, e.g. Hugging Face's local shards of DTensor parameters)."""
         named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
@@ -90,7 +96,8 @@ class ModuleExperts:
             raise ValueError("fused_expert_module: pass local_experts= (the module has no "
                              "integer num_experts attribute)")
         return ModuleExperts(module, forward or module.forward, local_experts, hidden,
-                             tuple(n for n, _ in named), tuple(p for _, p in named))
+                             tuple(n for n, _ in named), tuple(p for _, p in named),
+                             tokens_per_expert)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.params
@@ -108,7 +115,7 @@ class ModuleExperts:
         try:
             with torch.no_grad():
                 self._call(row, ids, torch.ones(1, 1, dtype=like.dtype, device=like.device),
-                           self.params)
+                           self.params, self.only(0, 1))
         except Exception as exc:  # noqa: BLE001 - reported on every rank by the handshake
             return (f"the experts module {type(self.module).__name__} fails on a row of "
                     f"width {self.hidden} and dtype {like.dtype}: {type(exc).__name__}: {exc}")
@@ -151,11 +158,16 @@ class ModuleExperts:
     def for_calibration(self) -> "ModuleExperts":
         return self
 
-    def run(self, rows: Tensor, offsets: Tensor, *, keep: bool, needs: tuple[bool, ...]
-            ) -> tuple[Tensor, ModuleActivations | None]:
+    def only(self, expert: int, rows: int) -> list[int]:
+        """Rows per local expert where all ``rows`` go to ``expert``."""
+        return [rows if e == expert else 0 for e in range(self.local_experts)]
+
+    def run(self, rows: Tensor, offsets: Tensor, *, keep: bool, needs: tuple[bool, ...],
+            counts: list[int]) -> tuple[Tensor, ModuleActivations | None]:
         """The module on expert-grouped ``rows`` (``offsets``: each local expert's running end,
-        on the device); with ``keep``, what :meth:`backward` needs. No row: the module is not
-        called (some experts kernels refuse empty inputs), and nothing is kept."""
+        on the device; ``counts``: the same on the host, as rows per expert); with ``keep``,
+        what :meth:`backward` needs. No row: the module is not called (some experts kernels
+        refuse empty inputs), and nothing is kept."""
         if rows.shape[0] == 0:
             return rows.new_zeros(rows.shape), None
         ids = torch.searchsorted(offsets.to(torch.int64),
@@ -164,20 +176,23 @@ class ModuleExperts:
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         if not keep:
             with torch.no_grad():
-                return self._call(rows, ids, ones, self.params), None
+                return self._call(rows, ids, ones, self.params, counts), None
         leaf = rows.detach().requires_grad_(True)
         needs = tuple(needs) + (True,) * (len(self.params) - len(needs))  # unsaid: wanted
         leaves = tuple(p.detach().requires_grad_(need) for p, need in zip(self.params, needs))
         # the module's own graph, whatever saved-tensor hooks surround the call (an offload or
         # checkpoint hook would otherwise pack tensors this stage unpacks itself)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            out = self._call(leaf, ids, ones, leaves)
+            out = self._call(leaf, ids, ones, leaves, counts)
         return out.detach(), ModuleActivations(leaf, leaves, out)
 
-    def _call(self, rows: Tensor, ids: Tensor, ones: Tensor, params: tuple[Tensor, ...]
-              ) -> Tensor:
+    def _call(self, rows: Tensor, ids: Tensor, ones: Tensor, params: tuple[Tensor, ...],
+              counts: list[int]) -> Tensor:
+        """The forward with ``params`` in the module's place (``counts``: rows per local
+        expert, handed on where the stage takes them)."""
+        extra = (torch.tensor(counts, dtype=torch.int64),) if self.tokens_per_expert else ()
         with _reparametrize_module(self.module, dict(zip(self.names, params))):
-            out = self.forward(rows, ids, ones)
+            out = self.forward(rows, ids, ones, *extra)
         if tuple(out.shape) != tuple(rows.shape):
             raise ValueError(f"fused_expert_module: the experts returned {tuple(out.shape)} "
                              f"for rows {tuple(rows.shape)}; they must return one row per row")
@@ -201,7 +216,8 @@ class ModuleExperts:
         planner's calibration)."""
         x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
         offsets = torch.full((self.local_experts,), rows, dtype=torch.int64, device=self.device)
-        out, saved = self.run(x, offsets, keep=True, needs=(True,) * len(self.params))
+        out, saved = self.run(x, offsets, keep=True, needs=(True,) * len(self.params),
+                              counts=self.only(0, rows))
         assert saved is not None
         self.backward(saved, torch.ones_like(out), ModuleGrads(self.params, (True,) * len(self.params)))
 

@@ -43,6 +43,7 @@ from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
 )
+from mc2.engine.decide.shared_facts import SharedFacts
 from mc2.engine.decide.routing import (
     DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_bounds,
     micro_batch_fractions, read_counts
@@ -52,13 +53,6 @@ from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, lo
 from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
 from mc2.engine.transport.workspace import Workspace, default_workspace
 
-# what every rank must pass alike, agreed in the handshake (0 means 'auto' for micro_batches)
-SHARED_FACTS = ("micro_batches", "the largest K (the planner's candidates)", "hidden size",
-                "ffn size", "local experts", "dtype", "overlap", "gradient mode", "hierarchy",
-                "wire_dtype (dispatch)", "wire_dtype (combine)",
-                "the planner's calls on this group (a fresh planner on some ranks only)",
-                "the 2-D exchange's measurements on this group", "dedup", "capacity",
-                "overflow", "gemm", "timeout (ms)", "check_finite")
 _OVERFLOW_CODES = {"raise": 1, "drop": 2}
 
 
@@ -179,27 +173,29 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: tuple[WireFormat, WireFormat],
-                  planner: Planner | None, group: Any, timeout: float | None) -> dict[str, int]:
-    """The values every rank must share, as the handshake carries them (zeros when this rank's
-    input is bad: the same keys on every rank, valid or not).
+                  planner: Planner | None, group: Any, timeout: float | None) -> SharedFacts:
+    """The values every rank must share, as the handshake carries them (all zero when this
+    rank's input is bad: :meth:`SharedFacts.unknown`).
 
-    The last two make the collectives *after* the handshake the same on every rank: a planner
-    that has chosen for fewer calls than its peers' would calibrate (collectives its peers do
-    not run), and so would a process that has not measured the 2-D exchange where its peers
-    have. The rest change what a peer receives (capacity's slabs, dropped rows) or how long
-    it waits (``timeout``)."""
-    facts = dict.fromkeys(SHARED_FACTS, 0)
-    if weights is not None:
-        auto = config.micro_batches == "auto"
-        facts.update(zip(SHARED_FACTS, (
-            0 if auto else config.micro_batches, capacity, x.shape[-1], weights.ffn,
-            weights.local_experts, DTYPE_CODES[x.dtype], int(config.overlap), int(needs_grad),
-            HIERARCHY_CODES[config.hierarchy], wire[0].code, wire[1].code,
-            planner.digest(group) if planner is not None else 0,
-            measured_sizes(group) if config.hierarchy == "auto" else 0, int(config.dedup),
-            config.capacity or 0, _OVERFLOW_CODES[config.overflow], GEMMS.index(config.gemm),
-            timeout_code(timeout), int(config.check_finite))))
-    return facts
+    ``planner_calls`` and ``exchange_measured`` make the collectives *after* the handshake the
+    same on every rank: a planner that has chosen for fewer calls than its peers' would
+    calibrate (collectives its peers do not run), and so would a process that has not measured
+    the 2-D exchange where its peers have. The rest change what a peer receives (capacity's
+    slabs, dropped rows) or how long it waits (``timeout``)."""
+    if weights is None:
+        return SharedFacts.unknown()
+    return SharedFacts(
+        micro_batches=0 if config.micro_batches == "auto" else config.micro_batches,
+        largest_k=capacity, hidden=x.shape[-1], ffn=weights.ffn,
+        local_experts=weights.local_experts, dtype=DTYPE_CODES[x.dtype],
+        overlap=int(config.overlap), needs_grad=int(needs_grad),
+        hierarchy=HIERARCHY_CODES[config.hierarchy], wire_dispatch=wire[0].code,
+        wire_combine=wire[1].code,
+        planner_calls=planner.digest(group) if planner is not None else 0,
+        exchange_measured=measured_sizes(group) if config.hierarchy == "auto" else 0,
+        dedup=int(config.dedup), capacity=config.capacity or 0,
+        overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
+        timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite))
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
@@ -353,13 +349,13 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     agreed = _AGREED_CAPACITY.setdefault(group_key(group), set())
     if problem is not None and agreed:
         raise ValueError(f"fused_expert: {problem}")
-    if tuple(facts.values()) not in agreed:
+    if facts.values() not in agreed:
         with maybe_span(timeline, "comm", "handshake", "forward"):
             agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                   shared=facts, group=group,
                   total_experts=group_size(group) * (weights.local_experts if weights else 0),
                   check_finite=config.check_finite)
-        agreed.add(tuple(facts.values()))
+        agreed.add(facts.values())
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
     # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
@@ -376,7 +372,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                              micro_batches=k, world=group_size(group),
                              local_experts=weights.local_experts, group=group, style=style,
                              overflow=config.overflow,
-                             fingerprint=fingerprint_of(tuple(facts.values())))
+                             fingerprint=fingerprint_of(facts.values()))
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,

@@ -398,8 +398,8 @@ class Planner:
                           strategy: str = "loop") -> Calibration:
         """The cheap part of :meth:`calibration` (a collective, like it), enough to rule
         splits out: the full one where it was measured, else the expert line fitted on 4
-        and 32 rows (one timed step each), the link's latency and bandwidth, the row moves of
-        512 rows, and no interference.
+        and 32 rows (one timed step each), the link's latency and bandwidth (fitted on 1 and
+        64 rows per peer), the row moves of 512 rows, and no interference.
 
         Why: the full calibration's largest parts, a 256-row expert step and the
         interference of a transfer under one, took ~1 s of a decode-sized first call
@@ -726,7 +726,8 @@ class Planner:
             if quick is not None:
                 latency, per_byte = quick.link_latency_s, quick.link_s_per_byte
             else:
-                latency, per_byte = probe.link() if group_size(group) > 1 else (0.0, 0.0)
+                latency, per_byte = probe.link(256 if full else 64) \
+                    if group_size(group) > 1 else (0.0, 0.0)
             row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device,
                                                  self.repeats, rows=2048 if full else 512)
             interference = 0.0
@@ -770,9 +771,10 @@ class _Probe:
         world = group_size(self.group)
         return rows_per_peer * (world - 1) * self.one.hidden * self.one.element_size
 
-    def link(self) -> tuple[float, float]:
-        """``(latency, seconds per byte)`` of the group's All-to-All."""
-        row_small, row_large = 1, 256
+    def link(self, row_large: int = 256) -> tuple[float, float]:
+        """``(latency, seconds per byte)`` of the group's All-to-All, fitted on 1 and
+        ``row_large`` rows per peer."""
+        row_small = 1
         self.a2a(row_small).wait()
         t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
         return _fit_line(self.bytes_per(row_small), t_lat, self.bytes_per(row_large), t_big)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mc2.engine.decide.config import HIERARCHIES
 from mc2.engine.decide.overflow import COUNTS, pending, raise_counted
+from mc2.engine.decide.shared_facts import SharedFacts
 from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
 from mc2.engine.transport.host import read, upload
 
@@ -223,7 +224,7 @@ class Agreement:
 
 HIERARCHY_CODES = {h: i for i, h in enumerate(HIERARCHIES)}
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
-_NONE = -(2 ** 62)  # "nothing here" for a maximum
+_ABSENT = -(2 ** 62)  # the neutral value of a maximum: this rank has nothing for the slot
 
 
 def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
@@ -234,7 +235,7 @@ def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
         ids = expert_ids.reshape(-1).to(torch.int64)
         stats = [ids.max(), ids.min().neg()]
     else:
-        stats = [torch.full((), _NONE, dtype=torch.int64, device=device)] * 2
+        stats = [torch.full((), _ABSENT, dtype=torch.int64, device=device)] * 2
     bad = torch.zeros((), dtype=torch.int64, device=device)
     if check_finite:
         for t in (x, routing_weights):
@@ -249,7 +250,7 @@ def agree(
     x: Any,
     expert_ids: Any,
     routing_weights: Any,
-    shared: dict[str, int],
+    shared: SharedFacts,
     group: Any,
     total_experts: int = 0,
     check_finite: bool = False,
@@ -264,44 +265,79 @@ def agree(
         check_finite: also reject NaN or Inf in ``x`` and ``routing_weights``.
         rows: where rows travel once per destination, the number this rank sends (a device
             scalar; the group's largest is agreed in the same collective, for the planner).
+
+    The vector reduced is named slot by slot (:class:`_Slots`): this rank's facts and their
+    negations (one maximum gives both ends), then what only the data shows, computed on the
+    device (the expert-id range, non-finite values, the rows once per destination, capacity
+    calls' error counts); every value is read back by its name.
     """
-    names = list(shared)
     if problem is None:
-        facts = [0, x.numel() // x.shape[-1], expert_ids.shape[-1],
-                 _DEVICE_CODES.get(x.device.type, 9), *shared.values()]
+        facts = {"failed": 0, "tokens": x.numel() // x.shape[-1], "topk": expert_ids.shape[-1],
+                 "device type": _DEVICE_CODES.get(x.device.type, 9), **shared.described()}
         checks = _data_checks(x, expert_ids, routing_weights, check_finite)
         device = x.device
     else:
-        facts = [1, 0, 0, 0] + [0] * len(names)
+        facts = {"failed": 1, "tokens": 0, "topk": 0, "device type": 0,
+                 **SharedFacts.unknown().described()}
         device = x.device if isinstance(x, Tensor) else torch.device("cpu")
-        checks = torch.full((3,), _NONE, dtype=torch.int64, device=device)
+        checks = torch.full((3,), _ABSENT, dtype=torch.int64, device=device)
     # always present, so ranks that disagree on dedup still reduce tensors of one size
-    checks = torch.cat([checks, rows.reshape(1).to(torch.int64) if rows is not None and
-                        problem is None else torch.full((1,), _NONE, dtype=torch.int64,
-                                                        device=device),
-                        # capacity calls' errors: the same three elements on every rank
-                        pending(group, device) if problem is None else
-                        torch.zeros(COUNTS, dtype=torch.int64, device=device)])
-    local = upload(facts + [-v for v in facts], device)
-    reduced = read(all_reduce_max(torch.cat([local, checks]), group, "handshake"))
-    n = len(facts)
-    highest, lowest = reduced[:n], [-v for v in reduced[n:2 * n]]
-    max_id, min_id, nonfinite = reduced[2 * n], -reduced[2 * n + 1], reduced[2 * n + 2]
-    if highest[0]:
+    sent = rows.reshape(1).to(torch.int64) if rows is not None and problem is None else \
+        torch.full((1,), _ABSENT, dtype=torch.int64, device=device)
+    # capacity calls' errors: the same elements on every rank
+    errors = pending(group, device) if problem is None else \
+        torch.zeros(COUNTS, dtype=torch.int64, device=device)
+    slots = _Slots(list(facts))
+    local = upload(list(facts.values()) + [-v for v in facts.values()], device)
+    reduced = slots.read(read(all_reduce_max(torch.cat([local, checks, sent, errors]), group,
+                                             "handshake")))
+    if reduced.highest["failed"]:
         _raise_for(problem, group)
-    raise_counted(group, *reduced[-COUNTS:])
-    for name, hi, lo in zip(["device type"] + names, highest[3:], lowest[3:]):
+    raise_counted(group, *reduced.errors)
+    for name in list(facts)[3:]:
+        hi, lo = reduced.highest[name], reduced.lowest[name]
         if hi != lo:
             raise ValueError(
                 f"fused_expert: ranks disagree on {name} (values between {lo} and {hi}); every "
-                "rank of the group must pass the same value (0 means 'auto' for micro_batches)"
+                "rank of the group must pass the same value"
             )
-    if max_id != _NONE and (min_id < 0 or max_id >= total_experts):
+    max_id, min_id = reduced.data["max id"], -reduced.data["-min id"]
+    if max_id != _ABSENT and (min_id < 0 or max_id >= total_experts):
         _raise_for(range_problem(expert_ids, total_experts, group_size(group)), group)
-    if nonfinite > 0:
+    if reduced.data["non-finite"] > 0:
         _raise_for(nonfinite_problem(x, routing_weights), group)
-    return Agreement(max_tokens=int(highest[1]), max_topk=int(highest[2]),
-                     max_rows=int(reduced[2 * n + 3]) if rows is not None else None)
+    return Agreement(max_tokens=int(reduced.highest["tokens"]),
+                     max_topk=int(reduced.highest["topk"]),
+                     max_rows=int(reduced.data["rows sent"]) if rows is not None else None)
+
+
+@dataclass(frozen=True)
+class _Reduced:
+    """The handshake's reduced vector, by name."""
+
+    highest: dict[str, int]  # each fact's largest value over the group
+    lowest: dict[str, int]  # ... and its smallest
+    data: dict[str, int]  # "max id", "-min id", "non-finite", "rows sent"
+    errors: list[int]  # capacity calls' error counts (:data:`~.overflow.COUNTS` of them)
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where each named value sits in the handshake's vector (facts, their negations, the
+    data checks, the error counts), so it is read back by name."""
+
+    facts: list[str]
+    data: tuple[str, ...] = ("max id", "-min id", "non-finite", "rows sent")
+
+    def read(self, values: list[int]) -> _Reduced:
+        n, d = len(self.facts), len(self.data)
+        if len(values) != 2 * n + d + COUNTS:
+            raise AssertionError(f"handshake vector of {len(values)} values, expected "
+                                 f"{2 * n + d + COUNTS}")
+        return _Reduced(dict(zip(self.facts, values[:n])),
+                        dict(zip(self.facts, (-v for v in values[n:2 * n]))),
+                        dict(zip(self.data, values[2 * n:2 * n + d])),
+                        list(values[2 * n + d:]))
 
 
 def _raise_for(problem: str | None, group: Any) -> None:

@@ -19,14 +19,15 @@ The experts run one of two ways, neither reading a count:
 The schedule is the pipeline's (:mod:`mc2.engine.passes.pipeline`): the same overlap of the
 next micro-batch's dispatch and the previous one's combine with this one's experts.
 
-While the current stream captures a CUDA graph (:func:`mc2.device.streams.capturing`) a pass
-records no timeline: a span would time the capture (host clocks, events), not the replays.
+These are the stages of the one pass body (:func:`mc2.engine.passes.run.forward_stages` and
+``backward_stages`` hand a capacity call's steps here), so every adapter runs them: the eager
+Function, the custom ops and the staged calls of batch overlap alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 from torch import Tensor
@@ -34,13 +35,13 @@ from torch import Tensor
 from mc2.engine.compute.experts import (
     ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 )
-from mc2.device import streams
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.capacity import HEADER, CapacityHandle, grouped_path, record_errors
 from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.overflow import check_at_once, raises_at_once
 from mc2.engine.decide.routing import count_on_device
-from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline
+from mc2.engine.passes.pass_output import PassOutput
+from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.engine.transport.slabs import pack, unpack
 
@@ -76,7 +77,8 @@ def dense_experts(rows: Tensor, table: Tensor, experts: ExpertWeights | ModuleEx
         out = torch.zeros_like(rows)
         for e in range(local):
             ids = torch.full((rows.shape[0], 1), e, dtype=torch.int64, device=rows.device)
-            out = out + table[:, e:e + 1] * experts._call(rows, ids, ones, params)
+            out = out + table[:, e:e + 1] * experts._call(rows, ids, ones, params,
+                                                          experts.only(e, rows.shape[0]))
         return out
     w = ExpertWeights.in_order(params)
     many = rows.unsqueeze(0).expand(local, *rows.shape)
@@ -130,30 +132,19 @@ class SortedPairs:
                         keep=self.valid)
 
 
-def _timeline(call: Any, device: torch.device) -> Any:
-    """The call's timeline, ``None`` inside a graph capture (see the module docstring)."""
-    return None if streams.capturing(device) else call.timeline
-
-
-@dataclass
-class CapacityOutput:
-    """What a capacity forward made: the output and what its backward needs."""
-
-    out: Tensor
-    activations: list[CapacityActivations | None]
-    shared_activations: ExpertActivations | None = None
-    shared_out: Tensor | None = None
-
-
-def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
-                     shared: ExpertWeights | None, call: Any, needs: Any) -> CapacityOutput:
-    """The forward of a planned capacity call, ``x [T, H]`` -> ``[T, H]``."""
+def capacity_forward_stages(x: Tensor, experts: ExpertWeights | ModuleExperts,
+                            shared: ExpertWeights | None, call: Any, needs: Any
+                            ) -> Generator[str, None, Any]:
+    """The forward of a planned capacity call, ``x [T, H]``, as the pass's stages
+    (:func:`mc2.engine.passes.run.forward_stages`): stops before each wait where overlapped;
+    returns a :class:`~mc2.engine.passes.pass_output.PassOutput` whose ``summed`` is the weighted
+    ``[T, H]`` sum of the routed experts."""
     handle: CapacityHandle = call.handle
     tokens, hidden, k = handle.num_tokens, x.shape[-1], handle.topk
     padded = torch.cat([x, x.new_zeros((1, hidden))])
     acc = accumulation_dtype(x.dtype)
     summed = torch.zeros(tokens + 1, hidden, dtype=acc, device=x.device)
-    result = CapacityOutput(summed, [None] * handle.num_micro_batches)
+    result = PassOutput(None, [None] * handle.num_micro_batches)
     keep = call.keep_activations
     params = experts.tensors()
     wants = tuple(needs.experts) + (True,) * (len(params) - len(needs.experts))
@@ -199,21 +190,22 @@ def capacity_forward(x: Tensor, experts: ExpertWeights | ModuleExperts,
         result.shared_out, result.shared_activations = swiglu_forward(
             x, [tokens], shared, strategy="loop", keep_activations=keep)
 
-    run_pipeline(handle, PipelineSteps(gather=gather, compute=compute, scatter=scatter,
-                                       local=shared_experts if shared is not None else None),
-                 overlap=call.overlap, phase="forward", timeline=_timeline(call, x.device))
+    yield from pass_stages(call, PipelineSteps(
+        gather=gather, compute=compute, scatter=scatter,
+        local=shared_experts if shared is not None else None), "forward", x.device)
     if raises_at_once(x.device):  # every exchange done: every rank raises here alike
         check_at_once(handle.group)
-    out = summed[:tokens].to(x.dtype)
-    result.out = out
+    result.summed = summed[:tokens]
     return result
 
 
-def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
-                      ) -> tuple[Tensor, tuple[Tensor | None, ...], tuple[Tensor | None, ...],
-                                 Tensor | None]:
-    """``(grad_x, routed expert grads, shared grads, combine weights' grad)`` of a capacity
-    call (``grad_out [T, H]``), as :func:`mc2.engine.passes.run.backward_stages` returns."""
+def capacity_backward_stages(grad_out: Tensor, inputs: Any, state: Any, needs: Any
+                             ) -> Generator[str, None, tuple[Tensor, tuple[Tensor | None, ...],
+                                                             tuple[Tensor | None, ...],
+                                                             Tensor | None]]:
+    """The backward of a capacity call (``grad_out [T, H]``) as the pass's stages; returns
+    ``(grad_x, routed expert grads, shared grads, combine weights' grad)``, as
+    :func:`mc2.engine.passes.run.backward_stages` does."""
     call = state.call
     handle: CapacityHandle = call.handle
     tokens, hidden, k = handle.num_tokens, grad_out.shape[-1], handle.topk
@@ -282,11 +274,10 @@ def capacity_backward(grad_out: Tensor, inputs: Any, state: Any, needs: Any
         grad_x[:tokens].add_(grad_in)
         shared_grads.add(work, strategy="loop")
 
-    run_pipeline(handle, PipelineSteps(
+    yield from pass_stages(call, PipelineSteps(
         gather=lambda i: padded.index_select(0, handle.micro_batches[i].slot_token),
         compute=compute, scatter=scatter,
-        local=shared_experts if shared is not None else None),
-        overlap=call.overlap, phase="backward", timeline=_timeline(call, grad_out.device))
+        local=shared_experts if shared is not None else None), "backward", grad_out.device)
     expert_grads = grads.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     combine = grad_combine[:tokens].to(inputs.combine.dtype) if needs.combine else None

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
+from mc2.device import streams
 from mc2.observation.timeline import SpanKind, Timeline, maybe_span
 from mc2.engine.transport.comm import PendingTransfer, abandon
 from mc2.engine.transport.deadline import CommTimeout
@@ -125,6 +126,20 @@ def run_pipeline(
         return
     for _ in staged_pass(one_pass):
         pass
+
+
+def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
+                ) -> Iterator[str]:
+    """The pass's schedule, stopping before each wait when overlapped (see
+    :func:`~mc2.engine.passes.pipeline.start_pass`); the serial schedule runs through. Inside
+    a graph capture no span is recorded: it would time the capture, not the replays."""
+    timeline = None if streams.capturing(device) else call.timeline
+    if not call.overlap:
+        run_pipeline(call.handle, steps, overlap=False, phase=phase, timeline=timeline,
+                     wire=call.wire, workspace=call.workspace)
+        return
+    yield from start_pass(call.handle, steps, phase=phase, timeline=timeline,
+                          wire=call.wire, workspace=call.workspace)
 
 
 def start_pass(handle: DispatchHandle, steps: PipelineSteps, *, phase: str,

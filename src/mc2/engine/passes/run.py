@@ -33,7 +33,7 @@ rank). Every buffer comes from the call's :class:`~mc2.engine.transport.workspac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generator, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -46,8 +46,9 @@ from mc2.engine.compute.experts import (
 from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.decide.routing import MicroBatchRoute
-from mc2.engine.passes.capacity import capacity_backward, capacity_forward
-from mc2.engine.passes.pipeline import PipelineSteps, run_pipeline, start_pass
+from mc2.engine.passes.capacity import capacity_backward_stages, capacity_forward_stages
+from mc2.engine.passes.pass_output import PassOutput
+from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
 from mc2.engine.transport.deadline import deadline
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.engine.transport.workspace import Workspace
@@ -153,18 +154,6 @@ class ForwardState:
                             shared_out, pair_out)
 
 
-@dataclass
-class PassOutput:
-    """What the forward pass of one call produced, before the weighted sum."""
-
-    expert_out: Tensor | None  # [T * topk, H] each (token, slot)'s expert output
-    activations: list[ExpertActivations | None]
-    shared_out: Tensor | None = None
-    shared_activations: ExpertActivations | None = None
-    summed: Tensor | None = None  # rows once per destination: [T, H] the weighted sum so far
-    pair_out: list[Tensor | None] | None = None  # ... and each micro-batch's expert outputs
-
-
 def _expert_rows(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
     """The received rows in expert order: reordered, or (once per destination) expanded."""
     if route.slots is not None:
@@ -200,17 +189,6 @@ def _gather(ws: Workspace, source: Tensor, index: Tensor) -> Tensor:
     return torch.index_select(source, 0, index, out=out)
 
 
-def _stages(call: CallPlan, steps: PipelineSteps, phase: str) -> Iterator[str]:
-    """The pass's schedule, stopping before each wait when overlapped (see
-    :func:`~mc2.engine.passes.pipeline.start_pass`); the serial schedule runs through."""
-    if not call.overlap:
-        run_pipeline(call.handle, steps, overlap=False, phase=phase, timeline=call.timeline,
-                     wire=call.wire, workspace=call.workspace)
-        return
-    yield from start_pass(call.handle, steps, phase=phase, timeline=call.timeline,
-                          wire=call.wire, workspace=call.workspace)
-
-
 def advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
     """Run a pass's stages to the next stop: ``(its name, None)``, or ``(None, the pass's
     result)`` at the end."""
@@ -229,10 +207,13 @@ def finished(stages: Generator[str, None, Any]) -> Any:
 
 def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
                    shared: ExpertWeights | None, call: CallPlan,
-                   needs: tuple[bool, ...] = ()) -> Generator[str, None, PassOutput]:
+                   needs: CallInputs[bool]) -> Generator[str, None, PassOutput]:
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
     first dispatch), stopping before each wait; returns what the pass produced. ``needs``:
-    which routed expert tensors need a gradient (a module stage records only those)."""
+    which inputs need a gradient (a module stage records only the experts' that do; a
+    capacity call keeps its experts' outputs where the combine weights do)."""
+    if call.capacity:  # rows in fixed slabs: their own steps
+        return (yield from capacity_forward_stages(x, weights, shared, call, needs))
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
     once = call.handle.once_per_destination
@@ -254,7 +235,9 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
         rows = _expert_rows(ws, route, received)
         if isinstance(weights, ModuleExperts):
             y, result.activations[i] = weights.run(rows, route.expert_offsets,
-                                                   keep=call.keep_activations, needs=needs)
+                                                   keep=call.keep_activations,
+                                                   needs=tuple(needs.experts),
+                                                   counts=route.expert_counts)
         else:
             y, result.activations[i] = swiglu_forward(
                 rows, route.expert_counts, weights, strategy=call.strategy,
@@ -270,12 +253,12 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
         else:
             result.expert_out.index_copy_(0, routes[i].pair_order, rows)
 
-    yield from _stages(call, PipelineSteps(
+    yield from pass_stages(call, PipelineSteps(
         gather=lambda i: _gather(ws, x, routes[i].token_index),
         compute=compute,
         scatter=scatter,
         local=shared_experts if shared is not None else None,
-    ), "forward")
+    ), "forward", x.device)
     return result
 
 
@@ -315,6 +298,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         where rows travel once per destination (else ``None``: :func:`combine_grads`).
     """
     call = state.call
+    if call.capacity:  # rows in fixed slabs: their own steps
+        return (yield from capacity_backward_stages(grad_out, inputs, state, needs))
     ws, routes = call.workspace, call.handle.micro_batches
     tokens, hidden = call.handle.num_tokens, grad_out.shape[-1]
     weights, shared = inputs.routed_weights(call), inputs.shared_weights()
@@ -381,13 +366,13 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         grad_x.add_(grad_in)
         shared_grads.add(work, strategy=call.strategy)
 
-    yield from _stages(call, PipelineSteps(
+    yield from pass_stages(call, PipelineSteps(
         gather=gather,
         compute=compute,
         scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
         deferred=weight_grads,
         local=shared_experts if shared is not None else None,
-    ), "backward")
+    ), "backward", grad_out.device)
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     grad_combine = None
     if once and needs.combine:
@@ -436,37 +421,16 @@ def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], Non
     return lambda: report(phase, Interval(clock, started, clock.stamp()))
 
 
-def _capacity_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
-                      ) -> tuple[Tensor, ForwardState]:
-    """A capacity call's forward (:mod:`~mc2.engine.passes.capacity`): no host read."""
-    shape = inputs.x.shape
-    flat = inputs.x.reshape(-1, shape[-1])
-    result = capacity_forward(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
-                              needs)
-    out = result.out
-    if result.shared_out is not None:
-        scale = inputs.shared_scale
-        out = out + (result.shared_out if scale is None else scale * result.shared_out)
-    shared = result.shared_activations
-    state = ForwardState(call, shape, list(result.activations),
-                         shared.gate_up if shared is not None else None, None,
-                         result.shared_out if needs.shared_scale else None)
-    return out.view(shape), state
-
-
 def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
                 ) -> tuple[Tensor, ForwardState]:
     """The forward of one planned call: its output (``x``-shaped) and its state."""
     done = _timed(call, "forward", inputs.x.device)
-    if call.capacity:
-        out, state = _capacity_forward(call, inputs, needs)
-    else:
-        shape = inputs.x.shape
-        flat = inputs.x.reshape(-1, shape[-1])
-        output = finished(forward_stages(flat, inputs.routed_weights(call),
-                                         inputs.shared_weights(), call, tuple(needs.experts)))
-        out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
-        state = state_of(output, call, shape, needs)
+    shape = inputs.x.shape
+    flat = inputs.x.reshape(-1, shape[-1])
+    output = finished(forward_stages(flat, inputs.routed_weights(call), inputs.shared_weights(),
+                                     call, needs))
+    out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
+    state = state_of(output, call, shape, needs)
     if not call.keep_activations:
         call.workspace.tick()
     done()
@@ -484,12 +448,8 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_combine, grad_scale = combine_grads(state, grad_out, needs)
-        if call.capacity:
-            grad_x, expert_grads, (s_up, s_gate, s_down), returned = capacity_backward(
-                grad_out, inputs, state, needs)
-        else:
-            grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
-                backward_stages(grad_out, inputs, state, needs))
+        grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
+            backward_stages(grad_out, inputs, state, needs))
         grad_combine = returned if returned is not None else grad_combine
         call.workspace.tick()
         done()

@@ -1,0 +1,62 @@
+"""The values every rank of a call must pass alike, by name.
+
+The handshake (:func:`mc2.engine.decide.validation.agree`) reduces them in one ``all_reduce``
+(each value and its negation, so one maximum gives both ends) and names the first that differs
+in the error every rank raises. They travel as a flat vector, but nothing here or there is
+positional: the vector is made from the fields in declaration order and read back by name, so
+adding a field cannot shift the meaning of another (it once was a 19-name tuple zipped against a
+19-value tuple and read back as ``highest[3:]``).
+
+All are integers (codes for the enumerations), 0 where the call does not use the option. A
+rank whose input is bad sends :meth:`SharedFacts.unknown` (all zeros): the handshake then raises
+that rank's problem before comparing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, field, fields
+
+
+def _says(text: str) -> dict[str, str]:
+    return {"says": text}
+
+
+@dataclass(frozen=True)
+class SharedFacts:
+    """One call's shared values; see the module docstring. The field's ``says`` metadata is
+    what an error calls it."""
+
+    micro_batches: int = field(default=0, metadata=_says("micro_batches (0 means 'auto')"))
+    largest_k: int = field(default=0, metadata=_says("the largest K (the planner's candidates)"))
+    hidden: int = field(default=0, metadata=_says("hidden size"))
+    ffn: int = field(default=0, metadata=_says("ffn size"))
+    local_experts: int = field(default=0, metadata=_says("local experts"))
+    dtype: int = field(default=0, metadata=_says("dtype"))
+    overlap: int = field(default=0, metadata=_says("overlap"))
+    needs_grad: int = field(default=0, metadata=_says("gradient mode"))
+    hierarchy: int = field(default=0, metadata=_says("hierarchy"))
+    wire_dispatch: int = field(default=0, metadata=_says("wire_dtype (dispatch)"))
+    wire_combine: int = field(default=0, metadata=_says("wire_dtype (combine)"))
+    planner_calls: int = field(default=0, metadata=_says(
+        "the planner's calls on this group (a fresh planner on some ranks only)"))
+    exchange_measured: int = field(default=0, metadata=_says(
+        "the 2-D exchange's measurements on this group"))
+    dedup: int = field(default=0, metadata=_says("dedup"))
+    capacity: int = field(default=0, metadata=_says("capacity"))
+    overflow: int = field(default=0, metadata=_says("overflow"))
+    gemm: int = field(default=0, metadata=_says("gemm"))
+    timeout_ms: int = field(default=0, metadata=_says("timeout (ms)"))
+    check_finite: int = field(default=0, metadata=_says("check_finite"))
+
+    @classmethod
+    def unknown(cls) -> "SharedFacts":
+        """What a rank whose input is bad sends: nothing is compared after its error."""
+        return cls()
+
+    def values(self) -> tuple[int, ...]:
+        """The values in declaration order (the handshake's vector; a hashable key)."""
+        return astuple(self)
+
+    def described(self) -> dict[str, int]:
+        """``{what an error calls the field: value}`` in declaration order."""
+        return {f.metadata["says"]: getattr(self, f.name) for f in fields(self)}
