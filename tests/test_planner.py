@@ -153,17 +153,29 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
         torch.testing.assert_close(out, a["outs"][0], rtol=0, atol=1e-5)
 
 
+def _c(*ks: int) -> tuple:
+    """Candidates from signed shorthand: ``-4`` is K = 4 with plain rows (tests only: the
+    planner keeps the two as two fields, :class:`~mc2.engine.decide.trials.Candidate`)."""
+    from mc2.engine.decide.trials import Candidate
+
+    return tuple(Candidate.of(abs(k), plain_rows=k < 0) for k in ks)
+
+
 def test_untried_neighbours_of_the_best_are_the_next_k_either_side() -> None:
     from mc2.engine.decide.trials import untried_neighbours
 
     ladder = (1, 2, 4, 8, 16)
-    assert untried_neighbours(ladder, (1, 4, 8), 4) == [2]  # the run that locked K=4 over K=2
-    assert untried_neighbours(ladder, (1, 2, 4), 2) == []  # bracketed: nothing to add
-    assert untried_neighbours(ladder, (1, 4, 16), 4) == [2, 8]
-    assert untried_neighbours(ladder, (1, 8, 16), 16) == []  # the ladder's end, 8 tried
-    assert untried_neighbours(ladder, (1, 4, 8), 1) == [2]
-    assert untried_neighbours(ladder, (1, 2, 4, -1, -4), -4) == [-2, -8]  # plain rows' own K
-    assert untried_neighbours((1, 2), (1, 2), 2) == []
+
+    def near(tried: tuple, best: int) -> list:
+        return untried_neighbours(ladder, _c(*tried), _c(best)[0])
+
+    assert near((1, 4, 8), 4) == list(_c(2))  # the run that locked K=4 over K=2
+    assert near((1, 2, 4), 2) == []  # bracketed: nothing to add
+    assert near((1, 4, 16), 4) == list(_c(2, 8))
+    assert near((1, 8, 16), 16) == []  # the ladder's end, 8 tried
+    assert near((1, 4, 8), 1) == list(_c(2))
+    assert near((1, 2, 4, -1, -4), -4) == list(_c(-2, -8))  # plain rows' own K
+    assert untried_neighbours((1, 2), _c(1, 2), _c(2)[0]) == []
 
 
 def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() -> None:
@@ -184,9 +196,10 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
 
     # round-robin, 2 timed calls each, each after a settling call of the same K
     assert a["used"][:12] == [1, 1, 4, 4, 16, 16] * 2
-    first = trial_stats((1, 4, 16), [slowest(k, slice(0, 2)) for k in (1, 4, 16)])
-    best = min(first, key=lambda s: s.median_s).candidate
-    expected = untried_neighbours((1, 2, 4, 8, 16, 32), (1, 4, 16), best)
+    first = trial_stats(_c(1, 4, 16), [slowest(k, slice(0, 2)) for k in (1, 4, 16)])
+    best = min(first, key=lambda s: s.median_s).candidate.k
+    expected = [c.k for c in untried_neighbours((1, 2, 4, 8, 16, 32), _c(1, 4, 16),
+                                                _c(best)[0])]
     assert expected and da["widened"] == tuple(expected) == db["widened"]
     assert sorted(da["tried"]) == sorted([1, 4, 16, *expected])
     # the neighbours and the best alternate, each turn a settling call and a timed one
@@ -194,8 +207,8 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
     assert a["used"][12:12 + 2 * len(turns)] == [k for k in turns for _ in range(2)]
     assert len(da["times"][best]) >= 3 and all(len(da["times"][k]) >= 2 for k in expected)
     ks = sorted(da["times"])
-    final = trial_stats(ks, [slowest(k, slice(None)) for k in ks])
-    locked = trial_winner(ks, [s.median_s for s in final], 0.02)
+    final = trial_stats(_c(*ks), [slowest(k, slice(None)) for k in ks])
+    locked = trial_winner(_c(*ks), [s.median_s for s in final], 0.02).k
     assert da["locked"] == db["locked"] == locked
     n_trials = sum(len(v) for v in da["times"].values()) + da["settle_calls"]
     assert a["used"][n_trials:] == [locked] * (calls - n_trials)
@@ -207,26 +220,29 @@ def test_a_lucky_call_does_not_decide_and_a_lead_inside_the_noise_is_rechecked()
     lead is within the spread, the close candidates are measured again."""
     from mc2.engine.decide.trials import contenders, margin, trial_stats
 
-    stats = trial_stats((1, 2, 4), [[1.00, 1.02], [0.60, 1.40], [1.50, 1.52]])
+    stats = trial_stats(_c(1, 2, 4), [[1.00, 1.02], [0.60, 1.40], [1.50, 1.52]])
     assert [s.median_s for s in stats] == pytest.approx([1.01, 1.00, 1.51])
     assert stats[1].spread_s == pytest.approx(0.40) and stats[1].calls == 2
-    assert contenders(stats) == [1, 2]  # K=2's lead of 1% is inside its spread: measure again
-    clear = trial_stats((1, 2, 4), [[1.00, 1.01], [0.80, 0.81], [1.3, 1.3]])
-    assert contenders(clear) == [2] == contenders(clear, 0.1)  # a 24% lead is clear
+    assert contenders(stats) == list(_c(1, 2))  # K=2's lead of 1% is inside its spread
+    clear = trial_stats(_c(1, 2, 4), [[1.00, 1.01], [0.80, 0.81], [1.3, 1.3]])
+    assert contenders(clear) == list(_c(2)) == contenders(clear, 0.1)  # a 24% lead is clear
     # two calls each that happen to agree: a 5% lead is inside the floor, not their spread
-    tight = trial_stats((1, 2), [[1.00, 1.00], [0.95, 0.95]])
-    assert contenders(tight) == [2] and contenders(tight, 0.1) == [1, 2]
-    assert margin(clear, 2) == pytest.approx(1.005 / 0.805 - 1)
+    tight = trial_stats(_c(1, 2), [[1.00, 1.00], [0.95, 0.95]])
+    assert contenders(tight) == list(_c(2)) and contenders(tight, 0.1) == list(_c(1, 2))
+    assert margin(clear, _c(2)[0]) == pytest.approx(1.005 / 0.805 - 1)
 
 
 def test_trials_keep_k1_unless_a_split_gains_min_gain() -> None:
     from mc2.engine.decide.trials import trial_winner
 
-    assert trial_winner((1, 2, 4), [1.00, 0.99, 1.20], 0.02) == 1  # 1% is within trial noise
-    assert trial_winner((1, 2, 4), [1.00, 0.97, 1.20], 0.02) == 2
-    assert trial_winner((1, 2, 4), [1.00, 1.10, 1.20], 0.02) == 1
-    assert trial_winner((2, 4), [1.00, 0.99], 0.02) == 4  # no K = 1 tried: the fastest
-    assert trial_winner((1, 4, -4), [1.00, 0.90, 0.89], 0.02) == -4  # plain rows: on time alone
+    def winner(ks: tuple, seconds: list) -> tuple:
+        return (trial_winner(_c(*ks), seconds, 0.02),)
+
+    assert winner((1, 2, 4), [1.00, 0.99, 1.20]) == _c(1)  # 1% is within trial noise
+    assert winner((1, 2, 4), [1.00, 0.97, 1.20]) == _c(2)
+    assert winner((1, 2, 4), [1.00, 1.10, 1.20]) == _c(1)
+    assert winner((2, 4), [1.00, 0.99]) == _c(4)  # no K = 1 tried: the fastest
+    assert winner((1, 4, -4), [1.00, 0.90, 0.89]) == _c(-4)  # plain rows: on time alone
 
 
 def test_trials_never_lock_slower_than_serial_plain_rows() -> None:
@@ -234,10 +250,13 @@ def test_trials_never_lock_slower_than_serial_plain_rows() -> None:
     the faster of the two by ``min_gain``, and no lock measured slower than it."""
     from mc2.engine.decide.trials import trial_winner
 
-    assert trial_winner((1, 2, -1), [1.00, 0.95, 0.96], 0.02) == -1  # 1% over plain serial
-    assert trial_winner((1, 2, -1), [1.00, 0.90, 0.96], 0.02) == 2
-    assert trial_winner((1, 4, -1, -4), [1.00, 1.10, 0.90, 0.89], 0.02) == -1
-    assert trial_winner((1, 4, -1), [0.95, 1.10, 1.00], 0.02) == 1  # the wire format pays
+    def winner(ks: tuple, seconds: list) -> tuple:
+        return (trial_winner(_c(*ks), seconds, 0.02),)
+
+    assert winner((1, 2, -1), [1.00, 0.95, 0.96]) == _c(-1)  # 1% over plain serial
+    assert winner((1, 2, -1), [1.00, 0.90, 0.96]) == _c(2)
+    assert winner((1, 4, -1, -4), [1.00, 1.10, 0.90, 0.89]) == _c(-1)
+    assert winner((1, 4, -1), [0.95, 1.10, 1.00]) == _c(1)  # the wire format pays
 
 
 @pytest.mark.parametrize("drift", [4.0, 0.0], ids=["guard", "no_guard"])

@@ -270,8 +270,7 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
     locked = [d["locked"] for d in decisions]
     plan["auto_k"] = locked[0] if locked else plan["auto_k"]
     if decisions:  # what the lock was decided on: the group's slowest rank, median per K
-        plan["auto_trials"] = {abs(k): st["median_s"] for k, st in decisions[0]["stats"].items()
-                               if k > 0}
+        plan["auto_trials"] = {k: st["median_s"] for k, st in decisions[0]["stats"].items()}
         plan["auto_why"] = decisions[0]["why"]
     plan["explore_calls"] = calls
     return plan

@@ -30,6 +30,7 @@ This module is imported with ``import mc2``, so a program that only loads an exp
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import weakref
@@ -65,12 +66,12 @@ def group_name(group: Any) -> str:
 def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
                   experts: list[Tensor], shared_up: Tensor | None, shared_gate: Tensor | None,
                   shared_down: Tensor | None, shared_scale: Tensor | None, packed: bool,
-                  group: str, config: str, num_experts: int, needs: list[bool]
+                  group: str, config: str, num_experts: int | None, needs: list[bool]
                   ) -> tuple[Tensor, Tensor]:
     """``(output, token)``: one planned and run fused call. The tensors are in the pass's
     layout (:class:`~mc2.engine.passes.run.CallInputs`: combine weights ``[T, topk]``, the
     shared experts as one expert, their scale ``[T, 1]``); the config as
-    :meth:`MC2Config.to_dict` JSON, the group by name, ``num_experts`` ``-1`` for none;
+    :meth:`MC2Config.to_dict` JSON, the group by name;
     ``needs``: which tensor inputs (all but the ids, in :meth:`CallInputs.as_list` order) the
     backward differentiates, decided by the caller (a compiled forward runs without
     autograd)."""
@@ -84,7 +85,7 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
         call, weights, _ = plan_call(
             x, dict(zip(names, experts)), expert_ids, combine_weights, config=cfg,
             shared=(shared_up, shared_gate, shared_down, shared_scale), packed=packed,
-            group=_group_of(group), num_experts=None if num_experts < 0 else num_experts,
+            group=_group_of(group), num_experts=num_experts,
             needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout), **(EAGER_RUNTIME.get() or {}))
         return run_forward(call, CallInputs(x, combine_weights, shared_up, shared_gate,
                                             shared_down, shared_scale, weights.tensors()), need)
@@ -142,19 +143,32 @@ def _(grad_out, token, inputs, needed):
             for t, need in zip(inputs, needed)]
 
 
+# the operator's arguments by name, in its schema's order (read from the function, so no
+# position is written out by hand anywhere below)
+_ARGUMENTS = tuple(inspect.signature(_fused_expert).parameters)
+
+
+def _call_inputs(args: dict[str, Any]) -> CallInputs[Any]:
+    """The operator's tensor arguments (all but the ids) as the pass names them."""
+    return CallInputs(args["x"], args["combine_weights"], args["shared_up"],
+                      args["shared_gate"], args["shared_down"], args["shared_scale"],
+                      tuple(args["experts"]))
+
+
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, combine_weights, _, experts, s_up, s_gate, s_down, s_scale = inputs[:8]
-    ctx.needed = list(inputs[12])
-    ctx.save_for_backward(output[1], *CallInputs(x, combine_weights, s_up, s_gate, s_down,
-                                                 s_scale, tuple(experts)).as_list())
+    args = dict(zip(_ARGUMENTS, inputs))
+    ctx.needed = list(args["needs"])
+    ctx.save_for_backward(output[1], *_call_inputs(args).as_list())
 
 
 def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:
     token, *tensors = ctx.saved_tensors
     grads = fused_expert_backward_op(grad_out, token, tensors, ctx.needed)
     g = CallInputs.of([g if need else None for g, need in zip(grads, ctx.needed)])
-    return (g.x, g.combine, None, list(g.experts), g.shared_up, g.shared_gate, g.shared_down,
-            g.shared_scale, None, None, None, None, None)
+    by_name = {"x": g.x, "combine_weights": g.combine, "experts": list(g.experts),
+               "shared_up": g.shared_up, "shared_gate": g.shared_gate,
+               "shared_down": g.shared_down, "shared_scale": g.shared_scale}
+    return tuple(by_name.get(name) for name in _ARGUMENTS)  # None: no gradient
 
 
 fused_expert_op.register_autograd(_backward, setup_context=_setup_context)

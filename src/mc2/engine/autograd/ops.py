@@ -83,8 +83,11 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
     needs = [grad and t is not None and t.requires_grad
              for t in (x, combine, *function_shared, *experts)]
     op = fused_expert_op if config.capacity is None else fused_expert_capacity_op
-    out, _ = op(x.reshape(-1, hidden), combine, ids2d, experts, *function_shared, packed,
-                group_name(group), config.json, -1 if num_experts is None else num_experts, needs)
+    s_up, s_gate, s_down, s_scale = function_shared
+    out, _ = op(x=x.reshape(-1, hidden), combine_weights=combine, expert_ids=ids2d,
+                experts=experts, shared_up=s_up, shared_gate=s_gate, shared_down=s_down,
+                shared_scale=s_scale, packed=packed, group=group_name(group),
+                config=config.json, num_experts=num_experts, needs=needs)
     return out.view(x.shape)
 
 

@@ -109,12 +109,13 @@ class _Begin(torch.autograd.Function):
         routing weights are used by the dispatching ranks' experts, and their gradient comes
         back with this stage's backward (``None`` from :class:`_End` then)."""
         ctx.state = state
-        flags = ctx.needs_input_grad
-        shared = state.inputs.shared_up is not None
-        state.needs.x, state.needs.combine = flags[0], flags[1]
+        needs_x, needs_combine, _, *needs_weights = ctx.needs_input_grad
+        shared = 3 if state.inputs.shared_up is not None else 0  # up, gate, down or none
+        state.needs.x, state.needs.combine = needs_x, needs_combine
         if shared:
-            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = flags[3:6]
-        state.needs.experts = tuple(flags[3 + 3 * shared:])
+            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = \
+                needs_weights[:shared]
+        state.needs.experts = tuple(needs_weights[shared:])
         flat = x.reshape(-1, x.shape[-1])
         state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
                                        state.inputs.shared_weights(), state.call, state.needs)

@@ -54,12 +54,13 @@ from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.chance import ModelError, ruled_out, with_a_chance
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
-from mc2.engine.decide.trials import (contenders, describe, trial_stats, trial_winner,
-                                      untried_neighbours)
+from mc2.engine.decide.trials import (Candidate, contenders, describe, trial_stats,
+                                      trial_winner, untried_neighbours)
 from mc2.engine.transport.sizes import bucket
 from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
 
 NO_WIRE = (NONE, NONE)
+SERIAL = Candidate.of(1)  # K = 1 in the requested rows: always tried, the baseline
 # Re-check rounds while the best lead is inside the noise. Two, not one: at 256 tokens on this
 # project's CPU machine one round of 2 more calls each still locked K = 1 with fp8 rows over
 # K = 1 with plain rows, 10% faster in the steady state, their trials' spreads overlapping.
@@ -232,31 +233,32 @@ class _Trials:
     """``"auto"``'s measurements of the candidate K of one shape, then its decision
     (:mod:`mc2.engine.decide.trials`)."""
 
-    candidates: tuple[int, ...]
-    samples: dict[int, list[dict[str, Interval]]]  # K -> one {phase: time} per trial call
-    targets: dict[int, int]  # calls each active candidate must have had before the next decision
+    candidates: tuple[Candidate, ...]
+    samples: dict[Candidate, list[dict[str, Interval]]]  # one {phase: time} per trial call
+    targets: dict[Candidate, int]  # calls each active candidate must have had before the next
+    # decision
     ladder: tuple[int, ...] = ()  # every K this shape allows, ascending (where neighbours come from)
-    locked: int | None = None
-    active: tuple[int, ...] = ()  # the candidates still being measured
+    locked: Candidate | None = None
+    active: tuple[Candidate, ...] = ()  # the candidates still being measured
     rechecks: int = 0  # re-check rounds run inside the noise (at most RECHECK_ROUNDS)
-    widened: tuple[int, ...] | None = None  # the neighbours tried after the first round (once)
+    widened: tuple[Candidate, ...] | None = None  # the neighbours tried after the first round
     stats: tuple = ()  # the TrialStats the lock was decided on
     phases: tuple[str, ...] = ("forward",)  # what the trial times summed (:meth:`times`)
     steady: list[dict[str, Interval]] = field(default_factory=list)  # locked calls, this window
     replanned: str | None = None  # why the drift guard re-planned this shape (once)
-    last: int | None = None  # the candidate the previous call of this shape ran
+    last: Candidate | None = None  # the candidate the previous call of this shape ran
     settle_calls: int = 0  # untimed trial calls (:meth:`next_call`)
     ruled_out: str | None = None  # why K = 1 was locked without trials (:mod:`chance`)
     predicted: dict[int, float] = field(default_factory=dict)  # the model's seconds per K
 
-    def next_candidate(self) -> int:
+    def next_candidate(self) -> Candidate:
         """Round-robin over the active candidates: the one with the most timed calls still to
         make, first in order, so a slow spell of the machine falls on every candidate alike
         (a neighbour tried later alternates with the best)."""
         return min(self.active, key=lambda k: (len(self.samples[k]) - self.targets.get(k, 0),
                                                self.active.index(k)))
 
-    def next_call(self) -> tuple[int, bool]:
+    def next_call(self) -> tuple[Candidate, bool]:
         """``(candidate, timed)``: the next trial call. A call of a candidate other than the
         previous call's settles (runs, untimed): a call right after another K's runs slower
         than the steady state of its own K (measured here: up to +40% at 256 tokens, and
@@ -297,9 +299,9 @@ class _Trials:
         return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
-def _in_order(candidates: Sequence[int]) -> tuple[int, ...]:
-    """Candidates in trial order: the wire format's K ascending, then plain rows' (negative)."""
-    return tuple(sorted(candidates, key=lambda c: (c < 0, abs(c))))
+def _in_order(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """Candidates in trial order: the wire format's K ascending, then plain rows'."""
+    return tuple(sorted(set(candidates)))
 
 
 class Planner:
@@ -514,16 +516,17 @@ class Planner:
         if state.locked is None and state.explored():
             self._decide(state, weights, group, wire)
             if state.locked is not None:
-                return Choice(abs(state.locked), plain_rows=state.locked < 0,
-                              decided=describe(state.stats, state.locked, state.rechecks, state.widened))
+                return Choice(state.locked.k, plain_rows=state.locked.plain_rows,
+                              decided=describe(state.stats, state.locked, state.rechecks,
+                                               state.widened))
         if state.locked is not None:
             if not watch or not self._watching(state, weights):
-                return Choice(abs(state.locked), plain_rows=state.locked < 0)
+                return Choice(state.locked.k, plain_rows=state.locked.plain_rows)
             why = self._drifted(state, weights, group)
             if why is None:
                 sample: dict[str, Interval] = {}
                 state.steady.append(sample)
-                return Choice(abs(state.locked), plain_rows=state.locked < 0,
+                return Choice(state.locked.k, plain_rows=state.locked.plain_rows,
                               on_pass_done=sample.__setitem__)
             state = self._shapes[key] = state.again(self.trials, why)
             return replace(self._trial(state), decided=f"re-planning: {why}")
@@ -542,34 +545,34 @@ class Planner:
         wired = any(f.kind is not None for f in wire)
         optimistic = self.predictions(wire=wire, quick=True, **shape)
         if not wired and not with_a_chance(optimistic, margin):
-            return _Trials((1,), {1: []}, {}, (1,), locked=1, widened=(),
+            return _Trials((SERIAL,), {SERIAL: []}, {}, (1,), locked=SERIAL, widened=(),
                            ruled_out=ruled_out(optimistic, margin))
         predicted = self.predictions(wire=wire, **shape)
         chance = with_a_chance(predicted, margin)
         ranked = [k for k in self.ranked(wire=wire, **shape) if k in chance]
-        tried = [1] + ranked[: self.explore - 1]
-        if wired:  # plain rows, K = -candidate: the
-            plain = {1, *with_a_chance(self.predictions(**shape), margin)}  # model's best
-            best = next(k for k in self.ranked(**shape) if k in plain)  # and the serial one
-            tried += sorted({-1, -best})
+        tried = [Candidate.of(k) for k in [1] + ranked[: self.explore - 1]]
+        if wired:  # plain rows: the model's best K, and the serial baseline
+            plain = {1, *with_a_chance(self.predictions(**shape), margin)}
+            best = next(k for k in self.ranked(**shape) if k in plain)
+            tried += [Candidate.of(1, plain_rows=True), Candidate.of(best, plain_rows=True)]
         order = _in_order(tried)
         ladder = tuple(sorted({1, *chance}))
-        if order == (1,):
-            return _Trials(order, {1: []}, {}, ladder, locked=1, widened=(),
+        if order == (SERIAL,):
+            return _Trials(order, {SERIAL: []}, {}, ladder, locked=SERIAL, widened=(),
                            ruled_out=ruled_out(predicted, margin), predicted=predicted)
-        return _Trials(order, {k: [] for k in tried}, dict.fromkeys(order, self.trials),
+        return _Trials(order, {c: [] for c in order}, dict.fromkeys(order, self.trials),
                        ladder, active=order, predicted=predicted)
 
     @staticmethod
     def _trial(state: _Trials) -> Choice:
         """The next trial call of an undecided shape: timed, or settling
         (:meth:`_Trials.next_call`)."""
-        k, timed = state.next_call()
+        c, timed = state.next_call()
         if not timed:
-            return Choice(abs(k), trial=True, plain_rows=k < 0, settling=True)
+            return Choice(c.k, trial=True, plain_rows=c.plain_rows, settling=True)
         sample: dict[str, Interval] = {}
-        state.samples[k].append(sample)
-        return Choice(abs(k), trial=True, on_pass_done=sample.__setitem__, plain_rows=k < 0)
+        state.samples[c].append(sample)
+        return Choice(c.k, trial=True, on_pass_done=sample.__setitem__, plain_rows=c.plain_rows)
 
     def _watching(self, state: _Trials, weights: ExpertWeights | ModuleExperts) -> bool:
         """Whether this locked call is timed for the drift guard: the guard is on, the shape
@@ -597,7 +600,7 @@ class Planner:
         mine = next(st for st in state.stats if st.candidate == state.locked)
         if slowest <= mine.median_s * (1 + self.drift) + mine.spread_s:
             return None
-        why = (f"the steady state of {'K=' + str(abs(state.locked))} ran "
+        why = (f"the steady state of {state.locked.name} ran "
                f"{slowest * 1e3:.1f} ms a call, {slowest / mine.median_s - 1:.0%} slower than "
                f"its trials ({mine.median_s * 1e3:.1f} ms +-{mine.spread_s * 1e3:.1f}); "
                "its trials run again, once")
@@ -634,17 +637,18 @@ class Planner:
         state.locked = trial_winner(state.candidates, medians, self.min_gain)
         state.stats = tuple(stats)
         self.model_error(group).learn(
-            state.predicted, {st.candidate: st.median_s for st in stats if st.candidate > 0})
+            state.predicted, {st.candidate.k: st.median_s for st in stats
+                              if not st.candidate.plain_rows})
         _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
                   describe(stats, state.locked, state.rechecks, state.widened))
-        if state.locked < 0:
+        if state.locked.plain_rows:
             self._say_plain_rows_won(wire, weights, medians, state)
 
     @staticmethod
     def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
                             slowest: list[float], state: _Trials) -> None:
-        best_wire = min(t for c, t in zip(state.candidates, slowest) if c > 0)
-        plain = min(t for c, t in zip(state.candidates, slowest) if c < 0)
+        best_wire = min(t for c, t in zip(state.candidates, slowest) if not c.plain_rows)
+        plain = min(t for c, t in zip(state.candidates, slowest) if c.plain_rows)
         _warn_wire_loses(wire, weights.dtype, best_wire, plain)
 
     def most_trial_calls(self, wire: bool = True) -> int:
@@ -661,22 +665,37 @@ class Planner:
         return all(s.locked is not None for s in self._shapes.values())
 
     def decisions(self) -> dict[tuple, dict[str, Any]]:
-        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked", "plain_rows",
-        "times"}}`` (``times`` keys: K, negative for a trial of K with plain rows)."""
-        return {key: {"tried": tuple(abs(c) for c in s.candidates),
-                      "locked": None if s.locked is None else abs(s.locked),
-                      "plain_rows": s.locked is not None and s.locked < 0,
-                      "times": {k: [{p: i.seconds for p, i in t.items()} for t in v]
-                                for k, v in s.samples.items()},
-                      "stats": {st.candidate: {"median_s": st.median_s, "spread_s": st.spread_s,
-                                               "calls": st.calls} for st in s.stats},
-                      "rechecked": s.rechecks,
-                      "widened": tuple(abs(c) for c in s.widened or ()),
-                      "replanned": s.replanned,
-                      "settle_calls": s.settle_calls,
-                      "why": describe(s.stats, s.locked, s.rechecks, s.widened) if s.stats
-                      else s.ruled_out}
-                for key, s in self._shapes.items()}
+        """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked",
+        "plain_rows", "times", "stats", ...}}``. ``tried`` and ``locked`` are K; ``times`` and
+        ``stats`` are keyed by K for the requested wire format's rows and ``plain_times`` and
+        ``plain_stats`` by K for plain rows (with a wire format)."""
+        def by_k(values: dict[Candidate, Any], plain: bool, f: Callable[[Any], Any]
+                 ) -> dict[int, Any]:
+            return {c.k: f(v) for c, v in values.items() if c.plain_rows == plain}
+
+        def times(calls: list[dict[str, Interval]]) -> list[dict[str, float]]:
+            return [{p: i.seconds for p, i in t.items()} for t in calls]
+
+        def stat(st: Any) -> dict[str, Any]:
+            return {"median_s": st.median_s, "spread_s": st.spread_s, "calls": st.calls}
+
+        out = {}
+        for key, s in self._shapes.items():
+            stats = {st.candidate: st for st in s.stats}
+            out[key] = {
+                "tried": tuple(c.k for c in s.candidates),
+                "locked": None if s.locked is None else s.locked.k,
+                "plain_rows": s.locked is not None and s.locked.plain_rows,
+                "times": by_k(s.samples, False, times),
+                "plain_times": by_k(s.samples, True, times),
+                "stats": by_k(stats, False, stat), "plain_stats": by_k(stats, True, stat),
+                "rechecked": s.rechecks,
+                "widened": tuple(c.k for c in s.widened or ()),
+                "replanned": s.replanned,
+                "settle_calls": s.settle_calls,
+                "why": describe(s.stats, s.locked, s.rechecks, s.widened) if s.stats
+                else s.ruled_out}
+        return out
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                  wire: tuple[WireFormat, WireFormat] = NO_WIRE,

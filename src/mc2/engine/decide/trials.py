@@ -37,25 +37,45 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One plan a trial measures: K micro-batches, rows in the requested wire format or in the
+    compute dtype (``plain_rows``). Two fields, never one signed number (a negative K used to
+    mean plain rows, at ~20 sites). Ordered as the trials run them: the wire format's K
+    ascending, then plain rows'."""
+
+    plain_rows: bool
+    k: int
+
+    @staticmethod
+    def of(k: int, plain_rows: bool = False) -> "Candidate":
+        return Candidate(plain_rows, k)
+
+    @property
+    def name(self) -> str:
+        return f"K={self.k}" + (" plain rows" if self.plain_rows else "")
+
+
 @dataclass(frozen=True)
 class TrialStats:
     """One candidate's measured calls.
 
     Attributes:
-        candidate: K (negative: K with plain rows instead of the wire format).
+        candidate: the plan measured.
         median_s: median seconds of its measured calls (the group's slowest rank each).
         spread_s: half the range of those calls (0 with one call).
         calls: how many calls were timed (the untimed calls that settle a switch of K
             not counted).
     """
 
-    candidate: int
+    candidate: Candidate
     median_s: float
     spread_s: float
     calls: int
 
 
-def trial_stats(candidates: Sequence[int], times: Sequence[Sequence[float]]) -> list[TrialStats]:
+def trial_stats(candidates: Sequence[Candidate], times: Sequence[Sequence[float]]
+                ) -> list[TrialStats]:
     """Per candidate, the statistics of ``times[i]`` (its timed calls, each the group's
     slowest rank's seconds; each came right after a call of the same candidate, so none is
     cold)."""
@@ -67,7 +87,8 @@ def trial_stats(candidates: Sequence[int], times: Sequence[Sequence[float]]) -> 
     return out
 
 
-def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: float) -> int:
+def trial_winner(candidates: Sequence[Candidate], seconds: Sequence[float], min_gain: float
+                 ) -> Candidate:
     """The candidate to lock from its trial times (the group's slowest rank's).
 
     The fastest, except that a split (|K| > 1) must beat the serial baseline, K = 1 (and K = 1
@@ -78,27 +99,28 @@ def trial_winner(candidates: Sequence[int], seconds: Sequence[float], min_gain: 
     rows at one K, time alone decides.)
     """
     best = min(range(len(seconds)), key=seconds.__getitem__)
-    serial = [i for i, k in enumerate(candidates) if abs(k) == 1]
-    if abs(candidates[best]) > 1 and serial:
+    serial = [i for i, c in enumerate(candidates) if c.k == 1]
+    if candidates[best].k > 1 and serial:
         baseline = min(serial, key=seconds.__getitem__)
         if seconds[best] > seconds[baseline] * (1 - min_gain):
             return candidates[baseline]
     return candidates[best]
 
 
-def untried_neighbours(ladder: Sequence[int], tried: Sequence[int], best: int) -> list[int]:
-    """The K next to ``best`` on ``ladder`` (the allowed K, ascending) that are not in
-    ``tried``, with ``best``'s sign (negative: plain rows), smaller first. Empty when the best
-    candidate is already bracketed by measured neighbours (or the ladder's end)."""
-    if abs(best) not in ladder:
+def untried_neighbours(ladder: Sequence[int], tried: Sequence[Candidate], best: Candidate
+                       ) -> list[Candidate]:
+    """The K next to ``best``'s on ``ladder`` (the allowed K, ascending) that are not in
+    ``tried``, with ``best``'s rows, smaller first. Empty when the best candidate is already
+    bracketed by measured neighbours (or the ladder's end)."""
+    if best.k not in ladder:
         return []
-    i = list(ladder).index(abs(best))
-    sign = -1 if best < 0 else 1
-    near = [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
-    return [sign * k for k in near if sign * k not in tried]
+    i = list(ladder).index(best.k)
+    near = [Candidate(best.plain_rows, ladder[j]) for j in (i - 1, i + 1)
+            if 0 <= j < len(ladder)]
+    return [c for c in near if c not in tried]
 
 
-def contenders(stats: Sequence[TrialStats], floor: float = 0.0) -> list[int]:
+def contenders(stats: Sequence[TrialStats], floor: float = 0.0) -> list[Candidate]:
     """The candidates whose median is within the noise of the best one's (the best's spread or
     theirs, whichever is larger, and at least ``floor`` times the best's median), the best
     included; one candidate means the lead is clear.
@@ -113,7 +135,7 @@ def contenders(stats: Sequence[TrialStats], floor: float = 0.0) -> list[int]:
                                                  floor * best.median_s)]
 
 
-def margin(stats: Sequence[TrialStats], winner: int) -> float:
+def margin(stats: Sequence[TrialStats], winner: Candidate) -> float:
     """How much slower the runner-up is than ``winner``, as a fraction of the winner's median
     (``inf`` with no other candidate)."""
     mine = next(s for s in stats if s.candidate == winner).median_s
@@ -121,17 +143,14 @@ def margin(stats: Sequence[TrialStats], winner: int) -> float:
     return min(others) / mine - 1 if others and mine > 0 else float("inf")
 
 
-def describe(stats: Sequence[TrialStats], winner: int, rechecks: int,
-             widened: Sequence[int] | None = ()) -> str:
+def describe(stats: Sequence[TrialStats], winner: Candidate, rechecks: int,
+             widened: Sequence[Candidate] | None = ()) -> str:
     """One line: what was measured and why ``winner`` was locked (``widened``: the neighbours
     tried after the first round)."""
-    def name(k: int) -> str:
-        return f"K={abs(k)}" + (" plain rows" if k < 0 else "")
-
-    measured = ", ".join(f"{name(s.candidate)} {s.median_s * 1e3:.1f} ms +-"
+    measured = ", ".join(f"{s.candidate.name} {s.median_s * 1e3:.1f} ms +-"
                          f"{s.spread_s * 1e3:.1f} ({s.calls} calls)" for s in stats)
-    return (f"locked {name(winner)}: {measured}; runner-up {margin(stats, winner):+.1%}"
-            + (f"; {', '.join(map(name, widened))} tried beside the first round's best"
+    return (f"locked {winner.name}: {measured}; runner-up {margin(stats, winner):+.1%}"
+            + (f"; {', '.join(c.name for c in widened)} tried beside the first round's best"
                if widened else "")
             + (f" after {'a re-check' if rechecks == 1 else f'{rechecks} re-checks'} inside "
                "the noise" if rechecks else ""))
