@@ -4,8 +4,8 @@ the first call pays.
 
 Each fresh 2-rank Gloo world (one thread a rank, plain processes) runs ``--calls`` no-grad
 calls, then ``--calls`` forward + backward calls, of ``--tokens`` tokens per rank through
-:func:`mc2.fused_expert` (hidden 1024, ffn 2048, 2 experts per rank, top-2: the shape of issue
-53), each call once with ``"auto"`` and once with a fixed K = 1, interleaved call by call (which
+:func:`mc2.fused_expert` (hidden 1024, ffn 2048, 2 experts per rank, top-2: a decode step's
+shape), each call once with ``"auto"`` and once with a fixed K = 1, interleaved call by call (which
 of the two goes first alternates from world to world, so the world's own first collectives fall
 on both alike). So both totals come from the same minutes of the same world: fresh worlds of
 one mode each differed by up to 10% here, more than what is measured. Per world it reports
