@@ -251,6 +251,13 @@ class _Trials:
     ruled_out: str | None = None  # why K = 1 was locked without trials (:mod:`chance`)
     predicted: dict[int, float] = field(default_factory=dict)  # the model's seconds per K
 
+    @staticmethod
+    def serial_only(why: str, ladder: tuple[int, ...] = (1,),
+                    predicted: dict[int, float] | None = None) -> "_Trials":
+        """A shape locked at K = 1 with no trial: no split has a chance (``why``)."""
+        return _Trials((SERIAL,), {SERIAL: []}, {}, ladder, locked=SERIAL, widened=(),
+                       ruled_out=why, predicted=predicted or {})
+
     def next_candidate(self) -> Candidate:
         """Round-robin over the active candidates: the one with the most timed calls still to
         make, first in order, so a slow spell of the machine falls on every candidate alike
@@ -438,14 +445,6 @@ class Planner:
         allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
         return {k: predict(cal, work, k).step_s for k in allowed}
 
-    def ranked(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
-               sent_rows: int | None = None) -> list[int]:
-        """The candidates the model allows, best predicted first."""
-        preds = self.predictions(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                                 strategy=strategy, wire=wire, sent_rows=sent_rows)
-        return sorted(preds, key=preds.__getitem__)
-
     def model_error(self, group: Any) -> ModelError:
         """How far the cost model has been from the trials on ``group`` (:mod:`chance`)."""
         return self._errors.setdefault(group_key(group), ModelError())
@@ -545,21 +544,18 @@ class Planner:
         wired = any(f.kind is not None for f in wire)
         optimistic = self.predictions(wire=wire, quick=True, **shape)
         if not wired and not with_a_chance(optimistic, margin):
-            return _Trials((SERIAL,), {SERIAL: []}, {}, (1,), locked=SERIAL, widened=(),
-                           ruled_out=ruled_out(optimistic, margin))
+            return _Trials.serial_only(ruled_out(optimistic, margin))
         predicted = self.predictions(wire=wire, **shape)
-        chance = with_a_chance(predicted, margin)
-        ranked = [k for k in self.ranked(wire=wire, **shape) if k in chance]
-        tried = [Candidate.of(k) for k in [1] + ranked[: self.explore - 1]]
+        chance = with_a_chance(predicted, margin)  # best predicted first
+        tried = [Candidate.of(k) for k in [1] + chance[: self.explore - 1]]
         if wired:  # plain rows: the model's best K, and the serial baseline
-            plain = {1, *with_a_chance(self.predictions(**shape), margin)}
-            best = next(k for k in self.ranked(**shape) if k in plain)
+            plain = self.predictions(**shape)
+            best = min([1, *with_a_chance(plain, margin)], key=lambda k: (plain[k], k))
             tried += [Candidate.of(1, plain_rows=True), Candidate.of(best, plain_rows=True)]
         order = _in_order(tried)
         ladder = tuple(sorted({1, *chance}))
         if order == (SERIAL,):
-            return _Trials(order, {SERIAL: []}, {}, ladder, locked=SERIAL, widened=(),
-                           ruled_out=ruled_out(predicted, margin), predicted=predicted)
+            return _Trials.serial_only(ruled_out(predicted, margin), ladder, predicted)
         return _Trials(order, {c: [] for c in order}, dict.fromkeys(order, self.trials),
                        ladder, active=order, predicted=predicted)
 

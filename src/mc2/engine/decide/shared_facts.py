@@ -15,10 +15,12 @@ that rank's problem before comparing anything.
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field, fields
+from typing import Any
 
 
-def _says(text: str) -> dict[str, str]:
-    return {"says": text}
+def _fact(says: str) -> Any:
+    """A shared value (0 where unused), and what an error calls it."""
+    return field(default=0, metadata={"says": says})
 
 
 @dataclass(frozen=True)
@@ -26,27 +28,27 @@ class SharedFacts:
     """One call's shared values; see the module docstring. The field's ``says`` metadata is
     what an error calls it."""
 
-    micro_batches: int = field(default=0, metadata=_says("micro_batches (0 means 'auto')"))
-    largest_k: int = field(default=0, metadata=_says("the largest K (the planner's candidates)"))
-    hidden: int = field(default=0, metadata=_says("hidden size"))
-    ffn: int = field(default=0, metadata=_says("ffn size"))
-    local_experts: int = field(default=0, metadata=_says("local experts"))
-    dtype: int = field(default=0, metadata=_says("dtype"))
-    overlap: int = field(default=0, metadata=_says("overlap"))
-    needs_grad: int = field(default=0, metadata=_says("gradient mode"))
-    hierarchy: int = field(default=0, metadata=_says("hierarchy"))
-    wire_dispatch: int = field(default=0, metadata=_says("wire_dtype (dispatch)"))
-    wire_combine: int = field(default=0, metadata=_says("wire_dtype (combine)"))
-    planner_calls: int = field(default=0, metadata=_says(
-        "the planner's calls on this group (a fresh planner on some ranks only)"))
-    exchange_measured: int = field(default=0, metadata=_says(
-        "the 2-D exchange's measurements on this group"))
-    dedup: int = field(default=0, metadata=_says("dedup"))
-    capacity: int = field(default=0, metadata=_says("capacity"))
-    overflow: int = field(default=0, metadata=_says("overflow"))
-    gemm: int = field(default=0, metadata=_says("gemm"))
-    timeout_ms: int = field(default=0, metadata=_says("timeout (ms)"))
-    check_finite: int = field(default=0, metadata=_says("check_finite"))
+    micro_batches: int = _fact("micro_batches (0 means 'auto')")
+    largest_k: int = _fact("the largest K (the planner's candidates)")
+    hidden: int = _fact("hidden size")
+    ffn: int = _fact("ffn size")
+    local_experts: int = _fact("local experts")
+    dtype: int = _fact("dtype")
+    overlap: int = _fact("overlap")
+    needs_grad: int = _fact("gradient mode")
+    hierarchy: int = _fact("hierarchy")
+    wire_dispatch: int = _fact("wire_dtype (dispatch)")
+    wire_combine: int = _fact("wire_dtype (combine)")
+    planner_calls: int = _fact(
+        "the planner's calls on this group (a fresh planner on some ranks only)")
+    exchange_measured: int = _fact(
+        "the 2-D exchange's measurements on this group")
+    dedup: int = _fact("dedup")
+    capacity: int = _fact("capacity")
+    overflow: int = _fact("overflow")
+    gemm: int = _fact("gemm")
+    timeout_ms: int = _fact("timeout (ms)")
+    check_finite: int = _fact("check_finite")
 
     @classmethod
     def unknown(cls) -> "SharedFacts":

@@ -49,7 +49,7 @@ class Candidate:
 
     @staticmethod
     def of(k: int, plain_rows: bool = False) -> "Candidate":
-        return Candidate(plain_rows, k)
+        return Candidate(plain_rows=plain_rows, k=k)
 
     @property
     def name(self) -> str:
@@ -115,7 +115,7 @@ def untried_neighbours(ladder: Sequence[int], tried: Sequence[Candidate], best: 
     if best.k not in ladder:
         return []
     i = list(ladder).index(best.k)
-    near = [Candidate(best.plain_rows, ladder[j]) for j in (i - 1, i + 1)
+    near = [Candidate.of(ladder[j], plain_rows=best.plain_rows) for j in (i - 1, i + 1)
             if 0 <= j < len(ladder)]
     return [c for c in near if c not in tried]
 

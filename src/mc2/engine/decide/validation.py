@@ -272,13 +272,14 @@ def agree(
     calls' error counts); every value is read back by its name.
     """
     if problem is None:
+        alike = {"device type": _DEVICE_CODES.get(x.device.type, 9), **shared.described()}
         facts = {"failed": 0, "tokens": x.numel() // x.shape[-1], "topk": expert_ids.shape[-1],
-                 "device type": _DEVICE_CODES.get(x.device.type, 9), **shared.described()}
+                 **alike}
         checks = _data_checks(x, expert_ids, routing_weights, check_finite)
         device = x.device
     else:
-        facts = {"failed": 1, "tokens": 0, "topk": 0, "device type": 0,
-                 **SharedFacts.unknown().described()}
+        alike = {"device type": 0, **SharedFacts.unknown().described()}
+        facts = {"failed": 1, "tokens": 0, "topk": 0, **alike}
         device = x.device if isinstance(x, Tensor) else torch.device("cpu")
         checks = torch.full((3,), _ABSENT, dtype=torch.int64, device=device)
     # always present, so ranks that disagree on dedup still reduce tensors of one size
@@ -294,7 +295,7 @@ def agree(
     if reduced.highest["failed"]:
         _raise_for(problem, group)
     raise_counted(group, *reduced.errors)
-    for name in list(facts)[3:]:
+    for name in alike:  # what every rank must pass alike (the rest is maxima)
         hi, lo = reduced.highest[name], reduced.lowest[name]
         if hi != lo:
             raise ValueError(
