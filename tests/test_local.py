@@ -96,11 +96,11 @@ def test_the_backward_frees_each_micro_batch_as_it_goes(problem, monkeypatch) ->
     import gc
     import weakref
 
-    from mc2.engine.passes import run
+    from mc2.engine.compute import experts
 
     used: list[weakref.ref] = []
     alive_at_each: list[int] = []
-    original = run.swiglu_backward_input
+    original = experts.swiglu_backward_input
 
     def watching(rows, activations, *args, **kwargs):
         gc.collect()
@@ -108,7 +108,7 @@ def test_the_backward_frees_each_micro_batch_as_it_goes(problem, monkeypatch) ->
         used.append(weakref.ref(activations.gate_up))
         return original(rows, activations, *args, **kwargs)
 
-    monkeypatch.setattr(run, "swiglu_backward_input", watching)
+    monkeypatch.setattr(experts, "swiglu_backward_input", watching)
     x = problem.xs[0].clone().requires_grad_(True)
     ws = [w.clone().requires_grad_(True) for w in problem.local_weights(0)]
     out = mc2.fused_expert(x, *ws, problem.ids[0], problem.rws[0], micro_batches=4)

@@ -475,7 +475,7 @@ def capacity_overflow(rank: int, world: int, problem: Problem, capacity: int) ->
     torch._assert_async = lambda *a, **k: (asserts.append(a), real_assert(*a, **k))[1]
     args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
     out: dict[str, Any] = {}
-    import mc2.engine.passes.capacity as capacity_pass
+    import mc2.engine.passes.travel.slabs as capacity_pass
 
     out["raised_at_once"] = _raised(lambda: mc2.fused_expert(*args, micro_batches=1,
                                                              capacity=capacity))  # on a CPU

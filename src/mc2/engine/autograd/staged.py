@@ -49,8 +49,8 @@ from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.run import (
-    CallInputs, ForwardState, advance, backward_stages, combine_grads, forward_stages,
-    state_of, weighted_sum
+    CallInputs, ForwardState, advance, backward_stages, forward_stages, scale_grad, state_of,
+    weighted_sum
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
 
@@ -171,11 +171,11 @@ class _End(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
-        grad_weights, grad_scale = combine_grads(state.state, grad_out, state.needs)
+        grad_scale = scale_grad(state.state, grad_out, state.needs)
         state.backward = backward_stages(grad_out, state.inputs, state.state, state.needs)
         state.state = None
         state.step_backward()
-        return _token(grad_out), grad_weights, grad_scale, None
+        return _token(grad_out), None, grad_scale, None  # combine's: _Begin's
 
 
 class StagedCall:

@@ -139,6 +139,44 @@ class ExpertWeights:
         x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
         forward_and_backward(x, [rows], self, strategy=strategy)
 
+    # ---- the experts stage: the same methods as ModuleExperts', so a pass never asks which
+    #: a hand-written backward over sorted rows (capacity slabs may run it grouped)
+    has_grouped_backward = True
+
+    def run(self, rows: Tensor, counts: list[int], offsets: Tensor | None, *, keep: bool,
+            needs: tuple[bool, ...], strategy: str, workspace: Workspace | None
+            ) -> tuple[Tensor, "ExpertActivations | None"]:
+        """The experts on expert-grouped ``rows`` (:func:`swiglu_forward`); ``needs`` is
+        unused: the weights' gradients are chosen in :meth:`gradients`."""
+        return swiglu_forward(rows, counts, self, strategy=strategy, keep_activations=keep,
+                              workspace=workspace, offsets=offsets)
+
+    def backward(self, saved: "ExpertActivations", grad_rows: Tensor, counts: list[int],
+                 offsets: Tensor | None, grads: "WeightGrads", *, strategy: str,
+                 workspace: Workspace | None) -> tuple[Tensor, "WeightGradInputs | None"]:
+        """The rows' gradient, and the weight gradients' operands for ``grads.add`` later
+        (the pass adds them while the rows' gradient travels)."""
+        return swiglu_backward_input(grad_rows, saved, counts, self, strategy=strategy,
+                                     workspace=workspace, offsets=offsets)
+
+    def gradients(self, needs: tuple[bool, ...], workspace: Workspace | None) -> "WeightGrads":
+        return WeightGrads(self, needs, workspace)
+
+    def dense(self, rows: Tensor, table: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        """``sum_e table[:, e] * expert_e(rows)`` over this rank's experts, every row through
+        every expert (``params``: these weights' tensors, or leaves standing for them): no
+        per-expert count is needed, so nothing is read to the host."""
+        w = ExpertWeights.in_order(params)
+        many = rows.unsqueeze(0).expand(table.shape[1], *rows.shape)
+        if w.packed:
+            gate_up = torch.bmm(many, w.gate_up.transpose(1, 2))
+            gate, up = gate_up[..., :w.ffn], gate_up[..., w.ffn:]
+            down = w.down.transpose(1, 2)
+        else:
+            gate, up, down = torch.bmm(many, w.gate), torch.bmm(many, w.up), w.down
+        y = torch.bmm(torch.nn.functional.silu(gate) * up, down)  # [L, R, H]
+        return (y * table.t().unsqueeze(-1)).sum(0)
+
 
 def _ranges(counts: list[int]) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` for every expert with at least one row."""

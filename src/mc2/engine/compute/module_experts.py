@@ -162,12 +162,17 @@ class ModuleExperts:
         """Rows per local expert where all ``rows`` go to ``expert``."""
         return [rows if e == expert else 0 for e in range(self.local_experts)]
 
-    def run(self, rows: Tensor, offsets: Tensor, *, keep: bool, needs: tuple[bool, ...],
-            counts: list[int]) -> tuple[Tensor, ModuleActivations | None]:
-        """The module on expert-grouped ``rows`` (``offsets``: each local expert's running end,
-        on the device; ``counts``: the same on the host, as rows per expert); with ``keep``,
-        what :meth:`backward` needs. No row: the module is not called (some experts kernels
-        refuse empty inputs), and nothing is kept."""
+    #: no hand-written backward: capacity slabs run every row through every expert
+    has_grouped_backward = False
+
+    def run(self, rows: Tensor, counts: list[int], offsets: Tensor, *, keep: bool,
+            needs: tuple[bool, ...], strategy: str = "loop", workspace: Any = None
+            ) -> tuple[Tensor, ModuleActivations | None]:
+        """The module on expert-grouped ``rows`` (``counts``: rows per local expert, on the
+        host; ``offsets``: their running ends, on the device); with ``keep``, what
+        :meth:`backward` needs. No row: the module is not called (some experts kernels refuse
+        empty inputs), and nothing is kept. ``strategy`` and ``workspace`` are mc2's SwiGLU's:
+        the module has its own."""
         if rows.shape[0] == 0:
             return rows.new_zeros(rows.shape), None
         ids = torch.searchsorted(offsets.to(torch.int64),
@@ -198,28 +203,45 @@ class ModuleExperts:
                              f"for rows {tuple(rows.shape)}; they must return one row per row")
         return out
 
-    def backward(self, saved: ModuleActivations | None, grad_out: Tensor, grads: "ModuleGrads"
-                 ) -> Tensor:
-        """The rows' gradient; the parameters' gradients added to ``grads``."""
+    def backward(self, saved: ModuleActivations | None, grad_rows: Tensor, counts: list[int],
+                 offsets: Tensor | None, grads: "ModuleGrads", *, strategy: str = "loop",
+                 workspace: Any = None) -> tuple[Tensor, None]:
+        """The rows' gradient; the parameters' gradients added to ``grads`` at once (one
+        autograd call gives both), so nothing is left for later (``None``)."""
         if saved is None:  # no row reached this rank's experts
-            return torch.zeros_like(grad_out)
+            return torch.zeros_like(grad_rows), None
         wanted = [saved.rows] + [leaf for leaf in saved.leaves if leaf.requires_grad]
         if not saved.out.requires_grad:  # nothing in the module depends on a leaf
-            return torch.zeros_like(saved.rows)
-        found = torch.autograd.grad(saved.out, wanted, grad_out, allow_unused=True)
+            return torch.zeros_like(saved.rows), None
+        found = torch.autograd.grad(saved.out, wanted, grad_rows, allow_unused=True)
         grads.add([g for g, leaf in zip(found[1:], wanted[1:])],
                   [i for i, leaf in enumerate(saved.leaves) if leaf.requires_grad])
-        return found[0] if found[0] is not None else torch.zeros_like(saved.rows)
+        return (found[0] if found[0] is not None else torch.zeros_like(saved.rows)), None
+
+    def gradients(self, needs: tuple[bool, ...], workspace: Any = None) -> "ModuleGrads":
+        return ModuleGrads(self.params, needs)
+
+    def dense(self, rows: Tensor, table: Tensor, params: tuple[Tensor, ...]) -> Tensor:
+        """``sum_e table[:, e] * expert_e(rows)``, every row through every local expert with
+        ``params`` in the module's place (capacity slabs: no count reaches the host)."""
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        out = torch.zeros_like(rows)
+        for e in range(table.shape[1]):
+            ids = torch.full((rows.shape[0], 1), e, dtype=torch.int64, device=rows.device)
+            out = out + table[:, e:e + 1] * self._call(rows, ids, ones, params,
+                                                       self.only(e, rows.shape[0]))
+        return out
 
     def step(self, rows: int, strategy: str) -> None:
         """A forward and backward of ``rows`` random rows through the first expert (the
         planner's calibration)."""
         x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
         offsets = torch.full((self.local_experts,), rows, dtype=torch.int64, device=self.device)
-        out, saved = self.run(x, offsets, keep=True, needs=(True,) * len(self.params),
-                              counts=self.only(0, rows))
+        out, saved = self.run(x, self.only(0, rows), offsets, keep=True,
+                              needs=(True,) * len(self.params))
         assert saved is not None
-        self.backward(saved, torch.ones_like(out), ModuleGrads(self.params, (True,) * len(self.params)))
+        self.backward(saved, torch.ones_like(out), self.only(0, rows), offsets,
+                      self.gradients((True,) * len(self.params)))
 
 
 def _same(t: Tensor) -> Tensor:

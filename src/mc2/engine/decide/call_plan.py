@@ -38,7 +38,7 @@ from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_sta
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device import streams
 from mc2.device.clock import Interval
-from mc2.engine.decide.capacity import fingerprint_of, grouped_path, plan_routes
+from mc2.engine.decide.capacity import fingerprint_of, sorts_slabs, plan_routes
 from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
@@ -79,8 +79,11 @@ class CallPlan:
         module: the routed experts as a module stage
             (:mod:`~mc2.engine.compute.module_experts`), or ``None``: mc2's SwiGLU on the
             call's weight tensors.
-        capacity: a capacity call (``MC2Config(capacity=N)``, :mod:`mc2.engine.decide.capacity`):
-            ``handle`` holds fixed-size slabs, and nothing was read to the host.
+        travel: how rows travel (:mod:`mc2.engine.passes.travel`): ``"pairs"`` (one row per
+            (token, expert)), ``"once"`` (once per destination: ``handle``'s routes carry slot
+            tables, :mod:`mc2.engine.decide.dedup`) or ``"slabs"`` (a capacity call,
+            :mod:`mc2.engine.decide.capacity`: ``handle`` holds fixed-size slabs, and nothing
+            was read to the host). Chosen here, when the call is planned, and nowhere else.
     """
 
     handle: DispatchHandle
@@ -94,7 +97,7 @@ class CallPlan:
     wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
     timeout: float | None = None
     module: ModuleExperts | None = None
-    capacity: bool = False  # handle is a CapacityHandle (mc2.engine.decide.capacity)
+    travel: str = "pairs"
 
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
@@ -365,7 +368,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     slabs = _SlabSizes(config.capacity, ids2d.shape[-1], config.capacity * group_size(group))
     k, on_pass_done, _ = _choose_k(
         config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
-        group, "grouped" if grouped_path(weights) else "loop", needs_grad, (NONE, NONE),
+        group, "grouped" if sorts_slabs(weights) else "loop", needs_grad, (NONE, NONE),
         timeline, watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
@@ -376,7 +379,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,
-                    capacity=True, on_pass_done=on_pass_done)
+                    travel="slabs", on_pass_done=on_pass_done)
     return call, weights, combine
 
 
@@ -459,5 +462,6 @@ def plan_call(
         _count(traffic, handle, wire[0].bytes_per_row(x.shape[-1], x.dtype))
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
-                    on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module)
+                    on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module,
+                    travel="once" if hit is not None else "pairs")
     return call, weights, combine

@@ -13,7 +13,7 @@ in a CUDA graph. Here every size is fixed by the configuration and the shapes:
   count, packed into the same bytes: a small batch is one dispatch and one combine, two
   collectives, and nothing else;
 - the receiving rank computes every local expert on every received row and weights them with
-  the table (:mod:`mc2.engine.passes.capacity`): no per-expert count is needed on the host, at
+  the table (:mod:`mc2.engine.passes.travel.slabs`): no per-expert count is needed on the host, at
   the price of ``local_experts / topk`` times the expert work of the rows that need it, which
   for the small batches this mode is for is cheaper than a host read.
 
@@ -57,11 +57,11 @@ def dropped_rows(device: torch.device | str = "cpu") -> Tensor:
     return _DROPPED.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
 
 
-def grouped_path(experts: ExpertWeights | ModuleExperts) -> bool:
-    """Whether a capacity call runs its experts as sorted pairs with ``grouped_mm`` (mc2's
-    SwiGLU where a grouped kernel serves the dtype without reading its offsets back) rather
-    than every row through every expert."""
-    return isinstance(experts, ExpertWeights) and \
+def sorts_slabs(experts: ExpertWeights | ModuleExperts) -> bool:
+    """Whether a capacity call runs its experts as sorted pairs with ``grouped_mm`` (experts
+    with a hand-written grouped backward, mc2's SwiGLU, where a grouped kernel serves the
+    dtype without reading its offsets back) rather than every row through every expert."""
+    return experts.has_grouped_backward and \
         grouped_problem(experts.dtype, experts.device) is None
 
 

@@ -18,16 +18,10 @@ functions one after another, serialising the backward's communication. Owning th
 lets it be pipelined like the forward (the output gradients travel the dispatch routes, the
 input gradients come back the combine routes, micro-batch by micro-batch).
 
-Row moves per routed row and pass (counted, each one needed):
-
-* forward: gather into the send buffer (1), dispatch, reorder to expert order (2), back to
-  receive order (3), combine, scatter into the per-(token, slot) outputs (4); the weighted top-k
-  sum reads those once;
-* backward: gather the scaled output gradient (1), reorder (2), back (3), scatter-add into the
-  input gradient (4).
-
-Moves 2 and 3 are skipped where arrival order already is expert order (one local expert, or one
-rank). Every buffer comes from the call's :class:`~mc2.engine.transport.workspace.Workspace`.
+The body asks no question of the variant it runs: how rows travel (one row per pair, once per
+destination, fixed slabs) is the plan's strategy (:mod:`mc2.engine.passes.travel`), how experts
+compute (mc2's SwiGLU, a framework's module) the weights' (``run``/``backward``/``gradients``).
+The shared experts are the body's own: they run under the first dispatch in either pass.
 """
 
 from __future__ import annotations
@@ -41,17 +35,14 @@ from torch import Tensor
 from mc2.device.clock import Interval, clock_for
 from mc2.device import streams
 from mc2.engine.compute.experts import (
-    ExpertActivations, ExpertWeights, WeightGradInputs, WeightGrads, swiglu_backward_input, swiglu_forward
+    ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
 )
-from mc2.engine.compute.module_experts import ModuleExperts, ModuleGrads
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan
-from mc2.engine.decide.routing import MicroBatchRoute
-from mc2.engine.passes.capacity import capacity_backward_stages, capacity_forward_stages
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
+from mc2.engine.passes.travel import TRAVELS
 from mc2.engine.transport.deadline import deadline
-from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
-from mc2.engine.transport.workspace import Workspace
 from mc2.observation.timeline import maybe_span
 
 T = TypeVar("T")
@@ -154,41 +145,6 @@ class ForwardState:
                             shared_out, pair_out)
 
 
-def _expert_rows(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
-    """The received rows in expert order: reordered, or (once per destination) expanded."""
-    if route.slots is not None:
-        return _gather(ws, received, route.slots.rows)
-    return _to_expert_order(ws, route, received)
-
-
-def _rows_back(ws: Workspace, route: MicroBatchRoute, rows: Tensor, weighted: bool) -> Tensor:
-    """Expert-order rows as they go back: in receive order, or (once per destination) summed
-    per received row, times each pair's weight where ``weighted``."""
-    slots = route.slots
-    if slots is None:
-        return _to_receive_order(ws, route, rows)
-    return sum_rows(rows, slots.rows, slots.received, scale=slots.weights if weighted else None)
-
-
-def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
-    if route.expert_gather is None:
-        return received
-    out = ws.empty(tuple(received.shape), received.dtype, received.device)
-    return torch.index_select(received, 0, route.expert_gather, out=out)
-
-
-def _to_receive_order(ws: Workspace, route: MicroBatchRoute, rows: Tensor) -> Tensor:
-    if route.expert_gather is None:
-        return rows
-    out = ws.empty(tuple(rows.shape), rows.dtype, rows.device)
-    return out.index_copy_(0, route.expert_gather, rows)
-
-
-def _gather(ws: Workspace, source: Tensor, index: Tensor) -> Tensor:
-    out = ws.empty((index.shape[0], source.shape[-1]), source.dtype, source.device)
-    return torch.index_select(source, 0, index, out=out)
-
-
 def advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
     """Run a pass's stages to the next stop: ``(its name, None)``, or ``(None, the pass's
     result)`` at the end."""
@@ -209,56 +165,24 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
                    shared: ExpertWeights | None, call: CallPlan,
                    needs: CallInputs[bool]) -> Generator[str, None, PassOutput]:
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
-    first dispatch), stopping before each wait; returns what the pass produced. ``needs``:
-    which inputs need a gradient (a module stage records only the experts' that do; a
-    capacity call keeps its experts' outputs where the combine weights do)."""
-    if call.capacity:  # rows in fixed slabs: their own steps
-        return (yield from capacity_forward_stages(x, weights, shared, call, needs))
-    ws, routes = call.workspace, call.handle.micro_batches
-    tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, x.shape[-1]
-    once = call.handle.once_per_destination
-    result = PassOutput(None if once else ws.empty((tokens * topk, hidden), x.dtype, x.device),
-                        [None] * len(routes))
-    if once:
-        result.summed = torch.zeros((tokens, hidden), dtype=accumulation_dtype(x.dtype),
-                                    device=x.device)
-        result.pair_out = [None] * len(routes)
+    first dispatch), stopping before each wait; returns what the pass produced. How rows
+    travel is the plan's (:data:`~mc2.engine.passes.travel.TRAVELS`), how experts compute
+    ``weights``'. ``needs``: which inputs need a gradient (a module stage records only the
+    experts' that do; the experts' side keeps its outputs where the combine weights do)."""
+    result = PassOutput(None, [None] * call.handle.num_micro_batches)
+    rows = TRAVELS[call.travel].forward(x, weights, call, needs, result)
 
     def shared_experts() -> None:
         assert shared is not None
         result.shared_out, result.shared_activations = swiglu_forward(
-            x, [tokens], shared, strategy=call.strategy, keep_activations=call.keep_activations,
-            workspace=ws)
-
-    def compute(i: int, received: Tensor) -> Tensor:
-        route = routes[i]
-        rows = _expert_rows(ws, route, received)
-        if isinstance(weights, ModuleExperts):
-            y, result.activations[i] = weights.run(rows, route.expert_offsets,
-                                                   keep=call.keep_activations,
-                                                   needs=tuple(needs.experts),
-                                                   counts=route.expert_counts)
-        else:
-            y, result.activations[i] = swiglu_forward(
-                rows, route.expert_counts, weights, strategy=call.strategy,
-                keep_activations=call.keep_activations, workspace=ws,
-                offsets=route.expert_offsets)
-        if result.pair_out is not None and call.keep_activations:
-            result.pair_out[i] = y.detach()
-        return _rows_back(ws, route, y, weighted=True)
-
-    def scatter(i: int, rows: Tensor) -> None:
-        if result.summed is not None:
-            result.summed.index_add_(0, routes[i].token_index, rows.to(result.summed.dtype))
-        else:
-            result.expert_out.index_copy_(0, routes[i].pair_order, rows)
+            x, [call.handle.num_tokens], shared, strategy=call.strategy,
+            keep_activations=call.keep_activations, workspace=call.workspace)
 
     yield from pass_stages(call, PipelineSteps(
-        gather=lambda i: _gather(ws, x, routes[i].token_index),
-        compute=compute,
-        scatter=scatter,
+        gather=rows.gather, compute=rows.compute, scatter=rows.scatter,
         local=shared_experts if shared is not None else None,
     ), "forward", x.device)
+    rows.finish()
     return result
 
 
@@ -294,63 +218,13 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
 
     Returns:
         ``(grad_x [T, H], routed expert grads in the layout's order, shared grads (up, gate,
-        down), the combine weights' ``[T, topk]`` gradient)``; the last is computed here only
-        where rows travel once per destination (else ``None``: :func:`combine_grads`).
+        down), the combine weights' ``[T, topk]`` gradient or ``None`` where not needed)``.
     """
     call = state.call
-    if call.capacity:  # rows in fixed slabs: their own steps
-        return (yield from capacity_backward_stages(grad_out, inputs, state, needs))
-    ws, routes = call.workspace, call.handle.micro_batches
-    tokens, hidden = call.handle.num_tokens, grad_out.shape[-1]
-    weights, shared = inputs.routed_weights(call), inputs.shared_weights()
-    flat_x = inputs.x.reshape(-1, hidden)
-    flat_weights = inputs.combine.reshape(-1)
-    grad_x = ws.empty((tokens, hidden), grad_out.dtype, grad_out.device).zero_()
-    grads = ModuleGrads(weights.params, tuple(needs.experts)) \
-        if isinstance(weights, ModuleExperts) \
-        else WeightGrads(weights, tuple(needs.experts), ws)
+    ws, tokens, hidden = call.workspace, call.handle.num_tokens, grad_out.shape[-1]
+    rows = TRAVELS[call.travel].backward(grad_out, inputs, state, needs)
+    shared = inputs.shared_weights()
     shared_grads = WeightGrads(shared, needs.shared_needs, ws) if shared is not None else None
-    pending: list[WeightGradInputs | None] = [None] * len(routes)
-    once = call.handle.once_per_destination
-    weight_tables: list[Tensor] = []  # once per destination: [r_i, topk] weights' gradients
-
-    def gather(i: int) -> Tensor:
-        route = routes[i]
-        rows = _gather(ws, grad_out, route.token_index)
-        if once:  # each destination scales by its own slots' weights
-            return rows
-        return rows.mul_(flat_weights.index_select(0, route.pair_order).unsqueeze(1))
-
-    def weighted(i: int, received: Tensor) -> Tensor:
-        """Once per destination: the output gradient of each pair, its weight's gradient
-        filed in the micro-batch's slot table."""
-        slots = routes[i].slots
-        rows = _gather(ws, received, slots.rows)
-        if needs.combine:
-            acc = accumulation_dtype(rows.dtype)
-            table = torch.zeros(slots.received * call.handle.topk, dtype=acc, device=rows.device)
-            y = state.pair_out[i]
-            table.index_copy_(0, slots.slots, (y.to(acc) * rows.to(acc)).sum(-1))
-            weight_tables.append(table.view(slots.received, call.handle.topk))
-            state.pair_out[i] = None
-        return rows.mul_(slots.weights.unsqueeze(1))
-
-    def compute(i: int, received: Tensor) -> Tensor:
-        route = routes[i]
-        rows = weighted(i, received) if once else _to_expert_order(ws, route, received)
-        if isinstance(grads, ModuleGrads):  # inputs and parameters in one call
-            grad_in = weights.backward(state.activations[i], rows, grads)
-        else:
-            grad_in, pending[i] = swiglu_backward_input(
-                rows, state.activations[i], route.expert_counts, weights,
-                strategy=call.strategy, workspace=ws, offsets=route.expert_offsets)
-        state.activations[i] = None  # free as we go
-        return _rows_back(ws, route, grad_in, weighted=False)
-
-    def weight_grads(i: int) -> None:
-        if pending[i] is not None:
-            grads.add(pending[i], strategy=call.strategy)
-            pending[i] = None
 
     def shared_experts() -> None:
         if state.shared_gate_up is None or shared_grads is None:
@@ -360,43 +234,30 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
             grad_y = torch.mul(grad_out, inputs.shared_scale,
                                out=ws.empty((tokens, hidden), grad_out.dtype, grad_out.device))
         grad_in, work = swiglu_backward_input(
-            grad_y, ExpertActivations(flat_x, state.shared_gate_up), [tokens], shared,
-            strategy=call.strategy, workspace=ws)
+            grad_y, ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up),
+            [tokens], shared, strategy=call.strategy, workspace=ws)
         state.shared_gate_up = None
-        grad_x.add_(grad_in)
+        rows.grad_x.add_(grad_in)
         shared_grads.add(work, strategy=call.strategy)
 
     yield from pass_stages(call, PipelineSteps(
-        gather=gather,
-        compute=compute,
-        scatter=lambda i, rows: grad_x.index_add_(0, routes[i].token_index, rows),
-        deferred=weight_grads,
+        gather=rows.gather, compute=rows.compute, scatter=rows.scatter, deferred=rows.deferred,
         local=shared_experts if shared is not None else None,
     ), "backward", grad_out.device)
+    grad_x, expert_grads, grad_combine = rows.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
-    grad_combine = None
-    if once and needs.combine:
-        with maybe_span(call.timeline, "comm", "weight_grads", "backward"):
-            grad_combine = call.handle.weight_grads.send_back(weight_tables, grad_out.dtype)
-    return grad_x, grads.finish(), shared_out, grad_combine
+    return grad_x, expert_grads, shared_out, grad_combine
 
 
-def combine_grads(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]
-                  ) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients of the weighted sum's two local inputs, from ``grad_out [T, H]``: the
-    combine weights ``[T, topk]`` (each slot's expert output dotted with it) and the shared
-    experts' scale ``[T, 1]`` (the shared output dotted with it); ``None`` where not wanted."""
-    handle = state.call.handle
-    tokens, topk, hidden = handle.num_tokens, handle.topk, grad_out.shape[-1]
-    grad_weights = grad_scale = None
-    computed_by_backward = state.call.capacity or handle.once_per_destination
-    if needs.combine and not computed_by_backward:
-        grad_weights = torch.bmm(state.expert_out.view(tokens, topk, hidden),
-                                 grad_out.view(tokens, hidden, 1)).view(tokens, topk)
-    if needs.shared_scale:
-        grad_scale = torch.bmm(grad_out.view(tokens, 1, hidden),
-                               state.shared_out.view(tokens, hidden, 1)).view(tokens, 1)
-    return grad_weights, grad_scale
+def scale_grad(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]) -> Tensor | None:
+    """The shared experts' scale's ``[T, 1]`` gradient (the shared output dotted with
+    ``grad_out [T, H]``), or ``None`` where not wanted. (The combine weights' gradient comes
+    from the backward pass: where rows travel decides where it is computed.)"""
+    if not needs.shared_scale:
+        return None
+    tokens, hidden = state.call.handle.num_tokens, grad_out.shape[-1]
+    return torch.bmm(grad_out.view(tokens, 1, hidden),
+                     state.shared_out.view(tokens, hidden, 1)).view(tokens, 1)
 
 
 def state_of(output: PassOutput, call: CallPlan, shape: torch.Size, needs: CallInputs[bool]
@@ -447,10 +308,9 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
     with deadline(call.timeout), torch.autocast(grad_out.device.type, enabled=False):
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
-        grad_combine, grad_scale = combine_grads(state, grad_out, needs)
-        grad_x, expert_grads, (s_up, s_gate, s_down), returned = finished(
+        grad_scale = scale_grad(state, grad_out, needs)
+        grad_x, expert_grads, (s_up, s_gate, s_down), grad_combine = finished(
             backward_stages(grad_out, inputs, state, needs))
-        grad_combine = returned if returned is not None else grad_combine
         call.workspace.tick()
         done()
     return CallInputs(grad_x.view(state.x_shape), grad_combine, s_up, s_gate, s_down,

@@ -1,7 +1,7 @@
 """Rows summed per index, as the reductions of rows sent once per destination need them.
 
 Three places add rows into fewer rows: a rank sums its experts' outputs per received row
-(:mod:`mc2.engine.passes.run`, :mod:`mc2.engine.passes.capacity`), and the 2-D exchange's
+(:mod:`mc2.engine.passes.run`, :mod:`mc2.engine.passes.travel`), and the 2-D exchange's
 forwarding rank sums the rows its node sends back per stage-1 row
 (:mod:`mc2.engine.transport.hierarchy`). All sum 16-bit rows in float32, as a GEMM accumulates,
 and round once at the end.
