@@ -27,7 +27,9 @@ from mc2.observation.profiler import active_timeline
 from mc2.observation.timeline import Timeline, maybe_span
 from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import LOCAL, CommStyle
-from mc2.engine.transport.comm import exchange_counts, gather_counts, group_key, group_size, style_of
+from mc2.engine.transport.comm import (
+    carries_host_memory, exchange_counts, gather_counts, group_key, group_size, style_of
+)
 from mc2.engine.decide.config import GEMMS, MC2Config
 from mc2.engine.transport.deadline import timeout_code
 from mc2.engine.transport.env import warn_sync_fallback
@@ -332,32 +334,39 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     """A capacity call's plan: no counts, and in the steady state no handshake and nothing
     read to the host.
 
-    The first call of each configuration and shape on a group runs the normal handshake
-    (:func:`~mc2.engine.decide.validation.agree`: one upload, one read), so ranks whose
-    capacity, overflow, dtype, K or any other shared value differ raise ``ValueError`` on every
-    rank instead of exchanging slabs of different sizes (which Gloo answers by terminating the
-    process, and NCCL with undefined data). It is also where bad input raises on every rank.
-    Capture a capacity call in a CUDA graph only after such a first call (warm-up calls are
-    needed for a capture anyway). Later calls of an agreed configuration are trusted: what this
-    rank then finds wrong with its own arguments raises here, on this rank, and its peers wait
-    in their first exchange until the call's deadline (:class:`mc2.CommTimeout`, naming the
-    exchange). What only the data shows (rows that do not fit, expert ids out of range) travels
-    with the rows, is counted on the device, and raises on every rank at the next handshake on
-    the group or ``mc2.check_overflow()`` (:mod:`mc2.engine.decide.overflow`).
+    Every call runs the handshake (:func:`~mc2.engine.decide.validation.agree`) in host memory
+    where the group has a host backend (Gloo, or a mixed ``"cpu:gloo,cuda:nccl"`` group): the
+    first call of each configuration and shape on a group with its data checks (one read, no
+    upload), later ones ("trusted") with the facts alone, reading nothing from a device. So
+    ranks whose capacity, overflow, dtype, K or any other shared value differ raise
+    ``ValueError`` on every rank, naming it, on the first call as after warm-up (a rank that
+    changes its capacity alone used to run a handshake while its peers waited in a slab
+    exchange, until the group's timeout), instead of exchanging slabs of different sizes
+    (which Gloo answers by terminating the process, and NCCL with undefined data). A group of
+    NCCL alone has no host memory to meet in: there the first call's handshake is on the
+    device, later calls are trusted without one, and a rank that then changes its
+    configuration or finds its input bad raises alone while its peers wait up to the call's
+    deadline (``docs/faults.md``). Capture a capacity call in a CUDA
+    graph only after such a first call (warm-up calls are needed for a capture anyway). What
+    only the data shows (rows that do not fit, expert ids out of range) travels with the rows,
+    is counted on the device, and raises on every rank at the next handshake on the group or
+    ``mc2.check_overflow()`` (:mod:`mc2.engine.decide.overflow`).
     """
     auto = config.micro_batches == "auto"
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, (NONE, NONE),
                           None, group, timeout)
     agreed = _AGREED_CAPACITY.setdefault(group_key(group), set())
-    if problem is not None and agreed:
+    steady = problem is None and facts.values() in agreed
+    on_host = carries_host_memory(group)
+    if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
-    if facts.values() not in agreed:
+    if on_host or not steady:
         with maybe_span(timeline, "comm", "handshake", "forward"):
             agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                   shared=facts, group=group,
                   total_experts=group_size(group) * (weights.local_experts if weights else 0),
-                  check_finite=config.check_finite)
+                  check_finite=config.check_finite, on_host=on_host, trusted=steady)
         agreed.add(facts.values())
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)

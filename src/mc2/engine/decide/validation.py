@@ -30,7 +30,7 @@ from mc2.engine.decide.config import HIERARCHIES
 from mc2.engine.decide.overflow import COUNTS, pending, raise_counted
 from mc2.engine.decide.shared_facts import SharedFacts
 from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
-from mc2.engine.transport.host import read, upload
+from mc2.engine.transport.host import host_vector, read, read_host_memory, upload
 
 DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
@@ -255,6 +255,8 @@ def agree(
     total_experts: int = 0,
     check_finite: bool = False,
     rows: Tensor | None = None,
+    on_host: bool = False,
+    trusted: bool = False,
 ) -> Agreement:
     """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
 
@@ -265,6 +267,13 @@ def agree(
         check_finite: also reject NaN or Inf in ``x`` and ``routing_weights``.
         rows: where rows travel once per destination, the number this rank sends (a device
             scalar; the group's largest is agreed in the same collective, for the planner).
+        on_host: reduce the vector in host memory (a group with a host backend): what the
+            device computed is read first, in one read, and nothing is uploaded. A capacity
+            call's handshake runs so, first or steady, so that the two always pair up.
+        trusted: a steady capacity call (its configuration agreed before, ``on_host``): the
+            facts only, no data check and no error count, so nothing at all is read from a
+            device; ranks whose configurations differ still raise here, on every rank
+            (:func:`~mc2.engine.decide.call_plan.plan_call`).
 
     The vector reduced is named slot by slot (:class:`_Slots`): this rank's facts and their
     negations (one maximum gives both ends), then what only the data shows, computed on the
@@ -275,8 +284,8 @@ def agree(
         alike = {"device type": _DEVICE_CODES.get(x.device.type, 9), **shared.described()}
         facts = {"failed": 0, "tokens": x.numel() // x.shape[-1], "topk": expert_ids.shape[-1],
                  **alike}
-        checks = _data_checks(x, expert_ids, routing_weights, check_finite)
         device = x.device
+        checks = None if trusted else _data_checks(x, expert_ids, routing_weights, check_finite)
     else:
         alike = {"device type": 0, **SharedFacts.unknown().described()}
         facts = {"failed": 1, "tokens": 0, "topk": 0, **alike}
@@ -286,12 +295,19 @@ def agree(
     sent = rows.reshape(1).to(torch.int64) if rows is not None and problem is None else \
         torch.full((1,), _ABSENT, dtype=torch.int64, device=device)
     # capacity calls' errors: the same elements on every rank
-    errors = pending(group, device) if problem is None else \
+    errors = pending(group, device) if problem is None and not trusted else \
         torch.zeros(COUNTS, dtype=torch.int64, device=device)
     slots = _Slots(list(facts))
-    local = upload(list(facts.values()) + [-v for v in facts.values()], device)
-    reduced = slots.read(read(all_reduce_max(torch.cat([local, checks, sent, errors]), group,
-                                             "handshake")))
+    head = list(facts.values()) + [-v for v in facts.values()]
+    if on_host:
+        tail = [_ABSENT] * (len(slots.data)) + [0] * COUNTS if trusted or problem is not None \
+            else read(torch.cat([checks, sent, errors]))
+        vector = all_reduce_max(host_vector(head + tail), group, "handshake")
+        reduced = slots.read(read_host_memory(vector))
+    else:
+        local = upload(head, device)
+        reduced = slots.read(read(all_reduce_max(torch.cat([local, checks, sent, errors]),
+                                                 group, "handshake")))
     if reduced.highest["failed"]:
         _raise_for(problem, group)
     raise_counted(group, *reduced.errors)

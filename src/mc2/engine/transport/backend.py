@@ -30,6 +30,8 @@ import torch.distributed as dist
 from mc2.engine.transport.env import flag, force_sync
 
 # backends whose collectives accept async_op=True and progress on their own threads/streams
+# backends whose collectives take CPU tensors: host integers meet there without a device read
+HOST_BACKENDS = {"gloo", "mpi"}
 ASYNC_BACKENDS = {"gloo", "nccl", "hccl", "mpi", "ucc", "xccl", "fake"}
 # backends whose work completes on a device stream: wait() is stream-ordered and non-blocking
 STREAM_BACKENDS = {"nccl", "hccl", "xccl"}

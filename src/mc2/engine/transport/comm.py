@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mc2.engine.transport.backend import LOCAL, CommStyle, comm_style
+from mc2.engine.transport.backend import HOST_BACKENDS, LOCAL, CommStyle, backend_for, comm_style
 from mc2.device.clock import clock_for
 from mc2.device import streams
 from mc2.engine.transport.deadline import (
@@ -89,6 +89,17 @@ def is_local(group: Any) -> bool:
     ``MC2_DEBUG_FORCE_COLLECTIVES`` asks for the distributed path anyway (a device check on a
     world of one)."""
     return group_size(group) == 1 and not (initialized() and force_collectives())
+
+
+def carries_host_memory(group: Any) -> bool:
+    """Whether ``group``'s collectives can take CPU tensors (a Gloo group, or a mixed
+    ``"cpu:gloo,cuda:nccl"`` one): there, host integers meet with no device read."""
+    if is_local(group):
+        return False
+    try:
+        return backend_for(group, "cpu") in HOST_BACKENDS
+    except (RuntimeError, ValueError):
+        return False
 
 
 def style_of(group: Any, device: torch.device) -> CommStyle:

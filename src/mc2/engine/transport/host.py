@@ -75,3 +75,11 @@ def read_host_memory(values: Tensor) -> list[Any]:
         raise ValueError(f"read_host_memory reads CPU tensors only, got one on {values.device}")
     with torch._C.DisableTorchFunction():
         return values.tolist()
+
+
+def host_vector(values: list[int]) -> Tensor:
+    """Host integers as a CPU tensor that stays in host memory (a collective over a host
+    backend carries it): no upload on any machine, so made outside any ``TorchFunctionMode``
+    for the host-sync counter's sake, as :func:`read_host_memory` reads."""
+    with torch._C.DisableTorchFunction():
+        return torch.tensor(values, dtype=torch.int64)
