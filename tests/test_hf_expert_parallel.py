@@ -118,3 +118,19 @@ def test_gradient_checkpointing_generate_and_save_pretrained(tmp_path) -> None:
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     for (name, p), (_, q) in zip(model.named_parameters(), saved.named_parameters()):
         assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_a_training_step_reads_the_host_no_more_than_fused_expert(tmp_path) -> None:
+    """One forward and backward of a tiny Mixtral (2 MoE layers) loaded with
+    ``ep_implementation="mc2"``: each layer's call reads the host at most twice (the
+    handshake and the counts: ``fused_expert``'s own; the module's experts stage reads
+    nothing), and the whole backward reads nothing."""
+    from mc2.tools.hf_tiny import tiny_model
+    from tests.workers_hf_ep import counted_step
+
+    tiny_model("mixtral").save_pretrained(tmp_path / "in")
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(5))
+    for r in mc2.run_local(counted_step, 2, args=(str(tmp_path / "in"), ids)):
+        assert r["ran"] == ["mc2"] and r["calls"] == r["layers"] >= 2, r
+        assert r["forward_reads"] <= 2, r["forward_read_ops"]
+        assert r["backward_reads"] == 0, r

@@ -49,3 +49,15 @@ def test_each_ep_group_equals_its_dense_reference(results, group: int) -> None:
         assert_ranks_match(got, problem, f"EP group {group} {options}")
     for rank in EP_GROUPS[group]:  # the node groups wait as long as their EP group
         assert results[rank][-1]["node_group_timeouts"] == (EP_TIMEOUT_S,) * 2, results[rank][-1]
+
+
+def test_a_groups_state_is_dropped_with_the_group() -> None:
+    """The engine's per-group state (:mod:`mc2.engine.transport.group_state`) is filled by the
+    calls on a group and goes when ``destroy_process_group`` drops it; the world's stays."""
+    from tests.workers_subgroups import state_goes_with_group
+
+    p = make_problem(2, "uniform", tokens=16, seed=2)
+    for r in mc2.run_local(state_goes_with_group, 2, args=(p,), deadline_s=120):
+        assert all(r["filled"].values()), r["filled"]
+        assert r["dropped"], "the destroyed group's state is still held"
+        assert r["world_kept"]

@@ -69,6 +69,12 @@ def test_equal_to_the_unsharded_block_in_one_process(world: int) -> None:
         assert r["errors"][worst] <= BF16, (rank, worst, r["errors"])
         assert any(k.endswith("w1_EFD") for k in r["errors"])
         assert any("router" in k for k in r["errors"])
+        # mc2's node ran its call, on the EP group (not TorchTitan's EP = 1 forward) ...
+        assert r["node"] == "MC2RoutedExperts" and r["group_size"] == world, r
+        assert r["calls"] == 1 and r["micro_batches"] == 2, r
+        # ... reading to the host no more than fused_expert's own: two in the forward, none
+        # in the whole backward
+        assert r["forward_reads"] <= 2 and r["backward_reads"] == 0, r
 
 
 def test_equal_under_full_activation_checkpointing() -> None:

@@ -374,16 +374,17 @@ def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: P
     """For each wire format in turn, ``hierarchy="auto"``: the row widths (bytes) it measured."""
     import os
 
-    import mc2.engine.transport.hierarchy
+    from mc2.engine.transport.group_state import group_state
 
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     seen = []
+    choices = group_state(None).two_stage
     for wire in wires:
-        mc2.engine.transport.hierarchy._CHOICES.clear()
+        choices.clear()
         mc2.fused_expert(problem.xs[rank], *problem.local_weights(rank), problem.ids[rank],
                          problem.rws[rank], micro_batches=2, hierarchy="auto", wire_dtype=wire,
                          wire_block=8)
-        seen.append(sorted({key[-1] for key in mc2.engine.transport.hierarchy._CHOICES}))
+        seen.append(sorted({key[-1] for key in choices}))
     return seen
 
 

@@ -144,7 +144,7 @@ def control_messages(rank: int, world: int) -> dict[str, Any]:
         by_sender.setdefault(sender, []).append(group)
     make = getattr(comm, "control_group", None)
     shared = None
-    if make is not None:  # a group made anew over the same ranks shares the control group
+    if make is not None:  # a group made anew over the same ranks: its own control group
         other = dist.new_group(list(range(world)))
         shared = make(other) is make(None)
     return {"by_sender": by_sender, "world": name_of(None), "results": results,

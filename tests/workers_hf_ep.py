@@ -39,3 +39,27 @@ def stack_step(rank: int, world: int, path: str, out: str, ids: torch.Tensor,
                   if hasattr(m, "mc2_expert_parallel")})
     return {"loss": loss.detach(), "grads": grads if rank == 0 else None,
             "generated": generated, "ran": ran}
+
+
+def counted_step(rank: int, world: int, path: str, ids: torch.Tensor) -> dict:
+    """One training step (forward, loss, backward) of a model loaded with
+    ``ep_implementation="mc2"``, ranks holding different batches: the host reads of each mc2
+    call and of the whole backward (:func:`tests.call_counting.counted_calls`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel as hf_ep
+    from tests.call_counting import counted_calls
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+    mine = ids.chunk(world)[rank]
+    model(mine, labels=mine).loss.backward()  # warm: groups made, planner settled
+    model.zero_grad()
+    with counted_calls(hf_ep) as seen:
+        model(mine, labels=mine).loss.backward()
+    ran = sorted({m.mc2_expert_parallel.last_choice for m in model.modules()
+                  if hasattr(m, "mc2_expert_parallel")})
+    return {**seen, "ran": ran, "layers": model.config.num_hidden_layers}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import zlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -194,45 +194,15 @@ def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return results
 
 
-@contextlib.contextmanager
-def _mc2_call_counted() -> Iterator[dict[str, Any]]:
+def _mc2_call_counted() -> Any:
     """Around an ``MC2MoELayer``'s forward and backward: the host reads of its
     ``fused_expert_module`` call (the experts stage included) in the forward, and of the whole
-    backward (``Tensor.backward``: the router's backward reads nothing); the K it ran and
-    whether its rows went once per destination (the timeline)."""
-    import mc2
+    backward (the router's backward reads nothing); the K it ran and whether its rows went
+    once per destination (:func:`tests.call_counting.counted_calls`)."""
     from mc2.integrations import megatron
-    from mc2.observation.host_syncs import HostSyncCounter
+    from tests.call_counting import counted_calls
 
-    seen: dict[str, Any] = {}
-    original = megatron.fused_expert_module
-    timeline = mc2.Timeline()
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with HostSyncCounter() as syncs:
-            out = original(*args, timeline=timeline, **kwargs)
-        seen["forward_reads"] = syncs.reads
-        seen["forward_read_ops"] = dict(syncs.by_op)
-        return out
-
-    backward = torch.Tensor.backward
-
-    def counted_backward(tensor: torch.Tensor, gradient: Any = None) -> None:
-        with HostSyncCounter() as syncs:
-            torch.autograd.backward(tensor, gradient)
-        seen["backward_reads"] = syncs.reads
-
-    megatron.fused_expert_module = counted
-    torch.Tensor.backward = counted_backward
-    try:  # Megatron's fused activations are torch.compile'd: eager under the counting mode,
-        # whose __torch_function__ dynamo's guards cannot evaluate
-        with torch._dynamo.config.patch(disable=True):
-            yield seen
-    finally:
-        megatron.fused_expert_module = original
-        torch.Tensor.backward = backward
-    seen["micro_batches"] = 1 + max((s.micro_batch for s in timeline.spans), default=0)
-    seen["rows_once"] = any(s.name == "slots" for s in timeline.spans)
+    return counted_calls(megatron)
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:

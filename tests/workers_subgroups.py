@@ -7,6 +7,7 @@ from typing import Any
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from tests.problems import Problem
@@ -37,3 +38,30 @@ def cases_in_ep_groups(rank: int, world: int, local_world: int, ep_groups: list[
 
     intra, inter = topology_for(group).subgroups(group)  # made by the 2-D cases already
     return results + [{"node_group_timeouts": (group_timeout(intra), group_timeout(inter))}]
+
+
+def state_goes_with_group(rank: int, world: int, problem: Any) -> dict:
+    """Calls on a subgroup fill its state (planner, agreed capacity configuration, control
+    communicator, topology); destroying the group drops the state."""
+    import gc
+    import weakref
+
+    import mc2
+    from mc2.engine.transport import group_state
+
+    sub = dist.new_group(list(range(world)))
+    args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
+    with torch.no_grad():
+        mc2.fused_expert(*args, group=sub, micro_batches="auto")
+        mc2.fused_expert(*args, group=sub, micro_batches=1, capacity=64)
+        mc2.fused_expert(*args, group=sub, micro_batches=2, hierarchy="auto")
+    state = group_state.known_state(sub)
+    filled = {"planner": state.planner is not None, "agreed": bool(state.agreed_capacity),
+              "control": state.control is not None, "topology": bool(state.topologies)}
+    world_state = group_state.known_state(None)
+    ref = weakref.ref(state)
+    dist.destroy_process_group(sub)
+    del sub, state
+    gc.collect()
+    return {"filled": filled, "dropped": ref() is None,
+            "world_kept": group_state.known_state(None) is world_state}

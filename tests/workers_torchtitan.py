@@ -161,10 +161,17 @@ def equal_to_ep1(rank: int, world: int, options: dict) -> dict:
     """mc2's node with EP = ``world`` against the same block unsharded (EP = 1, TorchTitan's
     local path, no collective) in this process, fed every rank's batch at once: this rank's
     output and input gradient, the experts it holds (their gradients collect every rank's
-    tokens) and the replicated parameters (their gradients summed over the ranks)."""
+    tokens) and the replicated parameters (their gradients summed over the ranks); that the
+    node ran mc2's call on a group of ``world`` ranks, and the host reads of that call and of
+    the whole backward (:func:`tests.call_counting.counted_calls`)."""
     import torch.distributed as dist
 
-    got = _run(build(world, mc2=options), rank, torch.float32)
+    import mc2.integrations.torchtitan as node
+    from tests.call_counting import counted_calls
+
+    moe = build(world, mc2=options)
+    with counted_calls(node) as seen:
+        got = _run(moe, rank, torch.float32)
     ref_moe = _seeded(moe_config())
     x = torch.cat([_batch(r, torch.float32) for r in range(world)]).requires_grad_()
     out = ref_moe(x)
@@ -180,7 +187,9 @@ def equal_to_ep1(rank: int, world: int, options: dict) -> dict:
             got[2][name] = summed
             grads[name] = p.grad
     ref = (out[2 * rank:2 * rank + 2].detach(), x.grad[2 * rank:2 * rank + 2], grads)
-    return {"errors": relative_errors(ref, got)}
+    group = moe.routed_experts.ep_group  # None would mean TorchTitan's own EP = 1 forward
+    return {"errors": relative_errors(ref, got), "node": type(moe.routed_experts).__name__,
+            "group_size": None if group is None else group.size(), **seen}
 
 
 def weights_passed_without_copy(rank: int, world: int) -> dict:

@@ -28,7 +28,7 @@ from mc2.observation.timeline import Timeline, maybe_span
 from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import LOCAL, CommStyle
 from mc2.engine.transport.comm import (
-    carries_host_memory, exchange_counts, gather_counts, group_key, group_size, style_of
+    carries_host_memory, exchange_counts, gather_counts, group_size, style_of
 )
 from mc2.engine.decide.config import GEMMS, MC2Config
 from mc2.engine.transport.deadline import timeout_code
@@ -50,6 +50,7 @@ from mc2.engine.decide.routing import (
     DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_bounds,
     micro_batch_fractions, read_counts
 )
+from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.topology import topology_for
 from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
 from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
@@ -313,10 +314,6 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
-# per group: the shared values of capacity calls whose first call every rank agreed on
-_AGREED_CAPACITY: dict[tuple, set[tuple]] = {}
-
-
 @dataclass(frozen=True)
 class _SlabSizes:
     """What ``"auto"`` prices for a capacity call, in the handshake's terms."""
@@ -356,7 +353,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, (NONE, NONE),
                           None, group, timeout)
-    agreed = _AGREED_CAPACITY.setdefault(group_key(group), set())
+    agreed = group_state(group).agreed_capacity
     steady = problem is None and facts.values() in agreed
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:

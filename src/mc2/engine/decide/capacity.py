@@ -43,18 +43,16 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.overflow import add_errors
 from mc2.engine.decide.routing import micro_batch_bounds
+from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.slabs import SlabExchange
 
-# rows dropped by capacity calls with overflow="drop", per device (read when the caller asks)
-_DROPPED: dict[torch.device, Tensor] = {}
-
-
-def dropped_rows(device: torch.device | str = "cpu") -> Tensor:
-    """How many (token, rank) rows capacity calls with ``overflow="drop"`` left out so far, in
-    this process, summed over the group's senders (a device tensor: reading it is the caller's
-    synchronisation)."""
+def dropped_rows(device: torch.device | str = "cpu", group: Any = None) -> Tensor:
+    """How many (token, rank) rows capacity calls with ``overflow="drop"`` on ``group``
+    (``None``: the default group) left out so far, in this process, summed over the group's
+    senders (a device tensor: reading it is the caller's synchronisation)."""
     device = torch.device(device)
-    return _DROPPED.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
+    return group_state(group).dropped.setdefault(
+        device, torch.zeros((), dtype=torch.int64, device=device))
 
 
 def sorts_slabs(experts: ExpertWeights | ModuleExperts) -> bool:
@@ -178,7 +176,7 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
         routes.append((slot_token[:dump], size))
     errors = torch.stack([dropped, bad])
     if overflow == "drop":
-        total = dropped_rows(device)
+        total = dropped_rows(device, group)
         total.add_(dropped)
     return CapacityHandle(tokens, topk, world, local_experts, tuple(
         CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mc2.engine.transport.comm import group_key
+from mc2.engine.transport.group_state import group_state, known_state
 from mc2.engine.transport.host import read, read_host_memory
 
 
@@ -84,20 +84,16 @@ class _Counter:
     capacity: int = 0
 
 
-# by (group key, device): what names a group alike on every rank, and where its calls run
-_COUNTERS: dict[tuple[tuple, torch.device], _Counter] = {}
-
-
 def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> None:
     """Add a call's group totals ``errors`` (``[3]``: rows that did not fit, ids out of range,
     slabs of another configuration; any dtype holding whole numbers) to the group's counter
     on their device, on the device: no read. With ``overflow="drop"`` the rows that did not fit
     are not errors (they are counted in :func:`mc2.engine.decide.capacity.dropped_rows`)."""
-    key = (group_key(group), errors.device)
-    counter = _COUNTERS.get(key)
+    counters = group_state(group).overflow
+    counter = counters.get(errors.device)
     if counter is None:
-        counter = _COUNTERS[key] = _Counter(torch.zeros(COUNTS, dtype=torch.int64,
-                                                        device=errors.device))
+        counter = counters[errors.device] = _Counter(torch.zeros(COUNTS, dtype=torch.int64,
+                                                                 device=errors.device))
     counts = errors.round().to(torch.int64)
     if overflow == "raise":
         counter.counts.add_(counts)
@@ -110,7 +106,8 @@ def pending(group: Any, device: torch.device) -> Tensor:
     """``[COUNTS]`` int64 on ``device``: the group's counts there (zeros when no capacity call ran
     on it): what the handshake carries. A counter on another device is not read (that would be
     a read of its own); :func:`check_overflow` reads it."""
-    counter = _COUNTERS.get((group_key(group), torch.device(device)))
+    state = known_state(group)
+    counter = state.overflow.get(torch.device(device)) if state is not None else None
     if counter is None:
         return torch.zeros(COUNTS, dtype=torch.int64, device=device)
     return counter.counts
@@ -123,10 +120,9 @@ def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> N
     if not (rows or bad_ids or mismatched):
         return
     capacity = 0
-    for (key, _), counter in _COUNTERS.items():
-        if key == group_key(group):
-            counter.counts.zero_()
-            capacity = counter.capacity
+    for counter in group_state(group).overflow.values():
+        counter.counts.zero_()
+        capacity = counter.capacity
     raise CapacityOverflow(rows, bad_ids, capacity, mismatched)
 
 
@@ -156,10 +152,9 @@ def check_at_once(group: Any) -> None:
 
 
 def _check(group: Any, reader: Any) -> None:
-    key = group_key(group)
     totals, capacity = [0] * COUNTS, 0
-    for (counter_key, device), counter in _COUNTERS.items():
-        if counter_key != key or (reader is read_host_memory and device.type != "cpu"):
+    for device, counter in group_state(group).overflow.items():
+        if reader is read_host_memory and device.type != "cpu":
             continue
         found = reader(counter.counts)
         if any(found):

@@ -50,6 +50,7 @@ from mc2.device.clock import Interval, clock_for
 from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_key, group_size
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
+from mc2.engine.transport.group_state import group_state, live_states
 from mc2.engine.transport.host import read, upload
 from mc2.engine.decide.chance import ModelError, ruled_out, with_a_chance
 from mc2.engine.decide.pipeline_cost import training_step
@@ -813,24 +814,23 @@ class _Probe:
         return min(max((together - alone) / max(moved, 1e-9), 0.0), 1.0)
 
 
-_GROUP_PLANNERS: dict[tuple, Planner] = {}
-
-
 def planner_for(group: Any) -> Planner:
     """The planner ``micro_batches="auto"`` uses when the caller passes none.
 
-    A process-wide cache keyed by the group's ranks and backend: the measurements describe the
-    machine and the group, not one call, so every layer and step of the model shares them.
+    One per live group, held by its state (:mod:`~mc2.engine.transport.group_state`): the
+    measurements describe the machine and the group, not one call, so every layer and step of
+    the model shares them; the planner goes with its group.
     Callers who want control hold their own :class:`Planner` and pass it as ``planner=``.
     """
-    key = group_key(group)
-    if key not in _GROUP_PLANNERS:
-        _GROUP_PLANNERS[key] = Planner()
-    return _GROUP_PLANNERS[key]
+    state = group_state(group)
+    if state.planner is None:
+        state.planner = Planner()
+    return state.planner
 
 
 def default_decisions() -> list[dict[str, Any]]:
     """What ``"auto"`` decided in this process through the default planners (the calls that
     passed no ``planner=``, e.g. a framework's layers): every shape's
     :meth:`Planner.decisions` entry, for logs and benchmarks that do not hold the planner."""
-    return [d for planner in _GROUP_PLANNERS.values() for d in planner.decisions().values()]
+    return [d for state in live_states() if state.planner is not None
+            for d in state.planner.decisions().values()]

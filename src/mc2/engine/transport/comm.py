@@ -31,6 +31,7 @@ and the host read after it would wait for that transfer too.
 from __future__ import annotations
 
 import time
+import weakref
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,25 +45,24 @@ from mc2.engine.transport.backend import HOST_BACKENDS, LOCAL, CommStyle, backen
 from mc2.device.clock import clock_for
 from mc2.device import streams
 from mc2.engine.transport.deadline import (
-    CommTimeout, any_failure, current, failure, group_timeout, record_failure, wait_deadline,
+    CommTimeout, current, failure, group_timeout, record_failure, wait_deadline,
     wait_future, wait_work
 )
 from mc2.engine.transport.env import force_collectives
 from mc2.device.streams import side_stream
+from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.host import read
 from mc2.engine.transport.watchdog import expired, start_stamp, stream_wait, surfaced, watchdog
 from mc2.engine.transport.workspace import Workspace
 
 # (issued, done) stamps of an asynchronous transfer: host seconds or device events
 OnComplete = Callable[[Any, Any], None]
-# transfers (or their buffers) given up after an error: held for good, so that no buffer a
-# backend may still write into is handed out again (after a timeout the process must end)
-_ABANDONED: list[Any] = []
-
-
 def abandon(*in_flight: Any) -> None:
-    """Keep ``in_flight`` transfers or buffers alive for the rest of the process."""
-    _ABANDONED.extend(in_flight)
+    """Keep ``in_flight`` transfers or buffers alive as long as their group (each's, else the
+    default group's): held so that no buffer a backend may still write into is handed out
+    again (after a timeout the process must end)."""
+    for transfer in in_flight:
+        group_state(getattr(transfer, "group", None)).abandoned.append(transfer)
 
 
 def initialized() -> bool:
@@ -170,7 +170,7 @@ def _wait(work: Any, operation: str, *, stream: bool, start: Any, group: Any,
     try:
         wait_work(work, operation, deadline_s)
     except CommTimeout as exc:
-        record_failure(group_key(group), exc)
+        record_failure(group, exc)
         raise
 
 
@@ -179,8 +179,8 @@ def refuse(group: Any, operation: str) -> None:
     when ``group`` (or, after the watchdog aborted every group, any group) timed out before;
     before anything is issued, so that no dead communicator is touched or waited for."""
     first = expired()
-    if first is None and any_failure():
-        first = failure(group_key(group))
+    if first is None:
+        first = failure(group)
     if first is not None:
         raise first.refused(operation)
 
@@ -286,8 +286,6 @@ class FlatExchange:
 
 # operations of all_reduce_max that are control messages (run on the control group)
 CONTROL_OPERATIONS = frozenset({"handshake"})
-# control groups by (ranks, backend): what every member computes alike (an id() would not be)
-_CONTROL: dict[tuple[tuple[int, ...], str], Any] = {}
 
 
 def group_key(group: Any) -> tuple:
@@ -311,8 +309,8 @@ def _registered(group: Any) -> bool:
 
 def control_group(group: Any, device: torch.device | str | None = None) -> Any:
     """The communicator of ``group``'s control messages: a process group over the same ranks
-    with the same backend, made once and cached by (ranks, backend), which every member
-    computes alike.
+    with the same backend, made once and held by the group's state
+    (:mod:`~mc2.engine.transport.group_state`), dropped with the group.
 
     Made with ``dist.new_group(ranks, use_local_synchronization=True)``, so only the members
     take part. Making a group is itself a collective of the members, so it is made at the
@@ -331,11 +329,12 @@ def control_group(group: Any, device: torch.device | str | None = None) -> Any:
     """
     if is_local(group):
         return group
-    key = group_key(group)
-    made = _CONTROL.get(key)
-    if made is None or not _registered(made):
-        made = _CONTROL[key] = _new_control_group(group, key, device)
-    return made
+    state = group_state(group)
+    if state.control is None or not _registered(state.control):
+        state.control = _new_control_group(group, group_key(group), device)
+        if state.control is not group:  # its timeouts are the group's
+            group_state(state.control).carries_for = weakref.ref(state)
+    return state.control
 
 
 def groups_made_agree(group: Any, device: torch.device | str | None = None) -> tuple[int, int]:

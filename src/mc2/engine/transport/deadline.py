@@ -39,11 +39,13 @@ import contextvars
 import math
 import os
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from mc2.engine.transport.group_state import group_state, known_state, live_states
 
 # no deadline of mc2's own beyond the group's: every wait is cut to its group's own timeout
 DEFAULT_TIMEOUT_S = math.inf
@@ -88,9 +90,9 @@ class CommTimeout(RuntimeError):
         told = CommTimeout(operation or self.operation, self.waited_s,
                            micro_batch=self.micro_batch if micro_batch is None else micro_batch,
                            phase=self.phase if phase is None else phase, first=self.first)
-        for key, first in list(_FAILED.items()):
-            if first is self:
-                _FAILED[key] = told
+        for state in live_states():
+            if state.failure is self:
+                state.failure = told
         return told
 
     def refused(self, operation: str) -> "CommTimeout":
@@ -179,25 +181,18 @@ def timeout_code(seconds: float | None) -> int:
     return -1 if math.isinf(seconds) else round(seconds * 1000)
 
 
-# groups that passed a deadline, by what names them alike on every rank (ranks, backend): their
-# first timeout. The communicators are process state; so is knowing that they are dead.
-_FAILED: dict[Hashable, CommTimeout] = {}
+def record_failure(group: Any, timeout: CommTimeout) -> None:
+    """``group`` passed a deadline: later operations on it are refused (its state holds its
+    first timeout: the communicator is dead, and knowing so goes with it)."""
+    state = group_state(group).owner()
+    if state.failure is None:
+        state.failure = timeout.first or timeout
 
 
-def record_failure(key: Hashable, timeout: CommTimeout) -> None:
-    """The group named ``key`` passed a deadline: later operations on it are refused."""
-    _FAILED.setdefault(key, timeout.first or timeout)
-
-
-def failure(key: Hashable) -> CommTimeout | None:
-    """The first timeout of the group named ``key``, or ``None``."""
-    return _FAILED.get(key)
-
-
-def any_failure() -> bool:
-    """Whether any group of this process passed a deadline (a dict lookup on every
-    collective would cost more than this check)."""
-    return bool(_FAILED)
+def failure(group: Any) -> CommTimeout | None:
+    """The first timeout of ``group``, or ``None``."""
+    state = known_state(group)
+    return state.owner().failure if state is not None else None
 
 
 @contextlib.contextmanager

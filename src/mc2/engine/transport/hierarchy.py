@@ -48,6 +48,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.transport.comm import (
     FlatExchange, OnComplete, PendingTransfer, abandon, all_reduce_max, all_to_all_rows, barrier, style_of
 )
+from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.host import read, upload
 from mc2.engine.transport.row_sums import sum_rows
 from mc2.device.streams import current_stream, side_stream, wait_for_current
@@ -306,15 +307,11 @@ class TwoStagePlan:
         return lambda i: (exchanges[i], (self.nodes, self.per_node))
 
 
-_CHOICES: dict[tuple, bool] = {}
-
-
 def measured_sizes(group: Any) -> int:
     """How many sizes :func:`two_stage_pays` has measured on ``group`` in this process."""
     if not dist.is_initialized():
         return 0
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return sum(1 for key in _CHOICES if key[0] == ranks)
+    return len(group_state(group).two_stage)
 
 
 def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_group: Any,
@@ -329,12 +326,12 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
     ``"auto"``'s K (:mod:`mc2.engine.decide.trials`), each exchange counts as the group's
     slowest rank (one all-reduce of every time) and each is scored by the median of its
     exchanges; the 2-D one must be 5% faster. All ranks decide alike. Cached per (group,
-    size rounded to a power of two, row bytes).
+    size rounded to a power of two, row bytes) in the group's state.
     """
     world = nodes * per_node
     per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
-    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), per, row_bytes)
-    if key not in _CHOICES:
+    choices, key = group_state(group).two_stage, (per, row_bytes)
+    if key not in choices:
         uniform = [[[per] * world] for _ in range(world)]
         plan = TwoStagePlan(uniform, torch.full((world, 1, world), per, dtype=torch.int64,
                                                 device=device),
@@ -353,5 +350,5 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
         times = [timed(exchange) for _ in range(repeats) for exchange in (flat, two_d)]
         slowest = read(all_reduce_max(upload(times, device, torch.float64), group))
         flat_s, two_d_s = (statistics.median(slowest[i::2]) for i in (0, 1))
-        _CHOICES[key] = two_d_s < 0.95 * flat_s
-    return _CHOICES[key]
+        choices[key] = two_d_s < 0.95 * flat_s
+    return choices[key]

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mc2.engine.transport.comm import gather_objects, group_rank, group_size, member_groups
+from mc2.engine.transport.group_state import group_state
 
 
 @dataclass
@@ -94,15 +95,11 @@ def discover(group: Any = None) -> Topology:
     return Topology([order[h] for h in hosts], rank, "hostname")
 
 
-_TOPOLOGIES: dict[tuple, Topology] = {}
-
-
 def topology_for(group: Any = None) -> Topology:
     """:func:`discover` once per group (cached with its sub-groups; every rank calls it)."""
     if group_size(group) == 1:
         return Topology([0], 0, "single")
-    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
-           os.environ.get("LOCAL_WORLD_SIZE"))
-    if key not in _TOPOLOGIES:
-        _TOPOLOGIES[key] = discover(group)
-    return _TOPOLOGIES[key]
+    found, local = group_state(group).topologies, os.environ.get("LOCAL_WORLD_SIZE")
+    if local not in found:
+        found[local] = discover(group)
+    return found[local]
