@@ -78,7 +78,7 @@ _AUTO: dict[str, Any] = {}
 
 
 def _set_mode(model: Any, mode: str) -> None:
-    from mc2.integrations.batch_overlap import Decision
+    from mc2.engine.decide.batch_split import BatchOverlapDecision as Decision
     from mc2.integrations.transformers import MC2SparseMoeBlock
 
     blocks = [b for b in model.modules() if isinstance(b, MC2SparseMoeBlock)]

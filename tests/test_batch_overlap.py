@@ -115,10 +115,10 @@ def test_a_stack_of_your_own_layers_in_one_process() -> None:
 def test_it_turns_itself_off_and_says_so_once() -> None:
     import warnings
 
-    from mc2.integrations import batch_overlap as bo
+    from mc2.engine.decide import batch_split as bo
 
     bo._said.clear()
-    decision = bo.Decision(True, min_tokens=64)
+    decision = bo.BatchOverlapDecision(True, min_tokens=64)
     cpu = torch.device("cpu")
     with pytest.warns(bo.BatchOverlapWarning, match="fewer than 2 sequences"):
         assert not decision.wanted(1, 4096, cpu)
@@ -131,15 +131,17 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
         assert not decision.wanted(4, 4096, cpu, "the KV cache already holds tokens")
     assert decision.wanted(4, 4096, cpu)
     with pytest.raises(ValueError, match="True, False or 'auto'"):
-        bo.Decision("sometimes")
+        bo.BatchOverlapDecision("sometimes")
 
 
 @pytest.mark.filterwarnings("ignore:mc2 batch overlap is off:UserWarning")
 def test_auto_keeps_the_faster_schedule() -> None:
-    from mc2.integrations import batch_overlap as bo
+    from mc2.engine.decide import batch_split as bo
+    from mc2.engine.decide.planner import Planner
 
     cpu = torch.device("cpu")
-    decision = bo.Decision("auto", min_tokens=1, trials=2)
+    planner = Planner()
+    decision = planner.batch_overlap("auto", min_tokens=1, trials=2)
     picks = []
     for _ in range(4):
         on = decision.wanted(4, 4096, cpu)
@@ -147,14 +149,17 @@ def test_auto_keeps_the_faster_schedule() -> None:
         decision.measured(on, 1.0 if on else 2.0, cpu)
     assert sorted(picks) == [False, False, True, True]  # both sides measured, alternating
     assert decision.chosen is True
-    timed = bo.Decision("auto", min_tokens=1, trials=1)
+    # on the planner, beside its K decisions: one auto-tuner
+    assert planner.batch_overlaps() == [{"mode": "auto", "chosen": True,
+                                         "times": {"on": [1.0, 1.0], "off": [2.0, 2.0]}}]
+    timed = bo.BatchOverlapDecision("auto", min_tokens=1, trials=1)
     sides, warm = [], []
     while timed.chosen is None:  # through timed_forward: one untimed step at each switch
         sides.append(timed.wanted(4, 4096, cpu))
         warm.append(timed.warming)
         bo.timed_forward(timed, sides[-1], lambda: torch.zeros(1), cpu)
     assert sides == [True, True, False, False] and warm == [True, False, True, False]
-    slower = bo.Decision("auto", min_tokens=1, trials=1)
+    slower = bo.BatchOverlapDecision("auto", min_tokens=1, trials=1)
     with pytest.warns(bo.BatchOverlapWarning, match="measured slower"):
         for _ in range(2):
             on = slower.wanted(4, 4096, cpu)
@@ -193,7 +198,7 @@ class _Lopsided(Block):
 
 
 def test_auto_times_the_backward_through_the_layers_too() -> None:
-    from mc2.integrations.batch_overlap import Decision
+    from mc2.engine.decide.batch_split import BatchOverlapDecision as Decision
 
     torch.manual_seed(0)
     stack = BatchOverlapStack([_Lopsided()], min_tokens=1)

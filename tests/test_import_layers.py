@@ -342,6 +342,17 @@ def test_floors_import_only_downwards(graph) -> None:
                     False)
 
 
+def test_integrations_leave_transport_and_passes_to_the_engine(graph) -> None:
+    """An integration is thin: it hands tokens, routing and experts to ``fused_expert*`` and
+    asks the planner; it issues no collective of its own and runs no pass (batch overlap's
+    scheduler and decision used to: now ``engine.autograd.layer_schedule`` and
+    ``engine.decide.batch_split``)."""
+    _, edges = graph
+    found = [e for e in edges if _within(e.source, "mc2.integrations")
+             and any(_within(e.target, f"mc2.engine.{floor}") for floor in ("transport", "passes"))]
+    assert not found, "\n".join(map(str, found))
+
+
 # ---------------------------------------------------------------------------------------------
 # the checker itself: it finds what is planted
 

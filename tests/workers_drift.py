@@ -1,10 +1,12 @@
 """Workers for the drift guard of ``"auto"``: a shape whose steady state slows down after its
-lock (an experts stage that starts sleeping, as a slower link or a neighbour's job would)."""
+lock (an experts stage that starts taking longer, as a slower link or a neighbour's job would).
+
+The passes are timed on a simulated clock that only the experts advance: the decisions then
+depend on what the test sets, never on how loaded the machine is."""
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -13,11 +15,28 @@ import mc2
 from tests.workers import PriorPlanner
 
 
-class _SlowableExperts(torch.nn.Module):
-    """Two local linear experts; each forward sleeps ``delay`` seconds first."""
+class _SimulatedClock:
+    """A host clock whose time passes only when :meth:`advance` says."""
 
-    def __init__(self, hidden: int, seed: int) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def stamp(self, *_: Any) -> float:
+        return self.now
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+class _SlowableExperts(torch.nn.Module):
+    """Two local linear experts; each forward takes 1 ms of ``clock``, plus ``delay``."""
+
+    def __init__(self, hidden: int, seed: int, clock: _SimulatedClock) -> None:
         super().__init__()
+        self.clock = clock
         g = torch.Generator().manual_seed(seed)
         self.num_experts = 2
         self.w = torch.nn.Parameter(torch.randn(2, hidden, hidden, generator=g) / hidden**0.5)
@@ -25,8 +44,7 @@ class _SlowableExperts(torch.nn.Module):
 
     def forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
-        if self.delay:
-            time.sleep(self.delay)
+        self.clock.advance(0.001 + self.delay)
         return torch.bmm(rows.unsqueeze(1), self.w[ids[:, 0]]).squeeze(1) * weights
 
 
@@ -49,8 +67,12 @@ def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
     log = logging.getLogger("mc2.engine.decide.planner")
     log.addHandler(lines)
     log.setLevel(logging.INFO)
+    import mc2.engine.passes.run as passes
+
+    clock = _SimulatedClock()
+    passes.clock_for = lambda device: clock  # the passes' times, which the planner reads
     hidden, tokens = 32, 64
-    experts = _SlowableExperts(hidden, 10 + rank)
+    experts = _SlowableExperts(hidden, 10 + rank, clock)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.randint(0, world * 2, (tokens, 2), generator=g)

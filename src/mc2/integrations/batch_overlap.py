@@ -25,137 +25,37 @@ yields the begun call (:class:`mc2.engine.autograd.staged.StagedCall`), receives
 returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face decoder layers;
 a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverlapStack`).
 
-When it runs: every rank must split or not (the micro-batches make different collectives), so
-the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once,
-where it cannot or should not run: a batch of fewer than two sequences, fewer tokens
-than ``min_tokens`` (too small to hide anything behind: the measured threshold is in
-``docs/batch_overlap.md``), a KV cache that already holds tokens (decoding) or cannot be
-split, or a block that cannot be staged, or a forward that asks for every layer's hidden
-states. A prefill's empty cache is split and joined again (:mod:`.split_cache`), and the
-router logits and attentions a model records are recorded per micro-batch and joined by layer
-(:mod:`.split_records`). ``"auto"`` also measures: the first forwards (with their backwards,
-in training) alternate with and without batch overlap, and the faster one stays.
+When it runs is the engine's decision (:mod:`mc2.engine.decide.batch_split`, on the group's
+planner: off, said once, where it cannot or should not run; ``"auto"`` measures). What this
+module adds is the framework's side: it is also off for a KV cache that already holds tokens
+(decoding) or cannot be split, a block that cannot be staged, or a forward that asks for every
+layer's hidden states; a prefill's empty cache is split and joined again (:mod:`.split_cache`),
+and the router logits and attentions a model records are recorded per micro-batch and joined by
+layer (:mod:`.split_records`). The schedule itself is the engine's
+(:mod:`mc2.engine.autograd.layer_schedule`).
 """
 
 from __future__ import annotations
 
-import statistics
-import warnings
 from functools import partial
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from mc2.engine.transport.comm import all_reduce_max
-from mc2.engine.transport.host import read, upload
-from mc2.device.clock import clock_for
+from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
 from mc2.engine.autograd.staged import micro_batch_label
+from mc2.engine.decide.batch_split import (
+    MIN_TOKENS, SPLITS, BatchOverlapDecision, BatchOverlapWarning, timed_forward
+)
+from mc2.engine.decide.planner import planner_for
 from mc2.parallel.layer_gather import LayerGathers
 from mc2.integrations import split_cache
 from mc2.integrations.split_records import SplitRecords
 
-LayerStages = Generator[Any, Tensor, Tensor]
-"""A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
-layer's output."""
-
-MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
-# micro-batches per forward: more shrank the fill and drain but not the step in any sitting
-# (its backward's weight gradients ran in GEMMs of half the rows; docs/batch_overlap.md)
-SPLITS = 2
-
-
-class BatchOverlapWarning(UserWarning):
-    """Batch overlap was asked for and does not run (said once per reason)."""
-
-
-_said: set[str] = set()
-
-
-def _say_once(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        warnings.warn(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
-
-
-def start_stages(stages: LayerStages) -> tuple[Any, Tensor | None]:
-    """Run a layer up to its MoE call: ``(the begun call, None)``, or ``(None, output)`` for a
-    layer without one."""
-    try:
-        return next(stages), None
-    except StopIteration as stop:
-        return None, stop.value
-
-
-def finish_stages(stages: LayerStages, call: Any) -> Tensor:
-    """Wait for the call's combine and run the rest of the layer."""
-    out = call.end()
-    try:
-        stages.send(out)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError("a layer's stages yielded more than one MoE call")
-
-
-def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
-                   inputs: Sequence[Tensor], gathers: LayerGathers | None = None,
-                   label: Callable[[int], ContextManager[None]] = micro_batch_label
-                   ) -> list[Tensor]:
-    """The micro-batches ``inputs`` through their layers (``layers[i]``: micro-batch ``i``'s,
-    each ``h -> stages``; the same layers, with each micro-batch's own arguments) in the
-    schedule of the module docstring, round robin; their outputs.
-
-    In every layer each micro-batch in turn waits for its previous combine (which travelled
-    while the others computed), runs its attention and issues its dispatch; then each runs
-    its experts and issues its combine. ``gathers``: the layers' FSDP2 units, gathered and
-    freed at the schedule's points (:class:`mc2.parallel.layer_gather.LayerGathers`);
-    ``label(i)``: the context micro-batch ``i``'s parts run in (its trace label, and what
-    else the caller keeps per micro-batch)."""
-    count = len(inputs)
-    if count < 2 or len(layers) != count:
-        raise ValueError(f"run_overlapped: {count} inputs for {len(layers)} lists of layers "
-                         "(two or more of each, as many of one as of the other)")
-    h = list(inputs)
-    pending: list[tuple[LayerStages, Any] | None] = [None] * count
-    through: dict[int, list[Tensor]] = {}  # layer -> outputs of the micro-batches through it
-
-    def leave(index: int, i: int, out: Tensor) -> None:  # micro-batch i is through a layer
-        h[i] = out
-        outs = through.setdefault(index, [])
-        outs.append(out)
-        if len(outs) == count:
-            del through[index]
-            if gathers:
-                gathers.done(index, outs)
-
-    def finish(index: int, i: int) -> None:  # wait for i's combine, run the rest of its layer
-        if pending[i] is not None:
-            stages, call = pending[i]
-            pending[i] = None
-            with label(i):
-                leave(index, i, finish_stages(stages, call))
-
-    depth = 0
-    for depth, row in enumerate(zip(*layers)):
-        for i, layer in enumerate(row):
-            finish(depth - 1, i)  # its combine travelled under the others' work
-            if i == 0 and gathers:
-                gathers.gather(depth)
-            with label(i):
-                stages = layer(h[i])
-                call, done = start_stages(stages)
-            if call is None:
-                leave(depth, i, done)
-            else:
-                pending[i] = (stages, call)
-        for entry in pending:
-            if entry is not None:
-                entry[1].experts()
-    for i in range(count):
-        finish(depth, i)
-    return h
-
+__all__ = ["BatchOverlapStack", "BatchOverlapWarning", "MIN_TOKENS", "OverlappedLayers",
+           "hf_layer_stages", "stage_problem"]
 
 def split_sizes(batch: int, parts: int) -> list[int]:
     """Sequences in each of ``parts`` micro-batches: as equal as they can be, so the token
@@ -172,110 +72,6 @@ def split_value(value: Any, batch: int, sizes: Sequence[int]) -> list[Any]:
         parts = [split_value(v, batch, sizes) for v in value]
         return [tuple(p[i] for p in parts) for i in range(len(sizes))]
     return [value] * len(sizes)
-
-
-class Decision:
-    """Whether a forward runs with batch overlap; the same answer on every rank.
-
-    Args:
-        mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
-        min_tokens: tokens per rank below which it is off.
-        group: the expert-parallel group the agreement runs on.
-        trials: forwards measured each way under ``"auto"`` (each with its backward through
-            the layers, when one follows: :func:`timed_forward`).
-    """
-
-    def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
-                 trials: int = 3) -> None:
-        if mode not in (True, False, "auto"):
-            raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
-        self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
-        self.times: dict[bool, list[float]] = {True: [], False: []}
-        self.chosen: bool | None = None if mode == "auto" else bool(mode)
-        # "auto": the first forward after switching sides is not timed. It reallocates the
-        # workspace for the other side's buffer sizes; timed, batch overlap's trials (each
-        # right after a plain one) measured 11-15% over its steady state in
-        # benchmarks/model_overlap.py, and "auto" turned it off where it was 9% faster. A job
-        # runs the steady state.
-        self.warming: bool = False
-        self._last: bool | None = None
-
-    def wanted(self, batch: int, tokens: int, device: torch.device,
-               problem: str | None = None) -> bool:
-        """This forward's answer (one ``all_reduce`` when batch overlap may run); ``problem``:
-        why the caller cannot split this forward, if it cannot."""
-        if self.chosen is False:
-            return False
-        reason = problem
-        if reason is None and batch < SPLITS:
-            reason = f"a batch of fewer than {SPLITS} sequences cannot be split in two"
-        elif reason is None and tokens < self.min_tokens:
-            reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
-                      "(too few to hide communication behind)")
-        # one all_reduce and one read a forward: whether any rank cannot split
-        flag = upload([0 if reason is None else 1], device)
-        (cannot,) = read(all_reduce_max(flag, self.group, "batch overlap"))
-        if cannot:
-            _say_once(reason or "another rank cannot split its batch")
-            self._last = False  # the plain side runs: a trial of it next is no switch
-            return False
-        if self.chosen is None:  # "auto": alternate until both sides are measured
-            side = len(self.times[True]) <= len(self.times[False])
-            self.warming, self._last = side != self._last, side
-            return side
-        return self.chosen
-
-    def measured(self, overlapped: bool, seconds: float, device: torch.device) -> None:
-        """One forward's time (with its backward's), agreed over the group; decides
-        ``"auto"`` once both sides have ``trials`` times."""
-        if self.chosen is not None:
-            return
-        agreed = all_reduce_max(upload([seconds], device, torch.float64), self.group,
-                                "batch overlap")
-        self.times[overlapped].append(float(read(agreed)[0]))
-        if min(len(t) for t in self.times.values()) >= self.trials:
-            on, off = (statistics.median(self.times[k]) for k in (True, False))
-            self.chosen = on < off * 0.97
-            if not self.chosen:
-                _say_once(f"measured slower here ({on * 1e3:.1f} ms against {off * 1e3:.1f} ms "
-                          "a forward)")
-
-
-def timed_forward(decision: Decision, overlapped: bool, run: Callable[[], Tensor],
-                  device: torch.device, first: Tensor | None = None) -> Tensor:
-    """``run()``, timed for an undecided ``"auto"``.
-
-    A forward that a backward will follow (``first``, the layers' input, and the output
-    both need gradients) is timed with that backward through the layers: batch overlap
-    interleaves both passes, and on a link slow against the compute it can gain more in one
-    than in the other. The backward is timed from the moment the output's gradient reaches
-    the layers to the moment the input's gradient is complete (tensor hooks), so what the
-    caller does between forward and backward (the loss, the head) does not count. A forward
-    without a backward (inference, a no-grad prefill) is timed alone.
-    """
-    if decision.chosen is not None or decision.warming:
-        return run()
-    clock = clock_for(device)
-    start = clock.stamp()
-    out = run()
-    forward = clock.elapsed(start, clock.stamp())
-    if first is None or not (first.requires_grad and out.requires_grad):
-        decision.measured(overlapped, forward, device)
-        return out
-    began: list[Any] = []
-
-    def backward_begins(grad: Tensor) -> None:
-        began.append(clock.stamp())
-
-    def backward_ends(grad: Tensor) -> None:
-        for handle in handles:  # once: a caller's own input tensor keeps no hooks of ours
-            handle.remove()
-        if began:
-            decision.measured(overlapped, forward + clock.elapsed(began[0], clock.stamp()),
-                              device)
-
-    handles = [out.register_hook(backward_begins), first.register_hook(backward_ends)]
-    return out
 
 
 class BatchOverlapStack(nn.Module):
@@ -302,7 +98,8 @@ class BatchOverlapStack(nn.Module):
             if not callable(getattr(layer, "forward_staged", None)):
                 raise ValueError(f"BatchOverlapStack: {type(layer).__name__} has no "
                                  "forward_staged(x) (see the class docstring)")
-        self.decision = Decision(batch_overlap, min_tokens=min_tokens, group=group)
+        self.decision = planner_for(group).batch_overlap(batch_overlap, min_tokens=min_tokens,
+                                                         group=group)
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
@@ -402,7 +199,7 @@ def run_in_turn(layers: Sequence[nn.Module], hidden_states: Tensor,
 class _Loop:
     """One pass of the model's layer loop over ``layers``."""
 
-    def __init__(self, layers: list[nn.Module], decision: Decision) -> None:
+    def __init__(self, layers: list[nn.Module], decision: BatchOverlapDecision) -> None:
         self.layers, self.decision = layers, decision
         self.calls: list[tuple[tuple, dict[str, Any]]] = []
         self.first: Tensor | None = None
@@ -457,7 +254,7 @@ def _recording(records: SplitRecords, label: int) -> Iterator[None]:
 class _LoopView:
     """``layers[:n]`` of :class:`OverlappedLayers`, as the model's forward loops over it."""
 
-    def __init__(self, layers: list[nn.Module], decision: Decision) -> None:
+    def __init__(self, layers: list[nn.Module], decision: BatchOverlapDecision) -> None:
         self.loop = _Loop(layers, decision)
 
     def __iter__(self) -> Iterator[_LayerCall]:
@@ -479,9 +276,9 @@ class OverlappedLayers(nn.ModuleList):
     done by :class:`mc2.parallel.layer_gather.LayerGathers`).
     """
 
-    def __init__(self, modules: Any = None, *, decision: Decision | None = None) -> None:
+    def __init__(self, modules: Any = None, *, decision: BatchOverlapDecision | None = None) -> None:
         super().__init__(modules)
-        self.decision = decision if decision is not None else Decision(False)
+        self.decision = decision if decision is not None else BatchOverlapDecision(False)
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):

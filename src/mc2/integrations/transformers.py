@@ -481,7 +481,8 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
 def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
                     blocks: list["MC2SparseMoeBlock"]) -> None:
     """Put the decoder layers that hold the MC2 blocks into an :class:`OverlappedLayers`."""
-    from mc2.integrations.batch_overlap import MIN_TOKENS, Decision, OverlappedLayers, stage_problem
+    from mc2.engine.decide.planner import planner_for
+    from mc2.integrations.batch_overlap import MIN_TOKENS, OverlappedLayers, stage_problem
 
     holders = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.ModuleList) and any(
@@ -493,8 +494,9 @@ def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
     problems = [p for layer in layers if (p := stage_problem(layer))]
     if problems:
         raise ValueError(f"batch_overlap: cannot run these layers in stages: {problems}")
-    decision = Decision(mode, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
-                        group=blocks[0].group)
+    group = blocks[0].group
+    decision = planner_for(group).batch_overlap(
+        mode, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens, group=group)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child,
             OverlappedLayers(list(layers), decision=decision))

@@ -52,7 +52,9 @@ from mc2.engine.decide.routing import (
 )
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.topology import topology_for
-from mc2.engine.decide.validation import DTYPE_CODES, HIERARCHY_CODES, agree, local_problem, shared_problem
+from mc2.engine.decide.validation import (
+    DTYPE_CODES, HIERARCHY_CODES, agree, agreement_issued, local_problem, shared_problem
+)
 from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
 from mc2.engine.transport.workspace import Workspace, default_workspace
 
@@ -358,12 +360,16 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
-    if on_host or not steady:
+    agreement = None
+    if on_host or not steady:  # trusted: waited for once the slabs are planned (below)
         with maybe_span(timeline, "comm", "handshake", "forward"):
-            agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
-                  shared=facts, group=group,
-                  total_experts=group_size(group) * (weights.local_experts if weights else 0),
-                  check_finite=config.check_finite, on_host=on_host, trusted=steady)
+            agreement = agreement_issued(
+                problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
+                shared=facts, group=group,
+                total_experts=group_size(group) * (weights.local_experts if weights else 0),
+                check_finite=config.check_finite, on_host=on_host, trusted=steady)
+            if not steady:
+                agreement()
         agreed.add(facts.values())
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
@@ -382,6 +388,9 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                              local_experts=weights.local_experts, group=group, style=style,
                              overflow=config.overflow,
                              fingerprint=fingerprint_of(facts.values()))
+    if agreement is not None and steady:  # before any slab is issued
+        with maybe_span(timeline, "comm", "handshake", "forward"):
+            agreement()
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import statistics
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,7 @@ from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.transport.group_state import group_state, live_states
 from mc2.engine.transport.host import read, upload
+from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision
 from mc2.engine.decide.chance import ModelError, ruled_out, with_a_chance
 from mc2.engine.decide.pipeline_cost import training_step
 from mc2.engine.decide.routing import micro_batch_fractions
@@ -391,6 +393,7 @@ class Planner:
         self._shapes: dict[tuple, _Trials] = {}
         self._calls: dict[tuple, int] = {}  # choose() calls per group: the handshake's digest
         self._errors: dict[tuple, ModelError] = {}  # per group: the model against its trials
+        self._overlaps: "weakref.WeakSet[BatchOverlapDecision]" = weakref.WeakSet()
         # the last forward's choice per weight tensor and shape (:meth:`shape_key`), for a
         # call made again in a backward: weights may serve calls of several shapes
         self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -660,6 +663,23 @@ class Planner:
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
         return all(s.locked is not None for s in self._shapes.values())
+
+    def batch_overlap(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS,
+                      group: Any = None, trials: int = 3) -> BatchOverlapDecision:
+        """A model's batch-overlap decision (:mod:`~mc2.engine.decide.batch_split`): the
+        split of a forward into two micro-batches, decided by this planner's rules (its
+        ``"auto"`` measured with the trials' statistics, the split kept where it wins by
+        3%). Held weakly here (:meth:`batch_overlaps`); its model holds it."""
+        decision = BatchOverlapDecision(mode, min_tokens=min_tokens, group=group, trials=trials)
+        self._overlaps.add(decision)
+        return decision
+
+    def batch_overlaps(self) -> list[dict[str, Any]]:
+        """What each live batch-overlap decision chose (``None``: still measuring) and the
+        times it measured each way (the group's slowest rank's seconds)."""
+        return [{"mode": d.mode, "chosen": d.chosen, "times": {"on": list(d.times[True]),
+                                                              "off": list(d.times[False])}}
+                for d in self._overlaps]
 
     def decisions(self) -> dict[tuple, dict[str, Any]]:
         """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked",

@@ -21,7 +21,7 @@ kept on the device by calls that read nothing): where they are not zero every ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch import Tensor
 from mc2.engine.decide.config import HIERARCHIES
 from mc2.engine.decide.overflow import COUNTS, pending, raise_counted
 from mc2.engine.decide.shared_facts import SharedFacts
-from mc2.engine.transport.comm import all_reduce_max, gather_objects, group_rank, group_size
+from mc2.engine.transport.comm import all_reduce_max_later, gather_objects, group_rank, group_size
 from mc2.engine.transport.host import host_vector, read, read_host_memory, upload
 
 DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
@@ -244,7 +244,12 @@ def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
     return torch.stack([*stats, bad])
 
 
-def agree(
+def agree(problem: str | None, **kwargs: Any) -> Agreement:
+    """:func:`agreement_issued`, waited for at once."""
+    return agreement_issued(problem, **kwargs)()
+
+
+def agreement_issued(
     problem: str | None,
     *,
     x: Any,
@@ -257,8 +262,10 @@ def agree(
     rows: Tensor | None = None,
     on_host: bool = False,
     trusted: bool = False,
-) -> Agreement:
-    """One collective: raise the same ``ValueError`` on every rank if any rank cannot proceed.
+) -> Callable[[], Agreement]:
+    """One collective, issued now: the returned function waits for it, reads it and raises the
+    same ``ValueError`` on every rank if any rank cannot proceed (work done before calling it
+    hides the collective's latency: a trusted capacity call plans its slabs meanwhile).
 
     Args:
         problem: what :func:`local_problem` (and friends) found wrong here, or ``None``.
@@ -302,12 +309,21 @@ def agree(
     if on_host:
         tail = [_ABSENT] * (len(slots.data)) + [0] * COUNTS if trusted or problem is not None \
             else read(torch.cat([checks, sent, errors]))
-        vector = all_reduce_max(host_vector(head + tail), group, "handshake")
-        reduced = slots.read(read_host_memory(vector))
+        reduced = all_reduce_max_later(host_vector(head + tail), group, "handshake")
+        values = lambda: read_host_memory(reduced())  # noqa: E731
     else:
         local = upload(head, device)
-        reduced = slots.read(read(all_reduce_max(torch.cat([local, checks, sent, errors]),
-                                                 group, "handshake")))
+        reduced = all_reduce_max_later(torch.cat([local, checks, sent, errors]), group,
+                                       "handshake")
+        values = lambda: read(reduced())  # noqa: E731
+    return lambda: _agreement(slots.read(values()), problem, alike, x, expert_ids,
+                              routing_weights, group, total_experts, rows)
+
+
+def _agreement(reduced: "_Reduced", problem: str | None, alike: dict[str, int], x: Any,
+               expert_ids: Any, routing_weights: Any, group: Any, total_experts: int,
+               rows: Tensor | None) -> Agreement:
+    """What the reduced vector says: an error on every rank alike, or the agreement."""
     if reduced.highest["failed"]:
         _raise_for(problem, group)
     raise_counted(group, *reduced.errors)

@@ -466,15 +466,22 @@ def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement", *,
     ``control``: run on the group's control communicator (:func:`control_group`); by default
     for the operations in :data:`CONTROL_OPERATIONS` (the handshake), on ``group`` otherwise.
     """
+    return all_reduce_max_later(values, group, operation, control=control)()
+
+
+def all_reduce_max_later(values: Tensor, group: Any, operation: str = "agreement", *,
+                         control: bool | None = None) -> Callable[[], Tensor]:
+    """:func:`all_reduce_max` issued now; the returned function waits for it and returns the
+    maximum (work done in between hides the collective's latency)."""
     if is_local(group):
-        return values
+        return lambda: values
     if control is None:
         control = operation in CONTROL_OPERATIONS
     on = control_group(group, values.device) if control else group
     values = values.clone()
-    collective(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=on,
-                                         async_op=a), on, operation, values.device)
-    return values
+    done = collective_later(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=on,
+                                                      async_op=a), on, operation, values.device)
+    return lambda: (done(), values)[1]
 
 
 def barrier(group: Any, operation: str = "barrier", device: torch.device | None = None) -> None:
@@ -494,17 +501,26 @@ def collective(issue: Callable[[bool], Any], group: Any, operation: str,
     with the deadline; on a stream backend stream-ordered, watched by the watchdog ("to
     completion" then means: for every later use on the current stream).
     """
+    collective_later(issue, group, operation, device, style)()
+
+
+def collective_later(issue: Callable[[bool], Any], group: Any, operation: str,
+                     device: torch.device | str | None = None, style: CommStyle | None = None
+                     ) -> Callable[[], None]:
+    """:func:`collective` issued now; the returned function waits for it (at once where it
+    runs synchronously)."""
     style = style or style_of(group, torch.device(device or "cpu"))
     refuse(group, operation)
     seconds = _deadline(group, device)
     if seconds is None or not style.asynchronous:
         with surfaced():
             issue(False)
-        return
+        return lambda: None
     start = start_stamp(device, style.stream)
     with surfaced():
         work = issue(True)
-    _wait(work, operation, stream=style.stream, start=start, group=group, deadline_s=seconds)
+    return lambda: _wait(work, operation, stream=style.stream, start=start, group=group,
+                         deadline_s=seconds)
 
 
 def gather_objects(obj: Any, group: Any) -> list[Any]:
