@@ -330,8 +330,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                    timeline: Timeline | None, workspace: Workspace | None,
                    timeout: float | None, needs_grad: bool, module: Any,
                    planner: Planner | None) -> tuple[CallPlan, Any, Tensor]:
-    """A capacity call's plan: no counts, and in the steady state no handshake and nothing
-    read to the host.
+    """A capacity call's plan: no counts, and in the steady state nothing read to the host.
 
     Every call runs the handshake (:func:`~mc2.engine.decide.validation.agree`) in host memory
     where the group has a host backend (Gloo, or a mixed ``"cpu:gloo,cuda:nccl"`` group): the

@@ -10,8 +10,10 @@ in a CUDA graph. Here every size is fixed by the configuration and the shapes:
   (:func:`token_bounds`); a token goes at most once to each rank (as with ``dedup``), so a
   rank with at most ``N`` tokens never overflows, at any K;
 - beside each row travels its slot table (local expert ids, weights) and the sender's error
-  count, packed into the same bytes: a small batch is one dispatch and one combine, two
-  collectives, and nothing else;
+  count, packed into the same bytes: a small batch is one dispatch and one combine, plus the
+  trusted handshake in host memory where the group has a host backend
+  (:func:`~mc2.engine.decide.call_plan.plan_call`: it makes a configuration that one rank
+  changes an error on every rank, reading nothing from a device);
 - the receiving rank computes every local expert on every received row and weights them with
   the table (:mod:`mc2.engine.passes.travel.slabs`): no per-expert count is needed on the host, at
   the price of ``local_experts / topk`` times the expert work of the rows that need it, which

@@ -94,7 +94,7 @@ class MC2Config:
             a CUDA graph can capture (:mod:`mc2.engine.decide.capacity`). A token goes at most
             once to each rank, so ``capacity`` >= tokens per rank never overflows. Flat
             exchange, rows in the compute dtype; ``"auto"`` runs the planner's trials priced
-            for full slabs and keeps K = 1 (two collectives) unless a split measured faster.
+            for full slabs and keeps K = 1 (two collectives of rows) unless a split measured faster.
         overflow: with ``capacity``, what rows that do not fit do: ``"raise"`` (counted on
             the device; :class:`mc2.CapacityOverflow` on every rank: on a CPU at the end of the
             call's forward, on an accelerator at the next handshake on the group or

@@ -85,11 +85,6 @@ class DispatchHandle:
     weight_grads: WeightGradReturn | None = None
 
     @property
-    def once_per_destination(self) -> bool:
-        """Whether rows travel once per (token, destination) (:mod:`~mc2.engine.decide.dedup`)."""
-        return self.weight_grads is not None
-
-    @property
     def num_micro_batches(self) -> int:
         return len(self.micro_batches)
 

@@ -5,7 +5,7 @@ tables packed into the same bytes: :mod:`mc2.engine.transport.slabs`) out; the r
 experts; one row back per received row, weighted and summed there; the sender adds the rows of
 each token. Backward: the output gradient of each slot's token out; the experts' backward; the
 rows' gradient back with each row's weight gradients packed beside it. Two collectives per
-micro-batch and pass, and nothing else.
+micro-batch and pass (and, before the forward, the call's trusted handshake in host memory).
 
 The experts run one of two ways (:func:`experts_way`, chosen once per pass), neither reading
 a count:
