@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE))
 import mc2  # noqa: E402
 from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 from layer_rounds import until_auto_locked  # noqa: E402
+from step_breakdown import print_breakdown, step_breakdown  # noqa: E402
 
 MODES = ("serial", "mc2", "batch")
 OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forwards
@@ -105,15 +106,16 @@ def _step(model: Any, mode: str, ids: torch.Tensor, clock: Any = None) -> Any:
 
 
 def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
-               modes: tuple[str, ...] = MODES, layers: int = SHAPE["num_hidden_layers"]
-               ) -> dict[str, Any]:
-    """Every mode's step times and the serial mode's communication time, on this rank."""
+               modes: tuple[str, ...] = MODES, layers: int = SHAPE["num_hidden_layers"],
+               seq: int = SEQ) -> dict[str, Any]:
+    """Every mode's step times, the serial mode's communication time, and every timed step's
+    breakdown (:mod:`step_breakdown`) and the last one's spans, on this rank."""
     from mc2.device.clock import clock_for
 
     model = _model(layers)
     model.train()
     g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, SHAPE["vocab_size"], (tokens // SEQ, SEQ), generator=g)
+    ids = torch.randint(0, SHAPE["vocab_size"], (tokens // seq, seq), generator=g)
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
     forward: dict[str, list[float]] = {m: [] for m in modes}
@@ -121,6 +123,8 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
     comm_forward: list[float] = []
     head: list[float] = []  # serial steps: start to the first collective
     tail: list[float] = []  # serial steps: the last collective's end to the end
+    breakdowns: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    last_spans: dict[str, list[Any]] = {}
     for mode in modes:  # warm up every mode (and let "auto" settle its K, or decide)
         _set_mode(model, mode)
         for _ in range(2 if mode == "mc2" else 1):
@@ -145,6 +149,9 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                     middle = _step(model, mode, ids, clock)
                     end = clock.stamp()
                 times[mode].append(clock.elapsed(start, end))
+                breakdowns[mode].append(step_breakdown(
+                    prof.spans, clock.seconds(start), clock.seconds(middle), clock.seconds(end)))
+                last_spans[mode] = list(prof.spans)
                 if middle is not None:
                     forward[mode].append(clock.elapsed(start, middle))
                 if mode == "serial":
@@ -160,7 +167,8 @@ def rank_steps(rank: int, world: int, tokens: int, steps: int, rounds: int,
                     tail.append(clock.seconds(end) - last - movable)
     chosen = _AUTO["decision"].chosen if "decision" in _AUTO else None
     return {"times": times, "forward": forward, "comm": comm, "comm_forward": comm_forward,
-            "head": head, "tail": tail, "auto_chose_batch": chosen}
+            "head": head, "tail": tail, "auto_chose_batch": chosen, "breakdowns": breakdowns,
+            "last_spans": last_spans}
 
 
 def _agreed(ranks: list[dict[str, Any]], key: str, mode: str | None = None) -> list[float]:
@@ -271,6 +279,13 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"modes to run, from {MODES}; batch3, batch4, ... (batch "
                              "overlap with that many micro-batches); serial is needed for the bound")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print where each mode's step time goes, pass by pass "
+                             "(benchmarks/step_breakdown.py; also in the JSON)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a folder: each regime's last step of every mode as a Chrome "
+                             "trace (Perfetto), both ranks")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     regimes = args.regimes.split(",")
@@ -284,7 +299,7 @@ def main() -> int:
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)
         run = lambda: mc2.run_local(rank_steps, 2, args=(  # noqa: E731
-            args.tokens, args.steps, args.rounds, modes, args.layers), timeout_s=3600,
+            args.tokens, args.steps, args.rounds, modes, args.layers, args.seq), timeout_s=3600,
             deadline_s=6 * 3600)
         if regime == "plain":
             ranks = run()
@@ -292,7 +307,17 @@ def main() -> int:
             with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
                 ranks = run()
         results[regime] = summarize(ranks, args.tokens)
+        results[regime]["breakdowns"] = {m: [r["breakdowns"][m] for r in ranks] for m in modes}
         print_regime(regime, results[regime])
+        if args.breakdown:
+            for mode in modes:
+                print_breakdown(mode, results[regime]["breakdowns"][mode])
+        if args.trace:
+            from mc2.observation.profiler import write_chrome_trace
+
+            args.trace.mkdir(parents=True, exist_ok=True)
+            write_chrome_trace(args.trace / f"{regime}.json",
+                               {m: [r["last_spans"][m] for r in ranks] for m in modes})
         sys.stdout.flush()
         if args.json:  # after every regime: a later one failing keeps the earlier ones
             _write(args, results)
@@ -302,8 +327,8 @@ def main() -> int:
 def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The run's arguments and every regime measured so far, as JSON."""
     shape = SHAPE | {"num_hidden_layers": args.layers}
-    arguments = vars(args) | {"json": str(args.json)}
-    args.json.write_text(json.dumps({"shape": shape, "seq": SEQ, "args": arguments,
+    arguments = vars(args) | {"json": str(args.json), "trace": str(args.trace)}
+    args.json.write_text(json.dumps({"shape": shape, "seq": args.seq, "args": arguments,
                                      "results": results}, indent=1))
 
 
