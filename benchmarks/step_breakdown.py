@@ -24,16 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-
-def union(intervals: Sequence[tuple[float, float]]) -> float:
-    """The length covered by ``intervals``."""
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= reach:
-            continue
-        total += b - max(a, reach)
-        reach = b
-    return total
+from mc2.observation.profiler import union_length as union
 
 
 def _clipped(spans: Sequence[Any], a: float, b: float) -> list[tuple[float, float]]:

@@ -108,3 +108,26 @@ def test_the_next_dispatch_travels_while_the_experts_compute(world, case: int) -
             blocked = [p for p in problems if "issued blocking" in p]
             assert len(overlapped) == len(blocked) == pairs and len(problems) == 2 * pairs, \
                 (name, rank, problems)
+
+
+def test_on_a_stream_backend_the_transfers_overlap_too() -> None:
+    """The stream-backend path (NCCL, HCCL; here the emulated one,
+    :mod:`tests.fake_stream_backend`, whose waits are watched by the watchdog instead of
+    timed on the host): the same overlap, flat and once per destination; and with every
+    exchange issued blocking the checker refuses every pair there too."""
+    from tests import fake_stream_backend
+
+    problem = make_problem(2, "uniform", tokens=13)
+    cases = [{}, {"dedup": True}, {"blocking_issues": True}]
+    results = mc2.run_local(
+        record_schedules, 2,
+        args=([(problem, {**o, "micro_batches": K, "emulated_stream": True}) for o in cases],),
+        backend=fake_stream_backend.NAME, before_init=fake_stream_backend.install,
+        timeout_s=120)
+    for rank, (plain, dedup, blocking) in enumerate(results):
+        for name, got in (("overlapped", plain), ("dedup overlapped", dedup)):
+            assert got["fell_back"] is None, (name, rank)
+            assert overlap_problems(got["exchanges"], got["experts"], K) == [], (name, rank)
+        problems = overlap_problems(blocking["exchanges"], blocking["experts"], K)
+        blocked = [p for p in problems if "issued blocking" in p]
+        assert len(blocked) == len(problems) == len(PHASES) * 2 * (K - 1), (rank, problems)

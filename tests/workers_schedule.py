@@ -84,12 +84,18 @@ class ScheduleRecorder:
     """Records every exchange issued while :meth:`installed` is active (see the module
     docstring); :meth:`exchanges` returns those the schedule waited for by micro-batch."""
 
-    def __init__(self, blocking: bool = False) -> None:
+    def __init__(self, blocking: bool = False, emulated_stream: bool = False) -> None:
         """``blocking``: issue every exchange with ``async_op=False`` whatever the schedule
-        asks (the checker's own check: a schedule that blocks overlaps nothing)."""
+        asks (the checker's own check: a schedule that blocks overlaps nothing).
+        ``emulated_stream``: the world runs the emulated stream backend
+        (:mod:`tests.fake_stream_backend`), whose waits block the host where a real stream
+        wait would only order a stream: the timeline's completion observer, which waits on a
+        side stream right at the issue, would make every issue blocking there. Its
+        completions are filed from the backend's future instead."""
         self._live: dict[int, _Transfer] = {}
         self._waited: list[_Transfer] = []
         self._blocking = blocking
+        self._observers = not emulated_stream
 
     def exchanges(self) -> list[Exchange]:
         """The exchanges waited for so far (read once the call is over: a completion is filed
@@ -120,7 +126,8 @@ class ScheduleRecorder:
         def recorded(exchange: Any, rows: torch.Tensor, *, async_op: bool,
                      on_complete: Any = None) -> Any:
             async_op = async_op and not self._blocking
-            transfer = issue(exchange, rows, async_op=async_op, on_complete=on_complete)
+            transfer = issue(exchange, rows, async_op=async_op,
+                             on_complete=on_complete if self._observers else None)
             record = _Transfer(name, via, time.perf_counter(), transfer, async_op)
             self._live[id(transfer)] = record
             _on_completion(transfer, record)
@@ -166,10 +173,11 @@ def record_schedules(rank: int, world: int, cases: list[tuple[Problem, dict[str,
     for problem, options in cases:
         options = dict(options)
         blocking = options.pop("blocking_issues", False)  # the recorder's, not the call's
+        emulated = options.pop("emulated_stream", False)
         x = problem.xs[rank].clone().requires_grad_(True)
         weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
         timeline = mc2.Timeline()
-        recorder = ScheduleRecorder(blocking)
+        recorder = ScheduleRecorder(blocking, emulated)
         with recorder.installed():
             out = mc2.fused_expert(x, *weights, problem.ids[rank], problem.rws[rank],
                                    timeline=timeline, **options)

@@ -52,7 +52,8 @@ class RankMetrics:
     tokens_per_s: float
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length ``intervals`` cover (overlaps counted once)."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b <= end:
@@ -73,7 +74,7 @@ def metrics_of(spans: Sequence[Span], *, tokens: int = 0, steps: int = 1) -> Ran
         window = max(s.end for s in work) - min(s.start for s in work)
     else:
         window = 0.0
-    comm = _union_length([(s.start, s.end) for s in work if s.kind in ("comm", "transfer")])
+    comm = union_length([(s.start, s.end) for s in work if s.kind in ("comm", "transfer")])
     exposed = sum(s.duration for s in work if s.kind in ("comm", "wait"))
     compute = sum(s.duration for s in work if s.kind == "compute")
     step = window / steps if steps else 0.0
