@@ -55,20 +55,7 @@ OPTIONAL_MODES = ("auto",)  # batch_overlap="auto": decides in its first forward
 
 def _splits(mode: str) -> int | None:
     """Micro-batches of a batch mode (2), ``None`` for the others."""
-    return 2 if mode in ("batch", "batch-both") else None
-
-
-def _first_dispatches_together(together: bool) -> None:
-    """``batch-both``: batch overlap with the backward's first gradient dispatches issued
-    together, as before they took turns (``mc2.engine.passes.first_dispatches``): the same
-    world, interleaved, measures what the turns give."""
-    import contextlib
-
-    import mc2.engine.autograd.layer_schedule as schedule
-    from mc2.engine.autograd.staged import first_dispatches_in_turn
-
-    schedule.first_dispatches_in_turn = contextlib.nullcontext if together \
-        else first_dispatches_in_turn
+    return 2 if mode == "batch" else None
 
 SHAPE = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
@@ -106,7 +93,6 @@ def _set_mode(model: Any, mode: str) -> None:
         layers.decision = _AUTO["decision"]
         return
     splits = _splits(mode)
-    _first_dispatches_together(mode == "batch-both")
     layers.decision = Decision(splits is not None, min_tokens=1, group=blocks[0].group)
 
 
@@ -291,9 +277,7 @@ def main() -> int:
                         help="decoder layers (the fill and drain of batch overlap's passes are "
                              "paid once per pass, so their share falls with depth)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"modes to run, from {MODES}; batch-both (batch overlap with "
-                             "the backward's first gradient dispatches together, as before "
-                             "they took turns); batch3, batch4, ... (batch "
+                        help=f"modes to run, from {MODES}; batch3, batch4, ... (batch "
                              "overlap with that many micro-batches); serial is needed for the bound")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--breakdown", action="store_true",

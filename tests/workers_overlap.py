@@ -71,12 +71,8 @@ def _step(model, ids: torch.Tensor, sync: bool) -> dict[str, Any]:
         gradient_sync.wait()
     backward = sorted((s for s in prof.spans if s.phase == "backward" and s.kind == "compute"
                        and s.name in ("experts", "deferred")), key=lambda s: s.start)
-    dispatches = sorted((s for s in prof.spans if s.phase == "backward"
-                         and s.kind == "transfer" and s.name == "dispatch"),
-                        key=lambda s: s.start)
     return {"labels": sorted({s.micro_batch for s in prof.spans}),
             "backward_order": [(s.name, s.micro_batch) for s in backward],
-            "backward_dispatches": [(s.micro_batch, s.start, s.end) for s in dispatches],
             "logits": out.logits.detach(), "loss": out.loss.detach(),
             "aux": None if out.aux_loss is None else out.aux_loss.detach(),
             "router_logits": [r.detach() for r in out.router_logits or ()],

@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Generator, Protocol, Sequence
 
 from torch import Tensor
 
-from mc2.engine.autograd.staged import first_dispatches_in_turn, micro_batch_label
+from mc2.engine.autograd.staged import micro_batch_label
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
@@ -91,22 +91,21 @@ def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
                 leave(index, i, finish_stages(stages, call))
 
     depth = 0
-    with first_dispatches_in_turn():  # the backward's first gradient dispatches: one at a time
-        for depth, row in enumerate(zip(*layers)):
-            for i, layer in enumerate(row):
-                finish(depth - 1, i)  # its combine travelled under the others' work
-                if i == 0 and gathers:
-                    gathers.gather(depth)
-                with label(i):
-                    stages = layer(h[i])
-                    call, done = start_stages(stages)
-                if call is None:
-                    leave(depth, i, done)
-                else:
-                    pending[i] = (stages, call)
-            for entry in pending:
-                if entry is not None:
-                    entry[1].experts()
-        for i in range(count):
-            finish(depth, i)
+    for depth, row in enumerate(zip(*layers)):
+        for i, layer in enumerate(row):
+            finish(depth - 1, i)  # its combine travelled under the others' work
+            if i == 0 and gathers:
+                gathers.gather(depth)
+            with label(i):
+                stages = layer(h[i])
+                call, done = start_stages(stages)
+            if call is None:
+                leave(depth, i, done)
+            else:
+                pending[i] = (stages, call)
+        for entry in pending:
+            if entry is not None:
+                entry[1].experts()
+    for i in range(count):
+        finish(depth, i)
     return h

@@ -47,7 +47,6 @@ from mc2.observation.profiler import active_timeline
 from mc2.engine.autograd.prepare import autocast_inputs, function_inputs, guarded
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
-from mc2.engine.passes.first_dispatches import FirstDispatches
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.run import (
     CallInputs, ForwardState, advance, backward_stages, forward_stages, scale_grad, state_of,
@@ -73,7 +72,6 @@ class _State:
     state: ForwardState | None = None
     backward: Generator[str, None, Any] | None = None
     grads: Any = None
-    turns: FirstDispatches | None = None  # the step's (:func:`first_dispatches_in_turn`)
 
     def step_forward(self, through: str | None = None) -> None:
         """Run the forward pass to its next stop (or its end); with ``through``, on past
@@ -174,8 +172,7 @@ class _End(torch.autograd.Function):
         state: _State = ctx.state
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state.state, grad_out, state.needs)
-        state.backward = backward_stages(grad_out, state.inputs, state.state, state.needs,
-                                         state.turns)
+        state.backward = backward_stages(grad_out, state.inputs, state.state, state.needs)
         state.state = None
         state.step_backward()
         return _token(grad_out), None, grad_scale, None  # combine's: _Begin's
@@ -199,20 +196,6 @@ class StagedCall:
 
 
 _LABEL: contextvars.ContextVar[int] = contextvars.ContextVar("mc2_staged_micro_batch", default=0)
-_TURNS: contextvars.ContextVar[FirstDispatches | None] = contextvars.ContextVar(
-    "mc2_staged_first_dispatches", default=None)
-
-
-@contextmanager
-def first_dispatches_in_turn() -> Iterator[None]:
-    """Calls begun inside share one :class:`~mc2.engine.passes.first_dispatches.FirstDispatches`:
-    their backward passes issue their first gradient dispatches one at a time (batch overlap's
-    steps: its two micro-batches' top-layer gradients arrive at once)."""
-    token = _TURNS.set(FirstDispatches())
-    try:
-        yield
-    finally:
-        _TURNS.reset(token)
 
 
 @contextmanager
@@ -255,8 +238,7 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     _, (s_up, s_gate, s_down, s_scale) = function_inputs(x, expert_ids, None, full_shared)
     experts = weights.tensors()
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
-                   CallInputs(False, False, False, False, False, False, ()), seconds,
-                   turns=_TURNS.get())
+                   CallInputs(False, False, False, False, False, False, ()), seconds)
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
     token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)

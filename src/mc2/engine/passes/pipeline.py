@@ -51,7 +51,6 @@ from mc2.engine.transport.comm import PendingTransfer, abandon
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.engine.transport.watchdog import check as check_deadlines
 from mc2.engine.decide.routing import DispatchHandle
-from mc2.engine.passes.first_dispatches import FirstDispatches
 from mc2.engine.transport.wire import NONE, WireFormat
 from mc2.engine.transport.workspace import Workspace
 
@@ -129,8 +128,8 @@ def run_pipeline(
         pass
 
 
-def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device,
-                turns: FirstDispatches | None = None) -> Iterator[str]:
+def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
+                ) -> Iterator[str]:
     """The pass's schedule, stopping before each wait when overlapped (see
     :func:`~mc2.engine.passes.pipeline.start_pass`); the serial schedule runs through. Inside
     a graph capture no span is recorded: it would time the capture, not the replays."""
@@ -140,19 +139,17 @@ def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.devic
                      wire=call.wire, workspace=call.workspace)
         return
     yield from start_pass(call.handle, steps, phase=phase, timeline=timeline,
-                          wire=call.wire, workspace=call.workspace, turns=turns)
+                          wire=call.wire, workspace=call.workspace)
 
 
 def start_pass(handle: DispatchHandle, steps: PipelineSteps, *, phase: str,
                timeline: Timeline | None = None, wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
-               workspace: Workspace | None = None, turns: FirstDispatches | None = None
-               ) -> Iterator[str]:
+               workspace: Workspace | None = None) -> Iterator[str]:
     """The overlapped schedule as a generator that stops before each wait: it yields
     ``"dispatch"`` when a dispatch is in flight and is about to be waited for, ``"combine"``
     likewise, and ends when the pass is done. A caller runs other work at each stop: batch
     overlap (:mod:`mc2.engine.autograd.staged`) computes the other micro-batch there."""
-    return staged_pass(_Pass(handle, steps, phase, timeline, wire, workspace, staged=True,
-                             turns=turns))
+    return staged_pass(_Pass(handle, steps, phase, timeline, wire, workspace, staged=True))
 
 
 def staged_pass(one_pass: "_Pass") -> Iterator[str]:
@@ -177,7 +174,6 @@ class _Pass:
     wire: tuple[WireFormat, WireFormat]
     workspace: Workspace | None
     staged: bool = False  # a caller runs other work at the stops (start_pass)
-    turns: FirstDispatches | None = None  # shared with other passes: whose first dispatch goes
     dispatches: dict[int, Pending] = field(default_factory=dict)  # in flight, by micro-batch
     combines: dict[int, Pending] = field(default_factory=dict)
 
@@ -271,14 +267,9 @@ class _Pass:
         released on an error."""
         k = self.handle.num_micro_batches
         # without local work the fill gets the link to itself (module docstring)
-        # (and where the first dispatch may wait its turn, the second waits for it too)
-        first_alone = self.steps.local is None or self.turns is not None
+        first_alone = self.steps.local is None
         owed: list[int] = []  # micro-batches whose deferred work runs after the next stop
-        first = self.prepare(0, self.gather(0), 0)
-        if self.turns is None:
-            self.dispatches[0] = first(True)
-        else:
-            self.turns.issue(self, lambda: self.dispatches.__setitem__(0, first(True)))
+        self.dispatches[0] = self.send(0, self.gather(0), async_op=True)
         for i in range(k):
             issue_next = self.prepare(i + 1, self.gather(i + 1), 0) if i + 1 < k else None
             if issue_next is not None and not (i == 0 and first_alone):
@@ -287,12 +278,8 @@ class _Pass:
                 self.local()
             yield "dispatch"
             self._pay(owed)
-            if i == 0 and self.turns is not None:
-                self.turns.before_wait(self)
             with self._span("wait", "dispatch", i):
                 received = self.waited(self.dispatches.pop(i), "dispatch", i)
-            if i == 0 and self.turns is not None:
-                self.turns.arrived(self)
             if issue_next is not None:
                 self.dispatches[i + 1] = issue_next(True)
             self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)

@@ -39,7 +39,6 @@ from mc2.engine.compute.experts import (
 )
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan
-from mc2.engine.passes.first_dispatches import FirstDispatches
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
 from mc2.engine.passes.travel import TRAVELS
@@ -209,7 +208,7 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
 
 
 def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: ForwardState,
-                    needs: CallInputs[bool], turns: FirstDispatches | None = None
+                    needs: CallInputs[bool]
                     ) -> Generator[str, None, tuple[Tensor, tuple[Tensor | None, ...],
                                                     tuple[Tensor | None, ...], Tensor | None]]:
     """The output gradients out along the dispatch routes, the input gradients back along the
@@ -220,8 +219,6 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     Returns:
         ``(grad_x [T, H], routed expert grads in the layout's order, shared grads (up, gate,
         down), the combine weights' ``[T, topk]`` gradient or ``None`` where not needed)``.
-    ``turns``: shared with other passes whose first dispatches take turns on the link
-    (:mod:`~mc2.engine.passes.first_dispatches`: batch overlap's backward).
     """
     call = state.call
     ws, tokens, hidden = call.workspace, call.handle.num_tokens, grad_out.shape[-1]
@@ -246,7 +243,7 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     yield from pass_stages(call, PipelineSteps(
         gather=rows.gather, compute=rows.compute, scatter=rows.scatter, deferred=rows.deferred,
         local=shared_experts if shared is not None else None,
-    ), "backward", grad_out.device, turns)
+    ), "backward", grad_out.device)
     grad_x, expert_grads, grad_combine = rows.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
     return grad_x, expert_grads, shared_out, grad_combine
