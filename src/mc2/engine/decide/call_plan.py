@@ -354,22 +354,25 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, (NONE, NONE),
                           None, group, timeout)
+    values = facts.values()
     agreed = group_state(group).agreed_capacity
-    steady = problem is None and facts.values() in agreed
+    steady = problem is None and values in agreed
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
-    agreement = None
-    if on_host or not steady:  # trusted: waited for once the slabs are planned (below)
+    trusted = None  # a steady call's agreement, waited for once the slabs are planned (below)
+    if on_host or not steady:
         with maybe_span(timeline, "comm", "handshake", "forward"):
             agreement = agreement_issued(
                 problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                 shared=facts, group=group,
                 total_experts=group_size(group) * (weights.local_experts if weights else 0),
                 check_finite=config.check_finite, on_host=on_host, trusted=steady)
-            if not steady:
+            if steady:
+                trusted = agreement
+            else:
                 agreement()
-        agreed.add(facts.values())
+        agreed.add(values)
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
     # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
@@ -386,10 +389,10 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                              micro_batches=k, world=group_size(group),
                              local_experts=weights.local_experts, group=group, style=style,
                              overflow=config.overflow,
-                             fingerprint=fingerprint_of(facts.values()))
-    if agreement is not None and steady:  # before any slab is issued
+                             fingerprint=fingerprint_of(values))
+    if trusted is not None:  # before any slab is issued
         with maybe_span(timeline, "comm", "handshake", "forward"):
-            agreement()
+            trusted()
     call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,

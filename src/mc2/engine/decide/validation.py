@@ -292,32 +292,45 @@ def agreement_issued(
         facts = {"failed": 0, "tokens": x.numel() // x.shape[-1], "topk": expert_ids.shape[-1],
                  **alike}
         device = x.device
-        checks = None if trusted else _data_checks(x, expert_ids, routing_weights, check_finite)
     else:
         alike = {"device type": 0, **SharedFacts.unknown().described()}
         facts = {"failed": 1, "tokens": 0, "topk": 0, **alike}
         device = x.device if isinstance(x, Tensor) else torch.device("cpu")
-        checks = torch.full((3,), _ABSENT, dtype=torch.int64, device=device)
-    # always present, so ranks that disagree on dedup still reduce tensors of one size
-    sent = rows.reshape(1).to(torch.int64) if rows is not None and problem is None else \
-        torch.full((1,), _ABSENT, dtype=torch.int64, device=device)
-    # capacity calls' errors: the same elements on every rank
-    errors = pending(group, device) if problem is None and not trusted else \
-        torch.zeros(COUNTS, dtype=torch.int64, device=device)
     slots = _Slots(list(facts))
     head = list(facts.values()) + [-v for v in facts.values()]
-    if on_host:
-        tail = [_ABSENT] * (len(slots.data)) + [0] * COUNTS if trusted or problem is not None \
-            else read(torch.cat([checks, sent, errors]))
-        reduced = all_reduce_max_later(host_vector(head + tail), group, "handshake")
+    if on_host:  # trusted, or a bad input: nothing of this rank's data to add (no read)
+        data = _neutral_tail(slots) if trusted or problem is not None else \
+            read(_data_tail(x, expert_ids, routing_weights, check_finite, rows, group))
+        reduced = all_reduce_max_later(host_vector(head + data), group, "handshake")
         values = lambda: read_host_memory(reduced())  # noqa: E731
     else:
-        local = upload(head, device)
-        reduced = all_reduce_max_later(torch.cat([local, checks, sent, errors]), group,
+        tail = _data_tail(x, expert_ids, routing_weights, check_finite, rows, group) \
+            if problem is None else torch.cat([  # _neutral_tail, made on the device
+                torch.full((len(slots.data),), _ABSENT, dtype=torch.int64, device=device),
+                torch.zeros(COUNTS, dtype=torch.int64, device=device)])
+        reduced = all_reduce_max_later(torch.cat([upload(head, device), tail]), group,
                                        "handshake")
         values = lambda: read(reduced())  # noqa: E731
     return lambda: _agreement(slots.read(values()), problem, alike, x, expert_ids,
                               routing_weights, group, total_experts, rows)
+
+
+def _neutral_tail(slots: "_Slots") -> list[int]:
+    """The data part of a vector with nothing of this rank's data in it: every check absent,
+    no error counted (a rank whose input is bad, or a trusted capacity call)."""
+    return [_ABSENT] * len(slots.data) + [0] * COUNTS
+
+
+def _data_tail(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
+               check_finite: bool, rows: Tensor | None, group: Any) -> Tensor:
+    """The data part of this rank's vector, computed on the device: the checks, the rows once
+    per destination (absent where rows go per pair: the slot is always present, so ranks that
+    disagree on dedup still reduce tensors of one size) and the group's capacity-call error
+    counts."""
+    sent = rows.reshape(1).to(torch.int64) if rows is not None else \
+        torch.full((1,), _ABSENT, dtype=torch.int64, device=x.device)
+    return torch.cat([_data_checks(x, expert_ids, routing_weights, check_finite), sent,
+                      pending(group, x.device)])
 
 
 def _agreement(reduced: "_Reduced", problem: str | None, alike: dict[str, int], x: Any,

@@ -11,6 +11,8 @@ slot table and sent back once at the end of the backward.
 from __future__ import annotations
 
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -50,9 +52,12 @@ class OnceBackward(PairsBackward):
     dotted with the row (filed in the micro-batch's slot table); the summed input gradient
     back."""
 
-    def local_combine_grad(self) -> Tensor | None:
+    def __init__(self, grad_out: Tensor, inputs: Any, state: Any, needs: Any) -> None:
         self.weight_tables: list[Tensor] = []  # per micro-batch: [r_i, topk]
-        return None
+        super().__init__(grad_out, inputs, state, needs)
+
+    def local_combine_grad(self) -> Tensor | None:
+        return None  # computed where the experts are, sent back in finish()
 
     def gather(self, i: int) -> Tensor:  # each destination scales by its own slots' weights
         return gather_rows(self.ws, self.grad_out, self.routes[i].token_index)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mc2.engine.decide.routing import MicroBatchRoute
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.transport.workspace import Workspace
 
@@ -29,21 +28,29 @@ def gather_rows(ws: Workspace, source: Tensor, index: Tensor) -> Tensor:
     return torch.index_select(source, 0, index, out=out)
 
 
-def _to_expert_order(ws: Workspace, route: MicroBatchRoute, received: Tensor) -> Tensor:
-    if route.expert_gather is None:
-        return received
-    out = ws.empty(tuple(received.shape), received.dtype, received.device)
-    return torch.index_select(received, 0, route.expert_gather, out=out)
+class _ExpertOrder:
+    """Received rows to expert order and back (both passes): a permutation by the route's
+    ``expert_gather``, or nothing where arrival order already is expert order."""
+
+    ws: Workspace
+    routes: Any
+
+    def to_experts(self, i: int, received: Tensor) -> Tensor:
+        route = self.routes[i]
+        if route.expert_gather is None:
+            return received
+        out = self.ws.empty(tuple(received.shape), received.dtype, received.device)
+        return torch.index_select(received, 0, route.expert_gather, out=out)
+
+    def from_experts(self, i: int, rows: Tensor) -> Tensor:
+        route = self.routes[i]
+        if route.expert_gather is None:
+            return rows
+        out = self.ws.empty(tuple(rows.shape), rows.dtype, rows.device)
+        return out.index_copy_(0, route.expert_gather, rows)
 
 
-def _to_receive_order(ws: Workspace, route: MicroBatchRoute, rows: Tensor) -> Tensor:
-    if route.expert_gather is None:
-        return rows
-    out = ws.empty(tuple(rows.shape), rows.dtype, rows.device)
-    return out.index_copy_(0, route.expert_gather, rows)
-
-
-class PairsForward:
+class PairsForward(_ExpertOrder):
     """The forward's per-micro-batch steps: each pair's row out, its expert's output back,
     filed in ``result.expert_out`` at the pair's place."""
 
@@ -62,12 +69,6 @@ class PairsForward:
     def gather(self, i: int) -> Tensor:
         return gather_rows(self.ws, self.x, self.routes[i].token_index)
 
-    def to_experts(self, i: int, received: Tensor) -> Tensor:
-        return _to_expert_order(self.ws, self.routes[i], received)
-
-    def from_experts(self, i: int, y: Tensor) -> Tensor:
-        return _to_receive_order(self.ws, self.routes[i], y)
-
     def compute(self, i: int, received: Tensor) -> Tensor:
         route = self.routes[i]
         y, self.result.activations[i] = self.experts.run(
@@ -83,7 +84,7 @@ class PairsForward:
         """Nothing left: the rows are filed."""
 
 
-class PairsBackward:
+class PairsBackward(_ExpertOrder):
     """The backward's steps: each pair's output gradient (times its weight) out, its input
     gradient back and added to its token's; the experts' weight gradients while those travel.
     The combine weights' gradient is local (:meth:`__init__`)."""
@@ -114,12 +115,6 @@ class PairsBackward:
         rows = gather_rows(self.ws, self.grad_out, route.token_index)
         weights = self.inputs.combine.reshape(-1).index_select(0, route.pair_order)
         return rows.mul_(weights.unsqueeze(1))
-
-    def to_experts(self, i: int, received: Tensor) -> Tensor:
-        return _to_expert_order(self.ws, self.routes[i], received)
-
-    def from_experts(self, i: int, grad_in: Tensor) -> Tensor:
-        return _to_receive_order(self.ws, self.routes[i], grad_in)
 
     def compute(self, i: int, received: Tensor) -> Tensor:
         route = self.routes[i]

@@ -122,8 +122,7 @@ class Sorted:
         grad_in, work = self.experts.backward(saved.saved, rows * pairs.weights.unsqueeze(1),
                                               [], pairs.offsets, grads, strategy="grouped",
                                               workspace=self.call.workspace)
-        if work is not None:
-            grads.add(work, strategy="grouped")
+        grads.add(work, strategy="grouped")  # (nothing where no row came: work is None)
         return pairs.reduce(grad_in, received.shape[0], weighted=False), slots.view(-1, k)
 
 
