@@ -134,17 +134,15 @@ def _node_count_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def nodes(args: argparse.Namespace) -> dict[str, Any]:
-    from mc2.tools.netns import EmulatedCluster, NetnsError, check_requirements
+    from mc2.tools.netns import EmulatedCluster, cluster_problem
 
     cfg = replace(_step_config(args), experts=16, topk=4, hierarchies=("2d",))
     counted = mc2.run_local(_node_count_rank, 4, args=(cfg,), ranks_per_node=2, timeout_s=300)
     result: dict[str, Any] = {
         "bytes_across_nodes_per_call": {"off": sum(r[False] for r in counted),
                                         "on": sum(r[True] for r in counted)}}
-    try:
-        check_requirements()
-    except NetnsError as exc:
-        print(f"nodes: step skipped ({exc})", file=sys.stderr)
+    if (problem := cluster_problem()) is not None:
+        print(f"nodes: step skipped ({problem})", file=sys.stderr)
         return result
     print(f"== nodes: 2 x 2, inter-node {args.inter_node}", file=sys.stderr, flush=True)
     with EmulatedCluster(2, 2, args.inter_node) as cluster:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mc2.engine.compute.experts import ExpertWeights, WeightGrads, swiglu_backward, swiglu_forward
+from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
 from mc2.engine.transport.workspace import Workspace
 
 
@@ -41,11 +41,7 @@ def make(layout: str, dtype: torch.dtype, args: argparse.Namespace, device: str 
 
 
 def step(x, counts, weights, strategy: str, ws: Workspace) -> None:
-    y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
-                              workspace=ws)
-    grads = WeightGrads(weights, None, ws)
-    swiglu_backward(y, saved, counts, weights, grads, strategy=strategy)
-    grads.finish()
+    forward_and_backward(x, counts, weights, strategy=strategy, workspace=ws)
 
 
 def main() -> None:

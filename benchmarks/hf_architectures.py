@@ -1,11 +1,11 @@
 """Every Hugging Face architecture with an expert-parallel plan, under ``ep_implementation="mc2"``.
 
 For each model type whose config's ``base_model_ep_plan`` has an ``ep_dispatch_experts`` rule
-(:func:`mc2.tools.hf_tiny.ep_architectures`): does a tiny model build, does it run under
+(:func:`tests.hf_tiny.ep_architectures`): does a tiny model build, does it run under
 ``DistributedConfig(ep_size=2, ..., ep_implementation="mc2")`` on 2 local ranks in each of
 Hugging Face's two layouts (``dp``: ranks hold different batches; ``tp``: the EP group shares
 one), and do its logits, loss and every gradient match the unsharded model (float32, relative
-1e-5)? One world per layout and batch of architectures (:mod:`mc2.tools.hf_ep_check`)::
+1e-5)? One world per layout and batch of architectures (:func:`tests.workers_hf_ep.check`)::
 
     .venv/bin/python benchmarks/hf_architectures.py --json docs/hf_architectures.json \\
         --markdown docs/hf_architectures.md
@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from mc2.tools.hf_ep_check import check
-from mc2.tools.hf_tiny import ep_architectures
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.hf_tiny import ep_architectures  # noqa: E402
+from tests.workers_hf_ep import check  # noqa: E402
 
 TOLERANCE = 1e-5
 

@@ -2,7 +2,7 @@
 parallelism running mc2's pipeline, on ten architectures (mixtral, qwen3_moe, qwen2_moe, olmoe,
 deepseek_v3, gpt_oss, glm4_moe, granitemoe, phimoe, jamba), in both of Hugging Face's layouts,
 float32: logits, loss and every gradient equal to the unsharded model within 1e-5. One world
-per layout runs all ten (mc2.tools.hf_ep_check)."""
+per layout runs all ten (tests.workers_hf_ep)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mc2
-from mc2.tools.hf_ep_check import check
+from tests.workers_hf_ep import check
 
 ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss",
                  "glm4_moe", "granitemoe", "phimoe", "jamba"]
@@ -73,7 +73,7 @@ NO_GRAD_CHOICE = [("mixtral", None, "all_reduce"), ("mixtral", "eager", "all_red
 @pytest.mark.parametrize("model_type,implementation,choice", NO_GRAD_CHOICE)
 def test_no_grad_on_a_shared_batch_runs_what_the_experts_can_take_and_says_so(
         tmp_path, model_type: str, implementation: str | None, choice: str) -> None:
-    from mc2.tools.hf_tiny import tiny_model
+    from tests.hf_tiny import tiny_model
 
     model = tiny_model(model_type)
     if implementation is not None:
@@ -95,7 +95,7 @@ def test_gradient_checkpointing_generate_and_save_pretrained(tmp_path) -> None:
     model that loads unsharded with the same weights."""
     from transformers import AutoModelForCausalLM
 
-    from mc2.tools.hf_tiny import tiny_model
+    from tests.hf_tiny import tiny_model
     from tests.workers_hf_ep import stack_step
 
     model = tiny_model("mixtral")
@@ -125,7 +125,7 @@ def test_a_training_step_reads_the_host_no_more_than_fused_expert(tmp_path) -> N
     ``ep_implementation="mc2"``: each layer's call reads the host at most twice (the
     handshake and the counts: ``fused_expert``'s own; the module's experts stage reads
     nothing), and the whole backward reads nothing."""
-    from mc2.tools.hf_tiny import tiny_model
+    from tests.hf_tiny import tiny_model
     from tests.workers_hf_ep import counted_step
 
     tiny_model("mixtral").save_pretrained(tmp_path / "in")

@@ -56,7 +56,7 @@ def test_enable_mc2_runs_blocks_it_does_not_compute_through_their_own_experts(
     """gpt-oss (expert biases, clamped activation) and DeepSeek-V3 (correction bias, shared
     experts) were refused; now each block keeps its forward and its experts module runs as the
     pipeline's stage: logits and every gradient equal the unpatched model's (float32)."""
-    from mc2.tools.hf_tiny import tiny_model
+    from tests.hf_tiny import tiny_model
     from tests.workers_module import enable_step
 
     model = tiny_model(model_type)

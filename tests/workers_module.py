@@ -77,7 +77,7 @@ def enable_step(rank: int, world: int, model_type: str, ids: Tensor, grad: Tenso
     this rank's logits and gradients (experts by global index)."""
     from mc2.integrations.module_stage import ModuleStageExperts
     from mc2.integrations.transformers import enable_mc2
-    from mc2.tools.hf_tiny import tiny_model
+    from tests.hf_tiny import tiny_model
 
     model = tiny_model(model_type)
     replaced = enable_mc2(model)

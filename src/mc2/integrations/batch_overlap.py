@@ -142,7 +142,7 @@ def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str
     if begin is None:
         return h + layer.mlp(x)
     out = yield begin(x)
-    return h + out
+    return h + out.view_as(h)  # an MC2 block's staged call ends with [tokens, H]
 
 
 CACHE_KEYS = ("cache", "past_key_values")  # the name of the KV cache argument, new and old

@@ -52,12 +52,6 @@ ALL_REDUCE_TOKENS = 64
 _log = logging.getLogger(__name__)
 
 
-def _base() -> type:
-    from transformers.distributed.expert_parallel import EPImplementation
-
-    return EPImplementation
-
-
 def all_reduce_pays(tokens: int, ranks: int, topk: int) -> bool:
     """Whether a no-grad call on a shared batch of ``tokens`` runs the all-reduce (see the
     module docstring)."""
@@ -83,9 +77,9 @@ def _runs_masked_route(implementation: Any, hidden_states: Tensor) -> bool:
 
 def _implementation(config: MC2Config) -> type:
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from transformers.distributed.expert_parallel import AllReduceEP
+    from transformers.distributed.expert_parallel import AllReduceEP, EPImplementation
 
-    class MC2ExpertParallel(_base()):  # type: ignore[misc]
+    class MC2ExpertParallel(EPImplementation):
         """An experts module's tokens through mc2's pipeline (see the module docstring)."""
 
         def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:

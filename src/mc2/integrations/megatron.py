@@ -58,7 +58,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
-TESTED_VERSIONS = ("0.16.1",)
 # the config of mc2.integrations.megatron_patch: JSON text or a JSON file's path
 ENV = "MC2_MEGATRON_CONFIG"
 

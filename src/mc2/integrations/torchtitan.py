@@ -45,7 +45,6 @@ and options that are not :class:`~mc2.MC2Config` fields or that it rejects.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +69,10 @@ COMPUTE_DTYPE = torch.bfloat16
 def mc2_config_of(options: dict[str, Any]) -> MC2Config:
     """:class:`~mc2.MC2Config` from the override's keywords; ``ValueError`` naming a keyword
     that is no field (TorchTitan would raise ``TypeError`` from deep in its override code)."""
-    names = {f.name for f in dataclasses.fields(MC2Config)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise ValueError(f"mc2_routed_experts: {unknown} are not MC2Config fields "
-                         f"(fields: {sorted(names)})")
-    return MC2Config(**options)
+    try:
+        return MC2Config.of(**options)
+    except TypeError as exc:  # "unknown mc2 option(s) [...]; MC2Config has [...]"
+        raise ValueError(f"mc2_routed_experts: {exc}") from None
 
 
 def _refuse_dispatcher(dispatcher_config: Any) -> None:

@@ -46,17 +46,17 @@ from typing import Any, Unpack
 import torch
 from torch import Tensor, nn
 
+from mc2.engine.autograd.staged import StagedCall
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.integrations.module_stage import (
     ModuleStageExperts, ep_experts, experts_problem, shard_experts
 )
 from mc2.parallel.expert_shards import expert_shards
-from mc2.parallel.grad_sync import average_gradients
 from mc2.layer import PackedExperts
 from mc2.parallel.mesh import resolve_layout
 
-__all__ = ["enable_mc2", "average_gradients", "expert_parameters", "MC2SparseMoeBlock",
-           "LocalExperts", "EXPERTS_IMPLEMENTATIONS"]
+__all__ = ["enable_mc2", "expert_parameters", "MC2SparseMoeBlock", "LocalExperts",
+           "EXPERTS_IMPLEMENTATIONS"]
 
 EXPERTS_IMPLEMENTATIONS = {"eager": "loop", "grouped_mm": "grouped"}
 """Hugging Face ``experts_implementation`` -> mc2 ``gemm``, where mc2 has the same kind of
@@ -167,12 +167,13 @@ class MC2SparseMoeBlock(nn.Module):
         x, call_args = self._call_args(hidden_states)
         return self.experts(x, **call_args).reshape(hidden_states.shape)
 
-    def begin_staged(self, hidden_states: Tensor) -> "_Reshaped":
+    def begin_staged(self, hidden_states: Tensor) -> StagedCall:
         """:meth:`forward` in stages, for batch overlap
         (:mod:`mc2.integrations.batch_overlap`): routes, plans the call and issues its
-        dispatch; ``.experts()`` then ``.end()`` (the output) finish it."""
+        dispatch; ``.experts()`` then ``.end()`` (the output, ``[tokens, H]``: the caller
+        takes its own shape back) finish it."""
         x, call_args = self._call_args(hidden_states)
-        return _Reshaped(self.experts.begin_staged(x, **call_args), hidden_states.shape)
+        return self.experts.begin_staged(x, **call_args)
 
     def _call_args(self, hidden_states: Tensor) -> tuple[Tensor, dict[str, Any]]:
         """The tokens ``[T, H]`` (with Mixtral's jitter in training: router and experts see it)
@@ -213,19 +214,6 @@ class MC2SparseMoeBlock(nn.Module):
         views = tuple(getattr(mlp, name).weight.t().unsqueeze(0)
                       for name in ("up_proj", "gate_proj", "down_proj"))
         return views, torch.sigmoid(self.shared_expert_gate(x))
-
-
-class _Reshaped:
-    """A staged call whose output takes the block's input shape back."""
-
-    def __init__(self, call: Any, shape: torch.Size) -> None:
-        self.call, self.shape = call, shape
-
-    def experts(self) -> None:
-        self.call.experts()
-
-    def end(self) -> Tensor:
-        return self.call.end().reshape(self.shape)
 
 
 def gemm_for(experts_implementation: str) -> str:

@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from mc2.observation.profiler import ENGINES
 from mc2.observation.timeline import Span
-
-_LANES = {"compute": 0, "wait": 0, "comm": 1, "transfer": 1}
 
 
 def pyplot() -> Any:
@@ -56,7 +55,7 @@ def plot_gantt(runs: dict[str, Sequence[Sequence[Span]]], path: str | Path,
         for s in spans:
             if s.kind == "step":
                 continue
-            lane = _LANES[s.kind]
+            lane = ENGINES[s.kind]  # 0: compute, 1: communication
             y = (len(rows) - 1 - row) * 2.6 + (1 - lane) * 1.1
             color = "0.75" if s.micro_batch < 0 else cmap(s.micro_batch % 10)
             ax.broken_barh([((s.start - origin) * 1e3, s.duration * 1e3)], (y, 0.9),

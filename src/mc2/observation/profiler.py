@@ -21,7 +21,7 @@ import contextvars
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -195,7 +195,3 @@ def write_chrome_trace(path: str | Path, runs: dict[str, Sequence[Sequence[Span]
     path = Path(path)
     path.write_text(json.dumps(chrome_trace(runs)))
     return path
-
-
-def metrics_dict(m: RankMetrics) -> dict[str, float]:
-    return asdict(m)

@@ -4,7 +4,7 @@ Usage::
 
     with mc2.count_traffic() as traffic:
         out = mc2.fused_expert(...)
-    traffic.pairs, traffic.rows_sent, traffic.bytes_off_rank(rank)
+    traffic.pairs, traffic.rows_sent, traffic.rows_across_nodes(node_of_rank, rank)
 
 Why a counter and not a formula: where rows travel once per destination (``dedup=True``) the
 rows a call sends depend on the routing, and the saving is claimed against
@@ -57,14 +57,6 @@ class Traffic:
     def rows(self) -> int:
         """Rows dispatched, to every destination."""
         return sum(self.rows_sent)
-
-    def rows_off_rank(self, rank: int) -> int:
-        """Rows that left this rank (``rank``: this rank's index in the group)."""
-        return self.rows - (self.rows_sent[rank] if rank < len(self.rows_sent) else 0)
-
-    def bytes_off_rank(self, rank: int) -> int:
-        """Bytes the forward's dispatch put on the links (the combine returns as many)."""
-        return self.rows_off_rank(rank) * self.row_bytes
 
     def rows_across_nodes(self, node_of_rank: list[int], rank: int) -> int:
         """Rows that crossed to another node: the 2-D exchange's first stage where it ran,

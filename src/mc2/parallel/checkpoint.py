@@ -103,28 +103,14 @@ def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any]) -> An
         mesh, placements = meshes[key]
         local = tensor
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full_shape,
-                              stride=_contiguous_stride(full_shape))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= n
-    return tuple(reversed(out))
-
-
-def model_state_dict(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict()`` with every expert shard as a slice of the full tensor.
-
-    Without ``torch.distributed`` (one process) the shards already are the full tensors.
-    """
-    return _model_state(model)[0]
+                              stride=torch.empty(full_shape, device="meta").stride())
 
 
 def _model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(state for DCP, the model's own state)``; the expert entries of the first share
-    storage with those of the second, so DCP loading into one loads into both."""
+    """``(state for DCP, the model's own state)``: ``model.state_dict()`` with every expert
+    shard as a slice of the full tensor (without ``torch.distributed`` the shards already are
+    the full tensors). The expert entries of the first share storage with those of the
+    second, so DCP loading into one loads into both."""
     own = dict(model.state_dict())
     state = dict(own)
     if initialized():
@@ -134,17 +120,11 @@ def _model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     return state, own
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name, expert moments sharded like the expert.
-
-    Initialises empty state (a step with zero learning rate), so the keys exist to load into.
-    """
-    return _optimizer_state(model, optimizer)[0]
-
-
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """As :func:`_model_state`, for the optimizer."""
+    """As :func:`_model_state`, for the optimizer: its state keyed by parameter name, expert
+    moments sharded like the expert. ``get_optimizer_state_dict`` initialises empty state, so
+    the keys exist to load into."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -176,10 +156,10 @@ def save(model: nn.Module, path: str | os.PathLike, *,
     Raises:
         TypeError: ``extra`` is not JSON-serialisable (it is never pickled).
     """
-    state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_state_dict(model).items()}
+    state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in _model_state(model)[0].items()}
     if optimizer is not None:
         state.update({OPTIMIZER_PREFIX + k: v
-                      for k, v in optimizer_state_dict(model, optimizer).items()})
+                      for k, v in _optimizer_state(model, optimizer)[0].items()})
     state[EXTRA_KEY] = io.BytesIO(_extra_bytes(extra))
     _dcp("save", state, path)
 

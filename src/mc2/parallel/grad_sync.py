@@ -94,13 +94,9 @@ def _all_reduce_mean(params: list[nn.Parameter], group: Any, divide_by: int) -> 
     for p in params:
         by_dtype.setdefault((p.dtype, p.device), []).append(p)
     for same in by_dtype.values():
-        _all_reduce_flat(same, group, divide_by)
-
-
-def _all_reduce_flat(params: list[nn.Parameter], group: Any, divide_by: int) -> None:
-    flat = flat_grads(params)
-    dist.all_reduce(flat, group=group)
-    write_back(params, flat, divide_by)
+        flat = flat_grads(same)
+        dist.all_reduce(flat, group=group)
+        write_back(same, flat, divide_by)
 
 
 def flat_grads(params: list[nn.Parameter]) -> Tensor:

@@ -14,9 +14,8 @@ waits on asynchronous ones), and the rest (autograd, allocation, the weighted su
 from __future__ import annotations
 
 import itertools
-
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -243,7 +242,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
                     _step(*problem, mode, cfg, None)
             raw["traces"][mode.name] = prof.gather()
         if cfg.trace_overhead:
-            raw["overhead"] = _recording_overhead(*problem, modes[-1], cfg)
+            raw["profiler_overhead"] = _recording_overhead(*problem, modes[-1], cfg)
     return raw
 
 
@@ -257,9 +256,9 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
                                                    weights=weights, group=None)}
     cal = planner.calibration(weights, None)
     work = planner.workload(cfg.tokens_per_rank, cfg.topk, weights, None)
-    plan["predicted"] = {k: predict(cal, work, k).step_s
-                         for k in sorted(set(cfg.micro_batches) | {1})}
-    plan["predicted_serial"] = predict(cal, work, 1, overlap=False).step_s
+    plan["predicted_s"] = {k: predict(cal, work, k).step_s
+                           for k in sorted(set(cfg.micro_batches) | {1})}
+    plan["predicted_serial_s"] = predict(cal, work, 1, overlap=False).step_s
     autos = [m for m in modes if m.micro_batches == "auto"]
     calls = 0
     while calls == 0 or (calls <= planner.most_trial_calls() and not planner.settled()):
@@ -308,7 +307,7 @@ def _timed_rounds(rank: int, problem: tuple, modes: list[Mode], cfg: BenchConfig
                       flush=True)
     slowest_diff = _slowest([diffs[m.name] for m in modes])
     return {"samples": samples, "diffs": dict(zip([m.name for m in modes], slowest_diff)),
-            "fallbacks": fallbacks}
+            "sync_fallbacks": fallbacks}
 
 
 def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) -> float:
@@ -325,28 +324,19 @@ def _recording_overhead(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig) 
 
 
 def summarize(cfg: BenchConfig, world: int, raw: dict[str, Any]) -> BenchReport:
-    """Medians and the ratios of :mod:`mc2.observation.metrics` from :func:`bench_rank`'s samples."""
-    report = BenchReport(cfg, world)
+    """Medians and the ratios of :mod:`mc2.observation.metrics` from :func:`bench_rank`'s
+    samples; what else it returned (traces, the planner's view) under the report's own names."""
+    results = []
     for mode in modes_of(cfg):
-        rows = raw["samples"][mode.name]
-        report.step_samples[mode.name] = [r[0] for r in rows]
-        step = metrics.median(r[0] for r in rows)
-        comm = metrics.median(r[1] for r in rows)
-        report.results.append(ModeResult(
+        step, comm, compute = (metrics.median(r[i] for r in raw["samples"][mode.name])
+                               for i in range(3))
+        results.append(ModeResult(
             mode=mode.name, micro_batches=mode.micro_batches, overlap=mode.overlap, step_s=step,
-            exposed_comm_s=comm, compute_s=metrics.median(r[2] for r in rows),
-            tokens_per_s_per_rank=cfg.tokens_per_rank / step,
-            comm_share=metrics.comm_share(comm, step), max_diff=raw["diffs"][mode.name],
-        ))
-    report.traces = raw.get("traces", {})
-    report.auto_k = raw.get("auto_k", 0)
-    report.explore_calls = raw.get("explore_calls", 0)
-    report.auto_trials = raw.get("auto_trials", {})
-    report.auto_why = raw.get("auto_why")
-    report.sync_fallbacks = raw.get("fallbacks", {})
-    report.predicted_s = raw.get("predicted", {})
-    report.predicted_serial_s = raw.get("predicted_serial", float("nan"))
-    report.profiler_overhead = raw.get("overhead", float("nan"))
+            exposed_comm_s=comm, compute_s=compute, tokens_per_s_per_rank=cfg.tokens_per_rank / step,
+            comm_share=metrics.comm_share(comm, step), max_diff=raw["diffs"][mode.name]))
+    names = {f.name for f in fields(BenchReport)}
+    report = BenchReport(cfg, world, results, **{k: v for k, v in raw.items() if k in names},
+                         step_samples={m: [r[0] for r in rows] for m, rows in raw["samples"].items()})
     serial = report.serial
     for r in report.results:
         r.speedup = metrics.speedup(serial.step_s, r.step_s)
@@ -425,18 +415,6 @@ def format_article_table(report: BenchReport) -> str:
     lines += [f"{r['config']:<{width}} | {r['comm_share'] * 100:9.1f}% | "
               f"{r['tokens_per_s_per_rank']:,.0f}" for r in rows]
     return "\n".join(lines)
-
-
-def write_csv(report: BenchReport, path: str) -> None:
-    """Every mode's numbers, one row each."""
-    import csv
-
-    with open(path, "w", newline="") as f:
-        fields = list(asdict(report.results[0]))
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in report.results:
-            writer.writerow(asdict(r))
 
 
 def format_plan(report: BenchReport) -> str:

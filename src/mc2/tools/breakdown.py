@@ -51,20 +51,6 @@ class _Marker(torch.autograd.Function):
         return grad, None, None
 
 
-def _mark(x: Tensor, marks: dict, name: str) -> Tensor:
-    return _Marker.apply(x, marks, name)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 class TinyMixtralBlock(nn.Module):
     """Embedding + one Mixtral-style layer; this rank holds ``experts // world`` experts."""
 
@@ -75,7 +61,7 @@ class TinyMixtralBlock(nn.Module):
         local = experts // world
         self.topk, self.heads = topk, heads
         self.embed = nn.Embedding(vocab, hidden)
-        self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
+        self.norm1, self.norm2 = nn.RMSNorm(hidden, eps=1e-6), nn.RMSNorm(hidden, eps=1e-6)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.proj = nn.Linear(hidden, hidden, bias=False)
         self.gate = nn.Linear(hidden, experts, bias=False)
@@ -122,17 +108,17 @@ def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int 
     tl = Timeline()
     model.zero_grad(set_to_none=True)
     t0 = clock.stamp()
-    x = _mark(model.embed(tokens), marks, "embed_out")
+    x = _Marker.apply(model.embed(tokens), marks, "embed_out")
     t1 = clock.stamp()
     h = model.attention(x)
     n2 = model.norm2(h)
     t2 = clock.stamp()
-    ids, rw = model.route(_mark(n2, marks, "gate_in"))
+    ids, rw = model.route(_Marker.apply(n2, marks, "gate_in"))
     t3 = clock.stamp()
-    moe = fused_expert(_mark(n2, marks, "moe_in"), model.w_up, model.w_gate, model.w_down, ids,
-                       rw, micro_batches=k if overlap else 1, overlap=overlap, timeline=tl)
+    moe = fused_expert(_Marker.apply(n2, marks, "moe_in"), model.w_up, model.w_gate, model.w_down,
+                       ids, rw, micro_batches=k if overlap else 1, overlap=overlap, timeline=tl)
     t4 = clock.stamp()
-    loss = (h + _mark(moe, marks, "moe_out")).pow(2).mean()
+    loss = (h + _Marker.apply(moe, marks, "moe_out")).pow(2).mean()
     loss.backward()
     t6 = clock.stamp()
 

@@ -9,10 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report, run_bench, write_csv
+from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report, run_bench
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
 from mc2.tools.demo import DEMO, add_demo_arguments, run_demo
+from mc2.tools.netns import NetnsError
 from mc2.tools.traces import write_traces
 from mc2.tools.train import add_train_parser, run_train_command
 
@@ -71,10 +72,6 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
                    help="also time micro_batches='auto' (the planner)")
     p.add_argument("--split-sync", action="store_true",
                    help="also time K micro-batches without overlap, to separate split overhead")
-    p.add_argument("--breakdown", action="store_true",
-                   help="instead: split a Mixtral-like block's training step into the article's "
-                        "five parts (embedding + gate, dispatch, experts, combine, attention + "
-                        "residual + norm), serial vs MC2 with the first --micro-batches value")
     p.add_argument("--malloc-tuned", action="store_true",
                    help="tell glibc to keep freed memory in every rank (mallopt); off by default, "
                         "so the numbers are those of a plain process; labelled in the report")
@@ -85,7 +82,6 @@ def _add_problem_args(p: argparse.ArgumentParser, base: BenchConfig) -> None:
     add_config_arguments(p, skip=("micro_batches", "overlap", "hierarchy", "wire_dtype",
                                   "dedup", "capacity", "overflow"))
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
-    p.add_argument("--csv", type=Path, help="also write every mode's numbers as CSV")
     p.add_argument("--trace", type=Path, metavar="DIR",
                    help="profile one step per mode; write DIR/trace.json (Chrome/Perfetto, all "
                         "ranks), DIR/gantt.png (serial vs best MC2) and DIR/metrics.json")
@@ -115,27 +111,17 @@ def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
          extra: Callable[[BenchReport], str] | None = None) -> int:
-    try:
-        cfg = _config(args, base)
-    except ValueError as exc:
-        print(f"mc2: {exc}", file=sys.stderr)
-        return 2
+    cfg = _config(args, base)
     print(title, file=sys.stderr, flush=True)
-    if args.breakdown:
-        return _breakdown(args, cfg)
     if args.nodes:
-        from mc2.tools.netns import EmulatedCluster, NetnsError
+        from mc2.tools.netns import EmulatedCluster
 
         per_node = args.ranks_per_node or 1
-        try:
-            with EmulatedCluster(args.nodes, per_node, args.inter_node_bandwidth) as cluster:
-                print(f"emulated cluster: {args.nodes} nodes x {per_node} ranks, inter-node "
-                      f"links shaped to {cluster.bandwidth}", file=sys.stderr, flush=True)
-                report = run_bench(cfg, world_size=args.nodes * per_node, threads=args.threads,
-                                   ranks_per_node=per_node, rank_env=cluster.rank_environment)
-        except (NetnsError, ValueError) as exc:
-            print(f"mc2: {exc}", file=sys.stderr)
-            return 2
+        with EmulatedCluster(args.nodes, per_node, args.inter_node_bandwidth) as cluster:
+            print(f"emulated cluster: {args.nodes} nodes x {per_node} ranks, inter-node "
+                  f"links shaped to {cluster.bandwidth}", file=sys.stderr, flush=True)
+            report = run_bench(cfg, world_size=args.nodes * per_node, threads=args.threads,
+                               ranks_per_node=per_node, rank_env=cluster.rank_environment)
     else:
         report = run_bench(cfg, world_size=args.world_size, threads=args.threads,
                            ranks_per_node=args.ranks_per_node)
@@ -146,9 +132,6 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
     if args.json:
         args.json.write_text(json.dumps(report.to_dict(), indent=2))
         print(f"wrote {args.json}")
-    if args.csv:
-        write_csv(report, str(args.csv))
-        print(f"wrote {args.csv}")
     if args.trace:
         for path in write_traces(report, args.trace):
             print(f"wrote {path}")
@@ -212,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "tokens/rank, hidden 1024, ffn 2048)",
         description="Median step times of the serial path and MC2 for each K, in the same run.")
     _add_problem_args(bench, BenchConfig())
+    bench.add_argument("--breakdown", action="store_true",
+                       help="instead: split a Mixtral-like block's training step into the "
+                            "article's five parts (embedding + gate, dispatch, experts, combine, "
+                            "attention + residual + norm), serial vs MC2 with the first "
+                            "--micro-batches value")
     _add_simulate_parser(sub)
     add_train_parser(sub)
     sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
@@ -281,7 +269,7 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from mc2.sim.presets import PresetError, load_hardware, load_model
+    from mc2.sim.presets import load_hardware, load_model
     from mc2.sim.report import (
         article_check,
         article_rows,
@@ -301,33 +289,28 @@ def _simulate(args: argparse.Namespace) -> int:
               "(2 and 4 ranks; a few minutes)", file=sys.stderr, flush=True)
         print(format_checks(*validate(repeats=args.repeats)))
         return 0
-    try:
-        hw, model = load_hardware(args.hardware), load_model(args.model)
-        wire_bytes = _wire_bytes(args.wire_dtype, args.wire_block, model.hidden)
-        if wire_bytes is not None:
-            print(f"MC2 rows on the wire: {args.wire_dtype}, {wire_bytes:.3f} bytes per element",
-                  file=sys.stderr)
-        if len(args.nodes) <= 3:
-            rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew,
-                                wire_bytes=wire_bytes, dedup=args.dedup)
-            print(format_rows(rows, hw, model, args.tokens))
-            if args.dedup:
-                print(format_saved(rows))
-            print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
-                              args.dedup))
-            print()
-            print(article_check())
-            if model.name == "mixtral-8x7b":
-                need = implied_bandwidth(hw, model, args.tokens, args.seq, 0.47)
-                print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
-                      f"All-to-All ran at {need:.1f} GB/s per device, against "
-                      f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
-        scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
-                           args.dedup) \
-            if len(args.nodes) > 3 or args.plot else []
-    except (PresetError, ValueError) as exc:
-        print(f"mc2: {exc}", file=sys.stderr)
-        return 2
+    hw, model = load_hardware(args.hardware), load_model(args.model)
+    wire_bytes = _wire_bytes(args.wire_dtype, args.wire_block, model.hidden)
+    if wire_bytes is not None:
+        print(f"MC2 rows on the wire: {args.wire_dtype}, {wire_bytes:.3f} bytes per element",
+              file=sys.stderr)
+    if len(args.nodes) <= 3:
+        rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew,
+                            wire_bytes=wire_bytes, dedup=args.dedup)
+        print(format_rows(rows, hw, model, args.tokens))
+        if args.dedup:
+            print(format_saved(rows))
+        print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
+                          args.dedup))
+        print()
+        print(article_check())
+        if model.name == "mixtral-8x7b":
+            need = implied_bandwidth(hw, model, args.tokens, args.seq, 0.47)
+            print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
+                  f"All-to-All ran at {need:.1f} GB/s per device, against "
+                  f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
+    scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
+                       args.dedup) if len(args.nodes) > 3 or args.plot else []
     if scale:
         print(f"\n{model.name} on {hw.name}, {args.tokens} tokens/device: no fusion vs MC2 (best K),"
               " flat vs hierarchical All-to-All, EP as large as the experts allow (packed)")
@@ -338,31 +321,32 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad value or an emulated cluster that cannot be built is one line
+    on stderr and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
     from mc2.tools.requirements import missing_for
 
     if (problem := missing_for(args)) is not None:
         print(f"mc2 {args.command}: {problem}", file=sys.stderr)
         return 2
-    if args.command == "doctor":
-        return _doctor()
-    if args.command == "train":
-        return run_train_command(args)
-    if args.command == "simulate":
-        return _simulate(args)
-    if args.command == "plan":
-        return _run(args, PLAN, "mc2 plan", extra=format_plan)
-    if args.command == "demo":
+    try:
+        if args.command == "doctor":
+            return _doctor()
+        if args.command == "train":
+            return run_train_command(args)
+        if args.command == "simulate":
+            return _simulate(args)
+        if args.command == "plan":
+            return _run(args, PLAN, "mc2 plan", extra=format_plan)
+        if args.command == "demo":
+            return run_demo(args, _config(args, DEMO), prediction=lambda: _simulate(
+                build_parser().parse_args(["simulate"])))
         if args.breakdown:
-            return _run(args, DEMO, "mc2 demo --breakdown")
-        try:
-            cfg = _config(args, DEMO)
-        except ValueError as exc:
-            print(f"mc2: {exc}", file=sys.stderr)
-            return 2
-        return run_demo(args, cfg, prediction=lambda: _simulate(
-            build_parser().parse_args(["simulate"])))
-    return _run(args, BenchConfig(), "mc2 bench")
+            return _breakdown(args, _config(args, BenchConfig()))
+        return _run(args, BenchConfig(), "mc2 bench")
+    except (NetnsError, ValueError) as exc:  # PresetError is a ValueError
+        print(f"mc2: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -86,22 +86,3 @@ def config_from_arguments(args: argparse.Namespace, *, default: MC2Config | None
              if getattr(args, f"mc2_{f}", None) is not None}
     return MC2Config.of(base, **{**given, **overrides})
 
-
-def config_arguments(config: MC2Config) -> list[str]:
-    """The flags that give ``config`` again (to hand a configuration to another process)."""
-    values = config.to_dict()
-    wire = values["wire_dtype"]
-    out = ["--micro-batches", str(values["micro_batches"]), "--hierarchy", values["hierarchy"],
-           "--wire-dtype", ",".join(wire) if isinstance(wire, list) else wire,
-           "--wire-block", str(values["wire_block"]), "--gemm", values["gemm"]]
-    if values["timeout"] is not None:
-        out += ["--timeout", str(values["timeout"])]
-    if not values["overlap"]:
-        out.append("--serial")
-    if values["check_finite"]:
-        out.append("--check-finite")
-    if values["dedup"]:
-        out.append("--dedup")
-    if values["capacity"] is not None:
-        out += ["--capacity", str(values["capacity"]), "--overflow", values["overflow"]]
-    return out

@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import replace
-from typing import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mc2.observation import metrics
 from mc2.tools.bench import BenchConfig, BenchReport, ModeResult, format_modes, run_bench
+from mc2.tools.netns import cluster_problem  # here too: tests replace demo.cluster_problem
 
 # The demo's problem: a Mixtral-shaped layer (8 experts, top-2, SwiGLU) scaled so that one
 # forward+backward step takes a few hundred ms on one CPU thread, and both parts fit a minute.
@@ -70,20 +68,6 @@ def _share(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"a comm share is between 0 and 1, got {text!r}")
     return value
-
-
-def cluster_problem() -> str | None:
-    """Why the emulated cluster cannot run here, with what to do about it; ``None`` if it can.
-
-    A function of its own so that tests can pretend to be an unprivileged user."""
-    if os.geteuid() != 0:
-        return ("not root (network namespaces and tc need it): run `sudo .venv/bin/mc2 demo` "
-                "to measure the article's regime; nothing of the host's network is touched")
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return (f"{' and '.join(missing)} not found: `apt-get install iproute2`, then run "
-                "`sudo .venv/bin/mc2 demo` to measure the article's regime")
-    return None
 
 
 def link_bytes_per_step(cfg: BenchConfig, world: int, ranks_per_node: int) -> float:
@@ -285,19 +269,10 @@ def run_demo(args: argparse.Namespace, cfg: BenchConfig,
 
 def _write_files(args: argparse.Namespace, loop: BenchReport, cluster: BenchReport | None,
                  rate: str) -> None:
-    """``--json`` (both parts) and ``--csv`` (loopback; the cluster beside it as -cluster)."""
-    from mc2.tools.bench import write_csv
-
+    """``--json``: both parts."""
     if args.json:
         data: dict[str, Any] = {"loopback": loop.to_dict()}
         if cluster is not None:
             data["cluster"] = {**cluster.to_dict(), "link_rate": rate}
         args.json.write_text(json.dumps(data, indent=2))
         print(f"wrote {args.json}")
-    if args.csv:
-        write_csv(loop, str(args.csv))
-        print(f"wrote {args.csv}")
-        if cluster is not None:
-            other = args.csv.with_name(f"{args.csv.stem}-cluster{args.csv.suffix}")
-            write_csv(cluster, str(other))
-            print(f"wrote {other}")

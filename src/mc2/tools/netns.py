@@ -37,15 +37,19 @@ def _run(*cmd: str) -> None:
         raise NetnsError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
-def check_requirements() -> None:
-    """Raise :class:`NetnsError` with the fix when the cluster cannot be built."""
+def cluster_problem() -> str | None:
+    """Why an emulated cluster cannot be built here, with what to do about it; ``None`` if it
+    can. The one check behind :class:`EmulatedCluster`, the command line's ``--nodes`` and
+    ``mc2 demo``'s part 2, and a function of its own so that tests can pretend to be an
+    unprivileged user."""
     if os.geteuid() != 0:
-        raise NetnsError("an emulated cluster needs root (network namespaces and tc); run as "
-                         "root or use --ranks-per-node alone for an unshaped layout")
+        return ("not root: an emulated cluster needs root (network namespaces and tc): run it "
+                "with sudo, e.g. `sudo .venv/bin/mc2 demo`; nothing of the host's network is "
+                "touched (or use --ranks-per-node alone for an unshaped layout)")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
-        raise NetnsError(f"missing {', '.join(missing)}: install iproute2 "
-                         "(apt-get install iproute2)")
+        return f"{' and '.join(missing)} not found: apt-get install iproute2"
+    return None
 
 
 def parse_rate(text: str) -> str:
@@ -90,7 +94,8 @@ class EmulatedCluster:
         return "mc2eth"
 
     def __enter__(self) -> "EmulatedCluster":
-        check_requirements()
+        if (problem := cluster_problem()) is not None:
+            raise NetnsError(problem)
         if self.nodes < 2 or self.ranks_per_node < 1:
             raise ValueError(f"need >= 2 nodes and >= 1 rank per node, got {self.nodes} x "
                              f"{self.ranks_per_node}")

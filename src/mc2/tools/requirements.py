@@ -8,9 +8,9 @@ the command line prints that line (with the install command) and stops, without 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from typing import Any
+
+from mc2.tools.netns import cluster_problem
 
 INSTALL = {"matplotlib": "pip install 'mc2[plot]'", "transformers": "pip install 'mc2[train]'"}
 
@@ -31,21 +31,16 @@ def needs(args: Any) -> list[tuple[str, str]]:
         out.append(("transformers", "the model is Hugging Face's Mixtral"))
         out.append(("matplotlib", "the loss curve is drawn at the end"))
     if getattr(args, "nodes", None) and command in ("bench", "demo", "plan", "train"):
-        out.append(("root", "--nodes builds network namespaces"))
-        out.append(("iproute2", "--nodes needs ip and tc"))
+        out.append(("cluster", "--nodes builds network namespaces"))
     return out
 
 
 def missing_for(args: Any) -> str | None:
     """One line naming the first missing requirement and how to get it, or ``None``."""
     for requirement, why in needs(args):
-        if requirement == "root":
-            if os.geteuid() != 0:
-                return f"{why} and needs root: run it with sudo"
-        elif requirement == "iproute2":
-            lacking = [t for t in ("ip", "tc") if shutil.which(t) is None]
-            if lacking:
-                return f"{why}, missing {', '.join(lacking)}: apt-get install iproute2"
+        if requirement == "cluster":
+            if (problem := cluster_problem()) is not None:
+                return f"{why}: {problem}"
         elif not _has(requirement):
             return f"{why} and needs {requirement}: {INSTALL[requirement]}"
     return None

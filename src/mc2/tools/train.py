@@ -7,16 +7,18 @@ module is the program: ``torchrun --nproc-per-node 4 -m mc2.tools.train --ep-siz
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from mc2.engine.decide.config import MC2Config
-from mc2.tools.config_args import add_config_arguments, config_arguments, config_from_arguments
+from mc2.tools.config_args import add_config_arguments, config_from_arguments
+from mc2.tools.netns import NetnsError
 from mc2.tools.training import (TrainConfig, launched, plot_losses, run_launched, run_training,
-                                 summarize, write_json)
+                                 summarize)
 
 DESCRIPTION = """\
 Hugging Face MixtralForCausalLM (4 layers, 8 experts, top-2, built from a local config) switched
@@ -79,13 +81,15 @@ def add_train_parser(sub: Any) -> None:
 
 
 def _options(args: argparse.Namespace) -> list[str]:
-    """The options to hand to ``-m mc2.tools.train`` on every node (all but the node layout)."""
+    """The options to hand to ``-m mc2.tools.train`` on every node (all but the node layout);
+    the MC2Config goes as ``--out/mc2_config.json``, which ``--mc2-config`` reads back."""
+    config = args.out.resolve() / "mc2_config.json"
+    config.write_text(json.dumps(_call_config(args).to_dict()))
     out = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--out", str(args.out.resolve()), "--checkpoint-every", str(args.checkpoint_every),
-           "--grad-sync", args.grad_sync, "--device", args.device]
+           "--grad-sync", args.grad_sync, "--device", args.device, "--mc2-config", str(config)]
     if args.ep_size:
         out += ["--ep-size", str(args.ep_size)]
-    out += config_arguments(_call_config(args))
     for flag in ("compare", "resume", "fsdp"):
         if getattr(args, flag):
             out.append(f"--{flag}")
@@ -93,24 +97,25 @@ def _options(args: argparse.Namespace) -> list[str]:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    if args.nodes:
-        return _on_emulated_nodes(args)
-    return _train(args, under_torchrun=launched())
-
-
-def _on_emulated_nodes(args: argparse.Namespace) -> int:
-    from mc2.tools.netns import EmulatedCluster, NetnsError, torchrun_on_nodes
-
-    args.out.mkdir(parents=True, exist_ok=True)
+    """``mc2 train``; a bad value or a cluster that cannot be built is one line and status 2."""
     try:
-        with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_node_bandwidth) as c:
-            print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "
-                  f"{args.ranks_per_node} across emulated nodes, links shaped to {c.bandwidth}",
-                  file=sys.stderr, flush=True)
-            torchrun_on_nodes(c, ["-m", "mc2.tools.train", *_options(args)])
+        if args.nodes:
+            return _on_emulated_nodes(args)
+        return _train(args, under_torchrun=launched())
     except (NetnsError, ValueError) as exc:
         print(f"mc2: {exc}", file=sys.stderr)
         return 2
+
+
+def _on_emulated_nodes(args: argparse.Namespace) -> int:
+    from mc2.tools.netns import EmulatedCluster, torchrun_on_nodes
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_node_bandwidth) as c:
+        print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "
+              f"{args.ranks_per_node} across emulated nodes, links shaped to {c.bandwidth}",
+              file=sys.stderr, flush=True)
+        torchrun_on_nodes(c, ["-m", "mc2.tools.train", *_options(args)])
     return 0
 
 
@@ -120,11 +125,7 @@ def _call_config(args: argparse.Namespace) -> MC2Config:
 
 
 def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
-    try:
-        call = _call_config(args)
-    except ValueError as exc:
-        print(f"mc2: {exc}", file=sys.stderr)
-        return 2
+    call = _call_config(args)
     base = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, ep_size=args.ep_size,
                        grad_sync=args.grad_sync, fsdp=args.fsdp,
                        checkpoint_every=args.checkpoint_every,
@@ -133,43 +134,32 @@ def _train(args: argparse.Namespace, *, under_torchrun: bool) -> int:
     mc2_label = f"MC2 K={k}" + ("" if wire == "none" else f" wire {wire}")
     runs = [("serial", False), (mc2_label, True)] if args.compare else \
         [("serial" if not call.overlap else mc2_label, call.overlap)]
-    world = _world(args, under_torchrun)
-    rank0 = not under_torchrun or _rank() == 0
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
+    rank0 = not under_torchrun or int(os.environ["RANK"]) == 0
     args.out.mkdir(parents=True, exist_ok=True)
     curves: dict[str, Any] = {}
-    try:
-        for label, overlap in runs:
-            cfg = replace(base, overlap=overlap, progress=rank0,
-                          checkpoint_dir=str(args.out / "checkpoints" / label.replace(" ", "_")))
-            if rank0:
-                print(f"mc2 train: {label}, {world} ranks as dp {world // (cfg.ep_size or world)}"
-                      f" x ep {cfg.ep_size or world}, {cfg.steps} steps of {cfg.batch} x "
-                      f"{cfg.seq} bytes per rank", file=sys.stderr, flush=True)
-            backend = args.backend or ("gloo" if args.device == "cpu" else None)
-            curves[label] = run_launched(cfg, backend) if under_torchrun else \
-                run_training(cfg, world_size=world)
-    except ValueError as exc:
-        print(f"mc2: {exc}", file=sys.stderr)
-        return 2
+    for label, overlap in runs:
+        cfg = replace(base, overlap=overlap, progress=rank0,
+                      checkpoint_dir=str(args.out / "checkpoints" / label.replace(" ", "_")))
+        if rank0:
+            print(f"mc2 train: {label}, {world} ranks as dp {world // (cfg.ep_size or world)}"
+                  f" x ep {cfg.ep_size or world}, {cfg.steps} steps of {cfg.batch} x "
+                  f"{cfg.seq} bytes per rank", file=sys.stderr, flush=True)
+        backend = args.backend or ("gloo" if args.device == "cpu" else None)
+        curves[label] = run_launched(cfg, backend) if under_torchrun else \
+            run_training(cfg, world_size=world)
     if not rank0:
         return 0
     text = summarize(curves)
     print(text)
     (args.out / "summary.txt").write_text(text + "\n")
-    write_json(args.out / "losses.json", curves, base)
+    (args.out / "losses.json").write_text(json.dumps({"config": asdict(base), "runs": curves},
+                                                     indent=2))
     path = plot_losses({k: v["losses"] for k, v in curves.items()}, args.out / "loss_curve.png",
                        title=f"tiny Mixtral on Python's standard library, {world} ranks, "
                              f"ep {base.ep_size or world}")
     print(f"wrote {path} and {args.out / 'losses.json'}")
     return 0
-
-
-def _world(args: argparse.Namespace, under_torchrun: bool) -> int:
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size
-
-
-def _rank() -> int:
-    return int(os.environ["RANK"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +179,6 @@ def _exit_now(code: int) -> None:
     Python references while the interpreter is torn down (pytorch/pytorch#179291). Nothing is
     left to do at that point: the checkpoints and the history are written, so skip it."""
     import logging
-    import os
 
     logging.shutdown()
     sys.stdout.flush()

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, Generator, Protocol, Sequence
 from torch import Tensor
 
 from mc2.engine.autograd.staged import micro_batch_label
+from mc2.engine.passes.run import advance
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
@@ -31,15 +32,6 @@ class LayerGathers(Protocol):
     def gather(self, index: int) -> None: ...
 
     def done(self, index: int, outputs: list[Tensor]) -> None: ...
-
-
-def start_stages(stages: LayerStages) -> tuple[Any, Tensor | None]:
-    """Run a layer up to its MoE call: ``(the begun call, None)``, or ``(None, output)`` for a
-    layer without one."""
-    try:
-        return next(stages), None
-    except StopIteration as stop:
-        return None, stop.value
 
 
 def finish_stages(stages: LayerStages, call: Any) -> Tensor:
@@ -98,7 +90,7 @@ def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
                 gathers.gather(depth)
             with label(i):
                 stages = layer(h[i])
-                call, done = start_stages(stages)
+                call, done = advance(stages)  # up to its MoE call (none: its output)
             if call is None:
                 leave(depth, i, done)
             else:

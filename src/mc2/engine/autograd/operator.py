@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.prepare import EAGER_RUNTIME, guarded
+from mc2.engine.compute.experts import PACKED_ORDER, SPLIT_ORDER
 from mc2.engine.decide.call_plan import plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.run import CallInputs, ForwardState, run_backward, run_forward
@@ -76,10 +77,8 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     backward differentiates, decided by the caller (a compiled forward runs without
     autograd)."""
     cfg = MC2Config.from_dict(json.loads(config))
-    inputs = CallInputs(x, combine_weights, shared_up, shared_gate, shared_down, shared_scale,
-                        tuple(experts))
     need = CallInputs.of(needs)
-    names = ["weights_" + n for n in (("gate_up", "down") if packed else ("up", "gate", "down"))]
+    names = ["weights_" + n for n in (PACKED_ORDER if packed else SPLIT_ORDER)]
 
     def run() -> tuple[Tensor, ForwardState]:
         call, weights, _ = plan_call(
@@ -90,7 +89,7 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
         return run_forward(call, CallInputs(x, combine_weights, shared_up, shared_gate,
                                             shared_down, shared_scale, weights.tensors()), need)
 
-    out, state = guarded(run, cfg, inputs.x)
+    out, state = guarded(run, cfg, x)
     if not state.call.keep_activations:
         return out, torch.tensor([NO_STATE])
     key = next(_KEYS)
@@ -148,17 +147,14 @@ def _(grad_out, token, inputs, needed):
 _ARGUMENTS = tuple(inspect.signature(_fused_expert).parameters)
 
 
-def _call_inputs(args: dict[str, Any]) -> CallInputs[Any]:
-    """The operator's tensor arguments (all but the ids) as the pass names them."""
-    return CallInputs(args["x"], args["combine_weights"], args["shared_up"],
-                      args["shared_gate"], args["shared_down"], args["shared_scale"],
-                      tuple(args["experts"]))
-
-
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     args = dict(zip(_ARGUMENTS, inputs))
     ctx.needed = list(args["needs"])
-    ctx.save_for_backward(output[1], *_call_inputs(args).as_list())
+    # the tensor arguments (all but the ids) as the pass names them
+    saved = CallInputs(args["x"], args["combine_weights"], args["shared_up"],
+                       args["shared_gate"], args["shared_down"], args["shared_scale"],
+                       tuple(args["experts"]))
+    ctx.save_for_backward(output[1], *saved.as_list())
 
 
 def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:

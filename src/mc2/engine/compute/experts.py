@@ -28,13 +28,12 @@ from a :class:`~mc2.engine.transport.workspace.Workspace`, so steady-state calls
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mc2.engine.compute.grouped_into import grouped_mm_into
 from mc2.engine.transport.workspace import Workspace
-
 
 
 PACKED_ORDER = ("gate_up", "down")  # fused_expert_packed(x, weights_gate_up, weights_down)
@@ -106,15 +105,8 @@ class ExpertWeights:
         """The layout's tensors in its order: ``(gate_up, down)`` or ``(up, gate, down)``."""
         return tuple(getattr(self, name) for name in self.order)
 
-    def first(self, n: int = 1) -> "ExpertWeights":
-        """The first ``n`` experts (views), for calibration runs."""
-        pick = lambda t: None if t is None else t[:n]  # noqa: E731
-        return ExpertWeights(self.down[:n], pick(self.gate_up), pick(self.gate), pick(self.up))
-
     def detached(self) -> "ExpertWeights":
-        pick = lambda t: None if t is None else t.detach()  # noqa: E731
-        return ExpertWeights(self.down.detach(), pick(self.gate_up), pick(self.gate),
-                             pick(self.up))
+        return ExpertWeights.in_order(tuple(t.detach() for t in self.tensors()))
 
     @property
     def element_size(self) -> int:
@@ -131,8 +123,8 @@ class ExpertWeights:
         return self.down
 
     def for_calibration(self) -> "ExpertWeights":
-        """One expert, detached: what the planner times."""
-        return self.detached().first(1)
+        """One expert, detached (views): what the planner times."""
+        return ExpertWeights.in_order(tuple(t[:1].detach() for t in self.tensors()))
 
     def step(self, rows: int, strategy: str) -> None:
         """A forward and backward of ``rows`` random rows through the first expert."""
@@ -366,47 +358,32 @@ class WeightGrads:
         """Add one micro-batch's contribution."""
         if work is None:
             return
-        g = self.grads
-        g_gate_up, g_gate, g_up, g_down = (g.get(n) for n in ("gate_up", "gate", "up", "down"))
         ffn = self.weights.ffn
-        if strategy == "grouped":
-            self._add_grouped(work)
-            return
-        for expert, start, stop in _ranges(work.counts):
-            first = not self.touched[expert]
-            self.touched[expert] = True
-            x, act = work.x[start:stop], work.act[start:stop]
-            grad_y, grad_gu = work.grad_y[start:stop], work.grad_gate_up[start:stop]
-            if self.weights.packed:
-                _write(g_gate_up, expert, grad_gu.t(), x, first)
-                _write(g_down, expert, grad_y.t(), act, first)
-            else:
-                _write(g_gate, expert, x.t(), grad_gu[:, :ffn], first)
-                _write(g_up, expert, x.t(), grad_gu[:, ffn:], first)
-                _write(g_down, expert, act.t(), grad_y, first)
-
-    def _add_grouped(self, work: WeightGradInputs) -> None:
-        """One grouped GEMM per weight writes every expert's gradient (an empty group's is
-        zero). On the CPU into the pooled buffers (:mod:`mc2.engine.compute.grouped_into`);
-        elsewhere the first micro-batch's results *are* the gradients, since copying them into
-        preallocated buffers would write every expert's gradient twice."""
-        ffn = self.weights.ffn
-        offs = work.offsets if work.offsets is not None else _offsets(work.counts, work.x.device)
+        # each weight's gradient is a @ b over the rows (a: [*, R], b: [R, *])
         parts = (("gate_up", work.grad_gate_up.t(), work.x), ("down", work.grad_y.t(), work.act)) \
             if self.weights.packed else \
             (("gate", work.x.t(), work.grad_gate_up[:, :ffn]),
              ("up", work.x.t(), work.grad_gate_up[:, ffn:]), ("down", work.act.t(), work.grad_y))
+        if strategy == "grouped":
+            self._add_grouped(work, parts)
+            return
+        for expert, start, stop in _ranges(work.counts):
+            first = not self.touched[expert]
+            self.touched[expert] = True
+            for name, a, b in parts:
+                _write(self.grads[name], expert, a[:, start:stop], b[start:stop], first)
+
+    def _add_grouped(self, work: WeightGradInputs, parts: tuple[tuple[str, Tensor, Tensor], ...]
+                     ) -> None:
+        """One grouped GEMM per weight writes every expert's gradient (an empty group's is
+        zero) into its buffer (:mod:`mc2.engine.compute.grouped_into`), or adds to it after the
+        first micro-batch."""
+        offs = work.offsets if work.offsets is not None else _offsets(work.counts, work.x.device)
         first = not any(self.touched)
-        if first and self._grads is None and work.x.device.type != "cpu":
-            self._grads = {name: None for name in self.weights.order}
-            for name, a, b in parts:
-                if self._needed[name]:
-                    self._grads[name] = F.grouped_mm(a, b, offs=offs)
-        else:
-            for name, a, b in parts:
-                grad = self.grads[name]
-                if grad is not None:
-                    grouped_mm_into(a, b, offs, grad, not first)
+        for name, a, b in parts:
+            grad = self.grads[name]
+            if grad is not None:
+                grouped_mm_into(a, b, offs, grad, not first)
         self.touched = [True] * len(self.touched)
 
     def finish(self) -> tuple[Tensor | None, ...]:
@@ -428,30 +405,17 @@ def _write(grad: Tensor | None, expert: int, a: Tensor, b: Tensor, first: bool) 
         grad[expert].addmm_(a, b)
 
 
-def swiglu_backward(
-    grad_y: Tensor,
-    saved: ExpertActivations,
-    counts: list[int],
-    weights: ExpertWeights,
-    grads: WeightGrads,
-    *,
-    strategy: str,
-    offsets: Tensor | None = None,
-) -> Tensor:
-    """Input gradient ``[R, H]``; adds the weight gradients into ``grads`` right away."""
-    grad_x, work = swiglu_backward_input(grad_y, saved, counts, weights, strategy=strategy,
-                                         offsets=offsets)
-    grads.add(work, strategy=strategy)
-    return grad_x
-
-
 def forward_and_backward(x: Tensor, counts: list[int], weights: ExpertWeights, *, strategy: str,
-                         offsets: Tensor | None = None) -> None:
+                         offsets: Tensor | None = None, workspace: Workspace | None = None
+                         ) -> None:
     """A forward and a backward of ``x``'s rows, weight gradients included: the expert work
-    of one training step, as the planner and the GEMM strategy choice time it."""
+    of one training step, as the planner and the GEMM strategy choice (and
+    ``benchmarks/gemm_strategies.py``) time it."""
     y, saved = swiglu_forward(x, counts, weights, strategy=strategy, keep_activations=True,
-                              offsets=offsets)
+                              workspace=workspace, offsets=offsets)
     assert saved is not None
-    grads = WeightGrads(weights)
-    swiglu_backward(y, saved, counts, weights, grads, strategy=strategy, offsets=offsets)
+    grads = WeightGrads(weights, None, workspace)
+    _, work = swiglu_backward_input(y, saved, counts, weights, strategy=strategy,
+                                    workspace=workspace, offsets=offsets)
+    grads.add(work, strategy=strategy)
     grads.finish()

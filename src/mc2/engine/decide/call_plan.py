@@ -53,7 +53,8 @@ from mc2.engine.decide.routing import (
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.topology import topology_for
 from mc2.engine.decide.validation import (
-    DTYPE_CODES, HIERARCHY_CODES, agree, agreement_issued, local_problem, shared_problem
+    DTYPE_CODES, HIERARCHY_CODES, Agreement, agree, agreement_issued, local_problem,
+    shared_problem
 )
 from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
 from mc2.engine.transport.workspace import Workspace, default_workspace
@@ -67,7 +68,6 @@ class CallPlan:
 
     Attributes:
         handle: the routes of every micro-batch.
-        group: the expert-parallel group.
         overlap: asynchronous (pipelined) or synchronous collectives.
         strategy: the expert GEMM strategy (``"loop"`` or ``"grouped"``).
         keep_activations: whether a backward will follow (save what it needs).
@@ -92,7 +92,6 @@ class CallPlan:
     """
 
     handle: DispatchHandle
-    group: Any
     overlap: bool
     strategy: str
     keep_activations: bool
@@ -207,7 +206,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
-              group: Any, strategy: str, needs_grad: bool, wire: tuple[WireFormat, WireFormat],
+              group: Any, strategy: str, wire: tuple[WireFormat, WireFormat],
               timeline: Timeline | None, watch: bool = True
               ) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
     """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``
@@ -224,8 +223,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
     else:
         with maybe_span(timeline, "compute", "plan", "forward"):
             choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
-                                    weights=weights, group=group, strategy=strategy,
-                                    needs_grad=needs_grad, wire=wire,
+                                    weights=weights, group=group, strategy=strategy, wire=wire,
                                     sent_rows=agreement.max_rows, watch=watch)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
@@ -271,7 +269,7 @@ def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, cap
             with maybe_span(timeline, "comm", "counts", "forward"):  # [world(src), K, dst]
                 totals = gather_counts(padded, group)[:, :k].contiguous()
     host = read_counts(counts, send_totals, payload, totals)
-    two_stage, once = None, None
+    two_stage, rows = None, None  # rows once per destination: their slot tables, exchanged
     if two_d is not None:
         topo, (intra, inter) = two_d
         width, flat = world + nodes, host.extra
@@ -281,48 +279,36 @@ def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, cap
                             topo.rank, topo.nodes, len(topo.ranks_of_node(0)), intra, inter,
                             node_totals=[[row[world:] for row in r] for r in nested]
                             if node_sent is not None else None)
-        if node_sent is None:
-            two_stage = plan.per_micro_batch()
-        else:
+        if node_sent is not None:
             with maybe_span(timeline, "comm", "slots", "forward"):
                 rows = exchange_node_tables(
                     sent, node_sent, k, ids2d, combine, rank_rows=plan.totals,
                     node_rows=plan.node_totals, totals=totals, rank=topo.rank,
                     nodes=topo.nodes, per_node=plan.per_node, local_experts=local_experts,
                     intra_send=[sum(s["intra_send"]) for s in plan.splits()], group=group)
-            two_stage = plan.per_micro_batch(rows.gathers, (wire[1], x.shape[-1], x.dtype))
-            once = (rows.tokens, expand(rows.tables, host.recv, host.experts, local_experts,
-                                        x.dtype), rows.back)
-    if sent is not None and once is None:
+        two_stage = (plan.exchanges(rows.gathers if rows is not None else None,
+                                    (wire[1], x.shape[-1], x.dtype)), (topo.nodes, plan.per_node))
+    elif sent is not None:
         with maybe_span(timeline, "comm", "slots", "forward"):
-            tokens, tables, back = exchange_tables(
-                sent, host.send, host.recv, counts.received_rows(payload), ids2d, combine,
-                local_experts=local_experts, world=world, group=group)
-        once = (tokens, expand(tables, host.recv, host.experts, local_experts, x.dtype), back)
+            rows = exchange_tables(sent, host.send, host.recv, counts.received_rows(payload),
+                                   ids2d, combine, local_experts=local_experts, world=world,
+                                   group=group)
+    once = None if rows is None else (
+        rows.tokens, expand(rows.tables, host.recv, host.experts, local_experts, x.dtype),
+        rows.back)
     return build_handle(ids2d, order, host, counts.received(payload), world_size=world,
-                        local_experts=local_experts, group=group, two_stage=two_stage,
+                        group=group, two_stage=two_stage,
                         workspace=workspace, style=style, once=once)
 
 
 def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
     """File the call's rows with the active :func:`mc2.count_traffic` counter."""
-    routes = handle.micro_batches
-    world = handle.world_size
-    sent = [sum(r.send_splits[d] for r in routes) for d in range(world)] if routes else []
-    inter = [sum(r.exchange.inter_send[n] for r in routes)
-             for n in range(len(routes[0].exchange.inter_send))] \
+    routes = handle.micro_batches  # summed over them, per destination rank (and node)
+    sent = [sum(rows) for rows in zip(*(r.send_splits for r in routes))]
+    inter = [sum(rows) for rows in zip(*(r.exchange.inter_send for r in routes))] \
         if routes and hasattr(routes[0].exchange, "inter_send") else None
     traffic.add(pairs=handle.num_tokens * handle.topk, rows_sent=sent, row_bytes=row_bytes,
                 node_rows=inter)
-
-
-@dataclass(frozen=True)
-class _SlabSizes:
-    """What ``"auto"`` prices for a capacity call, in the handshake's terms."""
-
-    max_tokens: int  # the capacity
-    max_topk: int
-    max_rows: int  # rows each rank sends: a full slab to every rank
 
 
 def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
@@ -379,11 +365,12 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     # it uses is alike on every rank (the configuration, the shapes, the group's slowest
     # times), so every rank takes the same K with no exchange but the planner's own: its
     # calibration, once per group and weight shape, and one all-reduce when its trials end.
-    slabs = _SlabSizes(config.capacity, ids2d.shape[-1], config.capacity * group_size(group))
+    slabs = Agreement(max_tokens=config.capacity, max_topk=ids2d.shape[-1],
+                      max_rows=config.capacity * group_size(group))
     k, on_pass_done, _ = _choose_k(
         config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
-        group, "grouped" if sorts_slabs(weights) else "loop", needs_grad, (NONE, NONE),
-        timeline, watch=False)
+        group, "grouped" if sorts_slabs(weights) else "loop", (NONE, NONE), timeline,
+        watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),
@@ -393,7 +380,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     if trusted is not None:  # before any slab is issued
         with maybe_span(timeline, "comm", "handshake", "forward"):
             trusted()
-    call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy="loop",
+    call = CallPlan(handle=handle, overlap=config.overlap, strategy="loop",
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,
                     travel="slabs", on_pass_done=on_pass_done)
@@ -469,7 +456,7 @@ def plan_call(
     assert weights is not None and problem is None
     strategy = resolve_strategy(config.gemm, weights)
     k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
-                                      needs_grad, wire, timeline)
+                                      wire, timeline)
     pool = workspace or default_workspace()
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
@@ -477,7 +464,7 @@ def plan_call(
                      group, timeline, pool, hit)
     if (traffic := active_traffic()) is not None:
         _count(traffic, handle, wire[0].bytes_per_row(x.shape[-1], x.dtype))
-    call = CallPlan(handle=handle, group=group, overlap=config.overlap, strategy=strategy,
+    call = CallPlan(handle=handle, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module,
                     travel="once" if hit is not None else "pairs")

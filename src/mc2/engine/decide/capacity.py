@@ -42,11 +42,12 @@ from torch import Tensor
 
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
+from mc2.engine.decide.dedup import slot_tables as rows_slot_tables
 from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.overflow import add_errors
 from mc2.engine.decide.routing import micro_batch_bounds
 from mc2.engine.transport.group_state import group_state
-from mc2.engine.transport.slabs import SlabExchange
+from mc2.engine.transport.comm import FlatExchange
 
 def dropped_rows(device: torch.device | str = "cpu", group: Any = None) -> Tensor:
     """How many (token, rank) rows capacity calls with ``overflow="drop"`` on ``group``
@@ -87,12 +88,12 @@ class CapacityRoute:
         tables: ``[world * C, 2k + HEADER]`` each sent row's slot table: local expert ids (``-1``
             where the slot's expert is elsewhere, or the row is empty), the slots' weights, and
             the sender's two error counts (rows that did not fit; ids out of range).
-        exchange: the slabs' exchange.
+        exchange: the slabs' exchange (equal slabs: no split sizes).
     """
 
     slot_token: Tensor
     tables: Tensor
-    exchange: SlabExchange
+    exchange: FlatExchange
 
 
 @dataclass(frozen=True)
@@ -129,18 +130,17 @@ def token_bounds(tokens: int, capacity: int, micro_batches: int) -> list[tuple[i
 def slot_tables(ids_padded: Tensor, combine_padded: Tensor, slot_token: Tensor, world: int,
                 capacity: int, local_experts: int, errors: Tensor, fingerprint: int = 0
                 ) -> Tensor:
-    """``[world * C, 2k + HEADER]`` float64 tables of the rows of one micro-batch's slabs
-    (``errors``: ``[2]`` this rank's rows that did not fit, ids out of range; ``fingerprint``:
-    this rank's configuration, :func:`fingerprint_of`)."""
-    ids = ids_padded.index_select(0, slot_token)  # [world*C, k]; empty rows: -1
-    dest = torch.arange(world, device=ids.device).repeat_interleave(capacity).unsqueeze(1)
-    here = (ids >= 0) & (ids // local_experts == dest)
-    local = torch.where(here, ids % local_experts, -1).to(torch.float64)
-    weights = torch.where(here, combine_padded.index_select(0, slot_token).to(torch.float64), 0)
+    """``[world * C, 2k + HEADER]`` float64 tables of the rows of one micro-batch's slabs: the
+    slot tables of rows once per destination (:func:`mc2.engine.decide.dedup.slot_tables`;
+    empty rows' ids are ``-1``), then the header (``errors``: ``[2]`` this rank's rows that did
+    not fit, ids out of range; ``fingerprint``: this rank's configuration,
+    :func:`fingerprint_of`)."""
+    dest = torch.arange(world, device=ids_padded.device).repeat_interleave(capacity)
+    tables = rows_slot_tables(ids_padded, combine_padded, slot_token, dest, local_experts,
+                              torch.float64)
     header = torch.cat([errors.to(torch.float64), errors.new_full((1,), fingerprint,
                                                                    dtype=torch.float64)])
-    header = header.unsqueeze(0).expand(ids.shape[0], HEADER)
-    return torch.cat([local, weights, header], 1)
+    return torch.cat([tables, header.unsqueeze(0).expand(tables.shape[0], HEADER)], 1)
 
 
 def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches: int,
@@ -183,7 +183,7 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
     return CapacityHandle(tokens, topk, world, local_experts, tuple(
         CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,
                                               size, local_experts, errors, fingerprint),
-                      SlabExchange(world, group, style))
+                      FlatExchange(None, None, group, style=style))
         for slot_token, size in routes), overflow, capacity, group, fingerprint)
 
 

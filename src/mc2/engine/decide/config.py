@@ -145,11 +145,17 @@ class MC2Config:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or math.isnan(t)):
             return f"timeout must be a number of seconds or None, got {t!r}"
-        if problem := capacity_problem(self.capacity, self.overflow, self.micro_batches):
-            return problem
-        if self.capacity is not None and (self.hierarchy != "flat" or self.wire_dtype is not None):
-            return ("capacity mode runs the flat exchange with rows in the compute dtype "
-                    "(hierarchy='flat', wire_dtype=None)")
+        c = self.capacity
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                return f"capacity must be a positive int (rows per destination per call), got {c!r}"
+            if self.overflow not in ("raise", "drop"):
+                return f"overflow must be 'raise' or 'drop', got {self.overflow!r}"
+            if isinstance(k, int) and k > c:
+                return f"capacity ({c}) must be at least micro_batches ({k})"
+            if self.hierarchy != "flat" or self.wire_dtype is not None:
+                return ("capacity mode runs the flat exchange with rows in the compute dtype "
+                        "(hierarchy='flat', wire_dtype=None)")
         return wire_problem(self.wire_dtype, self.wire_block, None)
 
     @classmethod
@@ -189,19 +195,6 @@ class MC2Config:
         if isinstance(values.get("wire_dtype"), list):
             values["wire_dtype"] = tuple(values["wire_dtype"])
         return cls.of(**values)
-
-
-def capacity_problem(capacity: Any, overflow: Any, micro_batches: Any) -> str | None:
-    """What is wrong with the capacity settings (the config checks them once)."""
-    if capacity is None:
-        return None
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        return f"capacity must be a positive int (rows per destination per call), got {capacity!r}"
-    if overflow not in ("raise", "drop"):
-        return f"overflow must be 'raise' or 'drop', got {overflow!r}"
-    if isinstance(micro_batches, int) and micro_batches > capacity:
-        return f"capacity ({capacity}) must be at least micro_batches ({micro_batches})"
-    return None
 
 
 DEFAULT = MC2Config()  # what a call without config or options runs with

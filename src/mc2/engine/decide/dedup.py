@@ -151,42 +151,68 @@ def slot_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def slot_tables(ids2d: Tensor, combine: Tensor, tokens: Tensor, dests: Tensor,
-                local_experts: int) -> Tensor:
-    """``[N, 2k]`` each sent row's slot table: local expert ids (``-1`` for slots elsewhere),
-    then the slots' weights (0 elsewhere)."""
+                local_experts: int, dtype: torch.dtype | None = None) -> Tensor:
+    """``[N, 2k]`` each sent row's slot table: local expert ids (``-1`` for slots elsewhere,
+    and for ids ``-1``), then the slots' weights (0 elsewhere); in ``dtype`` (default
+    :func:`slot_dtype`)."""
     ids = ids2d.index_select(0, tokens).to(torch.int64)
-    here = ids // local_experts == dests.unsqueeze(1)
-    dtype = slot_dtype(combine.dtype)
+    here = ids // local_experts == dests.unsqueeze(1)  # an id -1 is no rank's: -1 // L == -1
+    dtype = dtype or slot_dtype(combine.dtype)
     local = torch.where(here, ids % local_experts, -1).to(dtype)
     weights = torch.where(here, combine.index_select(0, tokens).to(dtype), 0)
     return torch.cat([local, weights], 1)
 
 
+def _sent(sent: SentRows, counts: list[list[int]], width: int
+          ) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """The rows of ``sent`` (``counts``: ``[K][width]`` rows to each destination, host):
+    ``(tokens, destinations)`` in (micro-batch, destination) order, the gather index to
+    (destination, micro-batch) order, and the rows to each destination."""
+    total = sum(map(sum, counts))
+    flat = sent.order[:total]
+    by_dest = regroup_index(sent.counts.unsqueeze(0), (2, 1), total)
+    return flat // width, flat % width, by_dest, [sum(c[d] for c in counts) for d in range(width)]
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """What the plan needs from the slot exchange (:func:`exchange_tables`, or
+    :func:`exchange_node_tables` where rows go once per node).
+
+    Attributes:
+        tokens: per micro-batch, the tokens to send (``[n_i]``, grouped by destination; by
+            node for a 2-D call's first stage).
+        tables: ``[R, 2k]`` the received tables, in micro-batch order (a 2-D call's: in the
+            second stage's arrival order, micro-batch, forwarding local rank, source node).
+        back: what returns the routing weights' gradients.
+        gathers: a 2-D call's forwarder's stage-2 gather per micro-batch
+            (:func:`node_gathers`); ``None`` for a flat call.
+    """
+
+    tokens: list[Tensor]
+    tables: Tensor
+    back: WeightGradReturn
+    gathers: list[Tensor] | None = None
+
+
 def exchange_tables(sent: SentRows, send: list[list[int]], recv: list[list[int]],
                     recv_rows: Tensor, ids2d: Tensor, combine: Tensor, *, local_experts: int,
-                    world: int, group: Any) -> tuple[list[Tensor], Tensor, WeightGradReturn]:
-    """Send every row's slot table (one exchange) and return, per micro-batch, the tokens to
-    gather (``[n_i]``, grouped by destination), the received tables in micro-batch order
-    ``[R, 2k]`` and what returns the weights' gradients.
+                    world: int, group: Any) -> SlotRows:
+    """Send every row's slot table (one exchange): what the plan needs of it.
 
     Args:
         send, recv: ``[K][world]`` rows sent to / received from each rank (host).
         recv_rows: ``[world(src), K]`` the same received counts on the device.
     """
-    k = len(send)
-    total = sum(map(sum, send))
-    flat = sent.order[:total]
-    tokens, dests = flat // world, flat % world
-    gathers = list(torch.split(tokens, [sum(s) for s in send]))
+    tokens, dests, by_dest, send_splits = _sent(sent, send, world)
     tables = slot_tables(ids2d, combine, tokens, dests, local_experts)
-    by_dest = regroup_index(sent.counts.unsqueeze(0), (2, 1), total)  # (micro, dest) -> (dest, micro)
-    send_splits = [sum(send[i][d] for i in range(k)) for d in range(world)]
-    recv_splits = [sum(recv[i][s] for i in range(k)) for s in range(world)]
+    recv_splits = [sum(r[s] for r in recv) for s in range(world)]
     arrived = exchange_slots(tables.index_select(0, by_dest), send_splits, recv_splits, group)
     arrival = regroup_index(recv_rows.unsqueeze(0), (2, 1), sum(recv_splits))
     back = WeightGradReturn(arrival, send_splits, recv_splits, tokens.index_select(0, by_dest),
                             ids2d.shape[0], ids2d.shape[1], group)
-    return gathers, arrived.index_select(0, arrival), back
+    return SlotRows(list(torch.split(tokens, [sum(s) for s in send])),
+                    arrived.index_select(0, arrival), back)
 
 
 def slot_ids(tables: Tensor, topk: int) -> Tensor:
@@ -258,29 +284,11 @@ def node_gathers(tables: Tensor, sizes: list[int], sends: list[int], per_node: i
     return gathers
 
 
-@dataclass(frozen=True)
-class NodeRows:
-    """Rows once per node: what the plan needs from the slot exchange of a 2-D call.
-
-    Attributes:
-        tokens: per micro-batch, the tokens the first stage sends (grouped by node).
-        tables: ``[R, 2k]`` the received rank tables, in the second stage's arrival order
-            (micro-batch, forwarding local rank, source node).
-        gathers: per micro-batch, the forwarder's stage-2 gather (:func:`node_gathers`).
-        back: what returns the routing weights' gradients.
-    """
-
-    tokens: list[Tensor]
-    tables: Tensor
-    gathers: list[Tensor]
-    back: WeightGradReturn
-
-
 def exchange_node_tables(per_rank: SentRows, per_node_rows: SentRows, num_micro: int,
                          ids2d: Tensor, combine: Tensor, *, rank_rows: list[list[list[int]]],
                          node_rows: list[list[list[int]]], totals: Tensor, rank: int, nodes: int,
                          per_node: int, local_experts: int, intra_send: list[int],
-                         group: Any) -> NodeRows:
+                         group: Any) -> SlotRows:
     """The slot tables of a 2-D call, in one exchange on the control communicator: to each
     rank the tables of the rows it will receive from the second stage (its experts' slots, as
     :func:`exchange_tables`), and to each rank that forwards rows of this rank's (same local
@@ -297,19 +305,12 @@ def exchange_node_tables(per_rank: SentRows, per_node_rows: SentRows, num_micro:
     world = nodes * per_node
     node, local = divmod(rank, per_node)
     dtype = slot_dtype(combine.dtype)
-    mine_r, mine_n = rank_rows[rank], node_rows[rank]
-    total_r = sum(map(sum, mine_r))
-    total_n = sum(map(sum, mine_n))
-    flat_r, flat_n = per_rank.order[:total_r], per_node_rows.order[:total_n]
-    tokens_r, tokens_n = flat_r // world, flat_n // nodes
-    by_dest = regroup_index(per_rank.counts.unsqueeze(0), (2, 1), total_r)
-    by_node = regroup_index(per_node_rows.counts.unsqueeze(0), (2, 1), total_n)
-    rank_tables = slot_tables(ids2d, combine, tokens_r, flat_r % world,
+    tokens_r, dests_r, by_dest, a_sizes = _sent(per_rank, rank_rows[rank], world)
+    tokens_n, nodes_n, by_node, b_sizes = _sent(per_node_rows, node_rows[rank], nodes)
+    rank_tables = slot_tables(ids2d, combine, tokens_r, dests_r,
                               local_experts).index_select(0, by_dest)
-    fwd_tables = forwarder_tables(ids2d, tokens_n, flat_n % nodes, local_experts, per_node,
+    fwd_tables = forwarder_tables(ids2d, tokens_n, nodes_n, local_experts, per_node,
                                   dtype).index_select(0, by_node)
-    a_sizes = [sum(mine_r[i][d] for i in range(num_micro)) for d in range(world)]
-    b_sizes = [sum(mine_n[i][n] for i in range(num_micro)) for n in range(nodes)]
     a_parts, b_parts = rank_tables.split(a_sizes), fwd_tables.split(b_sizes)
     send, send_splits = [], []
     for d in range(world):  # to each rank: its rank tables, then (a forwarder) node tables
@@ -336,6 +337,6 @@ def exchange_node_tables(per_rank: SentRows, per_node_rows: SentRows, num_micro:
              for i in range(num_micro)]
     back = WeightGradReturn(arrival, a_sizes, recv_a, tokens_r.index_select(0, by_dest),
                             ids2d.shape[0], ids2d.shape[1], group)
-    tokens = list(torch.split(tokens_n, [sum(mine_n[i]) for i in range(num_micro)]))
-    return NodeRows(tokens, a_in.index_select(0, arrival),
-                    node_gathers(stage1, sizes, intra_send, per_node), back)
+    tokens = list(torch.split(tokens_n, [sum(row) for row in node_rows[rank]]))
+    return SlotRows(tokens, a_in.index_select(0, arrival), back,
+                    node_gathers(stage1, sizes, intra_send, per_node))

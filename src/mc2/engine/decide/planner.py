@@ -139,12 +139,19 @@ def predict(cal: Calibration, work: Workload, k: int, *, overlap: bool = True) -
     return Prediction(k, step, sum(compute), 4 * sum(transfer), exposed)
 
 
+def predicted_steps(cal: Calibration, work: Workload, candidates: Sequence[int],
+                    max_tokens: int) -> dict[int, float]:
+    """The model's step seconds of every candidate K ``max_tokens`` tokens allow (K = 1
+    always), in ascending K."""
+    allowed = sorted({k for k in candidates if 1 <= k <= max(1, max_tokens)} | {1})
+    return {k: predict(cal, work, k).step_s for k in allowed}
+
+
 def choose(cal: Calibration, work: Workload, candidates: Sequence[int], min_gain: float,
            max_tokens: int) -> int:
     """The K to use: the predicted best, or 1 when the best does not gain ``min_gain``."""
-    allowed = [k for k in candidates if 1 <= k <= max(1, max_tokens)] or [1]
-    preds = {k: predict(cal, work, k).step_s for k in set(allowed) | {1}}
-    best = min(sorted(preds), key=lambda k: preds[k])
+    preds = predicted_steps(cal, work, candidates, max_tokens)
+    best = min(preds, key=preds.__getitem__)  # ascending K: the smallest of equals
     return best if preds[best] < preds[1] * (1 - min_gain) else 1
 
 
@@ -155,18 +162,6 @@ def _fit_line(x0: float, t0: float, x1: float, t1: float) -> tuple[float, float]
 
 class WireFormatWarning(UserWarning):
     """The chosen wire format is predicted to cost more (encoding) than it saves (bytes)."""
-
-
-def _warn_wire_loses(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype, wire_s: float,
-                     plain_s: float) -> None:
-    """Say that rows in ``dtype`` measured faster than the wire format in ``"auto"``'s trials
-    (the shape then sends plain rows)."""
-    warnings.warn(
-        f"mc2: micro_batches='auto' measured rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
-        f"than the wire format {describe_pair(wire)} on this shape ({1e3 * plain_s:.1f} vs "
-        f"{1e3 * wire_s:.1f} ms per call): encoding costs more than the bytes it saves here; "
-        "so this shape sends plain rows; pass a fixed micro_batches to force the format",
-        WireFormatWarning, stacklevel=6)
 
 
 def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
@@ -309,6 +304,20 @@ class _Trials:
         return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
+def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype,
+                        slowest: list[float], state: _Trials) -> None:
+    """Say that rows in ``dtype`` measured faster than the wire format in ``"auto"``'s trials
+    (the shape then sends plain rows)."""
+    wire_s = min(t for c, t in zip(state.candidates, slowest) if not c.plain_rows)
+    plain_s = min(t for c, t in zip(state.candidates, slowest) if c.plain_rows)
+    warnings.warn(
+        f"mc2: micro_batches='auto' measured rows in {dtype} {wire_s / plain_s - 1:.0%} faster "
+        f"than the wire format {describe_pair(wire)} on this shape ({1e3 * plain_s:.1f} vs "
+        f"{1e3 * wire_s:.1f} ms per call): encoding costs more than the bytes it saves here; "
+        "so this shape sends plain rows; pass a fixed micro_batches to force the format",
+        WireFormatWarning, stacklevel=5)  # the call's planning (call_plan._choose_k)
+
+
 def _in_order(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
     """Candidates in trial order: the wire format's K ascending, then plain rows'."""
     return tuple(sorted(set(candidates)))
@@ -445,17 +454,15 @@ class Planner:
         """The model's step seconds of every candidate K this size allows (K = 1 always),
         in ascending K (``quick``: on :meth:`quick_calibration`, optimistic for splits)."""
         cal = (self.quick_calibration if quick else self.calibration)(weights, group, strategy)
-        work = self.workload(max_tokens, topk, weights, group, wire, sent_rows)
-        allowed = sorted({k for k in self.candidates if 1 <= k <= max(1, max_tokens)} | {1})
-        return {k: predict(cal, work, k).step_s for k in allowed}
+        return predicted_steps(cal, self.workload(max_tokens, topk, weights, group, wire,
+                                                  sent_rows), self.candidates, max_tokens)
 
     def model_error(self, group: Any) -> ModelError:
         """How far the cost model has been from the trials on ``group`` (:mod:`chance`)."""
         return self._errors.setdefault(group_key(group), ModelError())
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-               strategy: str = "loop", needs_grad: bool = True,
-               wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
                sent_rows: int | None = None, watch: bool = True) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
@@ -467,10 +474,13 @@ class Planner:
         the pairs. ``watch``: time the locked calls for the drift guard (every rank passes
         the same; capacity calls pass ``False``).
         """
-        choice = self._choose(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                              strategy=strategy, wire=wire, sent_rows=sent_rows, watch=watch)
+        shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
+                     strategy=strategy, sent_rows=sent_rows)
+        key = self.shape_key(wire=wire, **shape)
+        # nothing to hide (one rank), or nothing to split (one token)
+        choice = self._choose(key, shape, wire, watch) \
+            if group_size(group) > 1 and max_tokens > 1 else Choice(1)
         self._calls[group_key(group)] = self.digest(group) + 1
-        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         by_shape = self._forward_choice.setdefault(weights.anchor, {})
         by_shape[key] = Choice(choice.micro_batches, plain_rows=choice.plain_rows)
         return choice
@@ -502,17 +512,13 @@ class Planner:
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         return self._forward_choice.get(weights.anchor, {}).get(key, Choice(1))
 
-    def _choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-                strategy: str, wire: tuple[WireFormat, WireFormat],
-                sent_rows: int | None = None, watch: bool = True) -> Choice:
-        if group_size(group) == 1 or max_tokens <= 1:
-            return Choice(1)
-        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
+    def _choose(self, key: tuple, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat],
+                watch: bool) -> Choice:
+        """:meth:`choose` for the shape of ``key`` (``shape``: its arguments but ``wire``)."""
+        weights, group = shape["weights"], shape["group"]
         state = self._shapes.get(key)
         if state is None:
-            state = self._shapes[key] = self._first_trials(
-                max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                strategy=strategy, wire=wire, sent_rows=sent_rows)
+            state = self._shapes[key] = self._first_trials(shape, wire)
             if state.ruled_out is not None:  # no split has a chance: no trials at all
                 _log.info("mc2 auto (%s): %s", _shape_text(weights, group), state.ruled_out)
                 return Choice(1, decided=state.ruled_out)
@@ -535,16 +541,13 @@ class Planner:
             return replace(self._trial(state), decided=f"re-planning: {why}")
         return self._trial(state)
 
-    def _first_trials(self, *, max_tokens: int, topk: int,
-                      weights: ExpertWeights | ModuleExperts, group: Any, strategy: str,
-                      wire: tuple[WireFormat, WireFormat], sent_rows: int | None) -> _Trials:
+    def _first_trials(self, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat]
+                      ) -> _Trials:
         """A new shape's trials: K = 1 and the model's ``explore - 1`` best splits among those
         it gives a chance (:mod:`mc2.engine.decide.chance`); with a wire format, K = 1 and the
         best such K with plain rows too. Where no split has a chance (and no wire format asks
         for plain rows' trial), K = 1 is locked at once."""
-        shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
-                     strategy=strategy, sent_rows=sent_rows)
-        margin = self.model_error(group).margin()
+        margin = self.model_error(shape["group"]).margin()
         wired = any(f.kind is not None for f in wire)
         optimistic = self.predictions(wire=wire, quick=True, **shape)
         if not wired and not with_a_chance(optimistic, margin):
@@ -642,14 +645,7 @@ class Planner:
         _log.info("mc2 auto (%s): %s", _shape_text(weights, group),
                   describe(stats, state.locked, state.rechecks, state.widened))
         if state.locked.plain_rows:
-            self._say_plain_rows_won(wire, weights, medians, state)
-
-    @staticmethod
-    def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
-                            slowest: list[float], state: _Trials) -> None:
-        best_wire = min(t for c, t in zip(state.candidates, slowest) if not c.plain_rows)
-        plain = min(t for c, t in zip(state.candidates, slowest) if c.plain_rows)
-        _warn_wire_loses(wire, weights.dtype, best_wire, plain)
+            _say_plain_rows_won(wire, weights.dtype, medians, state)
 
     def most_trial_calls(self, wire: bool = True) -> int:
         """The most calls one shape's trials can take (settling calls included; ``wire``: with

@@ -16,7 +16,7 @@ is uploaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +37,6 @@ class MicroBatchRoute:
             when rows go once per destination: :attr:`slots`).
         token_index: ``[n] int64`` the source token of each sent row.
         send_splits: rows sent to each rank (``len == world``), i.e. grouped by destination.
-        recv_splits: rows received from each rank (``len == world``).
         expert_counts: rows each *local* expert processes (``len == local_experts``).
         expert_gather: ``[r] int64`` gather index that turns the received rows (in arrival
             order: by source rank for a flat exchange, by forwarding local rank and source node
@@ -55,7 +54,6 @@ class MicroBatchRoute:
     pair_order: Tensor | None
     token_index: Tensor
     send_splits: list[int]
-    recv_splits: list[int]
     expert_counts: list[int]
     expert_gather: Tensor | None
     exchange: Any = None
@@ -71,7 +69,6 @@ class DispatchHandle:
         num_tokens: local tokens ``T`` of this rank (may be 0).
         topk: expert slots per token.
         world_size: ranks in the expert-parallel group.
-        local_experts: experts held by each rank.
         micro_batches: the routes, one per micro-batch, the same count on every rank.
         weight_grads: where rows travel once per destination, what returns the routing
             weights' gradients at the end of a backward; ``None`` otherwise.
@@ -80,7 +77,6 @@ class DispatchHandle:
     num_tokens: int
     topk: int
     world_size: int
-    local_experts: int
     micro_batches: tuple[MicroBatchRoute, ...]
     weight_grads: WeightGradReturn | None = None
 
@@ -294,9 +290,8 @@ def build_handle(
     recv_counts: Tensor,
     *,
     world_size: int,
-    local_experts: int,
     group: Any = None,
-    two_stage: Callable[[int], tuple[Any, tuple[int, int]]] | None = None,
+    two_stage: tuple[list[Any], tuple[int, int]] | None = None,
     workspace: Any = None,
     style: Any = None,
     once: tuple[list[Tensor], list[SlotRoutes], WeightGradReturn] | None = None,
@@ -310,8 +305,8 @@ def build_handle(
         recv_counts: ``[world, K, local_experts]`` rows each source rank sends to this rank's
             experts, per micro-batch, on the device.
         group: the group the flat exchanges run on.
-        two_stage: ``i -> (exchange, (nodes, per_node))`` for a hierarchical exchange;
-            ``None``: flat.
+        two_stage: ``(exchanges, (nodes, per_node))`` for a hierarchical exchange: each
+            micro-batch's exchange and the order its rows arrive in; ``None``: flat.
         workspace: the :class:`~mc2.engine.transport.workspace.Workspace` flat exchanges receive into.
         style: the group's :class:`~mc2.engine.transport.backend.CommStyle` (looked up once per call).
         once: rows once per destination (:func:`mc2.engine.decide.dedup.exchange_tables` and
@@ -320,43 +315,25 @@ def build_handle(
     """
     num_tokens, topk = expert_ids.shape
     num_micro = len(counts.send)
-    exchanges, arrival = [], None
-    for i in range(num_micro):
-        if two_stage is None:
-            exchanges.append(FlatExchange(counts.send[i], counts.recv[i], group, workspace,
-                                          style))
-        else:
-            exchange, arrival = two_stage(i)
-            exchanges.append(exchange)
+    if two_stage is None:
+        exchanges: list[Any] = [FlatExchange(counts.send[i], counts.recv[i], group, workspace,
+                                             style) for i in range(num_micro)]
+        arrival = None
+    else:
+        exchanges, arrival = two_stage
     ends = torch.cumsum(recv_counts.sum(0), 1).to(torch.int32)  # [K, local] grouped_mm offs
     if once is not None:
         tokens, slots, weight_grads = once
-        return DispatchHandle(num_tokens, topk, world_size, local_experts, tuple(
-            MicroBatchRoute(pair_order=None, token_index=tokens[i], send_splits=counts.send[i],
-                            recv_splits=counts.recv[i], expert_counts=counts.experts[i],
-                            expert_gather=None, exchange=exchanges[i], expert_offsets=ends[i],
-                            slots=slots[i])
-            for i in range(num_micro)), weight_grads)
-    totals = [sum(r) for r in counts.recv]
-    gathers = expert_grouping_indices(recv_counts, totals, arrival)
-    routes = []
-    for i, pairs in enumerate(torch.split(order, [sum(s) for s in counts.send])):
-        routes.append(
-            MicroBatchRoute(
-                pair_order=pairs,
-                token_index=pairs // topk,
-                send_splits=counts.send[i],
-                recv_splits=counts.recv[i],
-                expert_counts=counts.experts[i],
-                expert_gather=None if gathers is None else gathers[i],
-                exchange=exchanges[i],
-                expert_offsets=ends[i],
-            )
-        )
-    return DispatchHandle(
-        num_tokens=num_tokens,
-        topk=topk,
-        world_size=world_size,
-        local_experts=local_experts,
-        micro_batches=tuple(routes),
-    )
+        pair_orders: list[Tensor | None] = [None] * num_micro
+        gathers = None
+    else:
+        pairs = torch.split(order, [sum(s) for s in counts.send])
+        pair_orders, tokens = list(pairs), [p // topk for p in pairs]
+        slots, weight_grads = [None] * num_micro, None
+        gathers = expert_grouping_indices(recv_counts, [sum(r) for r in counts.recv], arrival)
+    return DispatchHandle(num_tokens, topk, world_size, tuple(
+        MicroBatchRoute(pair_order=pair_orders[i], token_index=tokens[i],
+                        send_splits=counts.send[i], expert_counts=counts.experts[i],
+                        expert_gather=None if gathers is None else gathers[i],
+                        exchange=exchanges[i], expert_offsets=ends[i], slots=slots[i])
+        for i in range(num_micro)), weight_grads)

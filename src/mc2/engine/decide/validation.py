@@ -227,23 +227,6 @@ _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
 _ABSENT = -(2 ** 62)  # the neutral value of a maximum: this rank has nothing for the slot
 
 
-def _data_checks(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
-                 check_finite: bool) -> Tensor:
-    """``[max id, -min id, non-finite]`` computed on the device, nothing read back."""
-    device = x.device
-    if expert_ids.numel():
-        ids = expert_ids.reshape(-1).to(torch.int64)
-        stats = [ids.max(), ids.min().neg()]
-    else:
-        stats = [torch.full((), _ABSENT, dtype=torch.int64, device=device)] * 2
-    bad = torch.zeros((), dtype=torch.int64, device=device)
-    if check_finite:
-        for t in (x, routing_weights):
-            if t is not None and t.numel():
-                bad = bad + (~torch.isfinite(t)).any().to(torch.int64)
-    return torch.stack([*stats, bad])
-
-
 def agree(problem: str | None, **kwargs: Any) -> Agreement:
     """:func:`agreement_issued`, waited for at once."""
     return agreement_issued(problem, **kwargs)()
@@ -303,13 +286,11 @@ def agreement_issued(
             read(_data_tail(x, expert_ids, routing_weights, check_finite, rows, group))
         reduced = all_reduce_max_later(host_vector(head + data), group, "handshake")
         values = lambda: read_host_memory(reduced())  # noqa: E731
-    else:
-        tail = _data_tail(x, expert_ids, routing_weights, check_finite, rows, group) \
-            if problem is None else torch.cat([  # _neutral_tail, made on the device
-                torch.full((len(slots.data),), _ABSENT, dtype=torch.int64, device=device),
-                torch.zeros(COUNTS, dtype=torch.int64, device=device)])
-        reduced = all_reduce_max_later(torch.cat([upload(head, device), tail]), group,
-                                       "handshake")
+    else:  # the head uploaded (with the neutral tail, for a bad input), the data's appended
+        vector = upload(head + _neutral_tail(slots), device) if problem is not None else \
+            torch.cat([upload(head, device),
+                       _data_tail(x, expert_ids, routing_weights, check_finite, rows, group)])
+        reduced = all_reduce_max_later(vector, group, "handshake")
         values = lambda: read(reduced())  # noqa: E731
     return lambda: _agreement(slots.read(values()), problem, alike, x, expert_ids,
                               routing_weights, group, total_experts, rows)
@@ -323,14 +304,24 @@ def _neutral_tail(slots: "_Slots") -> list[int]:
 
 def _data_tail(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
                check_finite: bool, rows: Tensor | None, group: Any) -> Tensor:
-    """The data part of this rank's vector, computed on the device: the checks, the rows once
-    per destination (absent where rows go per pair: the slot is always present, so ranks that
-    disagree on dedup still reduce tensors of one size) and the group's capacity-call error
-    counts."""
+    """The data part of this rank's vector, computed on the device, nothing read back: the
+    checks (``[max id, -min id, non-finite]``), the rows once per destination (absent where
+    rows go per pair: the slot is always present, so ranks that disagree on dedup still reduce
+    tensors of one size) and the group's capacity-call error counts."""
+    device = x.device
+    if expert_ids.numel():
+        ids = expert_ids.reshape(-1).to(torch.int64)
+        stats = [ids.max(), ids.min().neg()]
+    else:
+        stats = [torch.full((), _ABSENT, dtype=torch.int64, device=device)] * 2
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    if check_finite:
+        for t in (x, routing_weights):
+            if t is not None and t.numel():
+                bad = bad + (~torch.isfinite(t)).any().to(torch.int64)
     sent = rows.reshape(1).to(torch.int64) if rows is not None else \
-        torch.full((1,), _ABSENT, dtype=torch.int64, device=x.device)
-    return torch.cat([_data_checks(x, expert_ids, routing_weights, check_finite), sent,
-                      pending(group, x.device)])
+        torch.full((1,), _ABSENT, dtype=torch.int64, device=device)
+    return torch.cat([torch.stack([*stats, bad]), sent, pending(group, device)])
 
 
 def _agreement(reduced: "_Reduced", problem: str | None, alike: dict[str, int], x: Any,

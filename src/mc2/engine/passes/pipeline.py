@@ -13,8 +13,8 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
         local()                  # once, i == 0: shared experts under the first dispatch
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
-        deferred(i)              # e.g. weight gradients, while combine(i) travels (staged:
-                                 #   after the next stop, see _Pass.overlapped)
+        deferred(i)              # e.g. weight gradients, while combine(i) travels (after
+                                 #   the next stop, see _Pass.overlapped)
         wait combine(i-1); receive(i-1)
     wait combine(K-1); receive(K-1)
 
@@ -51,7 +51,7 @@ from mc2.engine.transport.comm import PendingTransfer, abandon
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.engine.transport.watchdog import check as check_deadlines
 from mc2.engine.decide.routing import DispatchHandle
-from mc2.engine.transport.wire import NONE, WireFormat
+from mc2.engine.transport.wire import WireFormat
 from mc2.engine.transport.workspace import Workspace
 
 
@@ -71,19 +71,6 @@ class _Encoded:
 
 
 Pending = PendingTransfer | _Encoded
-
-
-def _release(pending: list[Pending], *, wait: bool) -> None:
-    """Transfers left in flight when a pass raises: wait for them before their buffers go
-    back to the workspace (or, after a timeout, keep them alive for good)."""
-    for transfer in pending:
-        if not wait:
-            abandon(transfer)
-            continue
-        try:
-            transfer.wait()
-        except BaseException:  # noqa: BLE001 - the original error is the one to raise
-            abandon(transfer)
 
 
 @dataclass(frozen=True)
@@ -108,57 +95,25 @@ class PipelineSteps:
     local: Callable[[], None] | None = None
 
 
-def run_pipeline(
-    handle: DispatchHandle,
-    steps: PipelineSteps,
-    *,
-    overlap: bool,
-    phase: str,
-    timeline: Timeline | None = None,
-    wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
-    workspace: Workspace | None = None,
-) -> None:
-    """Run every micro-batch of ``handle`` through dispatch -> compute -> combine."""
-    one_pass = _Pass(handle, steps, phase, timeline, wire, workspace)
-    if not overlap:
+def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
+                ) -> Iterator[str]:
+    """The pass's schedule. Overlapped, it stops before each wait: it yields ``"dispatch"``
+    when a dispatch is in flight and is about to be waited for, ``"combine"`` likewise, and
+    ends when the pass is done; a caller runs other work at each stop (batch overlap,
+    :mod:`mc2.engine.autograd.staged`, computes the other micro-batch there) and transfers in
+    flight are released on an error. The serial schedule runs through. Inside a graph capture
+    no span is recorded: it would time the capture, not the replays."""
+    timeline = None if streams.capturing(device) else call.timeline
+    one_pass = _Pass(call.handle, steps, phase, timeline, call.wire, call.workspace)
+    if not call.overlap:
         one_pass.serial()
         check_deadlines()
         return
-    for _ in staged_pass(one_pass):
-        pass
-
-
-def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
-                ) -> Iterator[str]:
-    """The pass's schedule, stopping before each wait when overlapped (see
-    :func:`~mc2.engine.passes.pipeline.start_pass`); the serial schedule runs through. Inside
-    a graph capture no span is recorded: it would time the capture, not the replays."""
-    timeline = None if streams.capturing(device) else call.timeline
-    if not call.overlap:
-        run_pipeline(call.handle, steps, overlap=False, phase=phase, timeline=timeline,
-                     wire=call.wire, workspace=call.workspace)
-        return
-    yield from start_pass(call.handle, steps, phase=phase, timeline=timeline,
-                          wire=call.wire, workspace=call.workspace)
-
-
-def start_pass(handle: DispatchHandle, steps: PipelineSteps, *, phase: str,
-               timeline: Timeline | None = None, wire: tuple[WireFormat, WireFormat] = (NONE, NONE),
-               workspace: Workspace | None = None) -> Iterator[str]:
-    """The overlapped schedule as a generator that stops before each wait: it yields
-    ``"dispatch"`` when a dispatch is in flight and is about to be waited for, ``"combine"``
-    likewise, and ends when the pass is done. A caller runs other work at each stop: batch
-    overlap (:mod:`mc2.engine.autograd.staged`) computes the other micro-batch there."""
-    return staged_pass(_Pass(handle, steps, phase, timeline, wire, workspace, staged=True))
-
-
-def staged_pass(one_pass: "_Pass") -> Iterator[str]:
-    """:meth:`_Pass.overlapped`'s steps; transfers in flight are released on an error."""
     try:
         yield from one_pass.overlapped()
         check_deadlines()
     except BaseException as exc:
-        _release(one_pass.in_flight(), wait=not isinstance(exc, CommTimeout))
+        one_pass.release(wait=not isinstance(exc, CommTimeout))
         raise
 
 
@@ -173,15 +128,23 @@ class _Pass:
     timeline: Timeline | None
     wire: tuple[WireFormat, WireFormat]
     workspace: Workspace | None
-    staged: bool = False  # a caller runs other work at the stops (start_pass)
     dispatches: dict[int, Pending] = field(default_factory=dict)  # in flight, by micro-batch
     combines: dict[int, Pending] = field(default_factory=dict)
 
     def _span(self, kind: SpanKind, name: str, i: int = -1) -> Any:
         return maybe_span(self.timeline, kind, name, self.phase, i)
 
-    def in_flight(self) -> list[Pending]:
-        return [*self.dispatches.values(), *self.combines.values()]
+    def release(self, *, wait: bool) -> None:
+        """Transfers left in flight when the pass raises: wait for them before their buffers
+        go back to the workspace (or, after a timeout, keep them alive for good)."""
+        for transfer in [*self.dispatches.values(), *self.combines.values()]:
+            if not wait:
+                abandon(transfer)
+                continue
+            try:
+                transfer.wait()
+            except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                abandon(transfer)
 
     # ---- the steps
     def gather(self, i: int) -> Tensor:
@@ -262,7 +225,7 @@ class _Pass:
             self.deferred(i)
 
     def overlapped(self) -> Iterator[str]:
-        """The overlapped schedule, stopping before each wait (see :func:`start_pass`);
+        """The overlapped schedule, stopping before each wait (see :func:`pass_stages`);
         transfers stay in :attr:`dispatches` and :attr:`combines` until waited, so they can be
         released on an error."""
         k = self.handle.num_micro_batches
@@ -283,7 +246,12 @@ class _Pass:
             if issue_next is not None:
                 self.dispatches[i + 1] = issue_next(True)
             self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)
-            self._owe(i, owed)
+            # deferred work after the next stop: there the caller computes the other
+            # micro-batch (batch overlap), up to issuing its next transfer; the weight gradients
+            # then run while both transfers travel instead of in the way of the other's issue.
+            # Measured at 200 Mbit (``docs/batch_overlap.md``): the step 5.5% faster than with
+            # the weight gradients right after the combine.
+            owed.append(i)
             if i >= 1:
                 yield "combine"
                 self._pay(owed)
@@ -292,20 +260,8 @@ class _Pass:
         self._pay(owed)
         self._receive(k - 1)
 
-    def _owe(self, i: int, owed: list[int]) -> None:
-        """Micro-batch ``i``'s deferred work: now, or in a staged pass after the next stop.
-
-        At a stop the caller computes the other micro-batch (batch overlap), up to issuing its
-        next transfer; the weight gradients then run while both transfers travel instead of
-        in the way of the other's issue. Measured at 200 Mbit (``docs/batch_overlap.md``):
-        the step 5.5% faster than with the weight gradients right after the combine."""
-        if not self.staged:
-            self.deferred(i)
-        else:
-            owed.append(i)
-
     def _pay(self, owed: list[int]) -> None:
-        """The deferred work :meth:`_owe` postponed to this point (right after a stop)."""
+        """The deferred work postponed to this point (right after a stop)."""
         while owed:
             self.deferred(owed.pop(0))
 

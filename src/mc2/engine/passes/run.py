@@ -92,10 +92,6 @@ class CallInputs(Generic[T]):
             return call.module.bound(tuple(self.experts))
         return ExpertWeights.in_order(tuple(self.experts))
 
-    @property
-    def shared_needs(self) -> tuple[Any, Any, Any]:
-        return self.shared_up, self.shared_gate, self.shared_down
-
 
 @dataclass
 class ForwardState:
@@ -145,9 +141,10 @@ class ForwardState:
                             shared_out, pair_out)
 
 
-def advance(stages: Generator[str, None, Any]) -> tuple[str | None, Any]:
+def advance(stages: Generator[Any, Any, Any]) -> tuple[Any, Any]:
     """Run a pass's stages to the next stop: ``(its name, None)``, or ``(None, the pass's
-    result)`` at the end."""
+    result)`` at the end (a layer's stages alike: ``(its begun MoE call, None)``, or
+    ``(None, its output)``)."""
     try:
         return next(stages), None
     except StopIteration as stop:
@@ -224,7 +221,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     ws, tokens, hidden = call.workspace, call.handle.num_tokens, grad_out.shape[-1]
     rows = TRAVELS[call.travel].backward(grad_out, inputs, state, needs)
     shared = inputs.shared_weights()
-    shared_grads = WeightGrads(shared, needs.shared_needs, ws) if shared is not None else None
+    shared_grads = WeightGrads(shared, (needs.shared_up, needs.shared_gate, needs.shared_down),
+                               ws) if shared is not None else None
 
     def shared_experts() -> None:
         if state.shared_gate_up is None or shared_grads is None:

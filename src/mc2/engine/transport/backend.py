@@ -37,19 +37,12 @@ ASYNC_BACKENDS = {"gloo", "nccl", "hccl", "mpi", "ucc", "xccl", "fake"}
 STREAM_BACKENDS = {"nccl", "hccl", "xccl"}
 
 
-def register_stream_backend(name: str, *, asynchronous: bool = True) -> None:
+def register_stream_backend(name: str) -> None:
     """Declare a third-party backend (registered with ``torch.distributed.Backend.
     register_backend``) whose work completes on a device stream, so mc2 waits on it
     stream-ordered and watches its deadlines from a watchdog instead of blocking the host."""
     STREAM_BACKENDS.add(name.lower())
-    if asynchronous:
-        ASYNC_BACKENDS.add(name.lower())
-
-
-def _device_type(device: torch.device | str | None) -> str:
-    if device is None:
-        return "cpu"
-    return torch.device(device).type
+    ASYNC_BACKENDS.add(name.lower())
 
 
 def backend_for(group: Any, device: torch.device | str | None) -> str:
@@ -59,7 +52,7 @@ def backend_for(group: Any, device: torch.device | str | None) -> str:
     default backend-less group. Falls back to parsing the backend string where the group
     object cannot be asked.
     """
-    kind = _device_type(device)
+    kind = torch.device(device if device is not None else "cpu").type
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         return pg._get_backend(torch.device(kind)).name().lower()
@@ -115,9 +108,8 @@ def _blocking_wait(name: str) -> bool:
 
 def default_device_type() -> str:
     """The device type the current process computes on: the current accelerator, else CPU."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        current = accelerator.current_accelerator()
+    if torch.accelerator.is_available():
+        current = torch.accelerator.current_accelerator()
         if current is not None:
             return current.type
     return "cpu"

@@ -35,7 +35,7 @@ import weakref
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -263,10 +263,11 @@ def all_to_all_rows(
 
 @dataclass(frozen=True)
 class FlatExchange:
-    """One micro-batch's exchange as a single All-to-All over the whole group."""
+    """One micro-batch's exchange as a single All-to-All over the whole group (``None``
+    splits: equal slabs, capacity mode's)."""
 
-    send_splits: list[int]
-    recv_splits: list[int]
+    send_splits: list[int] | None
+    recv_splits: list[int] | None
     group: Any
     workspace: Workspace | None = None  # where receive buffers come from
     style: CommStyle | None = None  # the group's, looked up once per call
@@ -356,6 +357,16 @@ def groups_made_agree(group: Any, device: torch.device | str | None = None) -> t
     return most, -fewest
 
 
+def _new_group(ranks: Sequence[int], backend: str | None, parent: Any,
+               device: torch.device | str | None) -> Any:
+    """A process group over ``ranks`` made by its members alone, with ``parent``'s own
+    timeout: not torch's default for a new group (30 minutes on Gloo), so that nothing on it
+    outwaits what the user gave ``parent``."""
+    own = group_timeout(parent, device)
+    return dist.new_group(list(ranks), backend=backend, use_local_synchronization=True,
+                          timeout=None if own is None else timedelta(seconds=own))
+
+
 def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | None = None,
                   device: torch.device | str | None = None) -> list[Any]:
     """New process groups over the global ``member_lists`` (each a subset of ``parent``'s
@@ -377,13 +388,8 @@ def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | 
             f"({fewest} to {most}), so the groups over {member_lists} cannot be made by its "
             "members alone; make the same process groups, in the same order, on every rank")
     me = dist.get_rank()
-    own = group_timeout(parent, device)  # the parent's timeout, not torch's default for a group
-    timeout = None if own is None else timedelta(seconds=own)
-    made = []
-    for ranks in member_lists:
-        made.append(dist.new_group(list(ranks), backend=backend, timeout=timeout,
-                                   use_local_synchronization=True) if me in ranks else None)
-    return made
+    return [_new_group(ranks, backend, parent, device) if me in ranks else None
+            for ranks in member_lists]
 
 
 def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
@@ -396,13 +402,9 @@ def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
                       "cannot be made; its handshake and counts share the row transfers' "
                       "communicator", RuntimeWarning, stacklevel=3)
         return group
-    same = backend == str(dist.get_backend())
-    # the group's own timeout, not torch's default for a new group (30 minutes on Gloo): the
-    # handshake must not outwait what the user gave the group
-    own = group_timeout(group, device)
-    return dist.new_group(list(ranks), backend=None if same else backend,
-                          use_local_synchronization=True,
-                          timeout=None if own is None else timedelta(seconds=own))
+    # the group's own timeout (_new_group): the handshake must not outwait it
+    return _new_group(ranks, None if backend == str(dist.get_backend()) else backend, group,
+                      device)
 
 
 def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
@@ -415,29 +417,24 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     Returns:
         ``[world, n] int64``: what each rank told this one (source-major).
     """
-    if is_local(group):
-        return send_counts.clone()
-    send = send_counts.contiguous()
-    recv = torch.empty_like(send)
-    control = control_group(group, send.device)
-    collective(lambda a: dist.all_to_all_single(recv, send, group=control, async_op=a), control,
-               "counts exchange", send.device)
-    return recv
+    return exchange_slots(send_counts, None, None, group, "counts exchange")
 
 
-def exchange_slots(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any
-                   ) -> Tensor:
+def exchange_slots(send: Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
+                   group: Any, operation: str = "slot exchange") -> Tensor:
     """A variable-size exchange of small per-row tables (the slot tables of
     :mod:`mc2.engine.decide.dedup`, and their gradients back), on the control group
-    (:func:`control_group`): rows ``[sum(send_splits), w]`` out, ``[sum(recv_splits), w]`` in."""
+    (:func:`control_group`): rows ``[sum(send_splits), w]`` out, ``[sum(recv_splits), w]`` in
+    (``None`` splits: equal blocks, as many rows in as out)."""
     if is_local(group):
         return send.clone()
     send = send.contiguous()
-    recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+    rows = send.shape[0] if recv_splits is None else sum(recv_splits)
+    recv = send.new_empty((rows,) + tuple(send.shape[1:]))
     control = control_group(group, send.device)
     collective(lambda a: dist.all_to_all_single(recv, send, recv_splits, send_splits,
                                                  group=control, async_op=a),
-               control, "slot exchange", send.device)
+               control, operation, send.device)
     return recv
 
 
@@ -459,25 +456,20 @@ def gather_counts(send_totals: Tensor, group: Any) -> Tensor:
     return torch.stack(parts)
 
 
-def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement", *,
-                   control: bool | None = None) -> Tensor:
-    """Element-wise maximum over the group (identity for one rank).
-
-    ``control``: run on the group's control communicator (:func:`control_group`); by default
-    for the operations in :data:`CONTROL_OPERATIONS` (the handshake), on ``group`` otherwise.
-    """
-    return all_reduce_max_later(values, group, operation, control=control)()
+def all_reduce_max(values: Tensor, group: Any, operation: str = "agreement") -> Tensor:
+    """Element-wise maximum over the group (identity for one rank), on the group's control
+    communicator (:func:`control_group`) for the operations in :data:`CONTROL_OPERATIONS`
+    (the handshake), on ``group`` otherwise."""
+    return all_reduce_max_later(values, group, operation)()
 
 
-def all_reduce_max_later(values: Tensor, group: Any, operation: str = "agreement", *,
-                         control: bool | None = None) -> Callable[[], Tensor]:
+def all_reduce_max_later(values: Tensor, group: Any, operation: str = "agreement"
+                         ) -> Callable[[], Tensor]:
     """:func:`all_reduce_max` issued now; the returned function waits for it and returns the
     maximum (work done in between hides the collective's latency)."""
     if is_local(group):
         return lambda: values
-    if control is None:
-        control = operation in CONTROL_OPERATIONS
-    on = control_group(group, values.device) if control else group
+    on = control_group(group, values.device) if operation in CONTROL_OPERATIONS else group
     values = values.clone()
     done = collective_later(lambda a: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=on,
                                                       async_op=a), on, operation, values.device)

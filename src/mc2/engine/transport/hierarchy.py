@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mc2.device.clock import clock_for
@@ -128,24 +127,6 @@ class TwoStageExchange:
     reduces: bool = False
     codec: Any = None
 
-    def _on_thread(self, fn: Callable[[], Tensor], on_complete: OnComplete | None,
-                   device: torch.device) -> PendingTransfer:
-        issued = time.perf_counter()
-        context = contextvars.copy_context()  # the call's deadline holds on the thread too
-        # device tensors (Gloo stages them through the host): the thread orders its copies and
-        # permutation on the caller's stream, as the caller's own collectives would be
-        stream = current_stream(device)
-
-        def job() -> Tensor:
-            with stream if stream is not None else contextlib.nullcontext():
-                out = context.run(fn)
-            if on_complete is not None:
-                on_complete(issued, time.perf_counter())
-            return out
-
-        return PendingTransfer(output=None, future=comm_worker().submit(job),
-                               operation="two-stage exchange")
-
     def _chained(self, rows: Tensor, first: tuple[list[int], list[int], Any],
                  second: tuple[list[int], list[int], Any], between: Callable[[Tensor, Tensor], Any],
                  name: str, on_complete: OnComplete | None) -> PendingTransfer:
@@ -180,23 +161,54 @@ class TwoStageExchange:
         last.keep_alive = (rows, middle, staged)
         return last
 
-    def dispatch(self, rows: Tensor, *, async_op: bool,
-                 on_complete: OnComplete | None = None) -> PendingTransfer:
-        def permute(across: Tensor, out: Tensor) -> Tensor:
-            return torch.index_select(across, 0, self.intra_gather, out=out)
-
-        inter = (self.inter_send, self.inter_recv, self.inter_group)
-        intra = (self.intra_send, self.intra_recv, self.intra_group)
+    def _exchange(self, rows: Tensor, first: tuple[list[int], list[int], Any],
+                  second: tuple[list[int], list[int], Any],
+                  between: Callable[[Tensor, Tensor], Tensor], name: str, async_op: bool,
+                  on_complete: OnComplete | None) -> PendingTransfer:
+        """Stage 1, ``between(stage-1 rows, out)`` into a buffer of stage 2's rows, stage 2
+        (``first``, ``second``: each stage's send splits, receive splits and group): queued at
+        once on a stream backend (:meth:`_chained`), else run now or, asynchronous, on the
+        communication thread."""
         if async_op and style_of(self.inter_group, rows.device).stream:
-            return self._chained(rows, inter, intra, permute, "dispatch", on_complete)
+            return self._chained(rows, first, second, between, name, on_complete)
 
         def run() -> Tensor:
-            across = all_to_all_rows(rows, *inter, async_op=False).wait()
-            return all_to_all_rows(across.index_select(0, self.intra_gather), *intra,
-                                   async_op=False).wait()
-        if async_op:
-            return self._on_thread(run, on_complete, rows.device)
-        return PendingTransfer(output=run())
+            arrived = all_to_all_rows(rows, *first, async_op=False).wait()
+            out = arrived.new_empty((sum(second[0]),) + tuple(arrived.shape[1:]))
+            return all_to_all_rows(between(arrived, out), *second, async_op=False).wait()
+        if not async_op:
+            return PendingTransfer(output=run())
+        issued = time.perf_counter()
+        context = contextvars.copy_context()  # the call's deadline holds on the thread too
+        # device tensors (Gloo stages them through the host): the thread orders its copies and
+        # permutation on the caller's stream, as the caller's own collectives would be
+        stream = current_stream(rows.device)
+
+        def job() -> Tensor:
+            with stream if stream is not None else contextlib.nullcontext():
+                out = context.run(run)
+            if on_complete is not None:
+                on_complete(issued, time.perf_counter())
+            return out
+        return PendingTransfer(output=None, future=comm_worker().submit(job),
+                               operation="two-stage exchange")
+
+    def _permute(self, across: Tensor, out: Tensor) -> Tensor:
+        """The dispatch's step between the stages: stage-1 rows in stage-2 send order."""
+        return torch.index_select(across, 0, self.intra_gather, out=out)
+
+    def _unpermute(self, inside: Tensor, out: Tensor) -> Tensor:
+        """The combine's step between the stages: :meth:`_permute` undone (rows once per
+        node: the rows back for each stage-1 row summed, :meth:`_summed`)."""
+        if self.reduces:
+            return self._summed(inside, out)
+        return out.index_copy_(0, self.intra_gather, inside)
+
+    def dispatch(self, rows: Tensor, *, async_op: bool,
+                 on_complete: OnComplete | None = None) -> PendingTransfer:
+        return self._exchange(rows, (self.inter_send, self.inter_recv, self.inter_group),
+                              (self.intra_send, self.intra_recv, self.intra_group),
+                              self._permute, "dispatch", async_op, on_complete)
 
     def _summed(self, inside: Tensor, out: Tensor) -> Tensor:
         """The combine's node reduction: the rows back from each rank, summed per stage-1
@@ -210,23 +222,9 @@ class TwoStageExchange:
 
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: OnComplete | None = None) -> PendingTransfer:
-        def unpermute(inside: Tensor, out: Tensor) -> Tensor:
-            if self.reduces:
-                return self._summed(inside, out)
-            return out.index_copy_(0, self.intra_gather, inside)
-
-        intra = (self.intra_recv, self.intra_send, self.intra_group)
-        inter = (self.inter_recv, self.inter_send, self.inter_group)
-        if async_op and style_of(self.inter_group, rows.device).stream:
-            return self._chained(rows, intra, inter, unpermute, "combine", on_complete)
-
-        def run() -> Tensor:
-            inside = all_to_all_rows(rows, *intra, async_op=False).wait()
-            back = inside.new_empty((sum(self.inter_recv),) + tuple(inside.shape[1:]))
-            return all_to_all_rows(unpermute(inside, back), *inter, async_op=False).wait()
-        if async_op:
-            return self._on_thread(run, on_complete, rows.device)
-        return PendingTransfer(output=run())
+        return self._exchange(rows, (self.intra_recv, self.intra_send, self.intra_group),
+                              (self.inter_recv, self.inter_send, self.inter_group),
+                              self._unpermute, "combine", async_op, on_complete)
 
 
 @dataclass(frozen=True)
@@ -300,17 +298,9 @@ class TwoStagePlan:
                                  codec=codec if reduces else None, **s)
                 for s, gather in zip(splits, gathers)]
 
-    def per_micro_batch(self, gathers: list[Tensor] | None = None, codec: Any = None
-                        ) -> Callable[[int], tuple[TwoStageExchange, tuple[int, int]]]:
-        """``i -> (exchange, arrival)`` as :func:`mc2.engine.decide.routing.build_handle` takes it."""
-        exchanges = self.exchanges(gathers, codec)
-        return lambda i: (exchanges[i], (self.nodes, self.per_node))
-
 
 def measured_sizes(group: Any) -> int:
     """How many sizes :func:`two_stage_pays` has measured on ``group`` in this process."""
-    if not dist.is_initialized():
-        return 0
     return len(group_state(group).two_stage)
 
 

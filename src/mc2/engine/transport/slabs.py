@@ -1,20 +1,16 @@
-"""Fixed-size slabs: the exchange of capacity mode (:mod:`mc2.engine.decide.capacity`).
+"""Fixed-size slabs: the rows of capacity mode (:mod:`mc2.engine.decide.capacity`).
 
 Every rank sends every rank the same number of rows, so the All-to-All takes no split sizes
-(equal splits), allocates nothing whose size depends on the data, and reads nothing back: what
-a CUDA graph can capture. Small tables travel in the same bytes as the rows (:func:`pack`),
-so a call needs no exchange of its own for them.
+(a :class:`~mc2.engine.transport.comm.FlatExchange` of ``None`` splits: equal slabs, the same
+both ways), allocates nothing whose size depends on the data, and reads nothing back: what a
+CUDA graph can capture. Small tables travel in the same bytes as the rows (:func:`pack`), so a
+call needs no exchange of its own for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import Tensor
-
-from mc2.engine.transport.comm import OnComplete, PendingTransfer, all_to_all_rows
 
 
 def _padded(nbytes: int) -> int:
@@ -40,25 +36,3 @@ def unpack(data: Tensor, hidden: int, dtype: torch.dtype, table_width: int
     rows = data[:, :hidden * size].contiguous().view(dtype)
     table = data[:, width:width + table_width * 8].contiguous().view(torch.float64)
     return rows, table
-
-
-@dataclass(frozen=True)
-class SlabExchange:
-    """One micro-batch's exchange of equal slabs, both ways (the same in every pass)."""
-
-    world: int
-    group: Any
-    style: Any = None
-
-    def _move(self, rows: Tensor, async_op: bool, on_complete: OnComplete | None,
-              operation: str) -> PendingTransfer:
-        return all_to_all_rows(rows, None, None, self.group, async_op=async_op,
-                               on_complete=on_complete, operation=operation, style=self.style)
-
-    def dispatch(self, rows: Tensor, *, async_op: bool,
-                 on_complete: OnComplete | None = None) -> PendingTransfer:
-        return self._move(rows, async_op, on_complete, "dispatch")
-
-    def combine(self, rows: Tensor, *, async_op: bool,
-                on_complete: OnComplete | None = None) -> PendingTransfer:
-        return self._move(rows, async_op, on_complete, "combine")

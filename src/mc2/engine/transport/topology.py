@@ -97,8 +97,6 @@ def discover(group: Any = None) -> Topology:
 
 def topology_for(group: Any = None) -> Topology:
     """:func:`discover` once per group (cached with its sub-groups; every rank calls it)."""
-    if group_size(group) == 1:
-        return Topology([0], 0, "single")
     found, local = group_state(group).topologies, os.environ.get("LOCAL_WORLD_SIZE")
     if local not in found:
         found[local] = discover(group)

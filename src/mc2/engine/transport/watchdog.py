@@ -166,15 +166,6 @@ def abort_groups(groups: list[Any]) -> None:
         raise RuntimeError("cannot abort " + "; ".join(failures))
 
 
-def end_process(message: str) -> None:
-    """Say why on stderr and end the process at once (no cleanup: threads may be blocked)."""
-    try:
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    finally:
-        os._exit(EXIT_CODE)
-
-
 class Watchdog:
     """Watches stream-ordered works against their deadlines (see the module docstring).
 
@@ -330,9 +321,14 @@ class Watchdog:
         else:
             why = f"the process groups could not be aborted ({outcome.get('error')!r})"
             time.sleep(max(0.0, ends - time.monotonic()))  # the caller's grace to report
-        end_process(f"{self._expired} -- and {why}, so a thread blocked behind the stalled "
-                    f"collective would wait forever: mc2 ends this process (exit status "
-                    f"{EXIT_CODE}; grace period MC2_ABORT_GRACE_S={self.grace_s:g}s)")
+        try:  # say why on stderr and end the process at once (no cleanup: threads may be blocked)
+            sys.stderr.write(f"{self._expired} -- and {why}, so a thread blocked behind the "
+                             "stalled collective would wait forever: mc2 ends this process "
+                             f"(exit status {EXIT_CODE}; grace period "
+                             f"MC2_ABORT_GRACE_S={self.grace_s:g}s)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(EXIT_CODE)
 
     def _loop(self) -> None:
         while True:

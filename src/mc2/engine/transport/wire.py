@@ -192,9 +192,8 @@ def wire_problem(wire_dtype: Any, block: int, hidden: int | None) -> str | None:
 
 def wire_pair(wire_dtype: Any, block: int = 128) -> tuple[WireFormat, WireFormat]:
     """``(dispatch, combine)`` formats of a validated ``wire_dtype``."""
-    if isinstance(wire_dtype, tuple):
-        return WireFormat(wire_dtype[0], block), WireFormat(wire_dtype[1], block)
-    return WireFormat(wire_dtype, block), WireFormat(wire_dtype, block)
+    kinds = wire_dtype if isinstance(wire_dtype, tuple) else (wire_dtype, wire_dtype)
+    return WireFormat(kinds[0], block), WireFormat(kinds[1], block)
 
 
 def _known(kind: Any) -> bool:

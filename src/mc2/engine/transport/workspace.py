@@ -27,8 +27,8 @@ changed batch, or ``"auto"`` trying another K).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -117,11 +117,9 @@ class Workspace:
 
 
 _TRANSIENT = Workspace(enabled=False)
-_DEFAULT: dict[Any, Workspace] = {}
 
 
+@functools.cache
 def default_workspace() -> Workspace:
     """The process's shared pool, made on first use (``mc2.fused_expert``'s default)."""
-    if "pool" not in _DEFAULT:
-        _DEFAULT["pool"] = Workspace()
-    return _DEFAULT["pool"]
+    return Workspace()
