@@ -18,8 +18,8 @@ def counted_calls(module: Any) -> Iterator[dict[str, Any]]:
     """Patch ``module``'s ``fused_expert``/``fused_expert_module`` (the names it imported) and
     ``Tensor.backward`` inside the block; ``seen`` holds ``calls``, ``forward_reads`` (the most
     one call read), ``forward_read_ops``, ``backward_reads`` (the whole backward),
-    ``micro_batches`` (the most any call ran) and ``rows_once`` (any ran once per
-    destination), from a timeline of the calls."""
+    ``micro_batches`` (the most any call ran), ``rows_once`` (any ran once per destination)
+    and ``shared_inside`` (any ran shared experts), from a timeline of the calls."""
     import mc2
     from mc2.observation.host_syncs import HostSyncCounter
 
@@ -60,3 +60,4 @@ def counted_calls(module: Any) -> Iterator[dict[str, Any]]:
     seen["forward_read_ops"] = dict(seen["forward_read_ops"])
     seen["micro_batches"] = 1 + max((s.micro_batch for s in timeline.spans), default=0)
     seen["rows_once"] = any(s.name == "slots" for s in timeline.spans)
+    seen["shared_inside"] = any(s.name == "local" for s in timeline.spans)

@@ -67,8 +67,9 @@ def test_the_layer_runs_its_config_and_reads_the_host_as_fused_expert_does(world
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_cases_exercise_what_they_name(world: int) -> None:
-    """The capacity cases drop slots, the aux-loss cases log a nonzero loss, and the
-    expert-bias case counts tokens: equality there is not equality of nothing."""
+    """The capacity cases drop slots, the aux-loss cases log a nonzero loss, the expert-bias
+    case counts tokens, and the overlapped shared experts run in mc2's call: equality there is
+    not equality of nothing."""
     for results in _layers(world):
         assert results["capacity_drops"]["dropped"] > 0
         assert results["capacity_drops_position"]["dropped"] > 0
@@ -77,6 +78,10 @@ def test_the_cases_exercise_what_they_name(world: int) -> None:
                            ("group_limited_z_loss", "z_loss")]:
             assert results[case]["losses"][0][loss] > 0, (case, loss)
         assert "router tokens_per_expert" in results["sigmoid_expert_bias"]["errors"]
+        # moe_shared_expert_overlap: the shared experts ran inside mc2's call (and their
+        # gradients, compared above, came from it); without it, beside the call
+        assert results["shared_experts_gate_overlap"]["shared_inside"]
+        assert not results["shared_experts"]["shared_inside"]
 
 
 def test_refusals_raise_naming_the_field_on_every_rank() -> None:

@@ -14,6 +14,7 @@ blocking (``async_op=False`` forced at the transport) every pair issued blocking
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mc2
 from tests.problems import make_problem
@@ -131,3 +132,33 @@ def test_on_a_stream_backend_the_transfers_overlap_too() -> None:
         problems = overlap_problems(blocking["exchanges"], blocking["experts"], K)
         blocked = [p for p in problems if "issued blocking" in p]
         assert len(blocked) == len(problems) == len(PHASES) * 2 * (K - 1), (rank, problems)
+
+
+def test_shared_experts_run_under_the_fill_and_the_drain() -> None:
+    """The shared experts' forward in two parts, one while the first dispatch travels (issued
+    before, waited for after), the other while the last combine travels; their backward while
+    the first gradient dispatch travels (its drain carries the routed weight gradients). In
+    the serial schedule, which has neither, the same parts with no transfer around them."""
+    problem = make_problem(2, "uniform", tokens=13)
+    g = torch.Generator().manual_seed(4)
+    hidden = problem.xs[0].shape[-1]
+    shared = [torch.randn(1, hidden, 8, generator=g, dtype=problem.xs[0].dtype) * 0.3
+              for _ in range(2)] + [torch.randn(1, 8, hidden, generator=g,
+                                                dtype=problem.xs[0].dtype) * 0.3]
+    cases = [{"micro_batches": k, "shared_experts": shared} for k in (1, K)]
+    cases.append({"micro_batches": K, "shared_experts": shared, "overlap": False})
+    results = mc2.run_local(record_schedules, 2, args=([(problem, o) for o in cases],),
+                            timeout_s=120)
+    for rank, per_case in enumerate(results):
+        for k, got in zip((1, K), per_case[:2]):
+            found = {(e.phase, e.name, e.micro_batch): e for e in got["exchanges"]}
+            fill, drain = [s for s in got["local"] if s.phase == "forward"]
+            (backward,) = [s for s in got["local"] if s.phase == "backward"]
+            for phase, span in (("forward", fill), ("backward", backward)):
+                first = found[(phase, "dispatch", 0)]
+                assert first.asynchronous, (k, rank, phase)
+                assert first.issued <= span.start < span.end <= first.waited, (k, rank, phase)
+            last = found[("forward", "combine", k - 1)]
+            assert last.asynchronous, (k, rank)
+            assert last.issued <= drain.start < drain.end <= last.waited, (k, rank)
+        assert len(per_case[2]["local"]) == 3, rank

@@ -68,6 +68,9 @@ REFUSALS: dict[str, dict[str, Any]] = {
     "fp8": dict(fp8="e4m3"),
     "cuda_graph_impl": dict(cuda_graph_impl="local"),
     "recompute_modules": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "moe_shared_expert_overlap": dict(moe_shared_expert_intermediate_size=20,
+                                      moe_shared_expert_overlap=True,
+                                      activation_func=torch.nn.functional.gelu),
 }
 
 

@@ -166,7 +166,9 @@ def record_schedules(rank: int, world: int, cases: list[tuple[Problem, dict[str,
                      ) -> list[dict[str, Any]]:
     """Forward and backward of each ``(problem, fused_expert options)``, recorded: the
     exchanges, the experts' spans, and whether overlap fell back to synchronous. An option
-    ``blocking_issues=True`` is the recorder's: every exchange is issued blocking."""
+    ``blocking_issues=True`` is the recorder's: every exchange is issued blocking;
+    ``shared_experts=(up, gate, down)``: shared experts, trained. ``"local"``: the shared
+    experts' spans."""
     import mc2
 
     results = []
@@ -174,6 +176,10 @@ def record_schedules(rank: int, world: int, cases: list[tuple[Problem, dict[str,
         options = dict(options)
         blocking = options.pop("blocking_issues", False)  # the recorder's, not the call's
         emulated = options.pop("emulated_stream", False)
+        shared = options.pop("shared_experts", None)  # (up, gate, down), trained
+        if shared is not None:
+            names = ("shared_up", "shared_gate", "shared_down")
+            options.update({n: t.clone().requires_grad_(True) for n, t in zip(names, shared)})
         x = problem.xs[rank].clone().requires_grad_(True)
         weights = [w.clone().requires_grad_(True) for w in problem.local_weights(rank)]
         timeline = mc2.Timeline()
@@ -184,6 +190,8 @@ def record_schedules(rank: int, world: int, cases: list[tuple[Problem, dict[str,
             out.backward(problem.grad_outs[rank])
         experts = [Experts(s.phase, s.micro_batch, s.start, s.end) for s in timeline.spans
                    if s.kind == "compute" and s.name == "experts"]
+        local = [Experts(s.phase, s.micro_batch, s.start, s.end) for s in timeline.spans
+                 if s.kind == "compute" and s.name == "local"]
         results.append({"exchanges": recorder.exchanges(), "experts": experts,
-                        "fell_back": timeline.sync_fallback})
+                        "local": local, "fell_back": timeline.sync_fallback})
     return results

@@ -16,6 +16,7 @@ a timeline being read), never on the pipeline's path.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -100,7 +101,7 @@ class DeviceClock(HostClock):
 
 
 HOST = HostClock()
-_DEVICE_CLOCKS: dict[torch.device, DeviceClock] = {}
+_device_clock = functools.cache(DeviceClock)  # one per device: its anchor is taken once
 
 
 def clock_for(device: torch.device | str | None) -> HostClock:
@@ -108,10 +109,7 @@ def clock_for(device: torch.device | str | None) -> HostClock:
     (one per device, so that its anchor is taken once) on an accelerator."""
     if device is None or torch.device(device).type in ("cpu", "meta"):
         return HOST
-    device = full_device(device)
-    if device not in _DEVICE_CLOCKS:
-        _DEVICE_CLOCKS[device] = DeviceClock(device)
-    return _DEVICE_CLOCKS[device]
+    return _device_clock(full_device(device))
 
 
 class Interval:

@@ -37,7 +37,7 @@ layer (:mod:`.split_records`). The schedule itself is the engine's
 
 from __future__ import annotations
 
-from functools import partial
+from functools import partial, reduce
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,10 +106,7 @@ class BatchOverlapStack(nn.Module):
         overlapped = self.decision.wanted(x.shape[0], tokens, x.device)
 
         def plain() -> Tensor:
-            h = x
-            for layer in self.layers:
-                h = layer(h)
-            return h
+            return reduce(lambda h, layer: layer(h), self.layers, x)
 
         def split() -> Tensor:
             parts = x.split(split_sizes(x.shape[0], SPLITS))
@@ -153,9 +150,7 @@ STAGED_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp
 def stage_problem(layer: nn.Module) -> str | None:
     """Why :func:`hf_layer_stages` cannot run ``layer``, or ``None``."""
     missing = [p for p in STAGED_PARTS if not isinstance(getattr(layer, p, None), nn.Module)]
-    if missing:
-        return f"{type(layer).__name__} has no {missing}"
-    return None
+    return f"{type(layer).__name__} has no {missing}" if missing else None
 
 
 class _LayerCall:
@@ -171,9 +166,7 @@ class _LayerCall:
             self.loop.calls.clear()
             self.loop.first = hidden_states
         self.loop.calls.append((args, kwargs))
-        if self.index < len(self.loop.layers) - 1:
-            return hidden_states
-        return self.loop.run()
+        return hidden_states if self.index < len(self.loop.layers) - 1 else self.loop.run()
 
 
 def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple[str, Any]]
@@ -184,16 +177,6 @@ def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple
     if len(caches) > 1:
         return "the decoder layers were given different KV caches"
     return split_cache.unsplittable(caches[0][1]) if caches else None
-
-
-def run_in_turn(layers: Sequence[nn.Module], hidden_states: Tensor,
-                calls: Sequence[tuple[tuple, dict[str, Any]]]) -> Tensor:
-    """The layers one after the other, each with the arguments the model's loop gave it (no
-    split: each layer's own ``forward``, MC2 inside it)."""
-    h = hidden_states
-    for layer, (args, kwargs) in zip(layers, calls):
-        h = layer(h, *args, **kwargs)
-    return h
 
 
 class _Loop:
@@ -215,8 +198,11 @@ class _Loop:
         problem = records.problem() or _split_problem(calls, list(caches.values()))
         overlapped = self.decision.wanted(batch, batch * seq, hidden_states.device, problem)
 
-        def plain() -> Tensor:
-            return run_in_turn(self.layers, hidden_states, calls)
+        def plain() -> Tensor:  # the layers one after the other, each its own forward
+            h = hidden_states
+            for layer, (args, kwargs) in zip(self.layers, calls):
+                h = layer(h, *args, **kwargs)
+            return h
 
         def split() -> Tensor:
             sizes = split_sizes(batch, SPLITS)
@@ -224,11 +210,9 @@ class _Loop:
             parts = split_cache.split(cache, len(sizes)) if cache is not None else None
             layers: list[list[Callable[[Tensor], LayerStages]]] = [[] for _ in sizes]
             for layer, (_, kwargs) in zip(self.layers, calls):
-                each: list[dict[str, Any]] = [{} for _ in sizes]
-                for name, value in kwargs.items():
-                    for part, piece in zip(each, split_value(value, batch, sizes)):
-                        part[name] = piece
-                for i, part in enumerate(each):
+                pieces = {name: split_value(value, batch, sizes) for name, value in kwargs.items()}
+                for i in range(len(sizes)):
+                    part = {name: values[i] for name, values in pieces.items()}
                     if parts is not None:
                         part[key] = parts[i]
                     layers[i].append(partial(hf_layer_stages, layer, kwargs=part))
@@ -283,7 +267,6 @@ class OverlappedLayers(nn.ModuleList):
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
             layers = list(self._modules.values())[idx]
-            if self.decision.chosen is False:
-                return nn.ModuleList(layers)
-            return _LoopView(layers, self.decision)
+            return nn.ModuleList(layers) if self.decision.chosen is False else \
+                _LoopView(layers, self.decision)
         return super().__getitem__(idx)

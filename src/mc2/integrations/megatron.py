@@ -16,7 +16,9 @@ its own layer, so ``state_dict`` and ``sharded_state_dict`` keys are its keys (t
 subclass holding the same submodules; the unused token dispatcher holds no tensors). The
 forward runs
 
-1. the shared experts, as Megatron runs them (its recompute setting included);
+1. the shared experts, as Megatron runs them (its recompute setting included), or, with
+   ``moe_shared_expert_overlap``, inside mc2's call, where its pipeline would wait (their
+   weights enter as views: :func:`shared_views`);
 2. Megatron's router untouched (``probs``, ``routing_map`` ``[T, E]``: top-k, group-limited
    routing, softmax or sigmoid scores, expert bias and its token counters, aux / seq-aux /
    global-aux / z losses, capacity factor with token dropping, ``padding_mask``);
@@ -84,6 +86,8 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
     - ``moe_apply_probs_on_input``: the probability scales the input, not the output;
     - ``moe_latent_size``, ``fp8`` / ``fp4``, ``cuda_graph_impl``, ``delay_wgrad_compute``,
       selective recompute of ``"moe"``: paths of Megatron's layer this one does not run;
+    - ``moe_shared_expert_overlap`` with shared experts that are no SwiGLU: the layer then
+      runs them inside mc2's call (:func:`shared_views`), which computes SwiGLU;
     - ``gradient_accumulation_fusion``: Megatron's fused weight-gradient kernel writes
       ``main_grad`` of the parameter it was given, and mc2 runs the experts on stand-ins for
       their parameters (the gradients reach ``.grad``, where Megatron's DDP hooks read them
@@ -126,6 +130,12 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
             getattr(config, "recompute_modules", None) or ()):
         return ("recompute_modules must not hold 'moe' for MC2MoELayer (its recompute would run "
                 "the layer's collectives again); use full recompute or drop 'moe'")
+    if getattr(config, "moe_shared_expert_overlap", False) and getattr(
+            config, "moe_shared_expert_intermediate_size", None) and not (
+            config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
+        return ("moe_shared_expert_overlap runs the shared experts inside mc2's call, a SwiGLU: "
+                "it needs gated_linear_unit=True and activation_func=F.silu; or set it to False "
+                "(they then run beside the call, as Megatron runs them)")
     if getattr(config, "gradient_accumulation_fusion", False):
         return ("gradient_accumulation_fusion must be False for MC2MoELayer (the experts' "
                 "weight gradients reach .grad, which Megatron's DDP adds to main_grad)")
@@ -169,19 +179,23 @@ class MC2MoELayer(MoELayer):
                              "by MC2MoELayer")
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
+        inside: dict[str, Tensor] = {}
+        shared = None
         if self.use_shared_expert and self.shared_expert_overlap:
-            # Megatron overlaps them inside its dispatcher, which does not run here
-            shared = self.shared_experts(hidden_states)
+            # Megatron overlaps them with its dispatcher; here mc2's call runs them
+            inside = shared_views(self.shared_experts, hidden_states)
         else:
             shared = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
-        output = self.routed(hidden_states, probs, routing_map)
+        output = self.routed(hidden_states, probs, routing_map, **inside)
         if shared is not None:
             output = output + shared
         return output, None
 
-    def routed(self, hidden_states: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
-        """The routed experts' weighted sum for every token, through mc2's pipeline.
+    def routed(self, hidden_states: Tensor, probs: Tensor, routing_map: Tensor,
+               **shared: Tensor) -> Tensor:
+        """The routed experts' weighted sum for every token, through mc2's pipeline (plus the
+        shared experts ``shared`` names, :func:`shared_views`).
 
         ``probs [T, E]`` (zero off the route) and ``routing_map [T, E] bool`` are the router's.
         Every token's ``moe_router_topk`` slots are taken from the map (``topk`` of it, on
@@ -202,7 +216,8 @@ class MC2MoELayer(MoELayer):
                                   group=self.ep_group, config=self.mc2_config,
                                   num_experts=self.config.num_moe_experts,
                                   local_experts=self.num_local_experts,
-                                  forward=self._experts_stage, tokens_per_expert=True)
+                                  forward=self._experts_stage, tokens_per_expert=True,
+                                  **shared)
         return out.reshape(shape)
 
     def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor,
@@ -214,6 +229,25 @@ class MC2MoELayer(MoELayer):
         out, bias = self.experts(rows, tokens_per_expert, weights.reshape(-1))
         assert bias is None, "the experts' output bias is refused by megatron_problem"
         return out
+
+
+def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:
+    """Megatron's ``SharedExpertMLP`` as ``fused_expert_module``'s shared experts: views of its
+    weights (``linear_fc1`` ``[2F, H]``, gate rows first as Megatron's GLU chunks them;
+    ``linear_fc2`` ``[H, F]``), so gradients land on its parameters, and its gate
+    ``sigmoid(x @ gate_weight.T)`` as the per-token scale.
+
+    :func:`megatron_problem` has refused what mc2's SwiGLU would not compute (another
+    activation, no GLU, a bias).
+    """
+    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    ffn = fc1.shape[0] // 2
+    views = {"shared_gate": fc1[:ffn].t().unsqueeze(0), "shared_up": fc1[ffn:].t().unsqueeze(0),
+             "shared_down": fc2.t().unsqueeze(0)}
+    if mlp.use_shared_expert_gate:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        views["shared_scale"] = torch.sigmoid(torch.nn.functional.linear(x, mlp.gate_weight))
+    return views
 
 
 def config_from_env(value: str | None = None) -> MC2Config:

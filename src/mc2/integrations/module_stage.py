@@ -15,9 +15,11 @@ is the expert count, sliced to this rank's block, under the same names), and its
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mc2.engine.autograd.ops import fused_expert_module
@@ -48,18 +50,12 @@ class ModuleStageExperts:
 
     @property
     def expert_index(self) -> Any:
-        import torch
-
         return torch.arange(self.first_expert, self.first_expert + self.num_experts)
 
 
-_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _stage_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"MC2{cls.__name__}", (ModuleStageExperts, cls), {})
-    return _CLASSES[cls]
+    return type(f"MC2{cls.__name__}", (ModuleStageExperts, cls), {})
 
 
 def experts_problem(experts: nn.Module) -> str | None:
@@ -78,8 +74,6 @@ def experts_problem(experts: nn.Module) -> str | None:
 def shard_experts(experts: nn.Module, *, group: Any = None, mesh: Any = None,
                   config: MC2Config) -> nn.Module:
     """This rank's share of ``experts`` as a module whose forward runs mc2's pipeline."""
-    import torch
-
     n = experts.num_experts
     layout = resolve_layout(group, mesh, num_experts=n)
     mine = layout.experts_of_this_rank(n)

@@ -22,21 +22,16 @@ from typing import Any, Iterator
 import torch
 
 
-def _collector_var() -> Any:
-    """Hugging Face's context variable of the active records, or ``None``."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # an older transformers, or none: nothing records
-        return None
-    return _active_collector
-
-
 class SplitRecords:
     """The records of one forward, kept per micro-batch (labels 0, 1, ...) and joined by
     layer."""
 
     def __init__(self) -> None:
-        self._var = _collector_var()
+        try:  # Hugging Face's context variable of the active records
+            from transformers.utils.output_capturing import _active_collector as var
+        except ImportError:  # an older transformers, or none: nothing records
+            var = None
+        self._var = var
         active = self._var.get() if self._var is not None else None
         self.target: dict[str, Any] | None = active or None
         self._keys = [k for k, v in (active or {}).items() if isinstance(v, list)]

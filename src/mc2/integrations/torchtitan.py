@@ -127,15 +127,14 @@ class MC2RoutedExperts(RoutedExperts):
                                    num_local_tokens_per_expert_E)
         experts = self.inner_experts
         if _plain_grouped(experts):
-            w1, w2, w3 = (_local(experts.w1_EFD), _local(experts.w2_EDF),
-                          _local(experts.w3_EFD))
+            up, gate, down = (_local(w).transpose(-2, -1)
+                              for w in (experts.w3_EFD, experts.w1_EFD, experts.w2_EDF))
             with torch.autocast(x_BLD.device.type, dtype=COMPUTE_DTYPE):
-                out = fused_expert(x_BLD, w3.transpose(-2, -1), w1.transpose(-2, -1),
-                                   w2.transpose(-2, -1), topk_expert_ids_BLK,
-                                   topk_scores_BLK, group=self.ep_group,
-                                   config=self.mc2_config)
+                out = fused_expert(x_BLD, up, gate, down, topk_expert_ids_BLK, topk_scores_BLK,
+                                   group=self.ep_group, config=self.mc2_config)
         else:
-            local = _local_experts(experts)
+            # experts held here: every TorchTitan experts module stacks them on dim 0
+            local = _local(next(iter(experts.parameters()))).shape[0]
             out = fused_expert_module(x_BLD, experts, topk_expert_ids_BLK,
                                       topk_scores_BLK.to(x_BLD.dtype), group=self.ep_group,
                                       config=self.mc2_config, local_experts=local,
@@ -156,13 +155,6 @@ def _local(weight: Tensor) -> Tensor:
     copy, differentiable back to the DTensor parameter) or the plain shard itself."""
     to_local = getattr(weight, "to_local", None)
     return weight if to_local is None else to_local()
-
-
-def _local_experts(experts: Any) -> int:
-    """Experts held on this rank: the first parameter's local dim 0 (experts are stacked
-    there in every TorchTitan experts module)."""
-    first = next(iter(experts.parameters()))
-    return _local(first).shape[0]
 
 
 def _stage_forward(experts: Any, local: int) -> Any:

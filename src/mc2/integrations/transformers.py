@@ -10,13 +10,14 @@ this rank's experts, under the model's own names: state-dict keys and checkpoint
 Qwen2-MoE's gated shared expert (``shared_expert``, an MLP, and ``shared_expert_gate``,
 ``H -> 1``) stays where it is, as submodules under their names; its weights enter the fused
 call as transposed *views* (gradients land on the ``nn.Linear`` weights) together with the
-per-token ``sigmoid(shared_expert_gate(x))``, so it is computed while the first dispatch is in
-flight. A block holding a parameter the adapter does not understand (an expert bias, a
-correction bias, a shared MLP without its gate, ...) is not replaced: its experts module, where
-the model's own expert-parallel plan names it, runs as the experts stage of mc2's pipeline with
-its own forward (:mod:`mc2.integrations.module_stage`), and the block's forward stays the
-model's. A block that is neither is refused with a ``ValueError`` naming what it holds; the
-router's output is checked (dtypes and shapes, no host read).
+per-token ``sigmoid(shared_expert_gate(x))``, so it is computed while the first dispatch (and,
+for half of its forward, the last combine) is in flight. A block holding a parameter the
+adapter does not understand (an expert bias, a correction bias, a shared MLP without its gate,
+...) is not replaced: its experts module, where the model's own expert-parallel plan names it,
+runs as the experts stage of mc2's pipeline with its own forward
+(:mod:`mc2.integrations.module_stage`), and the block's forward stays the model's. A block
+that is neither is refused with a ``ValueError`` naming what it holds; the router's output is
+checked (dtypes and shapes, no host read).
 
 Meta-device initialisation works: build the model under ``torch.device("meta")``, call
 ``enable_mc2``, then ``model.to_empty(device=...)`` and ``model.init_weights()`` (or any flow

@@ -41,10 +41,6 @@ def _name(func: Any) -> str:
     return getattr(func, "__name__", str(func))
 
 
-def _is_host_data(value: Any) -> bool:
-    return not isinstance(value, torch.Tensor)
-
-
 def _boolean_index(args: tuple) -> bool:
     """``t[mask]``: a boolean index's size is only known on the host."""
     if len(args) < 2:
@@ -99,14 +95,12 @@ class HostSyncCounter(TorchFunctionMode):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
             if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
                 return "read"
-        if name in FACTORIES and args and _is_host_data(args[0]):
+        if name in FACTORIES and args and not isinstance(args[0], torch.Tensor):  # host data
             return "upload"
         if name in ("to", "cuda", "copy_"):
             kind = self._copy_kind(name, args, kwargs)
             source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
-            if kind == "upload" and self._made_from_host(source):
-                return None
-            return kind
+            return None if kind == "upload" and self._made_from_host(source) else kind
         return None
 
     def _made_from_host(self, t: Any) -> bool:
@@ -140,12 +134,9 @@ class HostSyncCounter(TorchFunctionMode):
                 target = a.device
         if name == "cuda":
             target = "cuda"
-        if target is None:
+        if target is None or torch.device(target).type == source.device.type:
             return None
-        target = torch.device(target)
-        if target.type == source.device.type:
-            return None
-        return "read" if target.type == "cpu" else "upload"
+        return "read" if torch.device(target).type == "cpu" else "upload"
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:

@@ -21,7 +21,7 @@ import contextvars
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -137,15 +137,8 @@ def profile() -> Iterator[Profiler]:
 def aggregate(per_rank: Sequence[RankMetrics]) -> RankMetrics:
     """The group's view: the slowest rank's step, the mean of the other quantities."""
     n = max(len(per_rank), 1)
-    slowest = max(per_rank, key=lambda m: m.step_s)
-    return RankMetrics(
-        step_s=slowest.step_s,
-        comm_s=sum(m.comm_s for m in per_rank) / n,
-        exposed_comm_s=sum(m.exposed_comm_s for m in per_rank) / n,
-        compute_s=sum(m.compute_s for m in per_rank) / n,
-        comm_share=sum(m.comm_share for m in per_rank) / n,
-        tokens_per_s=sum(m.tokens_per_s for m in per_rank) / n,
-    )
+    means = {f.name: sum(getattr(m, f.name) for m in per_rank) / n for f in fields(RankMetrics)}
+    return RankMetrics(**{**means, "step_s": max(m.step_s for m in per_rank)})
 
 
 # --- Chrome trace / Perfetto ------------------------------------------------------------------
@@ -168,8 +161,7 @@ def chrome_trace(runs: dict[str, Sequence[Sequence[Span]]]) -> dict[str, Any]:
     """
     events: list[dict[str, Any]] = []
     for run_index, (label, ranks) in enumerate(runs.items()):
-        starts = [s.start for spans in ranks for s in spans]
-        origin = min(starts) if starts else 0.0
+        origin = min((s.start for spans in ranks for s in spans), default=0.0)
         for rank, spans in enumerate(ranks):
             pid = run_index * 1000 + rank
             events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,

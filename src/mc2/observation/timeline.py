@@ -19,9 +19,9 @@ Exposed communication (``docs/profiling.md``) is the sum of ``comm`` and ``wait`
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, ContextManager, Iterator, Literal
 
 from mc2.device.clock import HOST, HostClock, clock_for
 
@@ -46,9 +46,7 @@ class Span:
 
 def _seconds(stamp: Any) -> float:
     """A host stamp as it is, a device event through its device's clock."""
-    if isinstance(stamp, (int, float)):
-        return float(stamp)
-    return clock_for(stamp.device).seconds(stamp)
+    return float(stamp) if isinstance(stamp, (int, float)) else clock_for(stamp.device).seconds(stamp)
 
 
 @dataclass
@@ -125,13 +123,9 @@ class Timeline:
         return self.total("comm", "wait")
 
 
-@contextmanager
-def maybe_span(
-    timeline: Timeline | None, kind: SpanKind, name: str, phase: str, micro_batch: int = -1
-) -> Iterator[None]:
+def maybe_span(timeline: Timeline | None, kind: SpanKind, name: str, phase: str,
+               micro_batch: int = -1) -> ContextManager[None]:
     """``timeline.span(...)`` when recording, a no-op otherwise."""
     if timeline is None:
-        yield
-    else:
-        with timeline.span(kind, name, phase, micro_batch):
-            yield
+        return nullcontext()
+    return timeline.span(kind, name, phase, micro_batch)

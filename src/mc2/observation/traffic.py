@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Iterator
 
 _ACTIVE: contextvars.ContextVar["Traffic | None"] = contextvars.ContextVar(
@@ -68,9 +69,7 @@ class Traffic:
 
 
 def _summed(a: list[int], b: list[int]) -> list[int]:
-    if len(a) < len(b):
-        a = a + [0] * (len(b) - len(a))
-    return [x + (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+    return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 @contextmanager

@@ -87,22 +87,16 @@ def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any]) -> An
     from torch.distributed.tensor import DTensor, Shard
 
     full_shape = (shard.num_experts, *tensor.shape[1:])
-    if isinstance(tensor, DTensor):  # fully_shard: this rank holds a dp chunk of its block
-        if tuple(tensor.placements) != (Shard(0),):
-            raise ValueError(f"{shard.name}: expected FSDP's Shard(0) over 'dp', got "
-                             f"{tensor.placements}")
-        key = ("fsdp", id(shard.layout))
-        if key not in meshes:
-            meshes[key] = _dp_sharded_mesh(shard, tensor.device_mesh)
-        mesh, placements = meshes[key]
-        local = tensor.to_local()
-    else:
-        key = id(shard.layout)
-        if key not in meshes:
-            meshes[key] = _device_mesh(shard)
-        mesh, placements = meshes[key]
-        local = tensor
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full_shape,
+    fsdp = isinstance(tensor, DTensor)  # fully_shard: this rank holds a dp chunk of its block
+    if fsdp and tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"{shard.name}: expected FSDP's Shard(0) over 'dp', got "
+                         f"{tensor.placements}")
+    key = (fsdp, id(shard.layout))
+    if key not in meshes:
+        meshes[key] = _dp_sharded_mesh(shard, tensor.device_mesh) if fsdp else _device_mesh(shard)
+    mesh, placements = meshes[key]
+    return DTensor.from_local(tensor.to_local() if fsdp else tensor, mesh, placements,
+                              run_check=False, shape=full_shape,
                               stride=torch.empty(full_shape, device="meta").stride())
 
 

@@ -33,12 +33,6 @@ from torch import Tensor, nn
 from mc2.parallel.expert_shards import expert_shards, mc2_modules
 
 
-def _dtensor_type() -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
 def _experts_module(block: nn.Module) -> nn.Module:
     """The submodule that holds the block's expert parameters (and runs the fused call)."""
     owners = {name.rpartition(".")[0] for name in block.mc2_expert_parameters()}
@@ -145,7 +139,8 @@ ROLES = ("dense", "dense_sharded", "experts", "experts_sharded")
 
 def _role(p: nn.Parameter, is_expert: bool) -> tuple[str, Any]:
     """``(role, the group its sharding adds)`` of one parameter."""
-    DTensor = _dtensor_type()
+    from torch.distributed.tensor import DTensor
+
     sharded = isinstance(p, DTensor)
     group = None
     if sharded:
@@ -159,7 +154,8 @@ def _role(p: nn.Parameter, is_expert: bool) -> tuple[str, Any]:
 def _norm_and_grads(model: nn.Module, norm_type: float) -> tuple[Tensor, list[Tensor]]:
     """The global gradient norm of ``model`` (each parameter counted once over the world) and
     the local gradient tensors to scale."""
-    DTensor = _dtensor_type()
+    from torch.distributed.tensor import DTensor
+
     shards = {id(s.param): s for s in expert_shards(model)}
     inf = norm_type == float("inf")
     params = [p for p in model.parameters() if p.requires_grad]

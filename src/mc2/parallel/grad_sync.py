@@ -108,14 +108,11 @@ def flat_grads(params: list[nn.Parameter]) -> Tensor:
 def write_back(params: list[nn.Parameter], flat: Tensor, divide_by: int) -> None:
     """Divide the summed ``flat`` and make it the parameters' gradients again."""
     flat /= divide_by
-    offset = 0
-    for p in params:
-        chunk = flat[offset:offset + p.numel()].view_as(p)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
         if p.grad is None:
-            p.grad = chunk.clone()
+            p.grad = chunk.view_as(p).clone()
         else:
-            p.grad.copy_(chunk)
-        offset += p.numel()
+            p.grad.copy_(chunk.view_as(p))
 
 
 def divide_grads(params: list[nn.Parameter], divide_by: int) -> None:

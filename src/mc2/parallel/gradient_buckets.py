@@ -34,6 +34,7 @@ class _Bucket:
     group: Any
     divide_by: int
     ready: set[int] = field(default_factory=set)
+    nbytes: int = 0  # while it fills
     flat: Tensor | None = None
     work: Any = None
 
@@ -96,22 +97,14 @@ class GradientSync:
     def _make_buckets(classes: list[SyncClass], own: dict[int, Any], limit: int
                       ) -> list[_Bucket]:
         """Walk the parameters backwards; each class fills its own buckets of one dtype."""
-        klass = {id(p): c for c in classes for p in c.params}
-        order = [p for c in classes for p in c.params]
-        rank_in_model = {id(p): i for i, p in enumerate(order)}
         open_: dict[tuple[int, torch.dtype], _Bucket] = {}
-        sizes: dict[int, int] = {}
         buckets: list[_Bucket] = []
-        for p in sorted(order, key=lambda q: -rank_in_model[id(q)]):
-            c = klass[id(p)]
+        for c, p in reversed([(k, q) for k in classes for q in k.params]):
             key = (id(c.group), p.dtype)
-            if key not in open_:
-                open_[key] = _Bucket([], own[id(c.group)], c.divide_by)
-                sizes[id(open_[key])] = 0
-            bucket = open_[key]
+            bucket = open_.setdefault(key, _Bucket([], own[id(c.group)], c.divide_by))
             bucket.params.append(p)
-            sizes[id(bucket)] += p.numel() * p.element_size()
-            if sizes[id(bucket)] >= limit:
+            bucket.nbytes += p.numel() * p.element_size()
+            if bucket.nbytes >= limit:
                 buckets.append(open_.pop(key))
         buckets.extend(open_.values())
         return buckets

@@ -9,7 +9,7 @@ file and the field.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -108,21 +108,22 @@ def available(kind: str) -> list[str]:
     return sorted(p.stem for p in (PRESETS / kind).glob("*.toml"))
 
 
-def _link(data: dict[str, Any], section: str, where: str) -> Link:
-    if section not in data or not isinstance(data[section], dict):
+def _section(data: dict[str, Any], section: str, where: str) -> tuple[dict[str, Any], str]:
+    """A ``[section]`` table and the name errors give it."""
+    if not isinstance(data.get(section), dict):
         raise PresetError(f"{where}: missing section [{section}]")
-    sub = data[section]
-    w = f"{where} [{section}]"
+    return data[section], f"{where} [{section}]"
+
+
+def _link(data: dict[str, Any], section: str, where: str) -> Link:
+    sub, w = _section(data, section, where)
     return Link(bandwidth_gbps=_require(sub, "bandwidth_gbps", float, w),
                 latency_us=_require(sub, "latency_us", float, w),
                 async_=_require(sub, "async", bool, w))
 
 
 def hardware_from_dict(data: dict[str, Any], where: str) -> Hardware:
-    if "compute" not in data or not isinstance(data["compute"], dict):
-        raise PresetError(f"{where}: missing section [compute]")
-    comp = data["compute"]
-    cw = f"{where} [compute]"
+    comp, cw = _section(data, "compute", where)
     eff = _require(comp, "gemm_efficiency", float, cw)
     if eff > 1:
         raise PresetError(f"{cw}: field 'gemm_efficiency' must be in (0, 1], got {eff}")
@@ -150,18 +151,14 @@ def load_model(name_or_path: str) -> Model:
     where = str(path)
     values: dict[str, Any] = {}
     for f in fields(Model):
-        optional = f.name in ("dense_layers", "dense_ffn", "shared_experts", "shared_ffn")
-        if optional and f.name not in data:
-            continue
-        kind = str if f.name == "name" else int
-        if optional:
+        if f.default is MISSING:  # required
+            values[f.name] = _require(data, f.name, str if f.name == "name" else int, where)
+        elif f.name in data:  # optional counts (dense layers, shared experts): 0 allowed
             value = data[f.name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PresetError(f"{where}: field '{f.name}' must be a non-negative int, "
                                   f"got {value!r}")
             values[f.name] = value
-        else:
-            values[f.name] = _require(data, f.name, kind, where)
     model = Model(**values)
     if model.topk > model.experts:
         raise PresetError(f"{where}: topk ({model.topk}) exceeds experts ({model.experts})")

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from mc2.observation.metrics import overlap_bound
 from mc2.sim.model import Scenario, StepPrediction, best, simulate
-from mc2.sim.presets import Hardware, Model
 
 # The article's table (Atlas 800I A2, Mixtral 8x7B): comm share, tokens/s per device.
 ARTICLE = {"no fusion": (0.47, 580.0), "MC2 one node": (0.18, 1420.0),
@@ -23,8 +23,7 @@ class Row:
     @property
     def bound(self) -> float:
         """Overlap-only speedup bound of this configuration's serial comm share."""
-        share = self.prediction.comm_share
-        return 1 / (1 - share) if share < 1 else float("inf")
+        return overlap_bound(self.prediction.comm_share)
 
 
 def best_ep(base: Scenario) -> StepPrediction:
@@ -41,12 +40,10 @@ def best_ep(base: Scenario) -> StepPrediction:
                key=lambda p: p.step_s)
 
 
-def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-                wire_bytes: float | None = None, dedup: bool = False) -> str:
+def format_best(base: Scenario, nodes: Sequence[int]) -> str:
     lines = []
     for n in nodes:
-        p = best_ep(Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
-                             wire_bytes=wire_bytes, dedup=dedup))
+        p = best_ep(replace(base, nodes=n))
         s = p.scenario
         lines.append(f"best MC2 on {n} node(s): EP {s.ep_size} ({s.hierarchy}), K {s.micro_batches}"
                      f": {p.tokens_per_s_per_device:,.0f} tokens/s/device, comm share "
@@ -54,22 +51,16 @@ def format_best(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, s
     return "\n".join(lines)
 
 
-def article_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-                 skew: float = 1.0, wire_bytes: float | None = None,
-                 dedup: bool = False) -> list[Row]:
+def article_rows(base: Scenario, nodes: Sequence[int]) -> list[Row]:
     """No fusion vs MC2 on one node, then MC2 across ``n`` nodes (flat and hierarchical).
 
-    ``wire_bytes``: bytes per element MC2's rows travel in (the no-fusion rows keep the dtype);
-    ``dedup``: MC2's rows once per destination (the no-fusion rows once per expert).
+    ``base.wire_bytes``: bytes per element MC2's rows travel in (the no-fusion rows keep the
+    dtype); ``base.dedup``: MC2's rows once per destination (the no-fusion rows once per expert).
     """
-    rows = []
-    one = Scenario(hw, model, nodes=1, tokens_per_device=tokens, seq_len=seq, skew=skew,
-                   wire_bytes=wire_bytes, dedup=dedup)
-    rows.append(Row("no fusion, 1 node", simulate(one), ARTICLE["no fusion"]))
-    rows.append(Row("MC2 one node", best(one), ARTICLE["MC2 one node"]))
-    for n in nodes:
-        if n == 1:
-            continue
+    one = replace(base, nodes=1)
+    rows = [Row("no fusion, 1 node", simulate(one), ARTICLE["no fusion"]),
+            Row("MC2 one node", best(one), ARTICLE["MC2 one node"])]
+    for n in (n for n in nodes if n != 1):
         across = replace(one, nodes=n, spread=n)
         rows.append(Row(f"no fusion, {n} nodes", simulate(across)))
         rows.append(Row(f"MC2 across {n} nodes, flat", best(across),
@@ -78,9 +69,10 @@ def article_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, 
     return rows
 
 
-def format_rows(rows: Sequence[Row], hw: Hardware, model: Model, tokens: int) -> str:
-    lines = [f"{model.name} on {hw.name} ({hw.description}); {tokens} tokens per device, "
-             "training step (forward + backward), predicted",
+def format_rows(rows: Sequence[Row], base: Scenario) -> str:
+    hw = base.hardware
+    lines = [f"{base.model.name} on {hw.name} ({hw.description}); {base.tokens_per_device} "
+             "tokens per device, training step (forward + backward), predicted",
              f"{'config':<30} {'EP':>4} {'K':>3} {'step ms':>9} {'comm share':>10} "
              f"{'tokens/s/dev':>12} {'bound':>6}   article (comm share, tokens/s/p)"]
     for r in rows:
@@ -108,14 +100,15 @@ def format_saved(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def implied_bandwidth(hw: Hardware, model: Model, tokens: int, seq: int, share: float) -> float:
-    """Intra-node GB/s at which the serial one-node step would have ``share`` comm share."""
+def implied_bandwidth(base: Scenario, share: float) -> float:
+    """Intra-node GB/s at which ``base``'s serial one-node step would have ``share`` comm
+    share."""
+    hw = base.hardware
     lo, hi = 1e-3, 1e5
     for _ in range(100):
         mid = (lo * hi) ** 0.5
         link = replace(hw.intra_node, bandwidth_gbps=mid)
-        s = Scenario(replace(hw, intra_node=link), model, tokens_per_device=tokens, seq_len=seq)
-        if simulate(s).comm_share > share:
+        if simulate(replace(base, hardware=replace(hw, intra_node=link))).comm_share > share:
             lo = mid
         else:
             hi = mid
@@ -138,16 +131,14 @@ def article_check() -> str:
     return "\n".join(lines)
 
 
-def scale_rows(hw: Hardware, model: Model, nodes: Sequence[int], tokens: int, seq: int,
-               wire_bytes: float | None = None, dedup: bool = False) -> list[dict[str, float]]:
+def scale_rows(base: Scenario, nodes: Sequence[int]) -> list[dict[str, float]]:
     """Serial vs best-K MC2, flat vs 2d, for each node count (EP as large as allowed, packed)."""
     out = []
     for n in nodes:
-        base = Scenario(hw, model, nodes=n, tokens_per_device=tokens, seq_len=seq,
-                        wire_bytes=wire_bytes, dedup=dedup)
-        row: dict[str, float] = {"nodes": n, "devices": base.devices, "ep": base.ep_size}
+        across = replace(base, nodes=n)
+        row: dict[str, float] = {"nodes": n, "devices": across.devices, "ep": across.ep_size}
         for hierarchy in ("flat", "2d"):
-            s = replace(base, hierarchy=hierarchy)
+            s = replace(across, hierarchy=hierarchy)
             serial, mc2 = simulate(s), best(s)
             row[f"serial_{hierarchy}_share"] = serial.comm_share
             row[f"serial_{hierarchy}_tps"] = serial.tokens_per_s_per_device

@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from mc2.device.clock import clock_for
+from mc2.device.streams import full_device
+from mc2.engine.transport.backend import default_device_type
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.autograd.ops import fused_expert_packed
-from mc2.engine.decide.planner import planner_for, predict
+from mc2.engine.decide.planner import choose, planner_for, predict
 from mc2.engine.transport.wire import parse_wire_dtype, wire_problem
 from mc2.engine.transport.workspace import Workspace
 from mc2.observation import metrics
@@ -200,9 +202,6 @@ def _problem(rank: int, cfg: BenchConfig):
 
 def _device() -> torch.device:
     """The rank's device: the accelerator :func:`~mc2.tools.launch.use_device` set, else CPU."""
-    from mc2.engine.transport.backend import default_device_type
-    from mc2.device.streams import full_device
-
     return full_device(default_device_type())
 
 
@@ -252,10 +251,10 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
     ws = problem[1]
     planner = planner_for(None)
     weights = ExpertWeights.packed_of(*ws)
-    plan: dict[str, Any] = {"auto_k": planner.plan(max_tokens=cfg.tokens_per_rank, topk=cfg.topk,
-                                                   weights=weights, group=None)}
     cal = planner.calibration(weights, None)
     work = planner.workload(cfg.tokens_per_rank, cfg.topk, weights, None)
+    plan: dict[str, Any] = {"auto_k": choose(cal, work, planner.candidates, planner.min_gain,
+                                             cfg.tokens_per_rank)}
     plan["predicted_s"] = {k: predict(cal, work, k).step_s
                            for k in sorted(set(cfg.micro_batches) | {1})}
     plan["predicted_serial_s"] = predict(cal, work, 1, overlap=False).step_s
@@ -266,9 +265,8 @@ def _explore_auto(problem: tuple, modes: list[Mode], cfg: BenchConfig) -> dict[s
             _step(*problem, auto, cfg, None)
         calls += 1
     decisions = list(planner.decisions().values())
-    locked = [d["locked"] for d in decisions]
-    plan["auto_k"] = locked[0] if locked else plan["auto_k"]
     if decisions:  # what the lock was decided on: the group's slowest rank, median per K
+        plan["auto_k"] = decisions[0]["locked"]
         plan["auto_trials"] = {k: st["median_s"] for k, st in decisions[0]["stats"].items()}
         plan["auto_why"] = decisions[0]["why"]
     plan["explore_calls"] = calls
@@ -356,8 +354,14 @@ def run_bench(cfg: BenchConfig, world_size: int = 2, threads: int = 1,
 
 
 def format_report(report: BenchReport) -> str:
-    """The article's table: mode, step time, comm share, tokens/s per rank, speedup, hidden."""
-    return "\n".join([format_modes(report), "", format_article_table(report)])
+    """Every mode's row (:func:`format_modes`), then the article's table: configuration, comm
+    share, tokens/s per rank (:func:`article_rows`)."""
+    rows = article_rows(report)
+    width = max(len(r["config"]) for r in rows)
+    lines = [format_modes(report), "", f"{'config':<{width}} | comm share | tokens/s per rank"]
+    lines += [f"{r['config']:<{width}} | {r['comm_share'] * 100:9.1f}% | "
+              f"{r['tokens_per_s_per_rank']:,.0f}" for r in rows]
+    return "\n".join(lines)
 
 
 def format_modes(report: BenchReport) -> str:
@@ -408,30 +412,19 @@ def article_rows(report: BenchReport) -> list[dict[str, Any]]:
     return rows
 
 
-def format_article_table(report: BenchReport) -> str:
-    rows = article_rows(report)
-    width = max(len(r["config"]) for r in rows)
-    lines = [f"{'config':<{width}} | comm share | tokens/s per rank"]
-    lines += [f"{r['config']:<{width}} | {r['comm_share'] * 100:9.1f}% | "
-              f"{r['tokens_per_s_per_rank']:,.0f}" for r in rows]
-    return "\n".join(lines)
-
-
 def format_plan(report: BenchReport) -> str:
     """The planner's predicted step time for every K beside the measured one, and its pick."""
+    measured = {r.mode: r.step_s for r in report.results}
     lines = ["K    predicted ms  measured ms  error"]
     for k, predicted in sorted(report.predicted_s.items()):
-        measured = report.result(f"mc2 K={k}").step_s if any(
-            r.mode == f"mc2 K={k}" for r in report.results) else float("nan")
-        lines.append(f"{k:<4} {predicted * 1e3:12.1f} {measured * 1e3:12.1f} "
-                     f"{(predicted / measured - 1) * 100:+6.1f}%")
-    auto = report.result("mc2 auto")
-    best = report.best_fixed
-    k1 = report.result("mc2 K=1") if any(r.mode == "mc2 K=1" for r in report.results) else None
+        step = measured.get(f"mc2 K={k}", float("nan"))
+        lines.append(f"{k:<4} {predicted * 1e3:12.1f} {step * 1e3:12.1f} "
+                     f"{(predicted / step - 1) * 100:+6.1f}%")
+    auto, best, k1 = measured["mc2 auto"], report.best_fixed, measured.get("mc2 K=1")
     lines.append(f"auto tried K on {report.explore_calls} calls, then locked K={report.auto_k}: "
-                 f"{auto.step_s * 1e3:.1f} ms; best measured "
-                 f"{best.mode}: {best.step_s * 1e3:.1f} ms; auto/best {auto.step_s / best.step_s:.3f}"
-                 + (f"; auto/K=1 {auto.step_s / k1.step_s:.3f}" if k1 else ""))
+                 f"{auto * 1e3:.1f} ms; best measured "
+                 f"{best.mode}: {best.step_s * 1e3:.1f} ms; auto/best {auto / best.step_s:.3f}"
+                 + (f"; auto/K=1 {auto / k1:.3f}" if k1 else ""))
     if report.auto_why:
         lines.append(f"auto {report.auto_why}")
     return "\n".join(lines)

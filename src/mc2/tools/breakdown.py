@@ -101,10 +101,7 @@ def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int 
               ) -> dict[str, float]:
     marks: dict[str, Any] = {}  # stamps of the clock of the tokens' device
     clock = clock_for(tokens.device)
-
-    def since(a: Any, b: Any) -> float:
-        return clock.elapsed(a, b)
-
+    since = clock.elapsed
     tl = Timeline()
     model.zero_grad(set_to_none=True)
     t0 = clock.stamp()
@@ -122,13 +119,13 @@ def _one_step(model: TinyMixtralBlock, tokens: Tensor, *, overlap: bool, k: int 
     loss.backward()
     t6 = clock.stamp()
 
-    def exposed(name: str, phase: str) -> float:
-        return sum(s.duration for s in tl.spans if s.phase == phase and s.kind in ("comm", "wait")
+    def exposed(name: str) -> float:  # forward and backward
+        return sum(s.duration for s in tl.spans if s.phase in ("forward", "backward")
+                   and s.kind in ("comm", "wait")
                    and (s.name == name or (name == "dispatch" and s.name in ("handshake", "counts"))))
 
     fwd_moe, bwd_moe = since(t3, t4), since(marks["moe_out"], marks["moe_in"])
-    dispatch = exposed("dispatch", "forward") + exposed("dispatch", "backward")
-    combine = exposed("combine", "forward") + exposed("combine", "backward")
+    dispatch, combine = exposed("dispatch"), exposed("combine")
     gate_bwd = max(since(marks["moe_in"], marks["gate_in"]), 0.0)
     embed_bwd = since(marks["embed_out"], t6)
     parts = {

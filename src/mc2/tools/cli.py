@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from mc2.tools.bench import BenchConfig, BenchReport, format_plan, format_report, run_bench
 from mc2.engine.decide.config import MC2Config
+from mc2.engine.transport.wire import WireFormat, parse_wire_dtype, wire_problem
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
 from mc2.tools.demo import DEMO, add_demo_arguments, run_demo
-from mc2.tools.netns import NetnsError
+from mc2.tools.netns import EmulatedCluster, NetnsError
 from mc2.tools.traces import write_traces
-from mc2.tools.train import add_train_parser, run_train_command
+from mc2.tools.train import add_train_parser
 
 PLAN = BenchConfig(micro_batches=(1, 2, 4, 8, 16), repeats=3, auto=True)
+_BENCH_FIELDS = {f.name for f in fields(BenchConfig)}
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -97,16 +101,15 @@ def _dedups(text: str) -> tuple[bool, ...]:
 
 
 def _config(args: argparse.Namespace, base: BenchConfig) -> BenchConfig:
+    """The flags as a :class:`BenchConfig`: those named as its fields go straight in, the
+    swept ones by their plural, the rest of each call's :class:`MC2Config` from config_args."""
     call = config_from_arguments(args, default=MC2Config(gemm=base.gemm,
                                                          wire_block=base.wire_block))
-    return replace(base, tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, ffn=args.ffn,
-                   experts=args.experts, topk=args.topk, dtype=args.dtype,
-                   micro_batches=args.micro_batches, repeats=args.repeats, warmup=args.warmup,
-                   gemm=call.gemm, split_sync=args.split_sync, trace=args.trace is not None,
-                   auto=args.auto, hierarchies=args.hierarchy, malloc_tuned=args.malloc_tuned,
-                   wire_dtypes=args.wire_dtype, wire_block=call.wire_block,
-                   timeout=call.timeout, check_finite=call.check_finite, device=args.device,
-                   dedups=args.dedup)
+    same = {k: v for k, v in vars(args).items() if k in _BENCH_FIELDS and k != "trace"}
+    return replace(base, **same, trace=args.trace is not None, hierarchies=args.hierarchy,
+                   wire_dtypes=args.wire_dtype, dedups=args.dedup,
+                   **{k: getattr(call, k) for k in ("gemm", "wire_block", "timeout",
+                                                    "check_finite")})
 
 
 def _run(args: argparse.Namespace, base: BenchConfig, title: str,
@@ -114,8 +117,6 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
     cfg = _config(args, base)
     print(title, file=sys.stderr, flush=True)
     if args.nodes:
-        from mc2.tools.netns import EmulatedCluster
-
         per_node = args.ranks_per_node or 1
         with EmulatedCluster(args.nodes, per_node, args.inter_node_bandwidth) as cluster:
             print(f"emulated cluster: {args.nodes} nodes x {per_node} ranks, inter-node "
@@ -165,46 +166,50 @@ def build_parser() -> argparse.ArgumentParser:
                     "have; doctor says what this machine offers.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="a Mixtral-shaped MoE layer scaled to CPU: serial vs MC2 on loopback and "
-                     "across two emulated nodes (about a minute)",
-        description="8 experts, top-2, SwiGLU, 512 tokens per rank, hidden 512, ffn 1024, "
-                    "forward+backward. Part 1, plain loopback: serial vs MC2 with K = 2 and 4 "
-                    "and mc2's default micro_batches='auto' (which K it locked, and how it "
-                    "compares with serial round by round). Part 2, the article's regime: two "
-                    "nodes in their own network namespaces joined by a tc-shaped link (rate "
-                    "'auto': chosen from part 1's compute time for a serial comm share near "
-                    "--comm-share, the article's 47%%), and the article's table: comm share "
-                    "and tokens/s, serial vs MC2 (auto and the best fixed K), speedup and "
-                    "hidden fraction. Part 2 needs root and iproute2 (ip, tc); without them, "
-                    "or with --no-cluster, it prints why and the simulator's prediction for "
-                    "the article's Atlas 800I A2 / Mixtral 8x7B. Where matplotlib is "
-                    "installed, the Gantt picture goes to out/demo/gantt.png. Prints its wall "
-                    "time.")
-    _add_problem_args(demo, DEMO)
-    add_demo_arguments(demo)
-    plan = sub.add_parser(
-        "plan", help="the planner's predicted step time for every K beside the measured one",
-        description="Calibrates the cost model on a local Gloo world (link latency and "
-                    "bandwidth, expert compute, interference), predicts forward+backward time "
-                    "for each K, measures each K and micro_batches='auto', and prints them side "
-                    "by side.")
-    _add_problem_args(plan, PLAN)
-    bench = sub.add_parser(
-        "bench", help="measure serial vs MC2 on a chosen problem (default: 4096 "
-                      "tokens/rank, hidden 1024, ffn 2048)",
-        description="Median step times of the serial path and MC2 for each K, in the same run.")
-    _add_problem_args(bench, BenchConfig())
-    bench.add_argument("--breakdown", action="store_true",
-                       help="instead: split a Mixtral-like block's training step into the "
-                            "article's five parts (embedding + gate, dispatch, experts, combine, "
-                            "attention + residual + norm), serial vs MC2 with the first "
-                            "--micro-batches value")
+    timed = {  # the commands that time a local world: (defaults, what runs, help, description)
+        "demo": (DEMO, lambda a: run_demo(a, _config(a, DEMO), prediction=lambda: _simulate(
+            build_parser().parse_args(["simulate"]))),
+            "a Mixtral-shaped MoE layer scaled to CPU: serial vs MC2 on loopback and across two "
+            "emulated nodes (about a minute)",
+            "8 experts, top-2, SwiGLU, 512 tokens per rank, hidden 512, ffn 1024, forward+backward."
+            " Part 1, plain loopback: serial vs MC2 with K = 2 and 4 and mc2's default "
+            "micro_batches='auto' (which K it locked, and how it compares with serial round by "
+            "round). Part 2, the article's regime: two nodes in their own network namespaces joined"
+            " by a tc-shaped link (rate 'auto': chosen from part 1's compute time for a serial comm"
+            " share near --comm-share, the article's 47%%), and the article's table: comm share and"
+            " tokens/s, serial vs MC2 (auto and the best fixed K), speedup and hidden fraction. "
+            "Part 2 needs root and iproute2 (ip, tc); without them, or with --no-cluster, it prints"
+            " why and the simulator's prediction for the article's Atlas 800I A2 / Mixtral 8x7B. "
+            "Where matplotlib is installed, the Gantt picture goes to out/demo/gantt.png. Prints "
+            "its wall time."),
+        "plan": (PLAN, lambda a: _run(a, PLAN, "mc2 plan", extra=format_plan),
+                 "the planner's predicted step time for every K beside the measured one",
+                 "Calibrates the cost model on a local Gloo world (link latency and "
+                 "bandwidth, expert compute, interference), predicts forward+backward time "
+                 "for each K, measures each K and micro_batches='auto', and prints them side "
+                 "by side."),
+        "bench": (BenchConfig(), lambda a: _breakdown(a, _config(a, BenchConfig()))
+                  if a.breakdown else _run(a, BenchConfig(), "mc2 bench"),
+                  "measure serial vs MC2 on a chosen problem (default: 4096 tokens/rank, "
+                  "hidden 1024, ffn 2048)",
+                  "Median step times of the serial path and MC2 for each K, in the same run."),
+    }
+    for name, (base, run, summary, description) in timed.items():
+        timing = sub.add_parser(name, help=summary, description=description)
+        _add_problem_args(timing, base)
+        timing.set_defaults(run=run)
+    add_demo_arguments(sub.choices["demo"])
+    sub.choices["bench"].add_argument(
+        "--breakdown", action="store_true",
+        help="instead: split a Mixtral-like block's training step into the article's five "
+             "parts (embedding + gate, dispatch, experts, combine, attention + residual + "
+             "norm), serial vs MC2 with the first --micro-batches value")
     _add_simulate_parser(sub)
     add_train_parser(sub)
     sub.add_parser("doctor", help="what this machine offers MC2 and what to fix",
                    description="Backends and their async support, accelerators, the launcher's "
-                               "environment, network interfaces and RDMA devices, then advice.")
+                               "environment, network interfaces and RDMA devices, then advice."
+                   ).set_defaults(run=lambda a: _doctor())
     return parser
 
 
@@ -241,6 +246,7 @@ def _add_simulate_parser(sub: Any) -> None:
                      help="instead: measure this machine's Gloo world and compare the model's "
                           "predictions with mc2 bench's measured step times")
     sim.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed repeats")
+    sim.set_defaults(run=_simulate)
 
 
 def _doctor() -> int:
@@ -255,10 +261,6 @@ def _doctor() -> int:
 
 def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
     """Bytes per element of a wire format for the simulator (``None``: the model's dtype)."""
-    import torch
-
-    from mc2.engine.transport.wire import WireFormat, parse_wire_dtype, wire_problem
-
     kind = parse_wire_dtype(name)
     if kind is None:
         return None
@@ -269,18 +271,9 @@ def _wire_bytes(name: str, block: int, hidden: int) -> float | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from mc2.sim import report
+    from mc2.sim.model import Scenario
     from mc2.sim.presets import load_hardware, load_model
-    from mc2.sim.report import (
-        article_check,
-        article_rows,
-        format_best,
-        format_rows,
-        format_saved,
-        format_scale,
-        implied_bandwidth,
-        plot_scale,
-        scale_rows,
-    )
 
     if args.calibrate:
         from mc2.tools.simulate_check import format_checks, validate
@@ -294,29 +287,28 @@ def _simulate(args: argparse.Namespace) -> int:
     if wire_bytes is not None:
         print(f"MC2 rows on the wire: {args.wire_dtype}, {wire_bytes:.3f} bytes per element",
               file=sys.stderr)
+    base = Scenario(hw, model, tokens_per_device=args.tokens, seq_len=args.seq,
+                    wire_bytes=wire_bytes, dedup=args.dedup)
     if len(args.nodes) <= 3:
-        rows = article_rows(hw, model, args.nodes, args.tokens, args.seq, args.skew,
-                            wire_bytes=wire_bytes, dedup=args.dedup)
-        print(format_rows(rows, hw, model, args.tokens))
+        rows = report.article_rows(replace(base, skew=args.skew), args.nodes)
+        print(report.format_rows(rows, base))
         if args.dedup:
-            print(format_saved(rows))
-        print(format_best(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
-                          args.dedup))
+            print(report.format_saved(rows))
+        print(report.format_best(base, args.nodes))
         print()
-        print(article_check())
+        print(report.article_check())
         if model.name == "mixtral-8x7b":
-            need = implied_bandwidth(hw, model, args.tokens, args.seq, 0.47)
+            need = report.implied_bandwidth(base, 0.47)
             print(f"  on {hw.name} the model gives the article's 47% only if the intra-node "
                   f"All-to-All ran at {need:.1f} GB/s per device, against "
                   f"{hw.intra_node.bandwidth_gbps:.0f} GB/s in the preset.")
-    scale = scale_rows(hw, model, args.nodes, args.tokens, args.seq, wire_bytes,
-                       args.dedup) if len(args.nodes) > 3 or args.plot else []
+    scale = report.scale_rows(base, args.nodes) if len(args.nodes) > 3 or args.plot else []
     if scale:
         print(f"\n{model.name} on {hw.name}, {args.tokens} tokens/device: no fusion vs MC2 (best K),"
               " flat vs hierarchical All-to-All, EP as large as the experts allow (packed)")
-        print(format_scale(scale))
+        print(report.format_scale(scale))
     if args.plot:
-        print(f"wrote {plot_scale(scale, args.plot, f'{model.name} on {hw.name}')}")
+        print(f"wrote {report.plot_scale(scale, args.plot, f'{model.name} on {hw.name}')}")
     return 0
 
 
@@ -330,20 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mc2 {args.command}: {problem}", file=sys.stderr)
         return 2
     try:
-        if args.command == "doctor":
-            return _doctor()
-        if args.command == "train":
-            return run_train_command(args)
-        if args.command == "simulate":
-            return _simulate(args)
-        if args.command == "plan":
-            return _run(args, PLAN, "mc2 plan", extra=format_plan)
-        if args.command == "demo":
-            return run_demo(args, _config(args, DEMO), prediction=lambda: _simulate(
-                build_parser().parse_args(["simulate"])))
-        if args.breakdown:
-            return _breakdown(args, _config(args, BenchConfig()))
-        return _run(args, BenchConfig(), "mc2 bench")
+        return args.run(args)
     except (NetnsError, ValueError) as exc:  # PresetError is a ValueError
         print(f"mc2: {exc}", file=sys.stderr)
         return 2

@@ -42,33 +42,30 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
         "how each fused call runs (mc2.MC2Config; unset flags keep its defaults)")
     group.add_argument("--mc2-config", type=Path, default=None, metavar="FILE",
                        help="a JSON file of MC2Config fields (as MC2Config.to_dict() writes)")
-    flags = {
-        "micro_batches": (("--micro-batches",), {"type": _micro_batches, "metavar": "K",
-                                                 "help": "K, or 'auto' (the planner's choice)"}),
-        "overlap": (("--serial",), {"action": "store_const", "const": False,
-                                    "help": "overlap=False: the serial path (the baseline)"}),
-        "hierarchy": (("--hierarchy",), {"choices": HIERARCHIES,
-                                         "help": "All-to-All layout across nodes"}),
-        "wire_dtype": (("--wire-dtype",), {"type": _wire, "metavar": "FORMAT",
-                                           "help": "rows on the wire: none, bf16, fp16, fp8, "
-                                                   "int8, or dispatch,combine"}),
-        "wire_block": (("--wire-block",), {"type": int, "metavar": "N",
-                                           "help": "channels per scale of fp8/int8 (128)"}),
-        "gemm": (("--gemm",), {"choices": GEMMS, "help": "expert GEMM strategy (auto)"}),
-        "timeout": (("--timeout",), {"type": float, "metavar": "SECONDS",
-                                     "help": "seconds any wait may take (300; 0: none)"}),
-        "check_finite": (("--check-finite",), {"action": "store_const", "const": True,
-                                                "help": "reject NaN/Inf tokens on every rank"}),
-        "dedup": (("--dedup",), {"action": "store_const", "const": True,
-                                 "help": "rows once per destination rank, reduced there"}),
-        "capacity": (("--capacity",), {"type": int, "metavar": "N",
-                                       "help": "fixed slabs of N rows per rank: no host read"}),
-        "overflow": (("--overflow",), {"choices": ("raise", "drop"),
-                                       "help": "with --capacity: rows that do not fit"}),
+    flags: dict[str, dict[str, Any]] = {  # by field; the flag is its name, but --serial
+        "micro_batches": {"type": _micro_batches, "metavar": "K",
+                          "help": "K, or 'auto' (the planner's choice)"},
+        "overlap": {"action": "store_const", "const": False,
+                    "help": "overlap=False: the serial path (the baseline)"},
+        "hierarchy": {"choices": HIERARCHIES, "help": "All-to-All layout across nodes"},
+        "wire_dtype": {"type": _wire, "metavar": "FORMAT",
+                       "help": "rows on the wire: none, bf16, fp16, fp8, int8, or dispatch,combine"},
+        "wire_block": {"type": int, "metavar": "N", "help": "channels per scale of fp8/int8 (128)"},
+        "gemm": {"choices": GEMMS, "help": "expert GEMM strategy (auto)"},
+        "timeout": {"type": float, "metavar": "SECONDS",
+                    "help": "seconds any wait may take (300; 0: none)"},
+        "check_finite": {"action": "store_const", "const": True,
+                         "help": "reject NaN/Inf tokens on every rank"},
+        "dedup": {"action": "store_const", "const": True,
+                  "help": "rows once per destination rank, reduced there"},
+        "capacity": {"type": int, "metavar": "N",
+                     "help": "fixed slabs of N rows per rank: no host read"},
+        "overflow": {"choices": ("raise", "drop"), "help": "with --capacity: rows that do not fit"},
     }
-    for field, (names, options) in flags.items():
+    for field, options in flags.items():
         if field not in skip:
-            group.add_argument(*names, dest=f"mc2_{field}", default=None, **options)
+            flag = "--serial" if field == "overlap" else "--" + field.replace("_", "-")
+            group.add_argument(flag, dest=f"mc2_{field}", default=None, **options)
 
 
 def config_from_arguments(args: argparse.Namespace, *, default: MC2Config | None = None,

@@ -28,11 +28,15 @@ import json
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from mc2.observation import metrics
 from mc2.tools.bench import BenchConfig, BenchReport, ModeResult, format_modes, run_bench
+from mc2.tools.netns import EmulatedCluster, NetnsError
 from mc2.tools.netns import cluster_problem  # here too: tests replace demo.cluster_problem
 
 # The demo's problem: a Mixtral-shaped layer (8 experts, top-2, SwiGLU) scaled so that one
@@ -77,8 +81,6 @@ def link_bytes_per_step(cfg: BenchConfig, world: int, ranks_per_node: int) -> fl
     random routing the share of them bound for experts on other nodes is
     ``(world - ranks_per_node) / world``. Four exchanges carry them: dispatch and combine
     forward, and their gradients backward."""
-    import torch
-
     elem = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     rows = cfg.tokens_per_rank * cfg.topk * (world - ranks_per_node) / world
     return 4 * ranks_per_node * rows * cfg.hidden * elem
@@ -175,8 +177,7 @@ def _predict(prediction: Callable[[], object] | None) -> None:
         prediction()
 
 
-def _stage(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+_stage = partial(print, file=sys.stderr, flush=True)  # what the demo is doing now
 
 
 def _gantt_folder(args: argparse.Namespace) -> tuple[Path | None, str]:
@@ -223,8 +224,6 @@ def run_demo(args: argparse.Namespace, cfg: BenchConfig,
         print(f"2. the article's regime: not measured here: {why_not}")
         _predict(prediction)
     else:
-        from mc2.tools.netns import EmulatedCluster, NetnsError
-
         world = nodes * per_node
         if args.inter_node_bandwidth == "auto":
             rate, why = rate_for_share(loop, cfg, args.comm_share, world, per_node)
@@ -260,19 +259,13 @@ def run_demo(args: argparse.Namespace, cfg: BenchConfig,
               f"rank by rank): {paths[1]}; Chrome trace {paths[0]}, metrics {paths[2]}")
     elif no_gantt:
         print(no_gantt)
-    _write_files(args, loop, cluster, rate)
-    total = time.monotonic() - start
-    part2 = "emulated cluster" if cluster is not None else "part 2"
-    print(f"demo wall time {total:.0f} s (loopback {loop_s:.0f} s, {part2} {cluster_s:.0f} s)")
-    return 0
-
-
-def _write_files(args: argparse.Namespace, loop: BenchReport, cluster: BenchReport | None,
-                 rate: str) -> None:
-    """``--json``: both parts."""
-    if args.json:
+    if args.json:  # both parts
         data: dict[str, Any] = {"loopback": loop.to_dict()}
         if cluster is not None:
             data["cluster"] = {**cluster.to_dict(), "link_rate": rate}
         args.json.write_text(json.dumps(data, indent=2))
         print(f"wrote {args.json}")
+    total = time.monotonic() - start
+    part2 = "emulated cluster" if cluster is not None else "part 2"
+    print(f"demo wall time {total:.0f} s (loopback {loop_s:.0f} s, {part2} {cluster_s:.0f} s)")
+    return 0

@@ -25,23 +25,20 @@ def _read(path: Path) -> str:
         return "?"
 
 
+def _entries(folder: Path) -> list[Path]:
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
 def interfaces(root: Path = Path("/sys/class/net")) -> list[dict[str, str]]:
-    out = []
-    for dev in sorted(root.iterdir()) if root.exists() else []:
-        out.append({"name": dev.name, "state": _read(dev / "operstate"),
-                    "speed_mbps": _read(dev / "speed"), "mtu": _read(dev / "mtu")})
-    return out
+    return [{"name": dev.name, "state": _read(dev / "operstate"),
+             "speed_mbps": _read(dev / "speed"), "mtu": _read(dev / "mtu")}
+            for dev in _entries(root)]
 
 
 def rdma_devices(root: Path = Path("/sys/class/infiniband")) -> list[dict[str, str]]:
-    out = []
-    for dev in sorted(root.iterdir()) if root.exists() else []:
-        ports = sorted((dev / "ports").iterdir()) if (dev / "ports").exists() else []
-        for port in ports:
-            out.append({"device": dev.name, "port": port.name,
-                        "state": _read(port / "state"), "rate": _read(port / "rate"),
-                        "link_layer": _read(port / "link_layer")})
-    return out
+    return [{"device": dev.name, "port": port.name, "state": _read(port / "state"),
+             "rate": _read(port / "rate"), "link_layer": _read(port / "link_layer")}
+            for dev in _entries(root) for port in _entries(dev / "ports")]
 
 
 def backends() -> dict[str, bool]:
@@ -74,14 +71,11 @@ def report() -> tuple[list[str], list[str]]:
     if "LOCAL_WORLD_SIZE" in env and "WORLD_SIZE" in env:
         nodes = int(env["WORLD_SIZE"]) // max(int(env["LOCAL_WORLD_SIZE"]), 1)
         facts.append(f"topology: {nodes} node(s) x {env['LOCAL_WORLD_SIZE']} ranks")
-    nics = interfaces()
-    for nic in nics:
-        facts.append(f"interface {nic['name']}: {nic['state']}, speed {nic['speed_mbps']} Mb/s, "
-                     f"mtu {nic['mtu']}")
-    rdma = rdma_devices()
-    for dev in rdma:
-        facts.append(f"RDMA {dev['device']} port {dev['port']}: {dev['state']}, {dev['rate']}, "
-                     f"{dev['link_layer']}")
+    nics, rdma = interfaces(), rdma_devices()
+    facts += [f"interface {nic['name']}: {nic['state']}, speed {nic['speed_mbps']} Mb/s, "
+              f"mtu {nic['mtu']}" for nic in nics]
+    facts += [f"RDMA {dev['device']} port {dev['port']}: {dev['state']}, {dev['rate']}, "
+              f"{dev['link_layer']}" for dev in rdma]
     if not rdma:
         facts.append("RDMA devices: none (/sys/class/infiniband is empty or missing)")
 

@@ -159,14 +159,6 @@ def _worker(
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
                       LOCAL_WORLD_SIZE=str(per_node))
     os.environ.update(extra_env)
-    if "MC2_NETNS" in extra_env:
-        from mc2.tools.netns import enter_namespace
-
-        try:
-            enter_namespace(extra_env["MC2_NETNS"])
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-            return
     import torch
     import torch.distributed as dist
 
@@ -174,6 +166,10 @@ def _worker(
     if steady:
         steady_allocator()
     try:
+        if "MC2_NETNS" in extra_env:  # before any socket is opened
+            from mc2.tools.netns import enter_namespace
+
+            enter_namespace(extra_env["MC2_NETNS"])
         use_device(device, rank % per_node)
         if before_init is not None:
             before_init()

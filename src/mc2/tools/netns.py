@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 SUBNET = "10.213.0"
 CLONE_NEWNET = 0x40000000
@@ -47,9 +47,7 @@ def cluster_problem() -> str | None:
                 "with sudo, e.g. `sudo .venv/bin/mc2 demo`; nothing of the host's network is "
                 "touched (or use --ranks-per-node alone for an unshaped layout)")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found: apt-get install iproute2"
-    return None
+    return f"{' and '.join(missing)} not found: apt-get install iproute2" if missing else None
 
 
 def parse_rate(text: str) -> str:
@@ -75,6 +73,7 @@ class EmulatedCluster:
     bandwidth: str | None = "2gbit"
     prefix: str = field(default_factory=lambda: f"mc2-{os.getpid()}")
     _made: list[str] = field(default_factory=list, repr=False)
+    interface: ClassVar[str] = "mc2eth"  # each node's link to the switch
 
     @property
     def switch(self) -> str:
@@ -85,13 +84,6 @@ class EmulatedCluster:
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
-
-    def namespace_of_rank(self, rank: int) -> str:
-        return self.node_ns(rank // self.ranks_per_node)
-
-    @property
-    def interface(self) -> str:
-        return "mc2eth"
 
     def __enter__(self) -> "EmulatedCluster":
         if (problem := cluster_problem()) is not None:
@@ -152,8 +144,8 @@ class EmulatedCluster:
 
     def rank_environment(self, rank: int) -> dict[str, str]:
         """What a rank needs to join the world from inside its node's namespace."""
-        return {"MC2_NETNS": self.namespace_of_rank(rank), "MASTER_ADDR": self.address(0),
-                "GLOO_SOCKET_IFNAME": self.interface}
+        return {"MC2_NETNS": self.node_ns(rank // self.ranks_per_node),
+                "MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": self.interface}
 
 
 def torchrun_on_nodes(cluster: EmulatedCluster, program: list[str], *, port: int = 29611,
@@ -184,18 +176,16 @@ def torchrun_on_nodes(cluster: EmulatedCluster, program: list[str], *, port: int
         agents.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     deadline = time.monotonic() + timeout_s
     try:
-        while any(a.poll() is None for a in agents):
-            failed = [i for i, a in enumerate(agents) if a.poll() not in (None, 0)]
+        while True:
+            codes = [a.poll() for a in agents]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                raise NetnsError(f"torchrun on node {failed[0]} exited with "
-                                 f"{agents[failed[0]].returncode}")
+                raise NetnsError(f"torchrun on node {failed[0]} exited with {codes[failed[0]]}")
+            if None not in codes:
+                return
             if time.monotonic() > deadline:
                 raise NetnsError(f"torchrun across {cluster.nodes} nodes passed {timeout_s:.0f}s")
             time.sleep(0.2)
-        failed = [i for i, a in enumerate(agents) if a.returncode != 0]
-        if failed:
-            raise NetnsError(f"torchrun on node {failed[0]} exited with "
-                             f"{agents[failed[0]].returncode}")
     finally:
         _stop(agents)
 

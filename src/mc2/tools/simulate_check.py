@@ -36,15 +36,11 @@ def validate(hidden: int = 1024, ffn: int = 2048, repeats: int = 5,
         cfg = BenchConfig(tokens_per_rank=tokens, hidden=hidden, ffn=ffn, micro_batches=(2, 4),
                           repeats=repeats, auto=True, quiet=True)
         report = run_bench(cfg, world_size=world)
-        checks.append(Check(world, tokens, "serial", report.predicted_serial_s,
-                            report.serial.step_s))
-        for k in (2, 4):
-            checks.append(Check(world, tokens, f"mc2 K={k}", report.predicted_s[k],
-                                report.result(f"mc2 K={k}").step_s))
-        measured = {k: report.result(f"mc2 K={k}").step_s for k in (2, 4)}
-        measured[1] = report.serial.step_s
-        predicted = {k: report.predicted_s[k] for k in (2, 4)}
-        predicted[1] = report.predicted_serial_s
+        measured = {1: report.serial.step_s,
+                    **{k: report.result(f"mc2 K={k}").step_s for k in (2, 4)}}
+        predicted = {1: report.predicted_serial_s, **{k: report.predicted_s[k] for k in (2, 4)}}
+        checks += [Check(world, tokens, "serial" if k == 1 else f"mc2 K={k}", predicted[k],
+                         measured[k]) for k in measured]
         pk = min(predicted, key=predicted.__getitem__)
         mk = min(measured, key=measured.__getitem__)
         close = measured[pk] / measured[mk] - 1

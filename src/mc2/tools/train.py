@@ -16,7 +16,7 @@ from typing import Any
 
 from mc2.engine.decide.config import MC2Config
 from mc2.tools.config_args import add_config_arguments, config_from_arguments
-from mc2.tools.netns import NetnsError
+from mc2.tools.netns import EmulatedCluster, NetnsError, torchrun_on_nodes
 from mc2.tools.training import (TrainConfig, launched, plot_losses, run_launched, run_training,
                                  summarize)
 
@@ -78,6 +78,7 @@ def add_train_parser(sub: Any) -> None:
     tr.add_argument("--inter-node-bandwidth", default="1gbit",
                     help="with --nodes: tc rate of each node's link (default %(default)s)")
     add_config_arguments(tr)  # --micro-batches (default here: 2), --serial, --wire-dtype, ...
+    tr.set_defaults(run=run_train_command)
 
 
 def _options(args: argparse.Namespace) -> list[str]:
@@ -90,26 +91,19 @@ def _options(args: argparse.Namespace) -> list[str]:
            "--grad-sync", args.grad_sync, "--device", args.device, "--mc2-config", str(config)]
     if args.ep_size:
         out += ["--ep-size", str(args.ep_size)]
-    for flag in ("compare", "resume", "fsdp"):
-        if getattr(args, flag):
-            out.append(f"--{flag}")
-    return out
+    return out + [f"--{flag}" for flag in ("compare", "resume", "fsdp") if getattr(args, flag)]
 
 
 def run_train_command(args: argparse.Namespace) -> int:
     """``mc2 train``; a bad value or a cluster that cannot be built is one line and status 2."""
     try:
-        if args.nodes:
-            return _on_emulated_nodes(args)
-        return _train(args, under_torchrun=launched())
+        return _on_emulated_nodes(args) if args.nodes else _train(args, under_torchrun=launched())
     except (NetnsError, ValueError) as exc:
         print(f"mc2: {exc}", file=sys.stderr)
         return 2
 
 
 def _on_emulated_nodes(args: argparse.Namespace) -> int:
-    from mc2.tools.netns import EmulatedCluster, torchrun_on_nodes
-
     args.out.mkdir(parents=True, exist_ok=True)
     with EmulatedCluster(args.nodes, args.ranks_per_node, args.inter_node_bandwidth) as c:
         print(f"mc2 train: torchrun --nnodes {args.nodes} --nproc-per-node "

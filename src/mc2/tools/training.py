@@ -18,6 +18,7 @@ MC2, and reports how far the two loss curves ever are apart.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import sysconfig
 import time
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mc2.engine.decide.config import MC2Config
-from mc2.tools.launch import preload, run_local
+from mc2.tools.launch import preload, run_local, use_device
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,6 @@ def _setup(rank: int, world: int, cfg: TrainConfig) -> tuple[Any, ...]:
     from mc2.integrations.transformers import enable_mc2
     from mc2.parallel.gradient_buckets import GradientSync
     from mc2.parallel.mesh import expert_parallel_mesh
-    from mc2.tools.launch import use_device
 
     device = torch.device(use_device(cfg.device, int(os.environ.get("LOCAL_RANK", rank))))
     mesh = expert_parallel_mesh(cfg.ep_size or world, device.type, num_experts=cfg.experts)
@@ -264,8 +264,6 @@ def run_launched(cfg: TrainConfig, backend: str | None = "gloo") -> dict[str, An
     _check_ep_size(cfg, world)
     own = not dist.is_initialized()
     if own:
-        from mc2.tools.launch import use_device
-
         use_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     try:
@@ -306,11 +304,11 @@ def summarize(curves: dict[str, dict[str, Any]]) -> str:
     lines = []
     for label, result in curves.items():
         losses, rates = result["losses"], result["tokens_per_s_per_rank"]
-        med = sorted(rates[1:] or rates)[len(rates[1:] or rates) // 2]
-        sync = sorted(result.get("sync_s", [0.0])[1:] or result.get("sync_s", [0.0]))
+        sync = result.get("sync_s", [0.0])  # medians leave the first (warm-up) step out
         lines.append(f"{label}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
-                     f"steps; median {med:,.0f} tokens/s per rank, gradient sync "
-                     f"{1e3 * sync[len(sync) // 2]:.1f} ms")
+                     f"steps; median {statistics.median_high(rates[1:] or rates):,.0f} "
+                     f"tokens/s per rank, gradient sync "
+                     f"{1e3 * statistics.median_high(sync[1:] or sync):.1f} ms")
     if len(curves) == 2:
         a, b = (c["losses"] for c in curves.values())
         n = min(len(a), len(b), 50)

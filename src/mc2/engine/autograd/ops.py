@@ -235,6 +235,10 @@ def fused_expert_module(
     local_experts: int | None = None,
     forward: ExpertsForward | None = None,
     tokens_per_expert: bool = False,
+    shared_up: Tensor | None = None,
+    shared_gate: Tensor | None = None,
+    shared_down: Tensor | None = None,
+    shared_scale: Tensor | None = None,
     timeline: Timeline | None = None,
     planner: Planner | None = None,
     workspace: Workspace | None = None,
@@ -260,10 +264,13 @@ def fused_expert_module(
             (``[L]`` int64 on the CPU), for experts that need the counts on the host
             (Megatron's): built from the counts the call read anyway, so the stage reads
             nothing per micro-batch.
+        shared_up, shared_gate, shared_down, shared_scale: shared experts as in
+            :func:`fused_expert` (a plain SwiGLU: a framework's shared MLP as views of its
+            weights), run inside the call where its pipeline would wait.
 
-    Everything else is as in :func:`fused_expert` (no shared experts: a model computes them
-    beside the call). Not traceable by ``torch.compile``/``torch.export`` (a module is no
-    operator argument: use :func:`fused_expert_packed` there), and refused inside a
+    Everything else is as in :func:`fused_expert`. Not traceable by ``torch.compile`` or
+    ``torch.export`` (a module is no operator argument: use :func:`fused_expert_packed` there),
+    and refused inside a
     selective-checkpointing region (its recompute would run its collectives again): use full
     checkpointing, which runs the call again as a whole.
     """
@@ -276,10 +283,10 @@ def fused_expert_module(
         raise ValueError("fused_expert_module cannot run inside a selective activation "
                          "checkpointing region; checkpoint the whole layer instead")
     cfg, problem = resolve_config(config, dict(options))
-    x, named, routing_weights, _ = autocast_inputs(
-        x, dict(zip(module.names, module.params)), routing_weights, ())
+    x, named, routing_weights, shared = autocast_inputs(
+        x, dict(zip(module.names, module.params)), routing_weights,
+        (shared_up, shared_gate, shared_down, shared_scale))
     module = module.bound(tuple(named.values()))
-    shared = (None, None, None, None)
 
     def planned_and_run() -> Tensor:
         call, _, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
@@ -287,6 +294,7 @@ def fused_expert_module(
                                      num_experts=num_experts, timeline=timeline,
                                      planner=planner, workspace=workspace, module=module,
                                      timeout=resolve_timeout(cfg.timeout))
-        return FusedExpertFunction.apply(call, x, combine, *shared, *module.tensors())
+        _, function_shared = function_inputs(x, expert_ids, None, shared)
+        return FusedExpertFunction.apply(call, x, combine, *function_shared, *module.tensors())
 
     return guarded(planned_and_run, cfg, x)

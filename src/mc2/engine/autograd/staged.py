@@ -10,11 +10,11 @@ state, each running the pass (:func:`~mc2.engine.passes.run.forward_stages`) up 
 stage                 forward                             backward
 ====================  ==================================  =========================================
 ``begin`` (dispatch)  plan, gather, issue the dispatch,   the weight gradients (while the other
-                      shared experts under it             micro-batch's transfers travel), wait
+                      shared experts' first half under it micro-batch's transfers travel), wait
                                                           for the gradients' combine, scatter
                                                           them into ``grad x``
-``experts``           wait, experts, issue the combine    wait for the gradients' dispatch, expert
-                                                          backward, issue their combine
+``experts``           wait, experts, issue the combine,   wait for the gradients' dispatch, expert
+                      shared experts' second half         backward, issue their combine
 ``end`` (combine)     wait, scatter, weighted top-k sum   routing-weight gradient, gather, issue
                                                           the gradients' dispatch, shared experts
 ====================  ==================================  =========================================

@@ -228,6 +228,7 @@ def swiglu_forward(
     keep_activations: bool,
     workspace: Workspace | None = None,
     offsets: Tensor | None = None,
+    out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ExpertActivations | None]:
     """Expert outputs ``[R, H]`` for expert-grouped rows ``x [R, H]``.
 
@@ -236,10 +237,12 @@ def swiglu_forward(
         strategy: ``"grouped"`` or ``"loop"`` (see :func:`resolve_strategy`).
         keep_activations: return what :func:`swiglu_backward_input` needs.
         offsets: ``counts``' running ends on the device (``"grouped"`` needs them).
+        out: ``(y [R, H], gate_up [R, 2F])`` to write into, for a caller that computes its
+            rows in parts (the shared experts, half under the fill and half under the drain).
     """
     ws = workspace or Workspace.transient()
     rows, ffn = x.shape[0], weights.ffn
-    gate_up = ws.empty((rows, 2 * ffn), x.dtype, x.device)
+    gate_up = out[1] if out is not None else ws.empty((rows, 2 * ffn), x.dtype, x.device)
     if rows:
         if weights.packed:
             _per_expert(x, weights.gate_up.transpose(1, 2), counts, strategy, gate_up,
@@ -250,7 +253,7 @@ def swiglu_forward(
     act = ws.empty((rows, ffn), x.dtype, x.device)
     torch.ops.aten.silu.out(gate_up[:, :ffn], out=act)
     act.mul_(gate_up[:, ffn:])
-    y = ws.empty((rows, weights.hidden), x.dtype, x.device)
+    y = out[0] if out is not None else ws.empty((rows, weights.hidden), x.dtype, x.device)
     down = weights.down.transpose(1, 2) if weights.packed else weights.down
     if rows:
         _per_expert(act, down, counts, strategy, y, offsets=offsets)

@@ -26,7 +26,7 @@ from torch import Tensor
 from mc2.observation.profiler import active_timeline
 from mc2.observation.timeline import Timeline, maybe_span
 from mc2.observation.traffic import active_traffic
-from mc2.engine.transport.backend import LOCAL, CommStyle
+from mc2.engine.transport.backend import CommStyle
 from mc2.engine.transport.comm import (
     carries_host_memory, exchange_counts, gather_counts, group_size, style_of
 )
@@ -118,9 +118,7 @@ def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
     per_node = len(topo.ranks_of_node(0))
     if hierarchy == "auto" and (topo.nodes == 1 or per_node == 1 or not topo.uniform):
         return None
-    if not topo.uniform:
-        raise ValueError(f"hierarchy='2d' needs the same ranks on every node: {topo.describe()}")
-    intra, inter = topo.subgroups(group)
+    intra, inter = topo.subgroups(group)  # a ValueError on nodes of different sizes
     if hierarchy == "auto":
         with maybe_span(timeline, "comm", "choose_hierarchy", "forward"):
             pays = two_stage_pays(group, rank=topo.rank, nodes=topo.nodes, per_node=per_node,
@@ -136,18 +134,15 @@ def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
 
 def combine_weights(routing_weights: Tensor | None, ids2d: Tensor, like: Tensor) -> Tensor:
     """``[T, topk]`` combine weights in ``like``'s dtype (ones when none are given)."""
-    if routing_weights is None:
-        return torch.ones(ids2d.shape, dtype=like.dtype, device=like.device)
-    return routing_weights.reshape(ids2d.shape).to(like.dtype)
+    return torch.ones(ids2d.shape, dtype=like.dtype, device=like.device) \
+        if routing_weights is None else routing_weights.reshape(ids2d.shape).to(like.dtype)
 
 
 def _fall_back_if_needed(config: MC2Config, style: CommStyle, timeline: Timeline | None
                          ) -> MC2Config:
     """Synchronous collectives where asynchronous ones are impossible; says so once."""
-    if not config.overlap or style is LOCAL:
-        return config
-    reason = style.sync_reason
-    if reason is None:
+    reason = style.sync_reason  # None for a local group too
+    if not config.overlap or reason is None:
         return config
     warn_sync_fallback(reason)
     if timeline is not None:
@@ -216,15 +211,13 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
         return int(config.micro_batches), None, wire
     if planner is None:
         return 1, None, wire
+    shape = dict(max_tokens=agreement.max_tokens, topk=agreement.max_topk, weights=weights,
+                 group=group, strategy=strategy, wire=wire, sent_rows=agreement.max_rows)
     if torch._C._current_graph_task_id() != -1:  # a recompute inside a backward: its forward's K
-        choice = planner.again(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
-                               weights=weights, group=group, strategy=strategy, wire=wire,
-                               sent_rows=agreement.max_rows)
+        choice = planner.again(**shape)
     else:
         with maybe_span(timeline, "compute", "plan", "forward"):
-            choice = planner.choose(max_tokens=agreement.max_tokens, topk=agreement.max_topk,
-                                    weights=weights, group=group, strategy=strategy, wire=wire,
-                                    sent_rows=agreement.max_rows, watch=watch)
+            choice = planner.choose(**shape, watch=watch)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = (NONE, NONE)
     if timeline is not None and choice.trial:  # exploration is visible, and bounded

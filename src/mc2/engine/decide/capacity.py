@@ -178,8 +178,7 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
         routes.append((slot_token[:dump], size))
     errors = torch.stack([dropped, bad])
     if overflow == "drop":
-        total = dropped_rows(device, group)
-        total.add_(dropped)
+        dropped_rows(device, group).add_(dropped)
     return CapacityHandle(tokens, topk, world, local_experts, tuple(
         CapacityRoute(slot_token, slot_tables(ids_padded, combine_padded, slot_token, world,
                                               size, local_experts, errors, fingerprint),

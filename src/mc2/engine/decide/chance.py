@@ -50,9 +50,7 @@ class ModelError:
     def margin(self) -> float:
         """How many times K = 1's predicted step a split may be predicted at and still be
         tried."""
-        if self.worst is None:
-            return PRIOR_MARGIN
-        return max(self.worst, 1.0) * SAFETY
+        return PRIOR_MARGIN if self.worst is None else max(self.worst, 1.0) * SAFETY
 
     def learn(self, predicted: Mapping[int, float], measured: Mapping[int, float]) -> None:
         """Fold in one shape's trials. ``predicted`` and ``measured``: seconds per candidate K

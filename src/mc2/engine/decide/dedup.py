@@ -27,6 +27,7 @@ counts the call reads once anyway.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -227,7 +228,8 @@ def expand(tables: Tensor, recv: list[list[int]], experts: list[list[int]], loca
     k = tables.shape[1] // 2
     sizes = [sum(r) for r in recv]
     ids = slot_ids(tables, k)
-    micro = chunk_of_token(tables.shape[0], _bounds(sizes), tables.device)
+    bounds = list(itertools.pairwise([0, *itertools.accumulate(sizes)]))
+    micro = chunk_of_token(tables.shape[0], bounds, tables.device)
     key = micro.unsqueeze(1) * (local_experts + 1) + torch.where(ids >= 0, ids, local_experts)
     order = torch.sort(key.reshape(-1), stable=True).indices
     weights = tables[:, k:].reshape(-1)
@@ -238,11 +240,6 @@ def expand(tables: Tensor, recv: list[list[int]], experts: list[list[int]], loca
                                  pairs, size))
         start += size
     return routes
-
-
-def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
-    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    return list(zip([0] + ends[:-1], ends))
 
 
 # ---- the 2-D exchange: rows once per node across the slow link, then once per rank inside

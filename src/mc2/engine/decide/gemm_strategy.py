@@ -84,10 +84,9 @@ def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights) -> str:
     """A concrete strategy for a validated ``strategy`` on these weights (their device)."""
     if strategy != "auto":
         return strategy
-    if not isinstance(weights, ExpertWeights):  # a module stage runs its own GEMMs
-        return "loop"
-    if weights.device.type == "cpu" or grouped_problem(weights.dtype, weights.device) is not None:
-        return "loop"
+    if not isinstance(weights, ExpertWeights) or weights.device.type == "cpu" \
+            or grouped_problem(weights.dtype, weights.device) is not None:
+        return "loop"  # a module stage runs its own GEMMs; the CPU: see the module docstring
     key = (weights.packed, tuple(weights.down.shape), weights.dtype, str(weights.device))
     if key not in _CHOSEN:
         plain = weights.detached()

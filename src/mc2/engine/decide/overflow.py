@@ -108,9 +108,8 @@ def pending(group: Any, device: torch.device) -> Tensor:
     a read of its own); :func:`check_overflow` reads it."""
     state = known_state(group)
     counter = state.overflow.get(torch.device(device)) if state is not None else None
-    if counter is None:
-        return torch.zeros(COUNTS, dtype=torch.int64, device=device)
-    return counter.counts
+    return torch.zeros(COUNTS, dtype=torch.int64, device=device) if counter is None \
+        else counter.counts
 
 
 def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> None:

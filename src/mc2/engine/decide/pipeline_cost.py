@@ -5,7 +5,8 @@ simulator's (:mod:`mc2.sim.model`, hardware presets), so that what they predict 
 schedule :mod:`mc2.engine.passes.pipeline` really runs:
 
 * the first dispatch is the fill: nothing computes before it arrives, except local work (shared
-  experts), which runs under it;
+  experts), which runs under it (in the forward half of it, the other half under the drain:
+  :mod:`mc2.engine.passes.shared_experts`);
 * while micro-batch ``i`` computes, two transfers travel: dispatch ``i+1`` and combine ``i-1``
   (one at either end); what they take beyond the compute is a stall;
 * while a transfer runs under compute, compute slows by ``interference`` times the overlap;
@@ -22,13 +23,14 @@ FORWARD_SHARE = 1 / 3  # 3 of the 9 expert GEMMs run in the forward
 
 
 def overlapped_pass(compute: Sequence[float], transfer: Sequence[float], *, local: float = 0.0,
-                    interference: float = 0.0) -> tuple[float, float]:
+                    drain: float = 0.0, interference: float = 0.0) -> tuple[float, float]:
     """``(pass seconds, exposed communication seconds)`` of one overlapped pass.
 
     Args:
         compute: seconds of compute of each micro-batch.
         transfer: seconds of one transfer (dispatch or combine) of each micro-batch.
         local: work that needs no communication, run under the first dispatch.
+        drain: such work run under the last combine.
         interference: compute slowdown per second of concurrent transfer.
     """
     k = len(compute)
@@ -39,7 +41,8 @@ def overlapped_pass(compute: Sequence[float], transfer: Sequence[float], *, loca
         stall = max(0.0, load - c)
         total += c + stall + interference * min(load, c)
         exposed += stall
-    return total + transfer[-1], exposed + transfer[-1]
+    tail = max(0.0, transfer[-1] - drain)
+    return total + drain + tail, exposed + tail
 
 
 def serial_pass(compute: Sequence[float], transfer: Sequence[float], *, local: float = 0.0
@@ -60,7 +63,10 @@ def training_step(compute: Sequence[float], transfer: Sequence[float], *, overla
     for share in (FORWARD_SHARE, 1 - FORWARD_SHARE):
         c = [share * t for t in compute]
         if overlap:
-            pass_s, pass_exposed = overlapped_pass(c, transfer, local=share * local,
+            # the forward's shared experts: half under the fill, half under the drain
+            fill = share * local / (2 if share == FORWARD_SHARE else 1)
+            pass_s, pass_exposed = overlapped_pass(c, transfer, local=fill,
+                                                   drain=share * local - fill,
                                                    interference=interference)
         else:
             pass_s, pass_exposed = serial_pass(c, transfer, local=share * local)

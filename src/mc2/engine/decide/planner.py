@@ -166,9 +166,8 @@ class WireFormatWarning(UserWarning):
 
 def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
                    device: torch.device, repeats: int) -> float:
-    """Seconds per routed row to encode and decode the four transfers of a forward + backward."""
-    if all(f.kind is None for f in wire):
-        return 0.0
+    """Seconds per routed row to encode and decode the four transfers of a forward + backward
+    (a wire format at least one way: :meth:`Planner.codec_cost` answers 0 for none)."""
     rows = 1024
     x = torch.randn(rows, hidden, dtype=dtype, device=device)
 
@@ -435,17 +434,6 @@ class Planner:
         if key not in self._quick:
             self._quick[key] = self._measure(weights, group, strategy, full=False)
         return self._quick[key]
-
-    def plan(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-             strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
-             sent_rows: int | None = None) -> int:
-        """The model's K for a call whose largest rank holds ``max_tokens`` tokens (agreed by
-        the group), without trials."""
-        if group_size(group) == 1 or max_tokens <= 1:
-            return 1  # nothing to hide, or nothing to split
-        cal = self.calibration(weights, group, strategy)
-        return choose(cal, self.workload(max_tokens, topk, weights, group, wire, sent_rows),
-                      self.candidates, self.min_gain, max_tokens)
 
     def predictions(self, *, max_tokens: int, topk: int,
                     weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop",
@@ -715,9 +703,8 @@ class Planner:
                  sent_rows: int | None = None) -> Workload:
         hidden, dtype = weights.hidden, weights.dtype
         pairs = max_tokens * topk
-        per_row = None
-        if any(f.kind is not None for f in wire):
-            per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2
+        per_row = sum(f.bytes_per_row(hidden, dtype) for f in wire) / 2 \
+            if any(f.kind is not None for f in wire) else None
         return Workload(rows_per_rank=pairs, hidden=hidden,
                         local_experts=weights.local_experts, world_size=group_size(group),
                         element_size=weights.element_size, wire_bytes_per_row=per_row,

@@ -15,6 +15,7 @@ is uploaded.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,8 @@ def micro_batch_weights(num_micro_batches: int) -> list[int]:
     A growth of 2 from the first to the second stays hideable as long as a transfer takes less
     than half its micro-batch's compute, the regime where overlap pays. ``K <= 2``: equal sizes.
     """
-    if num_micro_batches <= 2:
-        return [1] * num_micro_batches
-    return [1] + [2] * (num_micro_batches - 2) + [1]
+    return [1] * num_micro_batches if num_micro_batches <= 2 else \
+        [1] + [2] * (num_micro_batches - 2) + [1]
 
 
 def micro_batch_fractions(num_micro_batches: int) -> list[float]:
@@ -120,9 +120,8 @@ def micro_batch_bounds(num_tokens: int, num_micro_batches: int) -> list[tuple[in
         base, extra = divmod(num_tokens, num_micro_batches)
         stops = [(i + 1) * base + min(i + 1, extra) for i in range(num_micro_batches)]
     else:
-        cumulative = [sum(weights[:i + 1]) for i in range(num_micro_batches)]
-        stops = [num_tokens * c // total for c in cumulative]
-    return list(zip([0] + stops[:-1], stops))
+        stops = [num_tokens * c // total for c in itertools.accumulate(weights)]
+    return list(itertools.pairwise([0, *stops]))
 
 
 def count_on_device(values: Tensor, n: int, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -274,13 +273,12 @@ def read_counts(exchange: CountsExchange, send_totals: Tensor, payload: Tensor,
             f"{theirs}): with micro_batches='auto' every rank must make the same calls through "
             "planners of the same settings (or pass a fixed K)")
 
-    def rows(flat: list[int], width: int) -> list[list[int]]:
-        return [flat[i * width:(i + 1) * width] for i in range(k)]
+    flat = iter(values)
 
-    send, values = rows(values[:k * world], world), values[k * world:]
-    recv, values = rows(values[:k * world], world), values[k * world:]
-    experts, values = rows(values[:k * local], local), values[k * local:]
-    return HostCounts(send, recv, experts, values)
+    def rows(width: int) -> list[list[int]]:  # the next K rows of ``width`` values
+        return [list(itertools.islice(flat, width)) for _ in range(k)]
+
+    return HostCounts(rows(world), rows(world), rows(local), list(flat))
 
 
 def build_handle(

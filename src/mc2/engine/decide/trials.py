@@ -79,12 +79,9 @@ def trial_stats(candidates: Sequence[Candidate], times: Sequence[Sequence[float]
     """Per candidate, the statistics of ``times[i]`` (its timed calls, each the group's
     slowest rank's seconds; each came right after a call of the same candidate, so none is
     cold)."""
-    out = []
-    for k, calls in zip(candidates, times):
-        measured = list(calls)
-        spread = (max(measured) - min(measured)) / 2 if len(measured) > 1 else 0.0
-        out.append(TrialStats(k, statistics.median(measured), spread, len(measured)))
-    return out
+    measured = [list(calls) for calls in times]
+    return [TrialStats(k, statistics.median(m), (max(m) - min(m)) / 2, len(m))
+            for k, m in zip(candidates, measured)]
 
 
 def trial_winner(candidates: Sequence[Candidate], seconds: Sequence[float], min_gain: float

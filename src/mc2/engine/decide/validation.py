@@ -36,9 +36,7 @@ DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.floa
 
 
 def _is_tensor(name: str, t: Any) -> str | None:
-    if not isinstance(t, Tensor):
-        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    return None
+    return None if isinstance(t, Tensor) else f"{name} must be a torch.Tensor, got {type(t).__name__}"
 
 
 def _weights_problem(x: Any, weights: dict[str, Any], packed: bool) -> str | None:

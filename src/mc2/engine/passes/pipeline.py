@@ -10,12 +10,13 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
     for i in 0..K-1:
         dispatch(i+1)            # in flight while i computes (i == 0 without local work:
                                  #   issued after dispatch(0) has arrived, see below)
-        local()                  # once, i == 0: shared experts under the first dispatch
+        local()                  # once, i == 0: shared experts (half) under the first dispatch
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
         deferred(i)              # e.g. weight gradients, while combine(i) travels (after
                                  #   the next stop, see _Pass.overlapped)
         wait combine(i-1); receive(i-1)
+    drain()                      # the forward's other half of them, under the last combine
     wait combine(K-1); receive(K-1)
 
 The first dispatch is the pipeline's fill: nothing computes until it arrives. On a backend that
@@ -85,7 +86,8 @@ class PipelineSteps:
             backward's weight gradients); run after ``i``'s combine is on the wire, so it fills
             time that would otherwise be spent waiting.
         local: work that needs no communication at all (shared experts); run while the first
-            dispatch is in flight.
+            dispatch is in flight (the pipeline's fill, when nothing else can compute).
+        drain: more such work, run while the last combine is in flight (the drain).
     """
 
     gather: Callable[[int], Tensor]
@@ -93,6 +95,7 @@ class PipelineSteps:
     scatter: Callable[[int, Tensor], None]
     deferred: Callable[[int], None] | None = None
     local: Callable[[], None] | None = None
+    drain: Callable[[], None] | None = None
 
 
 def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
@@ -198,6 +201,11 @@ class _Pass:
             with self._span("compute", "local"):
                 self.steps.local()
 
+    def drain(self) -> None:
+        if self.steps.drain is not None:
+            with self._span("compute", "local", self.handle.num_micro_batches - 1):
+                self.steps.drain()
+
     def waited(self, transfer: Pending, name: str, i: int) -> Tensor:
         """``transfer.wait()``, a timeout told which micro-batch and phase it hit; a transfer
         whose wait failed is kept alive (its buffers may still be in use)."""
@@ -223,6 +231,7 @@ class _Pass:
                 returned = self.waited(self.combine(i, out, async_op=False), "combine", i)
             self.scatter(i, returned)
             self.deferred(i)
+        self.drain()
 
     def overlapped(self) -> Iterator[str]:
         """The overlapped schedule, stopping before each wait (see :func:`pass_stages`);
@@ -256,6 +265,7 @@ class _Pass:
                 yield "combine"
                 self._pay(owed)
                 self._receive(i - 1)
+        self.drain()
         yield "combine"
         self._pay(owed)
         self._receive(k - 1)

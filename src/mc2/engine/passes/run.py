@@ -21,7 +21,8 @@ input gradients come back the combine routes, micro-batch by micro-batch).
 The body asks no question of the variant it runs: how rows travel (one row per pair, once per
 destination, fixed slabs) is the plan's strategy (:mod:`mc2.engine.passes.travel`), how experts
 compute (mc2's SwiGLU, a framework's module) the weights' (``run``/``backward``/``gradients``).
-The shared experts are the body's own: they run under the first dispatch in either pass.
+The shared experts are the body's own: they run under the first dispatch (the forward's half of
+them under the last combine, :mod:`mc2.engine.passes.shared_experts`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from torch import Tensor
 from mc2.device.clock import Interval, clock_for
 from mc2.device import streams
 from mc2.engine.compute.experts import (
-    ExpertActivations, ExpertWeights, WeightGrads, swiglu_backward_input, swiglu_forward
+    ExpertActivations, ExpertWeights, WeightGrads
 )
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
+from mc2.engine.passes.shared_experts import SharedBackward, SharedForward
 from mc2.engine.passes.travel import TRAVELS
 from mc2.engine.transport.deadline import deadline
 from mc2.observation.timeline import maybe_span
@@ -168,16 +170,10 @@ def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
     experts' that do; the experts' side keeps its outputs where the combine weights do)."""
     result = PassOutput(None, [None] * call.handle.num_micro_batches)
     rows = TRAVELS[call.travel].forward(x, weights, call, needs, result)
-
-    def shared_experts() -> None:
-        assert shared is not None
-        result.shared_out, result.shared_activations = swiglu_forward(
-            x, [call.handle.num_tokens], shared, strategy=call.strategy,
-            keep_activations=call.keep_activations, workspace=call.workspace)
-
+    local = SharedForward(x, shared, call, result) if shared is not None else None
     yield from pass_stages(call, PipelineSteps(
         gather=rows.gather, compute=rows.compute, scatter=rows.scatter,
-        local=shared_experts if shared is not None else None,
+        local=local and local.fill, drain=local and local.drain,
     ), "forward", x.device)
     rows.finish()
     return result
@@ -218,29 +214,20 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         down), the combine weights' ``[T, topk]`` gradient or ``None`` where not needed)``.
     """
     call = state.call
-    ws, tokens, hidden = call.workspace, call.handle.num_tokens, grad_out.shape[-1]
+    ws, hidden = call.workspace, grad_out.shape[-1]
     rows = TRAVELS[call.travel].backward(grad_out, inputs, state, needs)
     shared = inputs.shared_weights()
-    shared_grads = WeightGrads(shared, (needs.shared_up, needs.shared_gate, needs.shared_down),
-                               ws) if shared is not None else None
-
-    def shared_experts() -> None:
-        if state.shared_gate_up is None or shared_grads is None:
-            return
-        grad_y = grad_out
-        if inputs.shared_scale is not None:
-            grad_y = torch.mul(grad_out, inputs.shared_scale,
-                               out=ws.empty((tokens, hidden), grad_out.dtype, grad_out.device))
-        grad_in, work = swiglu_backward_input(
-            grad_y, ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up),
-            [tokens], shared, strategy=call.strategy, workspace=ws)
+    shared_grads = local = None
+    if shared is not None and state.shared_gate_up is not None:
+        shared_grads = WeightGrads(shared, (needs.shared_up, needs.shared_gate, needs.shared_down),
+                                   ws)
+        saved = ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up)
         state.shared_gate_up = None
-        rows.grad_x.add_(grad_in)
-        shared_grads.add(work, strategy=call.strategy)
-
+        local = SharedBackward(grad_out, inputs.shared_scale, saved, shared, call,
+                               lambda grad_in: rows.grad_x.add_(grad_in), shared_grads)
     yield from pass_stages(call, PipelineSteps(
         gather=rows.gather, compute=rows.compute, scatter=rows.scatter, deferred=rows.deferred,
-        local=shared_experts if shared is not None else None,
+        local=local and local.fill,
     ), "backward", grad_out.device)
     grad_x, expert_grads, grad_combine = rows.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)

@@ -108,11 +108,8 @@ def _blocking_wait(name: str) -> bool:
 
 def default_device_type() -> str:
     """The device type the current process computes on: the current accelerator, else CPU."""
-    if torch.accelerator.is_available():
-        current = torch.accelerator.current_accelerator()
-        if current is not None:
-            return current.type
-    return "cpu"
+    current = torch.accelerator.current_accelerator(check_available=True)
+    return "cpu" if current is None else current.type
 
 
 def mesh_device_type() -> str:

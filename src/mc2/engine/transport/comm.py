@@ -72,16 +72,12 @@ def initialized() -> bool:
 
 def group_size(group: Any) -> int:
     """Ranks in ``group`` (1 when ``torch.distributed`` is not initialised)."""
-    if not initialized():
-        return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size(group) if initialized() else 1
 
 
 def group_rank(group: Any) -> int:
     """This process's rank in ``group`` (0 when ``torch.distributed`` is not initialised)."""
-    if not initialized():
-        return 0
-    return dist.get_rank(group)
+    return dist.get_rank(group) if initialized() else 0
 
 
 def is_local(group: Any) -> bool:
@@ -104,9 +100,7 @@ def carries_host_memory(group: Any) -> bool:
 
 def style_of(group: Any, device: torch.device) -> CommStyle:
     """How ``group``'s collectives on ``device`` run (:func:`mc2.engine.transport.backend.comm_style`)."""
-    if is_local(group):
-        return LOCAL
-    return comm_style(group, device)
+    return LOCAL if is_local(group) else comm_style(group, device)
 
 
 @dataclass
@@ -178,9 +172,7 @@ def refuse(group: Any, operation: str) -> None:
     """Raise a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the first timeout
     when ``group`` (or, after the watchdog aborted every group, any group) timed out before;
     before anything is issued, so that no dead communicator is touched or waited for."""
-    first = expired()
-    if first is None:
-        first = failure(group)
+    first = expired() or failure(group)
     if first is not None:
         raise first.refused(operation)
 
@@ -338,9 +330,10 @@ def control_group(group: Any, device: torch.device | str | None = None) -> Any:
     return state.control
 
 
-def groups_made_agree(group: Any, device: torch.device | str | None = None) -> tuple[int, int]:
-    """``(most, fewest)`` process groups made so far by any member of ``group`` (one small
-    collective on ``group``, which every member calls at the same point).
+def groups_made_agree(group: Any, device: torch.device | str | None = None) -> str | None:
+    """Whether every member of ``group`` has made as many process groups so far (one small
+    collective on ``group``, which every member calls at the same point): ``None``, else the
+    start of the error that says they have not.
 
     Why: a group made with ``use_local_synchronization=True`` is named from its ranks and the
     number of groups the calling process has made; members that made different numbers would
@@ -354,7 +347,8 @@ def groups_made_agree(group: Any, device: torch.device | str | None = None) -> t
     collective(lambda a: dist.all_reduce(groups, op=dist.ReduceOp.MAX, group=group,
                                          async_op=a), group, "group agreement", groups.device)
     most, fewest = read(groups)
-    return most, -fewest
+    return None if most == -fewest else ("mc2: the ranks of a group have made different numbers "
+                                          f"of process groups ({-fewest} to {most})")
 
 
 def _new_group(ranks: Sequence[int], backend: str | None, parent: Any,
@@ -381,12 +375,10 @@ def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | 
     number of groups (:func:`groups_made_agree`), else the names would differ: then every
     member raises the same ``RuntimeError`` rather than hanging.
     """
-    most, fewest = groups_made_agree(parent, device)
-    if most != fewest:
-        raise RuntimeError(
-            "mc2: the ranks of a group have made different numbers of process groups "
-            f"({fewest} to {most}), so the groups over {member_lists} cannot be made by its "
-            "members alone; make the same process groups, in the same order, on every rank")
+    if (differ := groups_made_agree(parent, device)) is not None:
+        raise RuntimeError(f"{differ}, so the groups over {member_lists} cannot be made by its "
+                           "members alone; make the same process groups, in the same order, on "
+                           "every rank")
     me = dist.get_rank()
     return [_new_group(ranks, backend, parent, device) if me in ranks else None
             for ranks in member_lists]
@@ -395,12 +387,10 @@ def member_groups(parent: Any, member_lists: list[list[int]], *, backend: str | 
 def _new_control_group(group: Any, key: tuple[tuple[int, ...], str],
                        device: torch.device | str | None) -> Any:
     ranks, backend = key
-    most, fewest = groups_made_agree(group, device)
-    if most != fewest:
-        warnings.warn("mc2: the ranks of a group have made different numbers of process groups "
-                      f"({fewest} to {most}), so a control group over ranks {list(ranks)} "
-                      "cannot be made; its handshake and counts share the row transfers' "
-                      "communicator", RuntimeWarning, stacklevel=3)
+    if (differ := groups_made_agree(group, device)) is not None:
+        warnings.warn(f"{differ}, so a control group over ranks {list(ranks)} cannot be made; "
+                      "its handshake and counts share the row transfers' communicator",
+                      RuntimeWarning, stacklevel=3)
         return group
     # the group's own timeout (_new_group): the handshake must not outwait it
     return _new_group(ranks, None if backend == str(dist.get_backend()) else backend, group,

@@ -102,12 +102,8 @@ class CommTimeout(RuntimeError):
 
 
 def _where(operation: str, micro_batch: int | None, phase: str | None) -> str:
-    where = operation
-    if micro_batch is not None:
-        where += f" of micro-batch {micro_batch}"
-    if phase is not None:
-        where += f" in the {phase}"
-    return where
+    return (operation + ("" if micro_batch is None else f" of micro-batch {micro_batch}")
+            + ("" if phase is None else f" in the {phase}"))
 
 
 def resolve_timeout(timeout: float | None) -> float | None:
@@ -153,9 +149,8 @@ def group_timeout(group: Any, device: torch.device | str | None = None) -> float
         except (RuntimeError, ValueError):  # a Python backend is its own group
             backend = group
     timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-    if isinstance(timeout, timedelta) and timeout > timedelta(0):
-        return timeout.total_seconds()
-    return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) and timeout > timedelta(0) \
+        else None
 
 
 def wait_deadline(seconds: float | None, group: Any, device: torch.device | str | None = None

@@ -50,6 +50,7 @@ from mc2.engine.transport.comm import (
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.host import read, upload
 from mc2.engine.transport.row_sums import sum_rows
+from mc2.engine.transport.wire import NONE
 from mc2.device.streams import current_stream, side_stream, wait_for_current
 
 
@@ -200,9 +201,8 @@ class TwoStageExchange:
     def _unpermute(self, inside: Tensor, out: Tensor) -> Tensor:
         """The combine's step between the stages: :meth:`_permute` undone (rows once per
         node: the rows back for each stage-1 row summed, :meth:`_summed`)."""
-        if self.reduces:
-            return self._summed(inside, out)
-        return out.index_copy_(0, self.intra_gather, inside)
+        return self._summed(inside, out) if self.reduces else \
+            out.index_copy_(0, self.intra_gather, inside)
 
     def dispatch(self, rows: Tensor, *, async_op: bool,
                  on_complete: OnComplete | None = None) -> PendingTransfer:
@@ -213,12 +213,9 @@ class TwoStageExchange:
     def _summed(self, inside: Tensor, out: Tensor) -> Tensor:
         """The combine's node reduction: the rows back from each rank, summed per stage-1
         row (in float32 for 16-bit rows), into ``out``."""
-        fmt, hidden, dtype = self.codec if self.codec is not None else (None, None, None)
-        rows = inside if fmt is None or fmt.kind is None else fmt.decode(inside, hidden, dtype)
-        total = sum_rows(rows, self.intra_gather, out.shape[0])
-        if fmt is not None and fmt.kind is not None:
-            return out.copy_(fmt.encode(total))
-        return out.copy_(total)
+        fmt, hidden, dtype = self.codec if self.codec is not None else (NONE, None, None)
+        total = sum_rows(fmt.decode(inside, hidden, dtype), self.intra_gather, out.shape[0])
+        return out.copy_(fmt.encode(total))  # NONE's decode and encode are the rows as they are
 
     def combine(self, rows: Tensor, *, async_op: bool,
                 on_complete: OnComplete | None = None) -> PendingTransfer:

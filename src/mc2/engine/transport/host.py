@@ -31,10 +31,7 @@ from mc2.engine.transport.watchdog import surfaced
 @contextlib.contextmanager
 def allowed_sync(device: torch.device) -> Iterator[None]:
     """A deliberate host synchronisation: lifts CUDA's sync debug mode for its duration."""
-    if device.type != "cuda":
-        yield
-        return
-    mode = torch.cuda.get_sync_debug_mode()
+    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
     if mode:
         torch.cuda.set_sync_debug_mode(0)
     try:

@@ -26,8 +26,7 @@ def sum_rows(values: Tensor, index: Tensor, size: int, *, scale: Tensor | None =
     included).
     """
     acc = accumulation_dtype(values.dtype)
-    terms = values if keep is None else torch.where(keep, values, 0)
-    terms = terms.to(acc)
+    terms = (values if keep is None else torch.where(keep, values, 0)).to(acc)
     if scale is not None:
         terms = terms * scale.to(acc).unsqueeze(1)
     out = torch.zeros((size,) + tuple(values.shape[1:]), dtype=acc, device=values.device)

@@ -53,8 +53,7 @@ class Topology:
     @property
     def uniform(self) -> bool:
         """Every node holds the same number of ranks (what a 2-D All-to-All needs)."""
-        sizes = {len(self.ranks_of_node(n)) for n in range(self.nodes)}
-        return len(sizes) == 1
+        return len({len(self.ranks_of_node(n)) for n in range(self.nodes)}) == 1
 
     def subgroups(self, group: Any = None) -> tuple[Any, Any]:
         """``(intra_node, inter_node)`` groups of this rank, made once (a collective of

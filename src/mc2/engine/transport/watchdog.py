@@ -131,9 +131,8 @@ def _nccl_of_default_group() -> Any:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
     except (RuntimeError, ValueError, AttributeError):
         return None
-    if dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL):
-        return backend
-    return None
+    return backend if dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL) \
+        else None
 
 
 def abort_groups(groups: list[Any]) -> None:
@@ -203,9 +202,8 @@ class Watchdog:
         from when the device reaches it). The caller's current accelerator is noted: the thread
         polls on it (a fresh thread would otherwise query on device 0 and open a context
         there)."""
-        index = None
-        if torch.accelerator.is_available():
-            index = torch.accelerator.current_device_index()
+        index = torch.accelerator.current_device_index() if torch.accelerator.is_available() \
+            else None
         with self._wake:
             self._paused = False  # a call outside a capture: polling is safe again
             self._watched.append(_Watched(work, operation, micro_batch, phase, deadline_s,
@@ -295,12 +293,11 @@ class Watchdog:
         with self._wake:  # every group goes down: nothing in flight is worth watching
             watched, self._watched = self._watched, []
             self._wake.notify_all()
-        groups: list[Any] = []
-        for group in [*self.groups(), item.group, *(w.group for w in watched)]:
-            if group is None and dist.is_available() and dist.is_initialized():
-                group = dist.distributed_c10d._get_default_group()
-            if group is not None and all(group is not g for g in groups):
-                groups.append(group)
+        default = dist.distributed_c10d._get_default_group() \
+            if dist.is_available() and dist.is_initialized() else None
+        every = [g if g is not None else default
+                 for g in [*self.groups(), item.group, *(w.group for w in watched)]]
+        groups = list({id(g): g for g in every if g is not None}.values())  # each once
         ends = time.monotonic() + self.grace_s
         outcome: dict[str, Any] = {}
 
@@ -350,9 +347,7 @@ def watchdog() -> Watchdog:
 def expired() -> CommTimeout | None:
     """The timeout that made the process's watchdog abort every group, ``None`` if none did
     (nor was a watchdog ever needed: it is not made for the asking)."""
-    if watchdog.cache_info().currsize == 0:
-        return None
-    return watchdog().expired
+    return watchdog().expired if watchdog.cache_info().currsize else None
 
 
 def check(operation: str = "wait") -> None:

@@ -209,13 +209,10 @@ _SHORT = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16", FP8: "fp8
 def wire_names(wire_dtype: Any) -> Any:
     """A validated ``wire_dtype`` by name (``"bf16"``, or a pair ``["fp8", "bf16"]``), JSON-safe;
     :func:`parse_wire_dtype` reads the names back."""
-    if isinstance(wire_dtype, tuple):
-        return [_SHORT[k] for k in wire_dtype]
-    return _SHORT[wire_dtype]
+    return [_SHORT[k] for k in wire_dtype] if isinstance(wire_dtype, tuple) else _SHORT[wire_dtype]
 
 
 def describe_pair(wire: tuple[WireFormat, WireFormat]) -> str:
     """``"fp8 ..."`` for one format both ways, ``"dispatch X, combine Y"`` for a pair."""
-    if wire[0] == wire[1]:
-        return wire[0].describe()
-    return f"dispatch {wire[0].describe()}, combine {wire[1].describe()}"
+    return wire[0].describe() if wire[0] == wire[1] else \
+        f"dispatch {wire[0].describe()}, combine {wire[1].describe()}"

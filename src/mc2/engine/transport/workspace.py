@@ -28,6 +28,7 @@ changed batch, or ``"auto"`` trying another K).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,19 +74,14 @@ class Workspace:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
               ) -> Tensor:
         """An uninitialised tensor of ``shape``, from a free pooled buffer when one fits."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         device = torch.device(device)
         if not self.enabled or numel < _SMALL or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         slots = self._slots.setdefault((dtype, device), [])
-        best = None
-        for slot in slots:
-            cap = slot.buffer.numel()
-            if numel <= cap <= numel + numel // 4 + _SMALL and _only_pool_holds(slot.buffer):
-                if best is None or cap < best.buffer.numel():
-                    best = slot
+        fits = [s for s in slots if numel <= s.buffer.numel() <= numel + numel // 4 + _SMALL
+                and _only_pool_holds(s.buffer)]
+        best = min(fits, key=lambda s: s.buffer.numel(), default=None)
         if best is None:
             self._drop_idle(current_call_only=True)
             slots = self._slots.setdefault((dtype, device), [])
