@@ -91,6 +91,36 @@ def summarize(ranks: list[dict[str, list[float]]]) -> dict[str, Any]:
             "hidden_share": 1 - added / med["alone"]}
 
 
+def run_regimes(regimes: str, rank_fn: Any, rank_args: tuple) -> dict[str, Any]:
+    """``rank_fn`` on 2 ranks in one world per regime (shaped where not ``plain``), summarized
+    and printed; shared with ``benchmarks/shared_model.py``."""
+    results: dict[str, Any] = {}
+    for regime in regimes.split(","):
+        if regime != "plain" and (why := can_shape()) is not None:
+            print(f"{regime}: skipped, {why}", file=sys.stderr)
+            continue
+        print(f"{regime}: modes {', '.join(MODES)} interleaved ...", file=sys.stderr)
+        shaping = ShapedLoopback(regime, "400ms") if regime != "plain" else None
+        if shaping is not None:
+            shaping.__enter__()
+        try:
+            ranks = mc2.run_local(rank_fn, 2, args=rank_args, timeout_s=3600)
+        finally:
+            if shaping is not None:
+                shaping.__exit__(None, None, None)
+        results[regime] = summary = summarize(ranks) | {"ranks": ranks}
+        print(f"{regime}: routed {summary['routed_s']:.3f} s, shared {summary['shared_s']:.3f} s "
+              f"(+{summary['added_s']:.3f}), alone {summary['alone_s']:.3f} s: hidden "
+              f"{summary['hidden_share']:.0%}")
+    return results
+
+
+def write_json(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "results": results}, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -102,29 +132,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    results: dict[str, Any] = {}
-    for regime in args.regimes.split(","):
-        if regime != "plain" and (why := can_shape()) is not None:
-            print(f"{regime}: skipped, {why}", file=sys.stderr)
-            continue
-        print(f"{regime}: {args.rounds} rounds of {', '.join(MODES)} ...", file=sys.stderr)
-        shaping = ShapedLoopback(regime, "400ms") if regime != "plain" else None
-        if shaping is not None:
-            shaping.__enter__()
-        try:
-            ranks = mc2.run_local(rank_steps, 2, args=(args.tokens, args.shared_ffn,
-                                                       args.micro_batches, args.rounds),
-                                  timeout_s=1800)
-        finally:
-            if shaping is not None:
-                shaping.__exit__(None, None, None)
-        results[regime] = summary = summarize(ranks) | {"ranks": ranks}
-        print(f"{regime}: routed {summary['routed_s']:.3f} s, shared {summary['shared_s']:.3f} s "
-              f"(+{summary['added_s']:.3f}), alone {summary['alone_s']:.3f} s: hidden "
-              f"{summary['hidden_share']:.0%}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=1))
+    write_json(args, run_regimes(args.regimes, rank_steps, (
+        args.tokens, args.shared_ffn, args.micro_batches, args.rounds)))
     return 0
 
 

@@ -24,8 +24,6 @@ they add all their own time. Medians of the slowest rank per step::
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,11 +34,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import mc2  # noqa: E402
-from compare_peers import ShapedLoopback, can_shape  # noqa: E402
 from layer_rounds import until_auto_locked  # noqa: E402
-
-MODES = ("shared", "routed", "alone")
+from shared_fill_drain import MODES, run_regimes, write_json  # noqa: E402
 SEQ = 256
 
 
@@ -104,15 +99,6 @@ def rank_steps(rank: int, world: int, tokens: int, shared_ffn: int, steps: int, 
     return times
 
 
-def summarize(ranks: list[dict[str, list[float]]]) -> dict[str, Any]:
-    """Medians of the slowest rank per step, and the hidden share."""
-    med = {m: statistics.median(max(r[m][i] for r in ranks) for i in range(len(ranks[0][m])))
-           for m in MODES}
-    added = med["shared"] - med["routed"]
-    return {**{f"{m}_s": v for m, v in med.items()}, "added_s": added,
-            "hidden_share": 1 - added / med["alone"]}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -124,28 +110,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    results: dict[str, Any] = {}
-    for regime in args.regimes.split(","):
-        if regime != "plain" and (why := can_shape()) is not None:
-            print(f"{regime}: skipped, {why}", file=sys.stderr)
-            continue
-        print(f"{regime}: {args.rounds} rounds of {', '.join(MODES)} ...", file=sys.stderr)
-        shaping = ShapedLoopback(regime, "400ms") if regime != "plain" else None
-        if shaping is not None:
-            shaping.__enter__()
-        try:
-            ranks = mc2.run_local(rank_steps, 2, args=(args.tokens, args.shared_ffn, args.steps,
-                                                       args.rounds), timeout_s=3600)
-        finally:
-            if shaping is not None:
-                shaping.__exit__(None, None, None)
-        results[regime] = summary = summarize(ranks) | {"ranks": ranks}
-        print(f"{regime}: routed {summary['routed_s']:.3f} s, shared {summary['shared_s']:.3f} s "
-              f"(+{summary['added_s']:.3f}), alone {summary['alone_s']:.3f} s: hidden "
-              f"{summary['hidden_share']:.0%}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=1))
+    write_json(args, run_regimes(args.regimes, rank_steps, (
+        args.tokens, args.shared_ffn, args.steps, args.rounds)))
     return 0
 
 
