@@ -71,6 +71,8 @@ REFUSALS: dict[str, dict[str, Any]] = {
     "moe_shared_expert_overlap": dict(moe_shared_expert_intermediate_size=20,
                                       moe_shared_expert_overlap=True,
                                       activation_func=torch.nn.functional.gelu),
+    "glu_linear_offset": dict(moe_shared_expert_intermediate_size=20,
+                              moe_shared_expert_overlap=True, glu_linear_offset=1.0),
 }
 
 

@@ -64,10 +64,6 @@ DEFAULT_CONFIG = MC2Config()
 ENV = "MC2_MEGATRON_CONFIG"
 
 
-def _size(group: Any) -> int:
-    return 1 if group is None else group.size()
-
-
 def megatron_problem(config: Any, pg_collection: Any) -> str | None:
     """Why :class:`MC2MoELayer` cannot honour this ``TransformerConfig`` (and process groups),
     or ``None``. Every reason names the field to change.
@@ -86,14 +82,16 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
     - ``moe_apply_probs_on_input``: the probability scales the input, not the output;
     - ``moe_latent_size``, ``fp8`` / ``fp4``, ``cuda_graph_impl``, ``delay_wgrad_compute``,
       selective recompute of ``"moe"``: paths of Megatron's layer this one does not run;
-    - ``moe_shared_expert_overlap`` with shared experts that are no SwiGLU: the layer then
-      runs them inside mc2's call (:func:`shared_views`), which computes SwiGLU;
+    - ``moe_shared_expert_overlap`` with shared experts that are no plain SwiGLU (another
+      activation, no GLU, ``glu_linear_offset``, ``activation_func_clamp_value``): the layer
+      then runs them inside mc2's call (:func:`shared_views`), which computes plain SwiGLU;
     - ``gradient_accumulation_fusion``: Megatron's fused weight-gradient kernel writes
       ``main_grad`` of the parameter it was given, and mc2 runs the experts on stand-ins for
       their parameters (the gradients reach ``.grad``, where Megatron's DDP hooks read them
       when the fusion is off).
     """
-    if _size(getattr(pg_collection, "expt_tp", None)) > 1 or (
+    expert_tp = getattr(pg_collection, "expt_tp", None)
+    if (expert_tp is not None and expert_tp.size() > 1) or (
             getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
         return ("expert_tensor_parallel_size must be 1 for MC2MoELayer (an expert split over "
                 f"ranks is not supported), got {config.expert_tensor_parallel_size}")
@@ -131,11 +129,15 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
         return ("recompute_modules must not hold 'moe' for MC2MoELayer (its recompute would run "
                 "the layer's collectives again); use full recompute or drop 'moe'")
     if getattr(config, "moe_shared_expert_overlap", False) and getattr(
-            config, "moe_shared_expert_intermediate_size", None) and not (
-            config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
-        return ("moe_shared_expert_overlap runs the shared experts inside mc2's call, a SwiGLU: "
-                "it needs gated_linear_unit=True and activation_func=F.silu; or set it to False "
-                "(they then run beside the call, as Megatron runs them)")
+            config, "moe_shared_expert_intermediate_size", None):
+        inside = ("moe_shared_expert_overlap runs the shared experts inside mc2's call, a plain "
+                  "SwiGLU; or set it to False (they then run beside the call, as Megatron runs "
+                  "them)")
+        if not (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
+            return f"{inside}: it needs gated_linear_unit=True and activation_func=F.silu"
+        for name, plain in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+            if getattr(config, name, plain) != plain:
+                return f"{inside}: it needs {name}={plain}, got {getattr(config, name)!r}"
     if getattr(config, "gradient_accumulation_fusion", False):
         return ("gradient_accumulation_fusion must be False for MC2MoELayer (the experts' "
                 "weight gradients reach .grad, which Megatron's DDP adds to main_grad)")
@@ -179,13 +181,10 @@ class MC2MoELayer(MoELayer):
                              "by MC2MoELayer")
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
-        inside: dict[str, Tensor] = {}
-        shared = None
-        if self.use_shared_expert and self.shared_expert_overlap:
-            # Megatron overlaps them with its dispatcher; here mc2's call runs them
-            inside = shared_views(self.shared_experts, hidden_states)
-        else:
-            shared = self.shared_experts_compute(hidden_states)
+        # Megatron overlaps the shared experts with its dispatcher; here mc2's call runs them
+        overlapped = self.use_shared_expert and self.shared_expert_overlap
+        inside = shared_views(self.shared_experts, hidden_states) if overlapped else {}
+        shared = None if overlapped else self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         output = self.routed(hidden_states, probs, routing_map, **inside)
         if shared is not None:
@@ -241,8 +240,10 @@ def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:
     activation, no GLU, a bias).
     """
     fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
-    ffn = fc1.shape[0] // 2
-    views = {"shared_gate": fc1[:ffn].t().unsqueeze(0), "shared_up": fc1[ffn:].t().unsqueeze(0),
+    # one view of fc1 split by unbind (not two slices): autograd then builds one [2F, H]
+    # gradient for fc1, not two zero-filled ones summed
+    gate, up = fc1.view(2, fc1.shape[0] // 2, -1).transpose(1, 2).unbind(0)
+    views = {"shared_gate": gate.unsqueeze(0), "shared_up": up.unsqueeze(0),
              "shared_down": fc2.t().unsqueeze(0)}
     if mlp.use_shared_expert_gate:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])

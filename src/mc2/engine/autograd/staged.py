@@ -26,7 +26,8 @@ while the other micro-batch computes. A call runs ``K = 1`` by default (``micro_
 the other micro-batch of the batch provides the overlap. An explicit ``K`` splits each half
 again: the experts stage then runs every micro-batch's experts up to the first combine wait,
 so the first dispatch and the last combine of a pass (batch overlap's fill and drain) carry a
-K-th of the rows, for K times the messages (an earlier sitting measured it no faster at
+K-th of the rows (and with K above 2 the shared experts' second half runs in the ``end`` stage),
+for K times the messages (an earlier sitting measured it no faster at
 200 Mbit). ``"auto"``'s trials time whole passes, which a staged call never
 runs alone, so they do not apply here.
 

@@ -237,12 +237,14 @@ def swiglu_forward(
         strategy: ``"grouped"`` or ``"loop"`` (see :func:`resolve_strategy`).
         keep_activations: return what :func:`swiglu_backward_input` needs.
         offsets: ``counts``' running ends on the device (``"grouped"`` needs them).
-        out: ``(y [R, H], gate_up [R, 2F])`` to write into, for a caller that computes its
-            rows in parts (the shared experts, half under the fill and half under the drain).
+        out: ``(y [R, H], gate_up [R, 2F] or None)`` to write into, for a caller that
+            computes its rows in parts (the shared experts, half under the fill and half under
+            the drain); a ``None`` ``gate_up`` is a temporary of this call.
     """
     ws = workspace or Workspace.transient()
     rows, ffn = x.shape[0], weights.ffn
-    gate_up = out[1] if out is not None else ws.empty((rows, 2 * ffn), x.dtype, x.device)
+    gate_up = out[1] if out is not None and out[1] is not None else ws.empty(
+        (rows, 2 * ffn), x.dtype, x.device)
     if rows:
         if weights.packed:
             _per_expert(x, weights.gate_up.transpose(1, 2), counts, strategy, gate_up,

@@ -13,10 +13,11 @@ Overlapped schedule (``overlap=True``), as issued on every rank in the same orde
         local()                  # once, i == 0: shared experts (half) under the first dispatch
         wait dispatch(i); compute(i)
         combine(i)               # in flight while i+1 computes
+        drain()                  # once, i == K-1: the forward's other half of the shared
+                                 #   experts, under the last combine
         deferred(i)              # e.g. weight gradients, while combine(i) travels (after
                                  #   the next stop, see _Pass.overlapped)
         wait combine(i-1); receive(i-1)
-    drain()                      # the forward's other half of them, under the last combine
     wait combine(K-1); receive(K-1)
 
 The first dispatch is the pipeline's fill: nothing computes until it arrives. On a backend that
@@ -261,11 +262,12 @@ class _Pass:
             # Measured at 200 Mbit (``docs/batch_overlap.md``): the step 5.5% faster than with
             # the weight gradients right after the combine.
             owed.append(i)
+            if i == k - 1:  # the last combine is on the wire: nothing else to compute
+                self.drain()
             if i >= 1:
                 yield "combine"
                 self._pay(owed)
                 self._receive(i - 1)
-        self.drain()
         yield "combine"
         self._pay(owed)
         self._receive(k - 1)

@@ -42,7 +42,7 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
-from mc2.engine.passes.shared_experts import SharedBackward, SharedForward
+from mc2.engine.passes.shared_experts import SharedForward, shared_backward
 from mc2.engine.passes.travel import TRAVELS
 from mc2.engine.transport.deadline import deadline
 from mc2.observation.timeline import maybe_span
@@ -223,11 +223,11 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
                                    ws)
         saved = ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up)
         state.shared_gate_up = None
-        local = SharedBackward(grad_out, inputs.shared_scale, saved, shared, call,
-                               lambda grad_in: rows.grad_x.add_(grad_in), shared_grads)
+        local = shared_backward(grad_out, inputs.shared_scale, saved, shared, call,
+                                lambda grad_in: rows.grad_x.add_(grad_in), shared_grads)
     yield from pass_stages(call, PipelineSteps(
         gather=rows.gather, compute=rows.compute, scatter=rows.scatter, deferred=rows.deferred,
-        local=local and local.fill,
+        local=local,
     ), "backward", grad_out.device)
     grad_x, expert_grads, grad_combine = rows.finish()
     shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)

@@ -14,7 +14,9 @@ last combine travels (the drain).
   past the last combine's arrival, while the fill waited 0.28 s with nothing to do.
 
 Serial passes run the same parts at the same ends, so the arithmetic is the same in every
-schedule.
+schedule. (Two GEMMs of half the rows each may round differently from one of all of them, as
+any change of a GEMM's shape may: the results are deterministic, not bit-equal to an unsplit
+shared MLP.)
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ class SharedForward:
         tokens, ws = x.shape[0], call.workspace
         self.cut = tokens // 2
         self.out = ws.empty((tokens, weights.hidden), x.dtype, x.device)
-        self.gate_up = ws.empty((tokens, 2 * weights.ffn), x.dtype, x.device)
+        # kept for the backward, so one buffer for both halves; without one, each half's own
+        self.gate_up = ws.empty((tokens, 2 * weights.ffn), x.dtype, x.device) \
+            if call.keep_activations else None
 
     def _rows(self, start: int, stop: int) -> None:
+        gate_up = self.gate_up[start:stop] if self.gate_up is not None else None
         swiglu_forward(self.x[start:stop], [stop - start], self.weights,
                        strategy=self.call.strategy, keep_activations=False,
-                       workspace=self.call.workspace,
-                       out=(self.out[start:stop], self.gate_up[start:stop]))
+                       workspace=self.call.workspace, out=(self.out[start:stop], gate_up))
 
     def fill(self) -> None:
         self._rows(0, self.cut)
@@ -55,13 +59,15 @@ class SharedForward:
     def drain(self) -> None:
         self._rows(self.cut, self.x.shape[0])
         self.result.shared_out = self.out
-        if self.call.keep_activations:
+        if self.gate_up is not None:
             self.result.shared_activations = ExpertActivations(self.x, self.gate_up)
 
 
-class SharedBackward:
+def shared_backward(grad_out: Tensor, scale: Tensor | None, saved: ExpertActivations,
+                    weights: ExpertWeights, call: Any, add_grad_x: Callable[[Tensor], Any],
+                    grads: WeightGrads) -> Callable[[], None]:
     """The shared experts' input gradient (added into the call's ``grad x``) and their weight
-    gradients, all under the fill (:meth:`fill`; see the module docstring).
+    gradients, as the work to run under the fill (see the module docstring).
 
     Args:
         grad_out: ``[T, H]`` the gradient of the call's output.
@@ -70,20 +76,13 @@ class SharedBackward:
         add_grad_x: adds ``[T, H]`` to the call's input gradient.
         grads: where the weight gradients go.
     """
-
-    def __init__(self, grad_out: Tensor, scale: Tensor | None, saved: ExpertActivations,
-                 weights: ExpertWeights, call: Any, add_grad_x: Callable[[Tensor], Any],
-                 grads: WeightGrads) -> None:
-        self.grad_out, self.scale, self.saved, self.weights = grad_out, scale, saved, weights
-        self.call, self.add_grad_x, self.grads = call, add_grad_x, grads
-
-    def fill(self) -> None:
-        grad_y = self.grad_out
-        if self.scale is not None:
-            grad_y = torch.mul(grad_y, self.scale, out=self.call.workspace.empty(
+    def fill() -> None:
+        grad_y = grad_out
+        if scale is not None:
+            grad_y = torch.mul(grad_y, scale, out=call.workspace.empty(
                 tuple(grad_y.shape), grad_y.dtype, grad_y.device))
-        grad_in, work = swiglu_backward_input(
-            grad_y, self.saved, [grad_y.shape[0]], self.weights, strategy=self.call.strategy,
-            workspace=self.call.workspace)
-        self.add_grad_x(grad_in)
-        self.grads.add(work, strategy=self.call.strategy)
+        grad_in, work = swiglu_backward_input(grad_y, saved, [grad_y.shape[0]], weights,
+                                              strategy=call.strategy, workspace=call.workspace)
+        add_grad_x(grad_in)
+        grads.add(work, strategy=call.strategy)
+    return fill
