@@ -18,11 +18,11 @@ from torch import Tensor
 from mc2.engine.autograd.function import FusedExpertFunction
 from mc2.engine.autograd.operator import fused_expert_capacity_op, fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
-    EAGER_RUNTIME, autocast_inputs, function_inputs, guarded, resolve_config
+    EAGER_RUNTIME, autocast_inputs, guarded, resolve_config, shared_inputs
 )
 from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.compute.module_experts import ExpertsForward, ModuleExperts
-from mc2.engine.decide.call_plan import plan_call
+from mc2.engine.decide.call_plan import combine_weights, plan_call
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.engine.decide.planner import Planner
 from mc2.engine.transport.deadline import resolve_timeout
@@ -58,8 +58,8 @@ def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: 
         call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
                                            problem=problem, shared=shared,
                                            timeout=resolve_timeout(cfg.timeout), **runtime)
-        _, function_shared = function_inputs(x, expert_ids, None, shared)
-        return FusedExpertFunction.apply(call, x, combine, *function_shared, *weights.tensors())
+        return FusedExpertFunction.apply(call, x, combine, *shared_inputs(x, shared),
+                                         *weights.tensors())
 
     return guarded(planned_and_run, cfg, x)
 
@@ -77,7 +77,7 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
                          "torch.export (the traced call uses the process's defaults)")
     hidden = x.shape[-1]
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
-    combine, function_shared = function_inputs(x, expert_ids, routing_weights, shared)
+    combine, function_shared = combine_weights(routing_weights, ids2d, x), shared_inputs(x, shared)
     experts = list(named.values())
     grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
     needs = [grad and t is not None and t.requires_grad
@@ -270,9 +270,8 @@ def fused_expert_module(
 
     Everything else is as in :func:`fused_expert`. Not traceable by ``torch.compile`` or
     ``torch.export`` (a module is no operator argument: use :func:`fused_expert_packed` there),
-    and refused inside a
-    selective-checkpointing region (its recompute would run its collectives again): use full
-    checkpointing, which runs the call again as a whole.
+    and refused inside a selective-checkpointing region (its recompute would run its
+    collectives again): use full checkpointing, which runs the call again as a whole.
     """
     if torch.compiler.is_compiling():
         raise ValueError("fused_expert_module cannot be traced by torch.compile or torch.export "
@@ -294,7 +293,7 @@ def fused_expert_module(
                                      num_experts=num_experts, timeline=timeline,
                                      planner=planner, workspace=workspace, module=module,
                                      timeout=resolve_timeout(cfg.timeout))
-        _, function_shared = function_inputs(x, expert_ids, None, shared)
-        return FusedExpertFunction.apply(call, x, combine, *function_shared, *module.tensors())
+        return FusedExpertFunction.apply(call, x, combine, *shared_inputs(x, shared),
+                                         *module.tensors())
 
     return guarded(planned_and_run, cfg, x)

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mc2.engine.decide.call_plan import combine_weights
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.transport.deadline import CommTimeout, deadline, resolve_timeout
 
@@ -96,13 +95,10 @@ def guarded(fn: Callable[[], Any], cfg: MC2Config, x: Any) -> Any:
             raise exc.at(phase="forward") from exc.__cause__  # the handshake, counts, planning
 
 
-def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
-                    shared: tuple) -> tuple[Tensor, tuple]:
-    """The combine weights ``[T, topk]`` and the shared experts as one expert of width
-    ``S * shared_ffn`` with their scale ``[T, 1]``: the pass's layout
-    (:class:`~mc2.engine.passes.run.CallInputs`)."""
+def shared_inputs(x: Tensor, shared: tuple) -> tuple:
+    """The shared experts as one expert of width ``S * shared_ffn`` with their scale
+    ``[T, 1]``: the pass's layout (:class:`~mc2.engine.passes.run.CallInputs`)."""
     hidden = x.shape[-1]
-    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     s_up, s_gate, s_down, s_scale = shared
     if s_up is not None:
         n, _, f = s_up.shape
@@ -111,7 +107,7 @@ def function_inputs(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | Non
                                 s_down.reshape(1, n * f, hidden))
     if s_scale is not None:  # [..., 1] -> [T, 1], the layout of the flattened tokens
         s_scale = s_scale.reshape(-1, 1)
-    return combine_weights(routing_weights, ids2d, x), (s_up, s_gate, s_down, s_scale)
+    return s_up, s_gate, s_down, s_scale
 
 
 # The runtime objects (timeline, planner, workspace) of an eager call routed through the

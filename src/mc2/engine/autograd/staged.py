@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
-from mc2.engine.autograd.prepare import autocast_inputs, function_inputs, guarded
+from mc2.engine.autograd.prepare import autocast_inputs, guarded, shared_inputs
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.pass_output import PassOutput
@@ -236,7 +236,7 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
         lambda: plan_call(x, named, expert_ids, routing_weights, config=config, packed=True,
                           group=group, shared=full_shared, timeout=seconds, timeline=timeline),
         config, x)
-    _, (s_up, s_gate, s_down, s_scale) = function_inputs(x, expert_ids, None, full_shared)
+    s_up, s_gate, s_down, s_scale = shared_inputs(x, full_shared)
     experts = weights.tensors()
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
