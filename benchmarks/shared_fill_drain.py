@@ -121,16 +121,22 @@ def write_json(args: argparse.Namespace, results: dict[str, Any]) -> None:
                                          "results": results}, indent=1))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def parser_for(doc: str, *, regimes: str, rounds: int) -> argparse.ArgumentParser:
+    """The options this benchmark and ``benchmarks/shared_model.py`` share."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--regimes", default="plain,200mbit")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+                                     epilog=doc.split("\n\n", 1)[1])
+    parser.add_argument("--regimes", default=regimes)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
     parser.add_argument("--shared-ffn", type=int, default=FFN)
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main() -> int:
+    parser = parser_for(__doc__, regimes="plain,200mbit", rounds=7)
+    parser.add_argument("--micro-batches", type=int, default=2)
     args = parser.parse_args()
     write_json(args, run_regimes(args.regimes, rank_steps, (
         args.tokens, args.shared_ffn, args.micro_batches, args.rounds)))

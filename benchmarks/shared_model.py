@@ -23,7 +23,6 @@ they add all their own time. Medians of the slowest rank per step::
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from layer_rounds import until_auto_locked  # noqa: E402
-from shared_fill_drain import MODES, run_regimes, write_json  # noqa: E402
+from shared_fill_drain import MODES, parser_for, run_regimes, write_json  # noqa: E402
 SEQ = 256
 
 
@@ -100,15 +99,8 @@ def rank_steps(rank: int, world: int, tokens: int, shared_ffn: int, steps: int, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--regimes", default="200mbit,plain")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
-    parser.add_argument("--shared-ffn", type=int, default=2048)
+    parser = parser_for(__doc__, regimes="200mbit,plain", rounds=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     write_json(args, run_regimes(args.regimes, rank_steps, (
         args.tokens, args.shared_ffn, args.steps, args.rounds)))
