@@ -153,12 +153,13 @@ def run_regimes(rank_fn: Callable[..., dict[str, Any]], args: argparse.Namespace
 def layer_benchmark(rank_fn: Callable[..., dict[str, Any]], *, doc: str, baseline: str,
                     tokens: int, hidden: int, ffn: int, describe: str, error_key: str,
                     error_name: str, deadline_s: float = 7200,
-                    argv: list[str] | None = None) -> dict[str, Any]:
+                    argv: list[str] | None = None, impls: str | None = None) -> dict[str, Any]:
     """A framework layer benchmark's command line: the options, ``baseline`` first among
-    ``--impls``, then :func:`run_regimes`."""
+    ``--impls`` (default ``impls``, or the baseline and mc2 at K = auto, 1, 2), then
+    :func:`run_regimes`."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     add_layer_arguments(parser, tokens=tokens, hidden=hidden, ffn=ffn,
-                        impls=f"{baseline},mc2,mc2_k1,mc2_k2")
+                        impls=impls or f"{baseline},mc2,mc2_k1,mc2_k2")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     if impls[0] != baseline:

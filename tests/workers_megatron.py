@@ -258,6 +258,33 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
             for _ in range(STEPS + 1)]
 
 
+def ddp_training(config: Any, model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]],
+                 overlap_grad_reduce: bool, after_step: Any = None) -> list[float]:
+    """``model`` under Megatron's DistributedDataParallel, one Adam step per batch (the
+    gradients read from ``main_grad``, where Megatron's DDP puts them; Megatron's own
+    optimizer allocates on CUDA and cannot run here); the losses. ``after_step()`` runs after
+    each step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+    optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+    losses = []
+    for ids, position, mask in batches:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(ids, position, mask, labels=ids).mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        for p in ddp.parameters():
+            p.grad = p.main_grad
+        optimizer.step()
+        losses.append(float(loss))
+        if after_step is not None:
+            after_step()
+    return losses
+
+
 def gpt_training(rank: int, world: int, overlap_grad_reduce: bool,
                  checkpoint_dir: str | None = None) -> dict[str, Any]:
     """A 2-layer GPTModel (Megatron's local spec, 4 experts top-2, aux loss) built from the
@@ -273,7 +300,6 @@ def gpt_training(rank: int, world: int, overlap_grad_reduce: bool,
     model saved and loaded into a fresh mc2 model."""
     import mc2
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mc2.integrations.megatron import MC2MoELayer, use_mc2
@@ -298,21 +324,8 @@ def gpt_training(rank: int, world: int, overlap_grad_reduce: bool,
     }
     batches = _batches(rank)
     for name, model in models.items():
-        ddp = DistributedDataParallel(
-            config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
-        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
-        losses = []
-        for ids, position, mask in batches[:STEPS]:
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = ddp(ids, position, mask, labels=ids).mean()
-            loss.backward()
-            ddp.finish_grad_sync()
-            for p in ddp.parameters():
-                p.grad = p.main_grad
-            optimizer.step()
-            losses.append(float(loss))
-        found[f"losses {name}"] = losses
+        found[f"losses {name}"] = ddp_training(config, model, batches[:STEPS],
+                                               overlap_grad_reduce)
     # the trained mc2 model's checkpoint in a model without mc2
     plain = _gpt(config, spec)
     plain.load_state_dict(models["mc2"].state_dict(), strict=True)

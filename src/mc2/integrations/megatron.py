@@ -52,11 +52,18 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.ops import fused_expert_module
+from mc2.engine.autograd.staged import StagedCall, begin_module
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from mc2.engine.decide.batch_split import MIN_TOKENS
+from mc2.integrations.megatron_overlap import MC2TransformerLayer
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
@@ -204,20 +211,51 @@ class MC2MoELayer(MoELayer):
         both (the capacity factor's used to take the kept pairs with ``nonzero``, which makes
         the host wait for the device).
         """
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        x, ids, weights = self._slots(hidden_states, probs, routing_map)
+        out = fused_expert_module(x, self.experts, ids, weights, group=self.ep_group,
+                                  config=self.mc2_config, num_experts=self.config.num_moe_experts,
+                                  local_experts=self.num_local_experts,
+                                  forward=self._experts_stage, tokens_per_expert=True,
+                                  **shared)
+        return out.reshape(hidden_states.shape)
+
+    def begin_staged(self, hidden_states: Tensor, padding_mask: Tensor | None = None
+                     ) -> StagedCall:
+        """:meth:`forward`'s router and mc2's call in stages, for batch overlap
+        (:mod:`mc2.integrations.megatron_overlap`): routes, plans the call and issues its
+        dispatch; ``.experts()`` then ``.end()`` (``[tokens, H]``) finish it. Shared experts
+        outside the call are the caller's (:meth:`shared_beside`)."""
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        overlapped = self.use_shared_expert and self.shared_expert_overlap
+        inside = shared_views(self.shared_experts, hidden_states) if overlapped else {}
+        x, ids, weights = self._slots(hidden_states, *self.route(hidden_states, padding_mask))
+        experts = ModuleExperts.of(self.experts, x.shape[-1], forward=self._experts_stage,
+                                   local_experts=self.num_local_experts, tokens_per_expert=True)
+        return begin_module(x, experts, ids, weights, group=self.ep_group,
+                            config=self.mc2_config, num_experts=self.config.num_moe_experts,
+                            shared=(inside.get("shared_up"), inside.get("shared_gate"),
+                                    inside.get("shared_down")),
+                            shared_scale=inside.get("shared_scale"))
+
+    def shared_beside(self, hidden_states: Tensor) -> Tensor | None:
+        """The shared experts' output where they run beside mc2's call (as Megatron runs
+        them), or ``None`` (no shared experts, or ``moe_shared_expert_overlap``: inside)."""
+        if not self.use_shared_expert or self.shared_expert_overlap:
+            return None
+        return self.shared_experts_compute(hidden_states)
+
+    def _slots(self, hidden_states: Tensor, probs: Tensor, routing_map: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """The tokens ``[T, H]``, their top-k expert ids and weights, from the router's map
+        (see :meth:`routed`)."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
         ids = routing_map.to(torch.int8).topk(self.config.moe_router_topk, dim=-1,
                                               sorted=False).indices
         weights = probs.gather(1, ids)
         if self.config.moe_expert_capacity_factor is not None:
             weights = weights * routing_map.gather(1, ids).to(weights.dtype)
-        out = fused_expert_module(x, self.experts, ids, weights.to(x.dtype),
-                                  group=self.ep_group, config=self.mc2_config,
-                                  num_experts=self.config.num_moe_experts,
-                                  local_experts=self.num_local_experts,
-                                  forward=self._experts_stage, tokens_per_expert=True,
-                                  **shared)
-        return out.reshape(shape)
+        return x, ids, weights.to(x.dtype)
 
     def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor,
                        tokens_per_expert: Tensor) -> Tensor:
@@ -291,32 +329,40 @@ def _is_moe_layer(module: Any) -> bool:
     return module is MoELayer or module is MC2MoELayer
 
 
-def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str) -> Any:
+def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
+             layer: dict[str, Any] | None = None) -> Any:
+    """``obj`` with its MoE layer specs building :class:`MC2MoELayer` (``extra``: their added
+    params) and, with ``layer`` (batch overlap's params), its ``TransformerLayer`` specs
+    building :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer`."""
     if isinstance(obj, ModuleSpec):
         if _is_moe_layer(obj.module):
             found.append(where)
             return dataclasses.replace(obj, module=MC2MoELayer, params={**obj.params, **extra})
+        if layer is not None and obj.module in (TransformerLayer, MC2TransformerLayer):
+            obj = dataclasses.replace(obj, module=MC2TransformerLayer,
+                                      params={**obj.params, **layer})
         if isinstance(obj.module, type) and issubclass(obj.module, MoELayer):
             raise ValueError(f"use_mc2: {where} is {obj.module.__name__}, a MoELayer subclass of "
                              "the model's own; use_mc2 replaces only MoELayer")
         return dataclasses.replace(obj, submodules=_rewrite(obj.submodules, extra, found,
-                                                            f"{where}.submodules"))
+                                                            f"{where}.submodules", layer))
     if isinstance(obj, functools.partial) and _is_moe_layer(obj.func):  # megatron-core >= 0.17
         found.append(where)
         return functools.partial(MC2MoELayer, *obj.args, **{**obj.keywords, **extra})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _rewrite(getattr(obj, f.name), extra, found, f"{where}.{f.name}")
-                   for f in dataclasses.fields(obj)}
+        changes = {f.name: _rewrite(getattr(obj, f.name), extra, found, f"{where}.{f.name}",
+                                    layer) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **changes) if any(
             changes[k] is not getattr(obj, k) for k in changes) else obj
     if isinstance(obj, (list, tuple)):
-        items = [_rewrite(v, extra, found, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items = [_rewrite(v, extra, found, f"{where}[{i}]", layer) for i, v in enumerate(obj)]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
     return obj
 
 
-def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None) -> Any:
-    """A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
+def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None,
+            batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS) -> Any:
+    r"""A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
     block's ``TransformerBlockSubmodules``) whose ``MoELayer`` specs build :class:`MC2MoELayer`
     with ``config``; their submodules (router, experts, shared experts) are kept, so the model's
     parameters and checkpoint keys do not change. ``spec`` itself is not modified.
@@ -327,9 +373,16 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     global ``parallel_state`` groups as ``MoELayer`` itself does without one; a model on the
     global groups (``pretrain_gpt.py``'s) needs nothing here.
 
+    ``batch_overlap``: ``True`` or ``"auto"`` also builds the spec's ``TransformerLayer``\ s as
+    :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer`: the decoder's two halves
+    of the batch interleaved stage by stage across layers (``docs/megatron.md``);
+    ``min_tokens``: tokens per rank below which a forward runs unsplit.
+
     Raises:
         ValueError: ``spec`` holds no ``MoELayer`` (``spec`` names the argument), or a subclass
-            of ``MoELayer`` of the model's own (which the rewrite would lose).
+            of ``MoELayer`` of the model's own (which the rewrite would lose); a config that
+            batch overlap refuses is refused when the layers are built
+            (:func:`~mc2.integrations.megatron_overlap.batch_overlap_problem`).
     """
     if config is not None and not isinstance(config, MC2Config):
         raise ValueError(f"config must be an mc2.MC2Config, got {type(config).__name__}")
@@ -337,7 +390,14 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     extra: dict[str, Any] = {"mc2_config": config or DEFAULT_CONFIG}
     if pg_collection is not None:
         extra["pg_collection"] = pg_collection
-    out = _rewrite(spec, extra, found, "spec")
+    if batch_overlap not in (False, True, "auto"):
+        raise ValueError(f"batch_overlap must be True, False or 'auto', got {batch_overlap!r}")
+    layer = None
+    if batch_overlap:
+        layer = {"batch_overlap": batch_overlap, "min_tokens": min_tokens}
+        if isinstance(spec, TransformerBlockSubmodules):  # this stage's layers, as built
+            layer["stage_layers"] = len(spec.layer_specs)
+    out = _rewrite(spec, extra, found, "spec", layer)
     if not found:
         raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
     return out

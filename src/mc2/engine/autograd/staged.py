@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
 from mc2.engine.autograd.prepare import autocast_inputs, guarded, shared_inputs
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.pass_output import PassOutput
@@ -221,25 +222,49 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
         raise ValueError("mc2 staged call: the experts' parameters are FSDP2 shards; gather "
                          "them first (batch overlap does, for the decoder layers it runs: "
                          "mc2.parallel.layer_gather.LayerGathers)")
+    return _begin(x, {"weights_gate_up": gate_up, "weights_down": down}, expert_ids,
+                  routing_weights, (*shared, shared_scale), group=group, config=config)
+
+
+def begin_module(x: Tensor, experts: ModuleExperts, expert_ids: Tensor, routing_weights: Tensor,
+                 *, group: Any, config: MC2Config, num_experts: int | None = None,
+                 shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+                 shared_scale: Tensor | None = None) -> StagedCall:
+    """:func:`begin_packed` for :func:`mc2.fused_expert_module`'s experts: a framework's own
+    experts module (Megatron's) as each micro-batch's experts stage."""
+    return _begin(x, dict(zip(experts.names, experts.params)), expert_ids, routing_weights,
+                  (*shared, shared_scale), group=group, config=config, module=experts,
+                  num_experts=num_experts)
+
+
+def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weights: Tensor,
+           shared: tuple[Tensor | None, ...], *, group: Any, config: MC2Config,
+           module: ModuleExperts | None = None, num_experts: int | None = None) -> StagedCall:
+    """The staged call's begin, for either experts: plan under the deadline, issue the
+    dispatch (the pass's first stop)."""
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
         config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     # under autocast, in the autocast dtype, as the plain call (the pass itself runs with
     # autocast off: its GEMMs write into buffers of the call's dtype)
-    x, named, routing_weights, full_shared = autocast_inputs(
-        x, {"weights_gate_up": gate_up, "weights_down": down}, routing_weights,
-        (*shared, shared_scale))
+    x, named, routing_weights, full_shared = autocast_inputs(x, named, routing_weights, shared)
+    if module is not None:
+        module = module.bound(tuple(named.values()))
     timeline = active_timeline()
     if timeline is not None:
         timeline = timeline.labelled(_LABEL.get())
     call, weights, combine = guarded(
-        lambda: plan_call(x, named, expert_ids, routing_weights, config=config, packed=True,
-                          group=group, shared=full_shared, timeout=seconds, timeline=timeline),
+        lambda: plan_call(x, named, expert_ids, routing_weights, config=config,
+                          packed=module is None, group=group, shared=full_shared,
+                          num_experts=num_experts, timeout=seconds, timeline=timeline,
+                          module=module),
         config, x)
     s_up, s_gate, s_down, s_scale = shared_inputs(x, full_shared)
-    experts = weights.tensors()
+    experts = module.tensors() if module is not None else weights.tensors()
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
     token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)
+
+

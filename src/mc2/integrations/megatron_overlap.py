@@ -1,0 +1,216 @@
+"""Batch overlap in Megatron-Core: a ``GPTModel``'s decoder layers run as two micro-batches,
+stage by stage, so that one micro-batch's All-to-Alls travel under the other's attention,
+router and experts, across layer boundaries (the schedule is
+:mod:`mc2.integrations.batch_overlap`'s, the engine's :func:`run_overlapped`).
+
+Switched on in the spec, the way Megatron places its modules::
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config, use_mc2(spec, config=mc2.MC2Config(), batch_overlap=True), ...)
+
+:func:`~mc2.integrations.megatron.use_mc2` then builds every ``TransformerLayer`` of the spec as
+:class:`MC2TransformerLayer` (parameters, ``state_dict`` and ``sharded_state_dict`` keys are
+``TransformerLayer``'s) and every ``MoELayer`` as ``MC2MoELayer``.
+
+**How it runs inside Megatron's own loop.** ``TransformerBlock.forward`` calls its layers one
+after the other (``hidden_states, context = layer(hidden_states=..., attention_mask=...)``).
+Under batch overlap every layer but the stage's last records its arguments and hands the
+hidden states back unchanged; the last runs all of them, split in two along the batch (dim 1
+of ``[s, b, h]``), through Megatron's own parts of each layer: ``_forward_attention``,
+``_forward_pre_mlp_layernorm``, the MoE layer's staged call (router, shared experts, mc2's
+dispatch / experts / combine) and ``_forward_post_mlp``. A forward that cannot be split
+(inference with a KV cache, packed sequences, cross attention, one sequence, fewer than
+``min_tokens`` tokens) runs layer by layer as Megatron's, said once.
+
+**Equal to the unsplit step** because every part acts on each sequence alone. Router terms that
+average over the whole batch would not be: :func:`batch_overlap_problem` refuses them (a
+load-balancing or z loss coefficient, a capacity factor, Sinkhorn routing), and the paths this
+schedule does not run (full recompute, recompute of the MLP, CPU offloading, context
+parallelism).
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
+from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, timed_forward
+from mc2.engine.decide.planner import planner_for
+from mc2.integrations.batch_overlap import split_sizes, split_value
+from mc2.parallel.layer_gather import LayerGathers
+
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import get_pg_rank
+
+# the layer arguments whose first dimension is the batch (``[b, ...]``); every other one is
+# the same for both micro-batches (rotary embeddings ``[s, 1, 1, d]``, a ``[1, 1, s, s]`` mask)
+BATCH_FIRST = ("attention_mask", "attention_bias", "padding_mask")
+
+
+def batch_overlap_problem(config: Any) -> str | None:
+    """Why a ``TransformerConfig`` cannot run with batch overlap, or ``None``; the reason names
+    the field to change."""
+    def nonzero(value: Any) -> bool:
+        return any(float(v) != 0.0 for v in (value if isinstance(value, (list, tuple))
+                                              else [value or 0.0]))
+
+    why = "batch overlap routes each half of the batch by itself, so"
+    if nonzero(getattr(config, "moe_aux_loss_coeff", 0.0)):
+        return (f"{why} a load-balancing loss over the batch would be another loss: set "
+                "moe_aux_loss_coeff=0 (the aux-loss-free expert bias, "
+                "moe_router_enable_expert_bias, is per token and runs)")
+    if nonzero(getattr(config, "moe_z_loss_coeff", None)):
+        return f"{why} the z loss's batch mean would be another loss: set moe_z_loss_coeff=None"
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        return (f"{why} a capacity over the batch would drop other tokens: set "
+                "moe_expert_capacity_factor=None")
+    if "sinkhorn" in str(getattr(config, "moe_router_load_balancing_type", "")):
+        return (f"{why} Sinkhorn's normalisation over the batch would route otherwise: use "
+                "another moe_router_load_balancing_type")
+    if getattr(config, "recompute_granularity", None) == "full":
+        return ("recompute_granularity='full' checkpoints whole layers, which batch overlap runs "
+                "in parts: use 'selective' or None")
+    if "mlp" in (getattr(config, "recompute_modules", None) or ()) and \
+            getattr(config, "recompute_granularity", None) == "selective":
+        return "recompute_modules must not hold 'mlp' under batch overlap (it runs the MLP in parts)"
+    if getattr(config, "cpu_offloading", False) or getattr(
+            config, "fine_grained_activation_offloading", False):
+        return "cpu_offloading and fine_grained_activation_offloading must be off under batch overlap"
+    if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        return "context_parallel_size must be 1 under batch overlap (not checked with it)"
+    return None
+
+
+def megatron_layer_stages(layer: TransformerLayer, hidden_states: Tensor, *,
+                          kwargs: dict[str, Any]) -> LayerStages:
+    """A Megatron ``TransformerLayer`` in stages, from its own parts, as its ``forward``
+    computes it: attention (with its residual), the pre-MLP norm, the MoE layer's staged call
+    (a dense MLP runs whole), and the MLP's bias-dropout-add."""
+    h, _ = layer._forward_attention(hidden_states, **kwargs)
+    x = layer._forward_pre_mlp_layernorm(h)
+    begin = getattr(layer.mlp, "begin_staged", None)
+    if begin is None:
+        return layer._forward_post_mlp(layer.mlp(x, padding_mask=kwargs.get("padding_mask")), h)
+    call = begin(x, kwargs.get("padding_mask"))
+    shared = layer.mlp.shared_beside(x)  # under the dispatch just issued
+    out = (yield call).view_as(x)
+    return layer._forward_post_mlp((out if shared is None else out + shared, None), h)
+
+
+class _BlockPass:
+    """One forward of a block's layers under batch overlap: their recorded arguments, run
+    split (or, where this forward cannot be, one after the other) by the last."""
+
+    def __init__(self, first: Tensor, decision: BatchOverlapDecision) -> None:
+        self.first, self.decision = first, decision
+        self.calls: list[tuple[TransformerLayer, dict[str, Any]]] = []
+
+    def run(self) -> Tensor:
+        x = self.first
+        batch, kwargs = x.shape[1], self.calls[0][1]
+        problem = _forward_problem(kwargs)
+        overlapped = self.decision.wanted(batch, batch * x.shape[0], x.device, problem)
+
+        def plain() -> Tensor:  # Megatron's own layer loop
+            h = x
+            for layer, kwargs in self.calls:
+                h, _ = TransformerLayer.forward(layer, **{**kwargs, "hidden_states": h})
+            return h
+
+        def split() -> Tensor:
+            sizes = split_sizes(batch, SPLITS)
+            stages: list[list[Any]] = [[] for _ in sizes]
+            for layer, kwargs in self.calls:
+                pieces = {k: split_value(v, batch, sizes) if k in BATCH_FIRST else [v] * len(sizes)
+                          for k, v in kwargs.items() if k != "hidden_states"}
+                for i in range(len(sizes)):
+                    part = {k: values[i] for k, values in pieces.items()}
+                    stages[i].append(partial(megatron_layer_stages, layer, kwargs=part))
+            parts = [p.contiguous() for p in x.split(sizes, dim=1)]
+            return torch.cat(run_overlapped(stages, parts, LayerGathers(
+                [layer for layer, _ in self.calls])), dim=1)
+
+        return timed_forward(self.decision, overlapped, split if overlapped else plain,
+                             x.device, first=x)
+
+
+_OPEN = threading.local()  # the block pass being recorded (the block calls its layers in turn)
+
+
+def _forward_problem(kwargs: dict[str, Any]) -> str | None:
+    """Why this forward of the block cannot be split, or ``None``."""
+    for name, why in (("inference_context", "a KV cache (inference) is not split"),
+                      ("packed_seq_params", "packed sequences are not split"),
+                      ("context", "cross attention is not split")):
+        if kwargs.get(name) is not None:
+            return f"batch overlap is off for this forward: {why}"
+    if kwargs["hidden_states"].dim() != 3:
+        return "batch overlap is off for this forward: hidden states are not [s, b, h]"
+    return None
+
+
+class MC2TransformerLayer(TransformerLayer):
+    """Megatron's ``TransformerLayer`` taking part in batch overlap (see the module docstring);
+    its parameters and computations are ``TransformerLayer``'s.
+
+    Args:
+        config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage: as
+            ``TransformerLayer``.
+        batch_overlap: ``True`` or ``"auto"`` (measured, :mod:`mc2.engine.decide.batch_split`).
+        min_tokens: tokens per rank below which a forward runs unsplit.
+        stage_layers: layers of this pipeline stage's block (default: Megatron's count).
+
+    Raises:
+        ValueError: for a config :func:`batch_overlap_problem` refuses (every rank, at build).
+    """
+
+    def __init__(self, config: Any, submodules: Any, layer_number: int = 1,
+                 hidden_dropout: float | None = None, pg_collection: Any = None,
+                 vp_stage: int | None = None, *, batch_overlap: bool | str = True,
+                 min_tokens: int = MIN_TOKENS, stage_layers: int | None = None) -> None:
+        if (problem := batch_overlap_problem(config)) is not None:
+            raise ValueError(problem)
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self.local_number = layer_number  # 1-based within this stage's block
+        self.stage_layers = stage_layers or get_num_layers_to_build(
+            config, vp_stage, get_pg_rank(self.pg_collection.pp))
+        # the stage's first layer holds the decision (every rank builds the same layers)
+        self.decision = planner_for(self.pg_collection.ep).batch_overlap(
+            batch_overlap, min_tokens=min_tokens, group=self.pg_collection.ep) \
+            if layer_number == 1 else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        """As ``TransformerLayer.forward``, or, under batch overlap, recorded (see the module
+        docstring): the stage's last layer returns the output of them all."""
+        kwargs.pop("dynamic_inference_decode_only", None)
+        hidden_states = kwargs.get("hidden_states")
+        if args or hidden_states is None or self.stage_layers < 2:
+            return super().forward(*args, **kwargs)
+        if self.local_number == 1:
+            _OPEN.current = None
+            assert self.decision is not None
+            if self.decision.chosen is False:
+                return super().forward(**kwargs)
+            _OPEN.current = _BlockPass(hidden_states, self.decision)
+        block = getattr(_OPEN, "current", None)
+        if block is None or hidden_states is not block.first or \
+                len(block.calls) != self.local_number - 1:
+            return super().forward(**kwargs)  # not inside a recorded block forward
+        block.calls.append((self, kwargs))
+        if self.local_number < self.stage_layers:
+            return hidden_states, None
+        _OPEN.current = None
+        return block.run(), None
+
+
+def layers_of(model: torch.nn.Module) -> Iterator[MC2TransformerLayer]:
+    """The batch-overlap layers of a model."""
+    return (m for m in model.modules() if isinstance(m, MC2TransformerLayer))

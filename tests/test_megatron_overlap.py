@@ -1,0 +1,53 @@
+"""Batch overlap in Megatron-Core 0.16.1: a ``GPTModel`` built from
+``use_mc2(spec, batch_overlap=True)`` trains under Megatron's DDP with the losses of the same
+model on Megatron's own ``MoELayer`` (same weights), the decoder's two halves of each batch run
+stage by stage (two staged mc2 calls per MoE layer and step), with Megatron's state-dict keys;
+what it cannot split equal is refused on every rank, naming the field
+(tests/workers_megatron_overlap.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import mc2  # noqa: E402
+from tests.workers_megatron import BATCH, SEQ, STEPS  # noqa: E402
+from tests.workers_megatron_overlap import (  # noqa: E402
+    MODELS, REFUSED, batch_overlap_training, refusals)
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec"),
+                                        (4, "block_spec")])
+def test_gpt_model_with_batch_overlap_trains_as_megatrons(world: int, kind: str) -> None:
+    moe_layers = sum(MODELS[kind].get("moe_layer_freq", [1] * MODELS[kind]["num_layers"]))
+    halves = [BATCH // 2 + BATCH % 2, BATCH // 2]
+    for rank, found in enumerate(mc2.run_local(batch_overlap_training, world, args=(kind,),
+                                               deadline_s=600)):
+        megatron, ours = found["losses megatron"], found["losses mc2"]
+        assert len(ours) == STEPS and len(set(megatron)) == STEPS
+        assert ours == pytest.approx(megatron, rel=TOLERANCE), (rank, ours, megatron)
+        # every step ran each MoE layer as two staged calls, one per half of the batch
+        assert found["calls mc2"] == [[h * SEQ for h in halves] * moe_layers] * STEPS, \
+            found["calls mc2"]
+        assert found["calls megatron"] == [[]] * STEPS
+        assert found["overlap layers"] == MODELS[kind]["num_layers"]
+        assert all(layer == "MC2TransformerLayer" for layer, _ in found["layers"])
+        assert sum(mlp == "MC2MoELayer" for _, mlp in found["layers"]) == moe_layers
+        assert found["keys"]["mc2"] == found["keys"]["megatron"]
+        assert found["sharded_keys"]["mc2"] == found["sharded_keys"]["megatron"]
+        assert found["counters mc2"] == found["counters megatron"]
+        plain, split = found["one sequence"]
+        assert split == pytest.approx(plain, rel=TOLERANCE) and found["calls one sequence"] == []
+        if kind == "block_spec":
+            assert found["counters mc2"] and any(any(c) for c in found["counters mc2"])
+
+
+def test_batch_overlap_refuses_what_it_cannot_split_equal_on_every_rank() -> None:
+    for rank, found in enumerate(mc2.run_local(refusals, 2, deadline_s=300)):
+        for field in [*REFUSED, "batch_overlap"]:
+            message = found[field]
+            assert message.startswith("ValueError: "), f"rank {rank}, {field}: {message}"
+            assert field in message, f"rank {rank}: {message} does not name {field}"
