@@ -80,12 +80,11 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
             models[impl].load_state_dict(models[impls[0]].state_dict())
     with torch.no_grad():  # this rank's experts, seeded by rank
         g = torch.Generator().manual_seed(100 + rank)
-        state = models[impls[0]].state_dict()
-        for name in state:
+        for name, p in models[impls[0]].named_parameters():
             if ".mlp.experts." in name:
-                state[name].copy_(torch.randn(state[name].shape, generator=g) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         for impl in impls[1:]:
-            models[impl].load_state_dict(state)
+            models[impl].load_state_dict(models[impls[0]].state_dict())
     batch = max(2, shape["tokens"] // SEQ)
     g = torch.Generator().manual_seed(1000 + rank)
     ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
