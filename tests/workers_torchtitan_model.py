@@ -53,29 +53,46 @@ VOCAB, DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 2, 4, 2, 16
 EXPERTS, TOP_K, MOE_HIDDEN = 8, 2, 64
 BATCH, SEQ = 2, 16  # tokens per rank and step: 32
 EP, LR = 2, 1e-2
+SHARED_GAIN = 8.0
 
 
-def qwen3_moe_config() -> Any:
+def qwen3_moe_config(shape: dict[str, int] | None = None) -> Any:
     """TorchTitan's Qwen3 MoE model config, as ``_debugmodel_moe`` writes it with smaller
-    numbers, the inner attention swapped for SDPA (the module docstring says why)."""
+    numbers (``shape`` overrides them: ``dim``, ``layers``, ``heads``, ``kv_heads``,
+    ``head_dim``, ``experts``, ``top_k``, ``moe_hidden``, ``seq``, ``vocab``), the inner
+    attention swapped for SDPA (the module docstring says why)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import (
         _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm)
 
+    n = dict(dim=DIM, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+             experts=EXPERTS, top_k=TOP_K, moe_hidden=MOE_HIDDEN, seq=SEQ, vocab=VOCAB)
+    n.update(shape or {})
     layers = _build_qwen3_moe_layers(
-        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, moe_hidden_dim=MOE_HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-        attn_backend="flex", moe_comm_backend="standard",
-        rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1000000.0))
+        fuse_qkv=True, n_layers=n["layers"], dim=n["dim"], n_heads=n["heads"],
+        n_kv_heads=n["kv_heads"], head_dim=n["head_dim"], moe_hidden_dim=n["moe_hidden"],
+        num_experts=n["experts"], top_k=n["top_k"], attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=n["head_dim"], max_seq_len=n["seq"], theta=1000000.0))
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+        vocab_size=n["vocab"], dim=n["dim"], norm=_qwen3_norm(n["dim"]),
+        tok_embeddings=Embedding.Config(num_embeddings=n["vocab"], embedding_dim=n["dim"],
                                         param_init=_EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        lm_head=Linear.Config(in_features=n["dim"], out_features=n["vocab"],
+                              param_init=_LINEAR_INIT),
         layers=layers)
+
+
+def shared_expert_config(dim: int, hidden: int) -> Any:
+    """A shared expert as TorchTitan's DeepSeek-V3 builds one (``make_ffn_config``)."""
+    from torchtitan.models.common.config_utils import make_ffn_config
+    from torchtitan.models.qwen3 import _LINEAR_INIT
+
+    return make_ffn_config(dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR_INIT,
+                           w2w3_param_init=_LINEAR_INIT)
 
 
 def parallelism(world: int, backend: str) -> Any:
@@ -100,24 +117,40 @@ def parallel_dims(world: int, backend: str) -> Any:
     return dims
 
 
-def build_model(world: int, backend: str, mc2: dict | None) -> torch.nn.Module:
+def build_model(world: int, backend: str, mc2: dict | None, override: str = MC2,
+                shared: bool = False, shape: dict[str, int] | None = None) -> torch.nn.Module:
     """The model as the trainer configures it (the sharding configs ``update_from_config``
-    sets, then the override when ``mc2`` is given), built and initialised from seed 0 on the
-    CPU."""
+    sets, then ``override`` when ``mc2`` is given, applied as the trainer applies it: from a
+    root that holds the model config in a ``ModelSpec``), built and initialised from seed 0
+    on the CPU. ``shared``: every MoE block with a shared expert (a SwiGLU ``FeedForward`` of
+    the routed experts' width), as DeepSeek-V3's blocks have; ``shape``: as
+    :func:`qwen3_moe_config`."""
     from torchtitan.config import OverrideConfig, apply_overrides
-
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+    from torchtitan.protocols.model_spec import ModelSpec
 
-    cfg = qwen3_moe_config()
+    cfg = qwen3_moe_config(shape)
+    if shared:
+        for layer in cfg.layers:
+            layer.moe.shared_experts = shared_expert_config(
+                cfg.dim, (shape or {}).get("moe_hidden", MOE_HIDDEN))
     # what Qwen3Model.Config.update_from_config does for this parallelism (module docstring)
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=EP > 1)
     if mc2 is not None:
-        applied = apply_overrides(OverrideConfig(imports=[(MC2, mc2)]), cfg)
-        assert len(applied) == LAYERS, applied
+        spec = ModelSpec(name="qwen3", flavor="test", model=cfg, parallelize_fn=None,
+                         pipelining_fn=None, post_optimizer_build_fn=None,
+                         state_dict_adapter=None)
+        applied = apply_overrides(OverrideConfig(imports=[(override, mc2)]), spec)
+        assert len(applied) == (len(cfg.layers) if override == MC2 else 1), applied
+        assert spec.model is cfg
     torch.manual_seed(0)
     model = cfg.build()
     with torch.no_grad():
         model.init_weights()
+        for layer in model.layers.values() if shared else ():
+            # the shared expert's output well above bfloat16 rounding in the loss, so that a
+            # shared expert lost or counted twice shows
+            layer.moe.shared_experts.w2.weight.mul_(SHARED_GAIN)
     return model
 
 
@@ -128,16 +161,17 @@ def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
 
 
-def parallelize(model: torch.nn.Module, dims: Any, world: int, backend: str
-                ) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, dims: Any, world: int, backend: str,
+                ac_config: Any = None) -> torch.nn.Module:
     """TorchTitan's own ``parallelize_qwen3`` with the trainer's default training config
-    (bfloat16 FSDP parameters, float32 reduction), no compile, no activation checkpointing."""
+    (bfloat16 FSDP parameters, float32 reduction), no compile, no activation checkpointing
+    unless ``ac_config`` names a policy."""
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.qwen3 import parallelize_qwen3
 
     model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(),
                               parallelism=parallelism(world, backend),
-                              compile_config=CompileConfig(), ac_config=None,
+                              compile_config=CompileConfig(), ac_config=ac_config,
                               dump_folder="/tmp")
     sum_reductions_for_gloo(model)
     model.train()
@@ -236,24 +270,57 @@ class Trainer:
 
 
 def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
-                             backend: str = "partial_dtensor") -> dict:
-    """TorchTitan's Qwen3 MoE and the same with mc2's node, same weights and tokens, trained
-    ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran, state-dict
-    keys and the sharding of both; whether the weights were equal before and after
-    parallelize."""
+                             backend: str = "partial_dtensor", override: str = MC2,
+                             shared: bool = False) -> dict:
+    """TorchTitan's Qwen3 MoE and the same with mc2's ``override``, same weights and tokens,
+    trained ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran,
+    state-dict keys and the sharding of both; whether the weights were equal before and after
+    parallelize; the block types and the staged calls begun per step."""
+    import mc2.integrations.torchtitan as node
+
     dims = parallel_dims(world, backend)
-    ref = build_model(world, backend, None)
-    got = build_model(world, backend, options)
+    ref = build_model(world, backend, None, shared=shared)
+    got = build_model(world, backend, options, override, shared)
     same_init = same_state(ref, got)
     ref = parallelize(ref, dims, world, backend)
     got = parallelize(got, dims, world, backend)
     same_shards_init = same_shards(ref, got)
     ref_trainer, got_trainer = Trainer(ref, dims), Trainer(got, dims)
-    ref_losses, losses = [], []
+    ref_losses, losses, begun = [], [], []
+    original = node.begin_split
+
+    def counted(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        begun[-1].append((tuple(x.shape), kwargs["shared"][0] is not None))
+        return original(x, *args, **kwargs)
+
+    node.begin_split = counted
     for tokens, labels in batches(rank, steps):
         ref_losses.append(ref_trainer.step(tokens, labels))
+        begun.append([])
         losses.append(got_trainer.step(tokens, labels))
-    return {"same_init": same_init, "same_shards_init": same_shards_init,
+    node.begin_split = original
+    return {"same_init": same_init, "same_shards_init": same_shards_init, "begun": begun,
+            "blocks": [type(b).__name__ for b in got.layers.values()],
             "ref_losses": ref_losses, "losses": losses,
             "ref_keys": sorted(ref.state_dict()), "keys": sorted(got.state_dict()),
             "ref_sharding": sharding(ref), "sharding": sharding(got)}
+
+
+def batch_overlap_under_checkpointing(rank: int, world: int, override: str) -> str:
+    """The batch-overlap model under TorchTitan's full activation checkpointing: the error
+    one training step raises (every rank must raise it, before any collective of the step's
+    layers), then a barrier."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    dims = parallel_dims(world, "partial_dtensor")
+    model = build_model(world, "partial_dtensor", {"batch_overlap": True, "min_tokens": 1},
+                        override)
+    model = parallelize(model, dims, world, "partial_dtensor", FullAC.Config())
+    tokens, labels = batches(rank, 1)[0]
+    try:
+        Trainer(model, dims).step(tokens, labels)
+        found = "trained"
+    except ValueError as exc:
+        found = f"ValueError: {exc}"
+    dist.barrier()
+    return found

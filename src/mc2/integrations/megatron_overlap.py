@@ -31,9 +31,8 @@ parallelism).
 
 from __future__ import annotations
 
-import threading
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,6 +41,8 @@ from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
 from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, timed_forward
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.batch_overlap import split_sizes, split_value
+from mc2.integrations.layer_recording import (
+    NOT_RECORDED, close_recording, record_layer_call)
 from mc2.parallel.layer_gather import LayerGathers
 
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -103,44 +104,36 @@ def megatron_layer_stages(layer: TransformerLayer, hidden_states: Tensor, *,
     return layer._forward_post_mlp((out if shared is None else out + shared, None), h)
 
 
-class _BlockPass:
-    """One forward of a block's layers under batch overlap: their recorded arguments, run
-    split (or, where this forward cannot be, one after the other) by the last."""
+def _run_block(decision: BatchOverlapDecision, x: Tensor,
+               calls: list[tuple[TransformerLayer, dict[str, Any]]]) -> Tensor:
+    """The recorded layers of one block forward, on its input ``x``: split in two along the
+    batch and run stage by stage, or (where this forward cannot be split) one after the
+    other, as Megatron's loop runs them."""
+    batch, kwargs = x.shape[1], calls[0][1]
+    problem = _forward_problem(kwargs)
+    overlapped = decision.wanted(batch, batch * x.shape[0], x.device, problem)
 
-    def __init__(self, first: Tensor, decision: BatchOverlapDecision) -> None:
-        self.first, self.decision = first, decision
-        self.calls: list[tuple[TransformerLayer, dict[str, Any]]] = []
+    def plain() -> Tensor:  # Megatron's own layer loop
+        h = x
+        for layer, kwargs in calls:
+            h, _ = TransformerLayer.forward(layer, **{**kwargs, "hidden_states": h})
+        return h
 
-    def run(self) -> Tensor:
-        x = self.first
-        batch, kwargs = x.shape[1], self.calls[0][1]
-        problem = _forward_problem(kwargs)
-        overlapped = self.decision.wanted(batch, batch * x.shape[0], x.device, problem)
+    def split() -> Tensor:
+        sizes = split_sizes(batch, SPLITS)
+        stages: list[list[Any]] = [[] for _ in sizes]
+        for layer, kwargs in calls:
+            pieces = {k: split_value(v, batch, sizes) if k in BATCH_FIRST else [v] * len(sizes)
+                      for k, v in kwargs.items() if k != "hidden_states"}
+            for i in range(len(sizes)):
+                part = {k: values[i] for k, values in pieces.items()}
+                stages[i].append(partial(megatron_layer_stages, layer, kwargs=part))
+        parts = [p.contiguous() for p in x.split(sizes, dim=1)]
+        return torch.cat(run_overlapped(stages, parts, LayerGathers(
+            [layer for layer, _ in calls])), dim=1)
 
-        def plain() -> Tensor:  # Megatron's own layer loop
-            h = x
-            for layer, kwargs in self.calls:
-                h, _ = TransformerLayer.forward(layer, **{**kwargs, "hidden_states": h})
-            return h
-
-        def split() -> Tensor:
-            sizes = split_sizes(batch, SPLITS)
-            stages: list[list[Any]] = [[] for _ in sizes]
-            for layer, kwargs in self.calls:
-                pieces = {k: split_value(v, batch, sizes) if k in BATCH_FIRST else [v] * len(sizes)
-                          for k, v in kwargs.items() if k != "hidden_states"}
-                for i in range(len(sizes)):
-                    part = {k: values[i] for k, values in pieces.items()}
-                    stages[i].append(partial(megatron_layer_stages, layer, kwargs=part))
-            parts = [p.contiguous() for p in x.split(sizes, dim=1)]
-            return torch.cat(run_overlapped(stages, parts, LayerGathers(
-                [layer for layer, _ in self.calls])), dim=1)
-
-        return timed_forward(self.decision, overlapped, split if overlapped else plain,
-                             x.device, first=x)
-
-
-_OPEN = threading.local()  # the block pass being recorded (the block calls its layers in turn)
+    return timed_forward(decision, overlapped, split if overlapped else plain, x.device,
+                         first=x)
 
 
 def _forward_problem(kwargs: dict[str, Any]) -> str | None:
@@ -195,22 +188,16 @@ class MC2TransformerLayer(TransformerLayer):
         if args or hidden_states is None or self.stage_layers < 2:
             return super().forward(*args, **kwargs)
         if self.local_number == 1:
-            _OPEN.current = None
             assert self.decision is not None
             if self.decision.chosen is False:
+                close_recording()
                 return super().forward(**kwargs)
-            _OPEN.current = _BlockPass(hidden_states, self.decision)
-        block = getattr(_OPEN, "current", None)
-        if block is None or hidden_states is not block.first or \
-                len(block.calls) != self.local_number - 1:
-            return super().forward(**kwargs)  # not inside a recorded block forward
-        block.calls.append((self, kwargs))
-        if self.local_number < self.stage_layers:
-            return hidden_states, None
-        _OPEN.current = None
-        return block.run(), None
+        out = record_layer_call(self, self.local_number - 1, self.stage_layers, hidden_states,
+                                kwargs, self._run)
+        if out is NOT_RECORDED:
+            return super().forward(**kwargs)
+        return out, None
 
-
-def layers_of(model: torch.nn.Module) -> Iterator[MC2TransformerLayer]:
-    """The batch-overlap layers of a model."""
-    return (m for m in model.modules() if isinstance(m, MC2TransformerLayer))
+    @staticmethod
+    def _run(x: Tensor, calls: list[tuple[Any, dict[str, Any]]]) -> Tensor:
+        return _run_block(calls[0][0].decision, x, calls)

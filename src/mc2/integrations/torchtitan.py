@@ -53,10 +53,13 @@ from torch import Tensor
 
 from mc2.engine.autograd.ops import fused_expert, fused_expert_module
 from mc2.engine.autograd.recompute import SAVED_OPERATORS
+from mc2.engine.autograd.staged import StagedCall, begin_module, begin_split
+from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
 
 from torchtitan.config import derive, override
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 # TorchTitan's dispatchers that own the exchange themselves (NVSHMEM / RDMA buffers): mc2 and
@@ -127,19 +130,69 @@ class MC2RoutedExperts(RoutedExperts):
                                    num_local_tokens_per_expert_E)
         experts = self.inner_experts
         if _plain_grouped(experts):
-            up, gate, down = (_local(w).transpose(-2, -1)
-                              for w in (experts.w3_EFD, experts.w1_EFD, experts.w2_EDF))
             with torch.autocast(x_BLD.device.type, dtype=COMPUTE_DTYPE):
-                out = fused_expert(x_BLD, up, gate, down, topk_expert_ids_BLK, topk_scores_BLK,
-                                   group=self.ep_group, config=self.mc2_config)
+                out = fused_expert(x_BLD, *_split_weights(experts), topk_expert_ids_BLK,
+                                   topk_scores_BLK, group=self.ep_group, config=self.mc2_config)
         else:
-            # experts held here: every TorchTitan experts module stacks them on dim 0
-            local = _local(next(iter(experts.parameters()))).shape[0]
+            local = _local_count(experts)
             out = fused_expert_module(x_BLD, experts, topk_expert_ids_BLK,
                                       topk_scores_BLK.to(x_BLD.dtype), group=self.ep_group,
                                       config=self.mc2_config, local_experts=local,
                                       forward=_stage_forward(experts, local))
         return out.to(x_BLD.dtype)
+
+    def begin_staged(self, x_BLD: Tensor, topk_scores_BLK: Tensor, topk_expert_ids_BLK: Tensor,
+                     shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None,
+                                                                                   None),
+                     shared_scale: Tensor | None = None) -> StagedCall:
+        """:meth:`forward` in stages, for batch overlap
+        (:mod:`mc2.integrations.torchtitan_overlap`): plans the call and issues its dispatch;
+        ``.experts()`` then ``.end()`` (in the compute dtype: the caller casts back) finish
+        it. ``shared``: the MoE block's shared experts as ``(up, gate, down)`` views, run
+        inside the call (:func:`shared_views`). Needs the ``ep`` group (EP > 1)."""
+        experts = self.inner_experts
+        if _plain_grouped(experts):
+            with torch.autocast(x_BLD.device.type, dtype=COMPUTE_DTYPE):
+                return begin_split(x_BLD, *_split_weights(experts), topk_expert_ids_BLK,
+                                   topk_scores_BLK, group=self.ep_group, config=self.mc2_config,
+                                   shared=shared, shared_scale=shared_scale)
+        local = _local_count(experts)
+        module = ModuleExperts.of(experts, x_BLD.shape[-1], local_experts=local,
+                                  forward=_stage_forward(experts, local))
+        return begin_module(x_BLD, module, topk_expert_ids_BLK, topk_scores_BLK.to(x_BLD.dtype),
+                            group=self.ep_group, config=self.mc2_config, shared=shared,
+                            shared_scale=shared_scale)
+
+
+def _split_weights(experts: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """A plain ``GroupedExperts``' local ``(up, gate, down)`` as mc2's layout: transposed
+    views of ``w3``, ``w1``, ``w2`` (no copy)."""
+    return tuple(_local(w).transpose(-2, -1)  # type: ignore[return-value]
+                 for w in (experts.w3_EFD, experts.w1_EFD, experts.w2_EDF))
+
+
+def _local_count(experts: Any) -> int:
+    """Experts held here: every TorchTitan experts module stacks them on dim 0."""
+    return _local(next(iter(experts.parameters()))).shape[0]
+
+
+def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
+                                                  Tensor | None] | None:
+    """TorchTitan's shared experts (``FeedForward``: ``w2(silu(w1 x) * w3 x)``, or
+    ``SigmoidGatedFeedForward``: that times ``sigmoid(gate x)``) as mc2's in-call shared
+    experts: ``((up, gate, down), scale)``, views of their weights (gradients land on
+    them), the scale ``[..., 1]`` or ``None``; ``None`` for any other module or one with
+    biases (it then runs beside the call)."""
+    if type(shared) not in (FeedForward, SigmoidGatedFeedForward):
+        return None
+    linears = [shared.w1, shared.w2, shared.w3] + ([shared.gate] if hasattr(shared, "gate")
+                                                   else [])
+    if any(getattr(m, "bias", None) is not None for m in linears):
+        return None
+    w1, w2, w3 = (m.weight for m in linears[:3])
+    views = (w3.t().unsqueeze(0), w1.t().unsqueeze(0), w2.t().unsqueeze(0))
+    scale = torch.sigmoid(shared.gate(x)) if hasattr(shared, "gate") else None
+    return views, scale
 
 
 def _plain_grouped(experts: Any) -> bool:

@@ -226,6 +226,17 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
                   routing_weights, (*shared, shared_scale), group=group, config=config)
 
 
+def begin_split(x: Tensor, up: Tensor, gate: Tensor, down: Tensor, expert_ids: Tensor,
+                routing_weights: Tensor, *, group: Any, config: MC2Config,
+                shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+                shared_scale: Tensor | None = None) -> StagedCall:
+    """:func:`begin_packed` for :func:`mc2.fused_expert`'s layout (up, gate ``[E, H, F]``,
+    down ``[E, F, H]``: TorchTitan's ``GroupedExperts`` as transposed views)."""
+    return _begin(x, {"weights_up": up, "weights_gate": gate, "weights_down": down},
+                  expert_ids, routing_weights, (*shared, shared_scale), group=group,
+                  config=config, packed=False)
+
+
 def begin_module(x: Tensor, experts: ModuleExperts, expert_ids: Tensor, routing_weights: Tensor,
                  *, group: Any, config: MC2Config, num_experts: int | None = None,
                  shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
@@ -233,13 +244,14 @@ def begin_module(x: Tensor, experts: ModuleExperts, expert_ids: Tensor, routing_
     """:func:`begin_packed` for :func:`mc2.fused_expert_module`'s experts: a framework's own
     experts module (Megatron's) as each micro-batch's experts stage."""
     return _begin(x, dict(zip(experts.names, experts.params)), expert_ids, routing_weights,
-                  (*shared, shared_scale), group=group, config=config, module=experts,
-                  num_experts=num_experts)
+                  (*shared, shared_scale), group=group, config=config, packed=False,
+                  module=experts, num_experts=num_experts)
 
 
 def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weights: Tensor,
            shared: tuple[Tensor | None, ...], *, group: Any, config: MC2Config,
-           module: ModuleExperts | None = None, num_experts: int | None = None) -> StagedCall:
+           packed: bool = True, module: ModuleExperts | None = None,
+           num_experts: int | None = None) -> StagedCall:
     """The staged call's begin, for either experts: plan under the deadline, issue the
     dispatch (the pass's first stop)."""
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
@@ -255,7 +267,7 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
         timeline = timeline.labelled(_LABEL.get())
     call, weights, combine = guarded(
         lambda: plan_call(x, named, expert_ids, routing_weights, config=config,
-                          packed=module is None, group=group, shared=full_shared,
+                          packed=packed, group=group, shared=full_shared,
                           num_experts=num_experts, timeout=seconds, timeline=timeline,
                           module=module),
         config, x)
