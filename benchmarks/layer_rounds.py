@@ -67,6 +67,29 @@ def interleaved_rounds(steps: dict[str, Callable[[], float]], *, rounds: int, re
             "auto_decisions": [d["why"] for d in default_decisions()]}
 
 
+def model_rounds(models: dict[str, torch.nn.Module], loss: Callable[[torch.nn.Module], Any],
+                 *, rounds: int, repeats: int, warmup: int = 4) -> dict[str, Any]:
+    """Whole-model steps (``loss(model).backward()``, gradients set to None outside the timed
+    region) of each of ``models`` in :func:`interleaved_rounds`, and each one's loss against
+    the first model's (``"loss_err"``: one no-grad forward each, after the rounds)."""
+    first = next(iter(models))
+
+    def step(model: torch.nn.Module) -> float:
+        for p in model.parameters():
+            p.grad = None
+        return slowest_rank_seconds(lambda: loss(model).backward())
+
+    timed = interleaved_rounds({name: (lambda m=m: step(m)) for name, m in models.items()},
+                               rounds=rounds, repeats=repeats, warmup=warmup)
+    # after the rounds (no optimizer: the weights are the same), so that "auto" has no
+    # no-grad shape of its own to settle before them
+    with torch.no_grad():
+        want = float(loss(models[first]))
+        errors = {name: abs(float(loss(m)) - want) for name, m in models.items()
+                  if name != first}
+    return {**timed, "loss_err": errors}
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser, *, tokens: int, hidden: int,
                         ffn: int) -> None:
     """The MoE shape's options (tokens per rank, hidden, ffn, experts, top-k)."""

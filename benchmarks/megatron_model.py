@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mc2  # noqa: E402
-from layer_rounds import interleaved_rounds, layer_benchmark, slowest_rank_seconds  # noqa: E402
+from mc2.engine.decide.planner import planner_for  # noqa: E402
+from layer_rounds import layer_benchmark, model_rounds  # noqa: E402
 
 SEQ, LAYERS, HEADS, VOCAB = 512, 2, 8, 256
 
@@ -94,20 +95,10 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
     def loss(model: torch.nn.Module) -> torch.Tensor:
         return model(ids, position, mask, labels=ids).mean()
 
-    def step(model: torch.nn.Module) -> float:
-        for p in model.parameters():
-            p.grad = None
-        return slowest_rank_seconds(lambda: loss(model).backward())
-
-    with torch.no_grad():
-        want = float(loss(models[impls[0]]))
-        errors = {impl: abs(float(loss(m)) - want) for impl, m in models.items()
-                  if impl != impls[0]}
-    timed = interleaved_rounds({impl: (lambda m=m: step(m)) for impl, m in models.items()},
-                               rounds=rounds, repeats=steps, warmup=4)
-    timed["batch_overlap"] = [d for d in mc2.engine.decide.planner.planner_for(
-        parallel_state.get_expert_model_parallel_group()).batch_overlaps()]
-    return {**timed, "loss_err": errors}
+    timed = model_rounds(models, loss, rounds=rounds, repeats=steps)
+    timed["batch_overlap"] = planner_for(
+        parallel_state.get_expert_model_parallel_group()).batch_overlaps()
+    return timed
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from layer_rounds import interleaved_rounds, layer_benchmark, slowest_rank_seconds  # noqa: E402
+from layer_rounds import layer_benchmark, model_rounds  # noqa: E402
 
 SEQ, LAYERS, HEADS = 512, 2, 8
 OVERLAP = "mc2.integrations.torchtitan_overlap.mc2_batch_overlap"
@@ -49,7 +49,6 @@ def _override(impl: str) -> tuple[str, dict[str, Any] | None]:
 
 def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps: int,
           rounds: int, shared: bool = False) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from tests import workers_torchtitan_model as w
     from torchtitan.components.loss import CrossEntropyLoss
@@ -73,19 +72,8 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
     def loss(model: torch.nn.Module) -> torch.Tensor:
         return loss_fn(model(tokens), labels, valid)[0]
 
-    def step(model: torch.nn.Module) -> float:
-        for p in model.parameters():
-            p.grad = None
-        return slowest_rank_seconds(lambda: loss(model).backward())
-
-    with torch.no_grad():
-        want = float(loss(models[impls[0]]))
-        errors = {impl: abs(float(loss(m)) - want) for impl, m in models.items()
-                  if impl != impls[0]}
-    dist.barrier()
-    timed = interleaved_rounds({impl: (lambda m=m: step(m)) for impl, m in models.items()},
-                               rounds=rounds, repeats=steps, warmup=4)
-    return {**timed, "loss_err": errors}
+    timed = model_rounds(models, loss, rounds=rounds, repeats=steps)
+    return timed
 
 
 def main() -> None:
