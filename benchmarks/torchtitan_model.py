@@ -73,6 +73,10 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
         return loss_fn(model(tokens), labels, valid)[0]
 
     timed = model_rounds(models, loss, rounds=rounds, repeats=steps)
+    # what batch overlap ran (True: split), per implementation: its first block decides
+    timed["batch_overlap"] = {impl: getattr(next(iter(m.layers.values())), "decision", None)
+                              and next(iter(m.layers.values())).decision.chosen
+                              for impl, m in models.items()}
     return timed
 
 
