@@ -50,12 +50,15 @@ def test_module_stage_on_one_process_and_its_errors() -> None:
                                 problem.rws[0], local_experts=2)
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type,shared_inside", [("gpt_oss", False), ("deepseek_v3", True),
+                                                     ("glm4_moe", True)])
 def test_enable_mc2_runs_blocks_it_does_not_compute_through_their_own_experts(
-        model_type: str) -> None:
-    """gpt-oss (expert biases, clamped activation) and DeepSeek-V3 (correction bias, shared
-    experts) were refused; now each block keeps its forward and its experts module runs as the
-    pipeline's stage: logits and every gradient equal the unpatched model's (float32)."""
+        model_type: str, shared_inside: bool) -> None:
+    """gpt-oss (expert biases, clamped activation), DeepSeek-V3 and GLM-4-MoE (correction bias,
+    shared experts) were refused; now each block's experts module runs as the pipeline's stage,
+    with the block's own router, and DeepSeek-V3's and GLM-4-MoE's shared MLP inside the
+    experts' call: logits and every gradient (the shared MLP's included) equal the unpatched
+    model's (float32)."""
     from tests.hf_tiny import tiny_model
     from tests.workers_module import enable_step
 
@@ -68,6 +71,7 @@ def test_enable_mc2_runs_blocks_it_does_not_compute_through_their_own_experts(
     ref = dict(model.named_parameters())
     results = mc2.run_local(enable_step, 2, args=(model_type, ids, grad))
     assert all(r["staged"] == r["replaced"] >= 1 for r in results)
+    assert all(r["shared_inside"] == (r["staged"] if shared_inside else 0) for r in results)
 
     def close(got, want, what):
         err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()

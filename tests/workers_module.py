@@ -75,7 +75,7 @@ def module_step(rank: int, world: int, problems: list[Problem], ks: list[int]) -
 def enable_step(rank: int, world: int, model_type: str, ids: Tensor, grad: Tensor) -> dict:
     """enable_mc2 on a tiny Hugging Face model whose blocks mc2's SwiGLU does not compute:
     this rank's logits and gradients (experts by global index)."""
-    from mc2.integrations.module_stage import ModuleStageExperts
+    from mc2.integrations.module_stage import ModuleStageExperts, SharedInsideBlock
     from mc2.integrations.transformers import enable_mc2
     from tests.hf_tiny import tiny_model
 
@@ -89,4 +89,5 @@ def enable_step(rank: int, world: int, model_type: str, ids: Tensor, grad: Tenso
     replicated = {n: p.grad for n, p in model.named_parameters()
                   if p.grad is not None and not any(n.startswith(s + ".") for s in staged)}
     return {"logits": logits.detach(), "experts": experts, "replicated": replicated,
-            "replaced": replaced, "staged": len(staged)}
+            "replaced": replaced, "staged": len(staged),
+            "shared_inside": sum(isinstance(m, SharedInsideBlock) for m in model.modules())}

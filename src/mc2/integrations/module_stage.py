@@ -10,6 +10,12 @@ its experts module changes. It holds this rank's experts (every parameter whose 
 is the expert count, sliced to this rank's block, under the same names), and its forward runs
 :func:`mc2.fused_expert_module` with the module's own forward (whatever
 ``experts_implementation``) as the stage. State-dict keys do not change.
+
+One exception to "keeps its own forward": a block whose forward is exactly ``routed(x) +
+shared_experts(x)`` with a plain SwiGLU shared MLP (:data:`SHARED_SWIGLU_BLOCKS`: DeepSeek-V3's
+and GLM-4-MoE's, each checked against the model's own block by the tests) runs its router as
+it is and hands the shared MLP's weights, as views, to the experts' call, which computes it
+where its pipeline would wait (:func:`shared_inside`).
 """
 
 from __future__ import annotations
@@ -37,12 +43,16 @@ class ModuleStageExperts:
     expert_names: tuple[str, ...]
     first_expert: int
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
-                ) -> Tensor:
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """The routed experts' output (plus, with ``shared``, a SwiGLU shared MLP's as
+        ``(up, gate, down)`` views, computed inside the call)."""
         own = super().forward  # type: ignore[misc]  # the experts class's own forward
+        up, gate, down = shared if shared is not None else (None, None, None)
         return fused_expert_module(hidden_states, self, top_k_index, top_k_weights,
                                    group=self.layout.ep_group, config=self.mc2_config,
-                                   local_experts=self.num_experts, forward=own)
+                                   local_experts=self.num_experts, forward=own,
+                                   shared_up=up, shared_gate=gate, shared_down=down)
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
@@ -51,6 +61,50 @@ class ModuleStageExperts:
     @property
     def expert_index(self) -> Any:
         return torch.arange(self.first_expert, self.first_expert + self.num_experts)
+
+
+# sparse-MoE blocks whose forward is ``_, w, ids = gate(h); experts(h, ids, w) +
+# shared_experts(h)`` (transformers 5), so that the shared MLP may run inside the call
+SHARED_SWIGLU_BLOCKS = ("DeepseekV3MoE", "Glm4MoeMoE")
+
+
+def is_silu(act: Any) -> bool:
+    """Whether an MLP's ``act_fn`` is SiLU (``None``: the default)."""
+    return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+class SharedInsideBlock:
+    """Mixed into a copy of a :data:`SHARED_SWIGLU_BLOCKS` class: the block's forward with its
+    shared MLP inside the experts' call (see the module docstring)."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        _, weights, ids = self.gate(hidden_states)  # type: ignore[attr-defined]
+        mlp = self.shared_experts  # type: ignore[attr-defined]
+        views = tuple(m.weight.t().unsqueeze(0)
+                      for m in (mlp.up_proj, mlp.gate_proj, mlp.down_proj))
+        return self.experts(hidden_states.view(-1, shape[-1]), ids,  # type: ignore[attr-defined]
+                            weights, shared=views).view(shape)
+
+
+def shared_inside(block: nn.Module) -> bool:
+    """Run ``block``'s shared MLP inside its experts' call, where the block is one of
+    :data:`SHARED_SWIGLU_BLOCKS` with module-stage experts and a bias-free SwiGLU shared MLP;
+    whether it does."""
+    mlp = getattr(block, "shared_experts", None)
+    linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if (type(block).__name__ not in SHARED_SWIGLU_BLOCKS
+            or not isinstance(getattr(block, "experts", None), ModuleStageExperts)
+            or not all(isinstance(m, nn.Linear) and m.bias is None for m in linears)
+            or not is_silu(getattr(mlp, "act_fn", None))):
+        return False
+    block.__class__ = _shared_class(type(block))
+    return True
+
+
+@functools.cache
+def _shared_class(cls: type) -> type:
+    return type(f"MC2{cls.__name__}", (SharedInsideBlock, cls), {})
 
 
 @functools.cache

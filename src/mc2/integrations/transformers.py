@@ -50,7 +50,8 @@ from torch import Tensor, nn
 from mc2.engine.autograd.staged import StagedCall
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.integrations.module_stage import (
-    ModuleStageExperts, ep_experts, experts_problem, shard_experts
+    ModuleStageExperts, ep_experts, experts_problem, is_silu as _is_silu, shard_experts,
+    shared_inside
 )
 from mc2.parallel.expert_shards import expert_shards
 from mc2.layer import PackedExperts
@@ -239,10 +240,6 @@ def _describe(out: Any) -> str:
     if isinstance(out, tuple):
         return "(" + ", ".join(_describe(o) for o in out) + ")"
     return type(out).__name__
-
-
-def _is_silu(act: Any) -> bool:
-    return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _holds_tensors(module: nn.Module, recurse: bool = True) -> bool:
@@ -451,8 +448,9 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
                 MC2SparseMoeBlock(module, group=group, mesh=mesh, config=config))
     for name, module in staged:  # the model's own experts, as the pipeline's experts stage
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child,
-                shard_experts(module, group=group, mesh=mesh, config=config))
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, shard_experts(module, group=group, mesh=mesh, config=config))
+        shared_inside(parent)
     if not blocks and not staged:
         raise ValueError(f"enable_mc2: no sparse-MoE block with fused gate_up_proj/down_proj "
                          f"experts, and no experts module named by the model's expert-parallel "
