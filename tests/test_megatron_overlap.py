@@ -51,3 +51,23 @@ def test_batch_overlap_refuses_what_it_cannot_split_equal_on_every_rank() -> Non
             message = found[field]
             assert message.startswith("ValueError: "), f"rank {rank}, {field}: {message}"
             assert field in message, f"rank {rank}: {message} does not name {field}"
+
+
+def test_a_block_spec_with_a_layer_batch_overlap_cannot_run_is_refused() -> None:
+    """Every layer of a block takes part in batch overlap (a layer left as it was would run
+    between recorded ones, and the stack's last would never be reached): a block spec with
+    another layer class is refused, naming it."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from mc2.integrations.megatron import use_mc2
+
+    layer = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    block = TransformerBlockSubmodules(layer_specs=[layer, ModuleSpec(module=IdentityOp)])
+    with pytest.raises(ValueError, match=r"layer_specs\[1\] \(IdentityOp\)"):
+        use_mc2(block, batch_overlap=True)
+    assert use_mc2(dataclasses.replace(block, layer_specs=[layer, layer]), batch_overlap=True)

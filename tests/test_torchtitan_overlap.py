@@ -98,3 +98,20 @@ def test_the_override_refuses_bad_options_naming_them(options: dict, field: str)
 
     with pytest.raises(ValueError, match=field):
         m.build_model(1, "partial_dtensor", options, OVERLAP)
+
+
+@pytest.mark.parametrize("parallelism", ["pp", "tp", "cp"])
+def test_pipeline_tensor_and_context_parallelism_are_refused_when_parallelized(
+        parallelism: str) -> None:
+    """A pipeline stage's blocks would wait for a last block the stage does not hold (their
+    work lost); tensor- and context-parallel activations are not split by batch here: each
+    refused, naming it, when TorchTitan parallelizes the blocks (every rank alike)."""
+    from types import SimpleNamespace
+
+    from tests import workers_torchtitan_model as m
+
+    model = m.build_model(1, "partial_dtensor", {"batch_overlap": True}, OVERLAP)
+    dims = SimpleNamespace(pp_enabled=False, tp_enabled=False, cp_enabled=False)
+    setattr(dims, f"{parallelism}_enabled", True)
+    with pytest.raises(ValueError, match=f"{parallelism} > 1"):
+        model.layers["0"].parallelize(dims)

@@ -103,6 +103,7 @@ REFUSED: dict[str, Any] = {
     "moe_expert_capacity_factor": dict(moe_expert_capacity_factor=1.0),
     "recompute_granularity": dict(recompute_granularity="full", recompute_method="uniform",
                                   recompute_num_layers=1),
+    "recompute_modules": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
 }
 
 

@@ -398,6 +398,15 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
         if isinstance(spec, TransformerBlockSubmodules):  # this stage's layers, as built
             layer["stage_layers"] = len(spec.layer_specs)
     out = _rewrite(spec, extra, found, "spec", layer)
+    if layer is not None and isinstance(out, TransformerBlockSubmodules):
+        # every layer of the block must take part: a layer left as it was would run its own
+        # forward between recorded ones (and the stack's last would never be reached)
+        other = [f"layer_specs[{i}] ({getattr(s.module, '__name__', s.module)})"
+                 for i, s in enumerate(out.layer_specs) if getattr(s, "module", None)
+                 is not MC2TransformerLayer]
+        if other:
+            raise ValueError(f"use_mc2(batch_overlap=...): {other} are not TransformerLayer "
+                             "specs; batch overlap runs a block of TransformerLayers")
     if not found:
         raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
     return out

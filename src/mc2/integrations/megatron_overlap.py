@@ -25,8 +25,8 @@ dispatch / experts / combine) and ``_forward_post_mlp``. A forward that cannot b
 **Equal to the unsplit step** because every part acts on each sequence alone. Router terms that
 average over the whole batch would not be: :func:`batch_overlap_problem` refuses them (a
 load-balancing or z loss coefficient, a capacity factor, Sinkhorn routing), and the paths this
-schedule does not run (full recompute, recompute of the MLP, CPU offloading, context
-parallelism).
+schedule does not run (full recompute, recompute of the MLP or the norms, CPU offloading,
+context parallelism, layers sharded by torch FSDP2).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from mc2.integrations.batch_overlap import split_sizes, split_value
 from mc2.integrations.layer_recording import (
     NOT_RECORDED, close_recording, record_layer_call)
 from mc2.parallel.layer_gather import LayerGathers
+
+from torch.distributed.fsdp import FSDPModule
 
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -77,9 +79,12 @@ def batch_overlap_problem(config: Any) -> str | None:
     if getattr(config, "recompute_granularity", None) == "full":
         return ("recompute_granularity='full' checkpoints whole layers, which batch overlap runs "
                 "in parts: use 'selective' or None")
-    if "mlp" in (getattr(config, "recompute_modules", None) or ()) and \
-            getattr(config, "recompute_granularity", None) == "selective":
-        return "recompute_modules must not hold 'mlp' under batch overlap (it runs the MLP in parts)"
+    parts = {"mlp", "layernorm"} & set(getattr(config, "recompute_modules", None) or ())
+    if parts and getattr(config, "recompute_granularity", None) == "selective":
+        # 'layernorm': the layer keeps its pre-MLP norm's checkpoint on itself from the norm
+        # to the MLP's bias-dropout-add, and the other half's norm runs in between
+        return (f"recompute_modules must not hold {sorted(parts)} under batch overlap (it runs "
+                "a layer's MLP part for two halves in turn)")
     if getattr(config, "cpu_offloading", False) or getattr(
             config, "fine_grained_activation_offloading", False):
         return "cpu_offloading and fine_grained_activation_offloading must be off under batch overlap"
@@ -189,6 +194,10 @@ class MC2TransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         if self.local_number == 1:
             assert self.decision is not None
+            if isinstance(self, FSDPModule):  # its hooks would run at every recorded call
+                raise ValueError("use_mc2(batch_overlap=...): the layers are sharded by torch "
+                                 "FSDP2 (use_torch_fsdp2 / Megatron-FSDP), which batch overlap "
+                                 "does not run with; use Megatron's DDP or batch_overlap=False")
             if self.decision.chosen is False:
                 close_recording()
                 return super().forward(**kwargs)

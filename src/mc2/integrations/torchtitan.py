@@ -60,6 +60,7 @@ from mc2.engine.decide.config import MC2Config
 from torchtitan.config import derive, override
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
+from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 # TorchTitan's dispatchers that own the exchange themselves (NVSHMEM / RDMA buffers): mc2 and
@@ -181,13 +182,17 @@ def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
     """TorchTitan's shared experts (``FeedForward``: ``w2(silu(w1 x) * w3 x)``, or
     ``SigmoidGatedFeedForward``: that times ``sigmoid(gate x)``) as mc2's in-call shared
     experts: ``((up, gate, down), scale)``, views of their weights (gradients land on
-    them), the scale ``[..., 1]`` or ``None``; ``None`` for any other module or one with
-    biases (it then runs beside the call)."""
+    them), the scale ``[..., 1]`` or ``None``; ``None`` for any other module, one with biases
+    or converted linears, or weights in another dtype than the call's bfloat16 (it then runs
+    beside the call, as TorchTitan runs it)."""
     if type(shared) not in (FeedForward, SigmoidGatedFeedForward):
         return None
     linears = [shared.w1, shared.w2, shared.w3] + ([shared.gate] if hasattr(shared, "gate")
                                                    else [])
-    if any(getattr(m, "bias", None) is not None for m in linears):
+    # TorchTitan's own Linear (no converter's), bias-free, in the dtype the call computes in
+    # (TorchTitan runs the shared experts in their parameters' dtype, the routed in bfloat16)
+    if any(type(m) is not Linear or m.bias is not None or m.weight.dtype != COMPUTE_DTYPE
+           for m in linears):
         return None
     w1, w2, w3 = (m.weight for m in linears[:3])
     views = (w3.t().unsqueeze(0), w1.t().unsqueeze(0), w2.t().unsqueeze(0))

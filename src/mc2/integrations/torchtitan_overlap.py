@@ -28,9 +28,10 @@ sequence, fewer than ``min_tokens`` tokens, TorchTitan's varlen metadata, EP = 1
 blocks as TorchTitan does, said once; flex attention's ``BlockMask`` is split by batch
 (:func:`split_block_mask`).
 
-**Refused** (``ValueError``, every rank, at the first forward): blocks under activation
-checkpointing (TorchTitan's ``full`` or ``selective`` AC wraps each block, and a recompute
-of the recorded stack would run its All-to-Alls again). A compiled block's parts run
+**Refused** (``ValueError``, every rank): pipeline, tensor and context parallelism (when
+TorchTitan parallelizes the blocks); blocks under activation checkpointing (at the first
+forward: TorchTitan's ``full`` or ``selective`` AC wraps each block, and a recompute of the
+recorded stack would run its All-to-Alls again). A compiled block's parts run
 uncompiled under batch overlap (the block's compiled ``forward`` is not what runs).
 """
 
@@ -172,6 +173,18 @@ class _OverlapBlock:
         out = record_layer_call(self, self.index, self.stage_layers, h, (masks, positions),
                                 _run_layers)
         return nn.Module.__call__(self, *args) if out is NOT_RECORDED else out
+
+    def parallelize(self, parallel_dims: Any) -> None:
+        """TorchTitan's parallelize, after refusing (every rank alike) the parallelisms the
+        recorded stack does not run: pipeline stages (a stage's blocks would wait for a last
+        block it does not hold), tensor and context parallelism (their sharded activations
+        and masks are not split by batch here)."""
+        for name in ("pp", "tp", "cp"):
+            if getattr(parallel_dims, f"{name}_enabled", False):
+                raise ValueError(f"mc2_batch_overlap: {name} > 1 is not supported (the decoder "
+                                 "blocks run as one recorded stack, split by batch); use "
+                                 "mc2_routed_experts with it")
+        super().parallelize(parallel_dims)  # type: ignore[misc]
 
     def decision_for(self, calls: list[tuple[Any, Any]]) -> tuple[BatchOverlapDecision,
                                                                    str | None]:

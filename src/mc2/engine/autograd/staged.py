@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
 from mc2.engine.autograd.prepare import autocast_inputs, guarded, shared_inputs
+from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
@@ -218,10 +219,6 @@ def begin_packed(x: Tensor, gate_up: Tensor, down: Tensor, expert_ids: Tensor,
     """Plan a :func:`mc2.fused_expert_packed` call and issue its dispatch (``K = 1`` unless
     ``config`` sets it); see the module docstring. Planning runs the handshake and the counts exchange
     now, as every call does."""
-    if any(type(t).__name__ == "DTensor" for t in (gate_up, down)):
-        raise ValueError("mc2 staged call: the experts' parameters are FSDP2 shards; gather "
-                         "them first (batch overlap does, for the decoder layers it runs: "
-                         "mc2.parallel.layer_gather.LayerGathers)")
     return _begin(x, {"weights_gate_up": gate_up, "weights_down": down}, expert_ids,
                   routing_weights, (*shared, shared_scale), group=group, config=config)
 
@@ -254,6 +251,15 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
            num_experts: int | None = None) -> StagedCall:
     """The staged call's begin, for either experts: plan under the deadline, issue the
     dispatch (the pass's first stop)."""
+    if any(type(t).__name__ == "DTensor" for t in (x, *named.values())):
+        raise ValueError("mc2 staged call: the tokens or the experts' parameters are DTensors "
+                         "(FSDP2 shards, or tensor-parallel activations); gather them first "
+                         "(batch overlap does, for the decoder layers it runs: "
+                         "mc2.parallel.layer_gather.LayerGathers)")
+    if torch.compiler.is_compiling() or selective_region():
+        raise ValueError("mc2 staged call: not traceable by torch.compile, and not inside a "
+                         "selective activation checkpointing region (batch overlap runs the "
+                         "layers' parts eagerly)")
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
         config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
