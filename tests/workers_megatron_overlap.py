@@ -104,6 +104,7 @@ REFUSED: dict[str, Any] = {
     "recompute_granularity": dict(recompute_granularity="full", recompute_method="uniform",
                                   recompute_num_layers=1),
     "recompute_modules": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+    "mtp_num_layers": dict(mtp_num_layers=1),
 }
 
 

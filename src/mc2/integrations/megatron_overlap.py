@@ -26,7 +26,7 @@ dispatch / experts / combine) and ``_forward_post_mlp``. A forward that cannot b
 average over the whole batch would not be: :func:`batch_overlap_problem` refuses them (a
 load-balancing or z loss coefficient, a capacity factor, Sinkhorn routing), and the paths this
 schedule does not run (full recompute, recompute of the MLP or the norms, CPU offloading,
-context parallelism, layers sharded by torch FSDP2).
+context parallelism, multi-token prediction, layers sharded by torch FSDP2).
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def batch_overlap_problem(config: Any) -> str | None:
     if getattr(config, "cpu_offloading", False) or getattr(
             config, "fine_grained_activation_offloading", False):
         return "cpu_offloading and fine_grained_activation_offloading must be off under batch overlap"
+    if getattr(config, "mtp_num_layers", None):
+        return ("mtp_num_layers must be None under batch overlap (the multi-token-prediction "
+                "block calls its layers outside the decoder's loop, one at a time)")
     if (getattr(config, "context_parallel_size", 1) or 1) > 1:
         return "context_parallel_size must be 1 under batch overlap (not checked with it)"
     return None
