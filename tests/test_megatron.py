@@ -134,6 +134,29 @@ def test_one_import_patches_the_gpt_specs(source: str, tmp_path) -> None:
         assert found["patched"] == [("MC2MoELayer", want)] * 4
         assert found["built"] == ["MC2MoELayer", "MC2MoELayer"]
         assert found["unpatched"] == [("MoELayer", None)] * 4
+        # no batch overlap asked: the layers are Megatron's
+        assert found["layers"] == found["unpatched layers"] == ["TransformerLayer"] * 4
+
+
+def test_one_import_switches_batch_overlap_on() -> None:
+    """``"batch_overlap": true`` in the same JSON: the block's and the MoE layer spec's layers
+    build MC2TransformerLayer (a dense layer spec stays Megatron's), the model is built with
+    them, and unpatch() gives Megatron's functions back."""
+    env = '{"micro_batches": 2, "batch_overlap": true}'
+    for found in mc2.run_local(patched_specs, 2, args=(env,)):
+        assert found["patched"] == [("MC2MoELayer", mc2.MC2Config(micro_batches=2))] * 4
+        assert found["layers"] == ["MC2TransformerLayer"] * 3 + ["TransformerLayer"]
+        assert found["built layers"] == ["MC2TransformerLayer"] * 2
+        assert found["unpatched layers"] == ["TransformerLayer"] * 4
+
+
+def test_settings_from_env_read_batch_overlap() -> None:
+    from mc2.integrations.megatron import settings_from_env
+
+    assert settings_from_env('{"batch_overlap": "auto", "dedup": true}') == (
+        mc2.MC2Config(dedup=True), "auto")
+    with pytest.raises(ValueError, match="MC2_MEGATRON_CONFIG.*batch_overlap"):
+        settings_from_env('{"batch_overlap": "sometimes"}')
 
 
 def test_config_from_env_refuses_naming_the_variable(tmp_path) -> None:

@@ -430,9 +430,17 @@ def patched_specs(rank: int, world: int, env: str) -> dict[str, Any]:
         mlps = [s.submodules.mlp for s in block.layer_specs] + [layer.submodules.mlp, moe]
         return [(m.module.__name__, m.params.get("mc2_config")) for m in mlps]
 
-    found = {"patched": moe_modules()}
+    def layer_modules() -> list[str]:
+        block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        layer = specs.get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+        dense = specs.get_gpt_layer_local_spec()
+        return [s.module.__name__ for s in [*block.layer_specs, layer, dense]]
+
+    found = {"patched": moe_modules(), "layers": layer_modules()}
     model = _gpt(config, specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False))
     found["built"] = [type(layer.mlp).__name__ for layer in model.decoder.layers]
+    found["built layers"] = [type(layer).__name__ for layer in model.decoder.layers]
     patch.unpatch()
     found["unpatched"] = moe_modules()
+    found["unpatched layers"] = layer_modules()
     return found

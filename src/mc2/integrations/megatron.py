@@ -291,16 +291,29 @@ def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:
 
 def config_from_env(value: str | None = None) -> MC2Config:
     """The :class:`~mc2.MC2Config` that ``value`` (default: the environment variable
-    :data:`ENV`) names: JSON text or a JSON file's path.
+    :data:`ENV`) names: JSON text or a JSON file's path (see :func:`settings_from_env`).
 
     Raises:
         ValueError: naming :data:`ENV`, for a missing file, text that is not a JSON object, or
             a field ``MC2Config`` does not have or refuses.
     """
+    return settings_from_env(value)[0]
+
+
+def settings_from_env(value: str | None = None) -> tuple[MC2Config, bool | str]:
+    """``(config, batch_overlap)`` from ``value`` (default: :data:`ENV`): JSON text or a JSON
+    file's path holding :class:`~mc2.MC2Config` fields and, optionally, ``"batch_overlap"``
+    (``true``, ``false`` or ``"auto"``: batch overlap across the layers, as
+    ``use_mc2(..., batch_overlap=...)``). Empty: :data:`DEFAULT_CONFIG`, no batch overlap.
+
+    Raises:
+        ValueError: naming :data:`ENV`, for a missing file, text that is not a JSON object, a
+            field ``MC2Config`` does not have or refuses, or a bad ``batch_overlap``.
+    """
     value = os.environ.get(ENV, "") if value is None else value
     text = value.strip()
     if not text:
-        return DEFAULT_CONFIG
+        return DEFAULT_CONFIG, False
     if not text.startswith("{"):
         path = Path(text)
         if not path.is_file():
@@ -313,10 +326,22 @@ def config_from_env(value: str | None = None) -> MC2Config:
     if not isinstance(values, dict):
         raise ValueError(f"{ENV}: expected a JSON object of MC2Config fields, got "
                          f"{type(values).__name__}")
+    overlap = values.pop("batch_overlap", False)
+    if overlap not in (True, False, "auto"):
+        raise ValueError(f'{ENV}: "batch_overlap" must be true, false or "auto", got '
+                         f"{overlap!r}")
     try:
-        return MC2Config.from_dict(values)
+        return MC2Config.from_dict(values), overlap
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{ENV}: {exc}") from None
+
+
+def holds_moe_layer(spec: Any) -> bool:
+    """Whether ``spec`` (a layer or block spec) places a ``MoELayer`` (what :func:`use_mc2`
+    rewrites)."""
+    found: list[str] = []
+    _rewrite(spec, {}, found, "spec")
+    return bool(found)
 
 
 # ---------------------------------------------------------------------------------------------
