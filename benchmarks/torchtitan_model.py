@@ -11,7 +11,8 @@ routed experts' width per block (``--shared``). One step is the model's forward,
 cross-entropy and the backward (FSDP's reduce-scatters included; no optimizer).
 Implementations (``--impls``): ``torchtitan`` (its all-to-all dispatcher), ``mc2``
 (``mc2_routed_experts``, ``"auto"``), ``batch`` (``mc2_batch_overlap``), ``batch_auto``
-(``batch_overlap="auto"``, decided in its warm-up steps). Interleaved rounds
+(``batch_overlap="auto"``, decided in its warm-up steps), ``unsplit`` (``mc2_batch_overlap``
+with ``batch_overlap=False``: in-layer, the shared experts inside the call). Interleaved rounds
 (:mod:`layer_rounds`), the slowest rank's step, median::
 
     .venv/bin/python benchmarks/torchtitan_model.py --regimes plain,200mbit --json out.json
@@ -41,7 +42,8 @@ def _override(impl: str) -> tuple[str, dict[str, Any] | None]:
 
     choices = {"torchtitan": (MC2, None), "mc2": (MC2, {"micro_batches": "auto"}),
                "batch": (OVERLAP, {"batch_overlap": True}),
-               "batch_auto": (OVERLAP, {"batch_overlap": "auto"})}
+               "batch_auto": (OVERLAP, {"batch_overlap": "auto"}),
+               "unsplit": (OVERLAP, {"batch_overlap": False})}
     if impl not in choices:
         raise ValueError(f"impls: unknown implementation {impl!r}")
     return choices[impl]

@@ -47,6 +47,24 @@ def test_qwen3_moe_model_with_batch_overlap_trains_like_torchtitan() -> None:
         assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
 
 
+def test_unsplit_the_shared_experts_still_run_inside_the_call() -> None:
+    """``batch_overlap=False``: the blocks run unsplit, each MoE block as one in-layer mc2
+    call per step with the shared expert inside it, equal to TorchTitan's model."""
+    from tests import workers_torchtitan_model as m
+
+    steps = 2
+    results = mc2.run_local(m.train_against_torchtitan, 4,
+                            args=({"batch_overlap": False}, steps, "partial_dtensor", OVERLAP,
+                                  True), deadline_s=300)
+    whole = (m.BATCH, m.SEQ, m.DIM)
+    for rank, r in enumerate(results):
+        assert r["begun"] == [[]] * steps, r["begun"]
+        assert r["fused_calls"] == [[(whole, True)] * m.LAYERS] * steps, r["fused_calls"]
+        ref, got = r["ref_losses"], r["losses"]
+        assert abs(got[0] - ref[0]) / ref[0] <= FIRST_STEP, (rank, ref, got)
+        assert max(abs(b - a) / abs(a) for a, b in zip(ref, got, strict=True)) <= BF16
+
+
 def test_a_block_mask_split_by_batch_gives_each_part_the_whole_batchs_attention() -> None:
     """TorchTitan's causal + packed-document flex mask (its ``mask_mod`` reads
     ``positions[b]``) over 4 sequences, split 3 + 1: flex attention of each part with its

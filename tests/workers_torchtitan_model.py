@@ -275,7 +275,8 @@ def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
     """TorchTitan's Qwen3 MoE and the same with mc2's ``override``, same weights and tokens,
     trained ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran,
     state-dict keys and the sharding of both; whether the weights were equal before and after
-    parallelize; the block types and the staged calls begun per step."""
+    parallelize; the block types, and the staged calls begun and the in-layer calls made per
+    step (their token shapes, and whether the shared experts ran inside)."""
     import mc2.integrations.torchtitan as node
 
     dims = parallel_dims(world, backend)
@@ -293,13 +294,22 @@ def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
         begun[-1].append((tuple(x.shape), kwargs["shared"][0] is not None))
         return original(x, *args, **kwargs)
 
-    node.begin_split = counted
+    fused = node.fused_expert
+
+    def counted_fused(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[-1].append((tuple(x.shape), kwargs.get("shared_up") is not None))
+        return fused(x, *args, **kwargs)
+
+    node.begin_split, node.fused_expert = counted, counted_fused
+    calls: list[list[tuple]] = []
     for tokens, labels in batches(rank, steps):
         ref_losses.append(ref_trainer.step(tokens, labels))
         begun.append([])
+        calls.append([])
         losses.append(got_trainer.step(tokens, labels))
-    node.begin_split = original
+    node.begin_split, node.fused_expert = original, fused
     return {"same_init": same_init, "same_shards_init": same_shards_init, "begun": begun,
+            "fused_calls": calls,
             "blocks": [type(b).__name__ for b in got.layers.values()],
             "ref_losses": ref_losses, "losses": losses,
             "ref_keys": sorted(ref.state_dict()), "keys": sorted(got.state_dict()),

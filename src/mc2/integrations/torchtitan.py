@@ -129,17 +129,29 @@ class MC2RoutedExperts(RoutedExperts):
         if self.ep_group is None:  # EP = 1: no exchange to hide
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
                                    num_local_tokens_per_expert_E)
+        return self.with_shared(x_BLD, topk_scores_BLK, topk_expert_ids_BLK)
+
+    def with_shared(self, x_BLD: Tensor, topk_scores_BLK: Tensor, topk_expert_ids_BLK: Tensor,
+                    shared: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None,
+                                                                                  None),
+                    shared_scale: Tensor | None = None) -> Tensor:
+        """:meth:`forward`'s call (EP > 1), with ``shared``: the MoE block's shared experts as
+        ``(up, gate, down)`` views (:func:`shared_views`), computed inside the call where its
+        pipeline waits, their output added to the routed experts'."""
         experts = self.inner_experts
+        inside = {"shared_up": shared[0], "shared_gate": shared[1], "shared_down": shared[2],
+                  "shared_scale": shared_scale}
         if _plain_grouped(experts):
             with torch.autocast(x_BLD.device.type, dtype=COMPUTE_DTYPE):
                 out = fused_expert(x_BLD, *_split_weights(experts), topk_expert_ids_BLK,
-                                   topk_scores_BLK, group=self.ep_group, config=self.mc2_config)
+                                   topk_scores_BLK, group=self.ep_group, config=self.mc2_config,
+                                   **inside)
         else:
             local = _local_count(experts)
             out = fused_expert_module(x_BLD, experts, topk_expert_ids_BLK,
                                       topk_scores_BLK.to(x_BLD.dtype), group=self.ep_group,
                                       config=self.mc2_config, local_experts=local,
-                                      forward=_stage_forward(experts, local))
+                                      forward=_stage_forward(experts, local), **inside)
         return out.to(x_BLD.dtype)
 
     def begin_staged(self, x_BLD: Tensor, topk_scores_BLK: Tensor, topk_expert_ids_BLK: Tensor,

@@ -23,10 +23,12 @@ expert bias and token counters as TorchTitan keeps them), the routed experts' st
 with the block's shared experts inside it (a plain or sigmoid-gated SwiGLU ``FeedForward``;
 any other runs beside the call, after its dispatch is issued). The recorded calls do not run
 the blocks' hooks: FSDP2's gathers and reduce-scatters are done at the schedule's own points
-(:class:`mc2.parallel.layer_gather.LayerGathers`). A forward that cannot be split (one
-sequence, fewer than ``min_tokens`` tokens, TorchTitan's varlen metadata, EP = 1) runs the
-blocks as TorchTitan does, said once; flex attention's ``BlockMask`` is split by batch
-(:func:`split_block_mask`).
+(:class:`mc2.parallel.layer_gather.LayerGathers`). A forward that is not split (``batch_overlap=False``,
+``"auto"`` choosing so, or one that cannot be: one sequence, fewer than ``min_tokens`` tokens,
+TorchTitan's varlen metadata; said once) runs each block whole, as TorchTitan's ``forward``
+computes it, with mc2's in-layer call and the shared experts inside it
+(:func:`titan_block_forward`; with EP = 1, TorchTitan's MoE block). Flex attention's
+``BlockMask`` is split by batch (:func:`split_block_mask`).
 
 **Refused** (``ValueError``, every rank): pipeline, tensor and context parallelism (when
 TorchTitan parallelizes the blocks); blocks under activation checkpointing (at the first
@@ -99,18 +101,48 @@ def titan_layer_stages(block: nn.Module, h: Tensor, *, masks: Any,
     if not block.moe_enabled:
         return h + block.feed_forward(x)
     moe = block.moe
+    scores, ids, shared, scale = _routed(moe, x)
+    call = moe.routed_experts.begin_staged(x, scores, ids, shared=shared, shared_scale=scale)
+    beside = _beside(moe, x, shared)  # under the dispatch just issued
+    out = (yield call).view_as(x).to(x.dtype)
+    return h + (out if beside is None else out + beside)
+
+
+def titan_block_forward(block: nn.Module, h: Tensor, masks: Any,
+                        positions: Tensor | None) -> Tensor:
+    """The block unsplit, as TorchTitan's ``forward`` computes it, with mc2's in-layer call
+    and the shared experts inside it (EP > 1; with EP = 1, TorchTitan's MoE block)."""
+    h = h + block.attention(block.attention_norm(h), masks, positions)
+    x = block.ffn_norm(h)
+    if not block.moe_enabled:
+        return h + block.feed_forward(x)
+    moe = block.moe
+    if not isinstance(moe.routed_experts, MC2RoutedExperts) or moe.routed_experts.ep_group is None:
+        return h + moe(x)
+    scores, ids, shared, scale = _routed(moe, x)
+    out = moe.routed_experts.with_shared(x, scores, ids, shared, scale)
+    beside = _beside(moe, x, shared)
+    return h + (out if beside is None else out + beside)
+
+
+def _routed(moe: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, tuple, Tensor | None]:
+    """``MoE.forward``'s router and expert-usage counter (additive over micro-batches), and
+    the shared experts as in-call views where they can be (:func:`shared_views`): ``(scores,
+    ids, (up, gate, down) or Nones, scale)``."""
     scores, ids, scores_all = moe.router(x, moe.expert_bias_E)
-    if moe.training:  # MoE.forward's expert-usage counter (additive over micro-batches)
+    if moe.training:
         with torch.no_grad():
             routed = torch.zeros_like(scores_all, dtype=torch.bool).scatter_(-1, ids, True)
             moe.tokens_per_expert_E.add_(routed.sum(dim=(0, 1)))
     inside = shared_views(moe.shared_experts, x) if moe.shared_experts is not None else None
     shared, scale = inside if inside is not None else ((None, None, None), None)
-    call = moe.routed_experts.begin_staged(x, scores, ids, shared=shared, shared_scale=scale)
-    beside = moe.shared_experts(x) if moe.shared_experts is not None and inside is None \
-        else None  # under the dispatch just issued
-    out = (yield call).view_as(x).to(x.dtype)
-    return h + (out if beside is None else out + beside)
+    return scores, ids, shared, scale
+
+
+def _beside(moe: nn.Module, x: Tensor, shared: tuple) -> Tensor | None:
+    """The shared experts' output where they could not run inside the call, else ``None``."""
+    return moe.shared_experts(x) if moe.shared_experts is not None and shared[0] is None \
+        else None
 
 
 def _run_layers(x: Tensor, calls: list[tuple[Any, tuple[Any, Tensor | None]]]) -> Tensor:
@@ -157,13 +189,16 @@ class _OverlapBlock:
         self.decision: BatchOverlapDecision | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``block(h, attention_masks, positions)`` recorded, or run as TorchTitan's block."""
-        if kwargs or len(args) not in (2, 3) or self.stage_layers < 2 or (
-                self.index == 0 and self.decision is not None and self.decision.chosen is False):
+        """``block(h, attention_masks, positions)`` recorded, or run unsplit
+        (:meth:`forward`)."""
+        if kwargs or len(args) not in (2, 3) or self.stage_layers < 2 or \
+                self.overlap_mode is False or (self.index == 0 and self.decision is not None
+                                               and self.decision.chosen is False):
             if self.index == 0:
                 close_recording()
             return nn.Module.__call__(self, *args, **kwargs)
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        if self.index == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) \
+                is not None:
             raise ValueError(
                 "mc2_batch_overlap: the decoder blocks run under activation checkpointing "
                 "(TorchTitan's activation_checkpoint.mode 'full' or 'selective'), whose "
@@ -173,6 +208,12 @@ class _OverlapBlock:
         out = record_layer_call(self, self.index, self.stage_layers, h, (masks, positions),
                                 _run_layers)
         return nn.Module.__call__(self, *args) if out is NOT_RECORDED else out
+
+    def forward(self, x: Tensor, attention_masks: Any,
+                positions: Tensor | None = None) -> Tensor:
+        """The block unsplit (:func:`titan_block_forward`): where batch overlap is off, or
+        this forward cannot be split, the shared experts still run inside the call."""
+        return titan_block_forward(self, x, attention_masks, positions)
 
     def parallelize(self, parallel_dims: Any) -> None:
         """TorchTitan's parallelize, after refusing (every rank alike) the parallelisms the
