@@ -134,13 +134,22 @@ def parser_for(doc: str, *, regimes: str, rounds: int) -> argparse.ArgumentParse
     return parser
 
 
-def main() -> int:
-    parser = parser_for(__doc__, regimes="plain,200mbit", rounds=7)
-    parser.add_argument("--micro-batches", type=int, default=2)
+def main_with(doc: str, rank_fn: Any, *, regimes: str, rounds: int, option: str,
+              default: int, help: str) -> int:
+    """A shared-expert benchmark's command line: the common options, one integer
+    ``option`` of its own, then ``rank_fn(rank, world, tokens, shared_ffn, option, rounds)``
+    in each regime, written to ``--json``."""
+    parser = parser_for(doc, regimes=regimes, rounds=rounds)
+    parser.add_argument(f"--{option}", type=int, default=default, help=help)
     args = parser.parse_args()
-    write_json(args, run_regimes(args.regimes, rank_steps, (
-        args.tokens, args.shared_ffn, args.micro_batches, args.rounds)))
+    write_json(args, run_regimes(args.regimes, rank_fn, (
+        args.tokens, args.shared_ffn, getattr(args, option.replace("-", "_")), args.rounds)))
     return 0
+
+
+def main() -> int:
+    return main_with(__doc__, rank_steps, regimes="plain,200mbit", rounds=7,
+                     option="micro-batches", default=2, help="K of the fused call")
 
 
 if __name__ == "__main__":

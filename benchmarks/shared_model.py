@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from layer_rounds import until_auto_locked  # noqa: E402
-from shared_fill_drain import MODES, parser_for, run_regimes, write_json  # noqa: E402
+from shared_fill_drain import MODES, main_with  # noqa: E402
 SEQ = 256
 
 
@@ -99,12 +99,8 @@ def rank_steps(rank: int, world: int, tokens: int, shared_ffn: int, steps: int, 
 
 
 def main() -> int:
-    parser = parser_for(__doc__, regimes="200mbit,plain", rounds=3)
-    parser.add_argument("--steps", type=int, default=2, help="steps per mode and round")
-    args = parser.parse_args()
-    write_json(args, run_regimes(args.regimes, rank_steps, (
-        args.tokens, args.shared_ffn, args.steps, args.rounds)))
-    return 0
+    return main_with(__doc__, rank_steps, regimes="200mbit,plain", rounds=3, option="steps",
+                     default=2, help="steps per mode and round")
 
 
 if __name__ == "__main__":

@@ -186,13 +186,9 @@ class MC2MoELayer(MoELayer):
         if intermediate_tensors is not None:
             raise ValueError("intermediate_tensors (partial CUDA-graph capture) is not supported "
                              "by MC2MoELayer")
-        if padding_mask is not None:
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        # Megatron overlaps the shared experts with its dispatcher; here mc2's call runs them
-        overlapped = self.use_shared_expert and self.shared_expert_overlap
-        inside = shared_views(self.shared_experts, hidden_states) if overlapped else {}
-        shared = None if overlapped else self.shared_experts_compute(hidden_states)
-        probs, routing_map = self.route(hidden_states, padding_mask)
+        inside = self._shared_inside(hidden_states)
+        shared = self.shared_beside(hidden_states)
+        probs, routing_map = self.route(hidden_states, self._token_mask(padding_mask))
         output = self.routed(hidden_states, probs, routing_map, **inside)
         if shared is not None:
             output = output + shared
@@ -225,11 +221,9 @@ class MC2MoELayer(MoELayer):
         (:mod:`mc2.integrations.megatron_overlap`): routes, plans the call and issues its
         dispatch; ``.experts()`` then ``.end()`` (``[tokens, H]``) finish it. Shared experts
         outside the call are the caller's (:meth:`shared_beside`)."""
-        if padding_mask is not None:
-            padding_mask = padding_mask.transpose(0, 1).bool()
-        overlapped = self.use_shared_expert and self.shared_expert_overlap
-        inside = shared_views(self.shared_experts, hidden_states) if overlapped else {}
-        x, ids, weights = self._slots(hidden_states, *self.route(hidden_states, padding_mask))
+        inside = self._shared_inside(hidden_states)
+        x, ids, weights = self._slots(
+            hidden_states, *self.route(hidden_states, self._token_mask(padding_mask)))
         experts = ModuleExperts.of(self.experts, x.shape[-1], forward=self._experts_stage,
                                    local_experts=self.num_local_experts, tokens_per_expert=True)
         return begin_module(x, experts, ids, weights, group=self.ep_group,
@@ -244,6 +238,19 @@ class MC2MoELayer(MoELayer):
         if not self.use_shared_expert or self.shared_expert_overlap:
             return None
         return self.shared_experts_compute(hidden_states)
+
+    def _shared_inside(self, hidden_states: Tensor) -> dict[str, Tensor]:
+        """The shared experts as the call's ``shared_*`` arguments where they run inside it
+        (``moe_shared_expert_overlap``: Megatron overlaps them with its dispatcher, mc2's call
+        runs them where its pipeline waits), else nothing."""
+        if self.use_shared_expert and self.shared_expert_overlap:
+            return shared_views(self.shared_experts, hidden_states)
+        return {}
+
+    @staticmethod
+    def _token_mask(padding_mask: Tensor | None) -> Tensor | None:
+        """Megatron's ``padding_mask [B, S]`` as its router takes it, ``[S, B]`` bool."""
+        return None if padding_mask is None else padding_mask.transpose(0, 1).bool()
 
     def _slots(self, hidden_states: Tensor, probs: Tensor, routing_map: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:

@@ -43,7 +43,6 @@ from mc2.engine.decide.planner import planner_for
 from mc2.integrations.batch_overlap import split_sizes, split_value
 from mc2.integrations.layer_recording import (
     NOT_RECORDED, close_recording, record_layer_call)
-from mc2.parallel.layer_gather import LayerGathers
 
 from torch.distributed.fsdp import FSDPModule
 
@@ -137,8 +136,8 @@ def _run_block(decision: BatchOverlapDecision, x: Tensor,
                 part = {k: values[i] for k, values in pieces.items()}
                 stages[i].append(partial(megatron_layer_stages, layer, kwargs=part))
         parts = [p.contiguous() for p in x.split(sizes, dim=1)]
-        return torch.cat(run_overlapped(stages, parts, LayerGathers(
-            [layer for layer, _ in calls])), dim=1)
+        # no gathers: layers sharded by FSDP2 are refused (MC2TransformerLayer.forward)
+        return torch.cat(run_overlapped(stages, parts), dim=1)
 
     return timed_forward(decision, overlapped, split if overlapped else plain, x.device,
                          first=x)

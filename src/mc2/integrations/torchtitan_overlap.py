@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mc2.engine.autograd.function import saved_tensor_hooks_active
 from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
 from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, timed_forward
 from mc2.engine.decide.planner import planner_for
@@ -197,8 +198,7 @@ class _OverlapBlock:
             if self.index == 0:
                 close_recording()
             return nn.Module.__call__(self, *args, **kwargs)
-        if self.index == 0 and torch._C._autograd._top_saved_tensors_default_hooks(False) \
-                is not None:
+        if self.index == 0 and saved_tensor_hooks_active():
             raise ValueError(
                 "mc2_batch_overlap: the decoder blocks run under activation checkpointing "
                 "(TorchTitan's activation_checkpoint.mode 'full' or 'selective'), whose "

@@ -19,7 +19,7 @@ from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.passes.run import CallInputs, ForwardState, run_backward, run_forward
 
 
-def _hooks_active() -> bool:
+def saved_tensor_hooks_active() -> bool:
     """Whether a saved-tensor hook (offload, checkpointing) would see what is saved."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
@@ -37,7 +37,7 @@ class FusedExpertFunction(torch.autograd.Function):
         ctx.state = None
         if not call.keep_activations:
             ctx.save_for_backward()
-        elif _hooks_active():
+        elif saved_tensor_hooks_active():
             ctx.save_for_backward(*tensors, *state.tensors())
             ctx.state = state.with_tensors([None] * len(state.tensors()))
             ctx.through_hooks = True

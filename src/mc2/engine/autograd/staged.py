@@ -284,5 +284,3 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
     shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
     token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)
-
-
