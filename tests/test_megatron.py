@@ -177,3 +177,22 @@ def test_use_mc2_refuses_a_spec_without_moe_layer() -> None:
 
     with pytest.raises(ValueError, match="no MoELayer"):
         use_mc2(get_gpt_layer_local_spec())
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_distributed_optimizer_with_overlapped_parameter_gather(wait: bool) -> None:
+    """``use_distributed_optimizer`` + ``overlap_param_gather``: mc2 waits for the gathers of
+    every parameter it reads without calling its module (the shared MLP's views, the experts
+    on stand-ins), so training equals Megatron's own model over the steps; without the waits
+    (``wait=False``) it does not: Megatron's next ``start_param_sync`` finds a bucket group
+    never waited, or the losses differ."""
+    from tests.workers_megatron import gathered_training
+
+    for rank, found in enumerate(mc2.run_local(gathered_training, 2, args=(wait,),
+                                               deadline_s=600)):
+        megatron = found["megatron"]
+        assert isinstance(megatron, list) and len(set(megatron)) == STEPS, (rank, megatron)
+        if wait:
+            assert found["mc2"] == pytest.approx(megatron, rel=TOLERANCE), (rank, found)
+        else:
+            assert found["mc2"] != pytest.approx(megatron, rel=TOLERANCE), (rank, found)

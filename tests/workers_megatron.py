@@ -444,3 +444,56 @@ def patched_specs(rank: int, world: int, env: str) -> dict[str, Any]:
     found["unpatched"] = moe_modules()
     found["unpatched layers"] = layer_modules()
     return found
+
+
+def gathered_training(rank: int, world: int, wait: bool = True) -> dict[str, Any]:
+    """Megatron's distributed optimizer with ``overlap_param_gather``: a 2-layer GPTModel with
+    shared experts run inside mc2's call (``moe_shared_expert_overlap``) and Megatron's own,
+    the same weights, each under ``DistributedDataParallel(use_distributed_optimizer=True,
+    overlap_param_gather=True)``; ``STEPS`` Adam steps, each followed by DDP's asynchronous
+    parameter all-gather (``start_param_sync``), which the next forward's pre-hooks wait for.
+    The gradients are reduce-scattered: outside a rank's shard its Adam step is wrong and the
+    gather overwrites it with the owner's, so a forward reading a parameter before its gather
+    lands computes with the wrong values. ``wait=False`` turns mc2's waits off (what the test
+    shows fails). Returns both models' losses, or the error."""
+    import mc2
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mc2.integrations import megatron as mc2_megatron
+
+    if not wait:
+        mc2_megatron.wait_param_gathers = lambda module: None
+    start(world)
+    config = transformer_config(world, num_layers=2, num_moe_experts=4, moe_router_topk=2,
+                                moe_shared_expert_intermediate_size=FFN,
+                                moe_shared_expert_overlap=True, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    models = {"megatron": _gpt(config, spec),
+              "mc2": _gpt(config, mc2_megatron.use_mc2(spec, config=mc2.MC2Config(
+                  micro_batches=2)))}
+    _fill_model(models["megatron"], rank)
+    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    found: dict[str, Any] = {}
+    for name, model in models.items():
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_param_gather=True), model)
+        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+        losses = []
+        try:
+            for ids, position, mask in _batches(rank)[:STEPS]:
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
+                loss = ddp(ids, position, mask, labels=ids).mean()
+                loss.backward()
+                ddp.finish_grad_sync()
+                for p in ddp.parameters():
+                    p.grad = p.main_grad
+                optimizer.step()
+                ddp.start_param_sync()  # asynchronous: waited by the next forward's hooks
+                losses.append(float(loss))
+            found[name] = losses
+        except AssertionError as exc:  # Megatron's: a bucket group never waited
+            found[name] = f"AssertionError: {exc}"
+    return found

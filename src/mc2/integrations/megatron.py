@@ -64,6 +64,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mc2.engine.decide.batch_split import MIN_TOKENS
 from mc2.integrations.megatron_overlap import MC2TransformerLayer
+from mc2.integrations.weight_reads import first_problem, say_once
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
@@ -208,6 +209,7 @@ class MC2MoELayer(MoELayer):
         the host wait for the device).
         """
         x, ids, weights = self._slots(hidden_states, probs, routing_map)
+        wait_param_gathers(self.experts)
         out = fused_expert_module(x, self.experts, ids, weights, group=self.ep_group,
                                   config=self.mc2_config, num_experts=self.config.num_moe_experts,
                                   local_experts=self.num_local_experts,
@@ -224,6 +226,7 @@ class MC2MoELayer(MoELayer):
         inside = self._shared_inside(hidden_states)
         x, ids, weights = self._slots(
             hidden_states, *self.route(hidden_states, self._token_mask(padding_mask)))
+        wait_param_gathers(self.experts)
         experts = ModuleExperts.of(self.experts, x.shape[-1], forward=self._experts_stage,
                                    local_experts=self.num_local_experts, tokens_per_expert=True)
         return begin_module(x, experts, ids, weights, group=self.ep_group,
@@ -234,18 +237,33 @@ class MC2MoELayer(MoELayer):
 
     def shared_beside(self, hidden_states: Tensor) -> Tensor | None:
         """The shared experts' output where they run beside mc2's call (as Megatron runs
-        them), or ``None`` (no shared experts, or ``moe_shared_expert_overlap``: inside)."""
-        if not self.use_shared_expert or self.shared_expert_overlap:
+        them), or ``None`` (no shared experts, or inside: :meth:`_shared_inside`)."""
+        if not self.use_shared_expert or self._shared_runs_inside():
             return None
+        if self.shared_expert_overlap:  # asked inside, but their modules must be called
+            return self.shared_experts(hidden_states)
         return self.shared_experts_compute(hidden_states)
 
     def _shared_inside(self, hidden_states: Tensor) -> dict[str, Tensor]:
         """The shared experts as the call's ``shared_*`` arguments where they run inside it
         (``moe_shared_expert_overlap``: Megatron overlaps them with its dispatcher, mc2's call
         runs them where its pipeline waits), else nothing."""
-        if self.use_shared_expert and self.shared_expert_overlap:
+        if self._shared_runs_inside():
+            wait_param_gathers(self.shared_experts)
             return shared_views(self.shared_experts, hidden_states)
         return {}
+
+    def _shared_runs_inside(self) -> bool:
+        """``moe_shared_expert_overlap`` and, at this forward, projections that read as their
+        weights (:func:`shared_read_problem`: an adapter or a hook of the user's makes them run
+        beside, called, said once)."""
+        if not (self.use_shared_expert and self.shared_expert_overlap):
+            return False
+        if (problem := shared_read_problem(self.shared_experts)) is not None:
+            say_once(f"mc2: MC2MoELayer's shared experts run beside the call, as Megatron runs "
+                     f"them: {problem}")
+            return False
+        return True
 
     @staticmethod
     def _token_mask(padding_mask: Tensor | None) -> Tensor | None:
@@ -294,6 +312,51 @@ def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         views["shared_scale"] = torch.sigmoid(torch.nn.functional.linear(x, mlp.gate_weight))
     return views
+
+
+def is_param_gather_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the forward pre-hook of Megatron's ``DistributedDataParallel`` with
+    ``use_distributed_optimizer`` and ``overlap_param_gather``: it waits for the all-gather of
+    the module's own parameters (and dispatches the next bucket's)."""
+    return getattr(hook, "__qualname__", "").startswith(
+        "DistributedDataParallel._make_forward_pre_hook")
+
+
+def wait_param_gathers(module: Any) -> None:
+    """Run Megatron DDP's parameter-gather pre-hooks (:func:`is_param_gather_hook`) of
+    ``module`` and its submodules, now.
+
+    Why: with ``overlap_param_gather`` a parameter is all-gathered asynchronously after the
+    optimizer step and waited for in a forward pre-hook of the module that owns it. mc2 reads
+    the shared MLP's weights as views without calling its linears, and runs the experts on
+    stand-ins for their parameters (the hooks then see the stand-ins, not the parameters): no
+    hook would wait, the GEMMs could read parameters before their gather lands, and a bucket
+    group never waited would trip Megatron's ``param_gather_handle`` assertion on the next
+    step. The hook only waits (and dispatches the next bucket), so running it before the reads
+    is what calling the modules would have done first; the same hook run again inside finds
+    nothing left to wait for."""
+    for sub in module.modules():
+        for hook in list(sub._forward_pre_hooks.values()):
+            if is_param_gather_hook(hook):
+                hook(sub, ())
+
+
+def shared_read_problem(mlp: Any) -> str | None:
+    """Why ``mlp``'s ``linear_fc1`` / ``linear_fc2`` do not read as their weights (a class
+    other than Megatron's own parallel linears, e.g. an adapter's wrapper; a hook other than
+    the parameter gather :func:`wait_param_gathers` runs; a parametrization), or ``None``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    kinds: tuple[type, ...] = (ColumnParallelLinear, RowParallelLinear)
+    try:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear, TERowParallelLinear)
+        kinds += (TEColumnParallelLinear, TERowParallelLinear)
+    except ImportError:  # TransformerEngine absent
+        pass
+    return first_problem(((name, getattr(mlp, name, None))
+                          for name in ("linear_fc1", "linear_fc2")), kinds,
+                         ignore=is_param_gather_hook)
 
 
 def config_from_env(value: str | None = None) -> MC2Config:

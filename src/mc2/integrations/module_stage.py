@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from mc2.engine.autograd.ops import fused_expert_module
 from mc2.engine.decide.config import MC2Config
+from mc2.integrations.weight_reads import first_problem, say_once
 from mc2.parallel.mesh import resolve_layout
 
 
@@ -63,6 +64,7 @@ class ModuleStageExperts:
         return torch.arange(self.first_expert, self.first_expert + self.num_experts)
 
 
+SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # sparse-MoE blocks whose forward is ``_, w, ids = gate(h); experts(h, ids, w) +
 # shared_experts(h)`` (transformers 5), so that the shared MLP may run inside the call
 SHARED_SWIGLU_BLOCKS = ("DeepseekV3MoE", "Glm4MoeMoE")
@@ -75,28 +77,63 @@ def is_silu(act: Any) -> bool:
 
 class SharedInsideBlock:
     """Mixed into a copy of a :data:`SHARED_SWIGLU_BLOCKS` class: the block's forward with its
-    shared MLP inside the experts' call (see the module docstring)."""
+    shared MLP inside the experts' call (see the module docstring), where the MLP reads as a
+    plain SwiGLU at this forward (:func:`shared_swiglu_problem`); else the model's own forward,
+    said once."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
+        mlp = self.shared_experts  # type: ignore[attr-defined]
+        if (problem := shared_swiglu_problem(mlp)) is not None:
+            say_once(f"mc2: the shared_experts of {type(self).__name__} run beside the experts' "
+                     f"call, as the model runs them: {problem}")
+            return super().forward(hidden_states)  # type: ignore[misc]
         shape = hidden_states.shape
         _, weights, ids = self.gate(hidden_states)  # type: ignore[attr-defined]
-        mlp = self.shared_experts  # type: ignore[attr-defined]
         views = tuple(m.weight.t().unsqueeze(0)
                       for m in (mlp.up_proj, mlp.gate_proj, mlp.down_proj))
         return self.experts(hidden_states.view(-1, shape[-1]), ids,  # type: ignore[attr-defined]
                             weights, shared=views).view(shape)
 
 
+def shared_swiglu_problem(mlp: Any) -> str | None:
+    """Why ``mlp`` does not read as the bias-free SwiGLU ``down(silu(gate x) * up x)`` of its
+    ``gate_proj``, ``up_proj`` and ``down_proj`` weights, or ``None``: each a plain
+    ``nn.Linear`` without bias, hook or parametrization (:func:`~mc2.integrations.
+    weight_reads.read_problem`), matching shapes, a SiLU, no other tensor. Cheap enough for
+    every forward (attribute reads only)."""
+    linears = [(name, getattr(mlp, name, None)) for name in SHARED_PROJECTIONS]
+    if (problem := first_problem(linears)) is not None:
+        return problem
+    if any(m.bias is not None for _, m in linears):
+        return "a projection has a bias (mc2's SwiGLU has none)"
+    if mlp._forward_pre_hooks or mlp._forward_hooks:
+        return f"{type(mlp).__name__} has forward hooks"
+    g, u, d = (m.weight for _, m in linears)
+    if g.shape != u.shape or tuple(d.shape) != tuple(g.shape)[::-1]:
+        return (f"weights {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)} are not [F, H], "
+                "[F, H], [H, F]")
+    if _tensors(mlp) or any(_tensors(m) != 1 or m._modules for _, m in linears):
+        return f"{type(mlp).__name__} holds tensors beside the three weights"
+    if len(mlp._modules) != 3 + ("act_fn" in mlp._modules):
+        return f"{type(mlp).__name__} holds submodules beside the three projections"
+    if not is_silu(getattr(mlp, "act_fn", None)):
+        return f"act_fn {type(mlp.act_fn).__name__} (mc2 computes SiLU)"
+    return None
+
+
+def _tensors(module: nn.Module) -> int:
+    """The module's own parameters and buffers (a ``None`` slot, nn.Linear's absent bias, is
+    none)."""
+    return sum(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
 def shared_inside(block: nn.Module) -> bool:
     """Run ``block``'s shared MLP inside its experts' call, where the block is one of
-    :data:`SHARED_SWIGLU_BLOCKS` with module-stage experts and a bias-free SwiGLU shared MLP;
-    whether it does."""
-    mlp = getattr(block, "shared_experts", None)
-    linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    :data:`SHARED_SWIGLU_BLOCKS` with module-stage experts (whether its MLP reads as a SwiGLU
+    is asked at every forward, :class:`SharedInsideBlock`); whether it does."""
     if (type(block).__name__ not in SHARED_SWIGLU_BLOCKS
             or not isinstance(getattr(block, "experts", None), ModuleStageExperts)
-            or not all(isinstance(m, nn.Linear) and m.bias is None for m in linears)
-            or not is_silu(getattr(mlp, "act_fn", None))):
+            or not isinstance(getattr(block, "shared_experts", None), nn.Module)):
         return False
     block.__class__ = _shared_class(type(block))
     return True
@@ -119,9 +156,14 @@ def experts_problem(experts: nn.Module) -> str | None:
         return f"{type(experts).__name__} has no integer num_experts"
     shared = [name for name, p in experts.named_parameters(recurse=False)
               if p.dim() == 0 or p.shape[0] != n]
-    if shared or any(True for _ in experts.children() if any(_.parameters())):
+    if shared or any(True for child in experts.children()
+                     for _ in child.parameters()):
+        wrapped = (f" (it wraps {type(experts.base_layer).__name__}: an adapter on the experts' "
+                   "tensors, e.g. PEFT's target_parameters, which mc2 cannot split)"
+                   if isinstance(getattr(experts, "base_layer", None), nn.Module) else "")
         return (f"{type(experts).__name__} holds tensors not indexed by expert "
-                f"({shared or 'in a submodule'}): they could not be split over the ranks")
+                f"({shared or 'in a submodule'}): they could not be split over the ranks"
+                + wrapped)
     return None
 
 

@@ -51,8 +51,9 @@ from mc2.engine.autograd.staged import StagedCall
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.integrations.module_stage import (
     ModuleStageExperts, ep_experts, experts_problem, is_silu as _is_silu, shard_experts,
-    shared_inside
+    shared_inside, shared_swiglu_problem
 )
+from mc2.integrations.weight_reads import say_once
 from mc2.parallel.expert_shards import expert_shards
 from mc2.layer import PackedExperts
 from mc2.parallel.mesh import resolve_layout
@@ -69,7 +70,6 @@ kernel: ``eager`` loops over the experts (mc2's ``"loop"``: one GEMM per expert)
 # The layout flags of Hugging Face's @use_experts_implementation, as mc2's fused call needs them.
 _EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False,
                    "is_transposed": False, "is_concatenated": True}
-_SHARED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class LocalExperts(PackedExperts):
@@ -138,6 +138,8 @@ class MC2SparseMoeBlock(nn.Module):
                                         experts.down_proj[mine.start:mine.stop].clone(),
                                         first_expert=mine.start)
         _carry_init_marks(experts, self.experts)
+        for name in LocalExperts.names:  # frozen stays frozen (an adapter's base, fine-tuning)
+            getattr(self.experts, name).requires_grad_(getattr(experts, name).requires_grad)
         self.gate = block.gate
         self.top_k = int(block.gate.top_k)
         self.shared_expert: nn.Module | None = getattr(block, "shared_expert", None)
@@ -166,27 +168,44 @@ class MC2SparseMoeBlock(nn.Module):
             self.config = self.config.replace(gemm=gemm_for(chosen))
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        x, call_args = self._call_args(hidden_states)
-        return self.experts(x, **call_args).reshape(hidden_states.shape)
+        x, call_args, beside = self._call_args(hidden_states)
+        out = self.experts(x, **call_args)
+        if beside is not None:
+            out = out + beside
+        return out.reshape(hidden_states.shape)
 
-    def begin_staged(self, hidden_states: Tensor) -> StagedCall:
+    def begin_staged(self, hidden_states: Tensor) -> StagedCall | "BesideStagedCall":
         """:meth:`forward` in stages, for batch overlap
         (:mod:`mc2.integrations.batch_overlap`): routes, plans the call and issues its
         dispatch; ``.experts()`` then ``.end()`` (the output, ``[tokens, H]``: the caller
-        takes its own shape back) finish it."""
-        x, call_args = self._call_args(hidden_states)
-        return self.experts.begin_staged(x, **call_args)
+        takes its own shape back) finish it.
 
-    def _call_args(self, hidden_states: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        """The tokens ``[T, H]`` (with Mixtral's jitter in training: router and experts see it)
-        and the rest of the experts' call: routes, group, config, shared expert and scale."""
+        Raises:
+            ValueError: the experts are wrapped (an adapter on their tensors, e.g. PEFT's
+                ``target_parameters``): the staged call reads their tensors, which would skip
+                the wrapper; their forward (:meth:`forward`) runs it.
+        """
+        if not isinstance(self.experts, LocalExperts):
+            raise ValueError(
+                f"batch overlap: the experts of {self.source} are wrapped in "
+                f"{type(self.experts).__name__} (an adapter on their tensors?): the staged call "
+                "would read the tensors without it; run without batch_overlap")
+        x, call_args, beside = self._call_args(hidden_states)
+        call = self.experts.begin_staged(x, **call_args)
+        return call if beside is None else BesideStagedCall(call, beside)
+
+    def _call_args(self, hidden_states: Tensor
+                   ) -> tuple[Tensor, dict[str, Any], Tensor | None]:
+        """The tokens ``[T, H]`` (with Mixtral's jitter in training: router and experts see it),
+        the rest of the experts' call (routes, group, config, shared expert and scale) and the
+        shared expert's output where it runs beside the call (else ``None``)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         weights, ids = self._route(x)
-        shared, scale = self._shared(x)
+        shared, scale, beside = self._shared(x)
         return x, {"expert_ids": ids, "routing_weights": weights.to(x.dtype), "group": self.group,
-                   "config": self.config, "shared": shared, "shared_scale": scale}
+                   "config": self.config, "shared": shared, "shared_scale": scale}, beside
 
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(top_k_weights, top_k_index)`` of the router, checked by dtype and shape only (no
@@ -206,16 +225,41 @@ class MC2SparseMoeBlock(nn.Module):
             f"indices of shape [tokens, top_k] = [{x.shape[0]}, {self.top_k}]; it returned "
             f"{_describe(out)}")
 
-    def _shared(self, x: Tensor) -> tuple[tuple[Tensor | None, ...], Tensor | None]:
+    def _shared(self, x: Tensor) -> tuple[tuple[Tensor | None, ...], Tensor | None,
+                                          Tensor | None]:
         """The shared expert as split ``(up [1,H,F], gate [1,H,F], down [1,F,H])`` views of its
         ``nn.Linear`` weights (no copy: their gradients land on the weights) and its per-token
-        scale ``sigmoid(shared_expert_gate(x))``; ``None``s without one."""
+        scale ``sigmoid(shared_expert_gate(x))``; ``None``s without one.
+
+        Checked at every forward (:mod:`mc2.integrations.weight_reads`): where the views would
+        not be what the MLP computes (an adapter or a quantised layer on a projection, a hook,
+        added before or after ``enable_mc2``), the MLP runs beside the call as the model runs
+        it, said once, and its gated output is the third item (else ``None``)."""
         if self.shared_expert is None or self.shared_expert_gate is None:
-            return (None, None, None), None
+            return (None, None, None), None, None
         mlp = self.shared_expert
+        problem = shared_swiglu_problem(mlp)
+        if problem is not None:
+            say_once(f"mc2: {self.source}'s shared_expert runs beside the fused call, as the "
+                     f"model runs it: {problem}")
+            return (None, None, None), None, torch.sigmoid(self.shared_expert_gate(x)) * mlp(x)
         views = tuple(getattr(mlp, name).weight.t().unsqueeze(0)
                       for name in ("up_proj", "gate_proj", "down_proj"))
-        return views, torch.sigmoid(self.shared_expert_gate(x))
+        return views, torch.sigmoid(self.shared_expert_gate(x)), None
+
+
+class BesideStagedCall:
+    """A staged call (:class:`~mc2.engine.autograd.staged.StagedCall`) whose output gains a
+    shared expert's, computed beside it (:meth:`MC2SparseMoeBlock._shared`)."""
+
+    def __init__(self, call: StagedCall, beside: Tensor) -> None:
+        self.call, self.beside = call, beside
+
+    def experts(self) -> None:
+        self.call.experts()
+
+    def end(self) -> Tensor:
+        return self.call.end() + self.beside
 
 
 def gemm_for(experts_implementation: str) -> str:
@@ -283,37 +327,21 @@ def _experts_problems(experts: nn.Module) -> list[str]:
 
 
 def _shared_problems(block: nn.Module, hidden: int) -> list[str]:
-    """What in a Qwen2-MoE style gated shared expert mc2 would not compute."""
+    """What in a Qwen2-MoE style gated shared expert mc2 would not compute.
+
+    Only the pairing is needed here: the MLP runs inside the call where its projections read
+    as a bias-free SwiGLU of ``hidden``, and beside it, called, otherwise, which is decided at
+    every forward (:meth:`MC2SparseMoeBlock._shared`)."""
     mlp, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if mlp is None and gate is None:
         return []
     if mlp is None or gate is None:
         return ["shared_expert and shared_expert_gate go together (the gated shared expert of "
                 "Qwen2-MoE); the block has only one"]
-    problems = []
-    linears = [getattr(mlp, name, None) for name in _SHARED_MLP]
-    if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
-        problems.append(f"shared_expert ({type(mlp).__name__}) must hold gate_proj, up_proj and "
-                        "down_proj as nn.Linear without bias")
-    else:
-        known = {f"{name}.weight" for name in _SHARED_MLP}
-        extra = sorted(set(dict(mlp.named_parameters())) - known) + \
-            sorted(name for name, _ in mlp.named_buffers())
-        if extra:
-            problems.append(f"shared_expert tensors {extra} (mc2 knows gate_proj, up_proj and "
-                            "down_proj weights)")
-        g, u, d = linears
-        if g.weight.shape != u.weight.shape or tuple(d.weight.shape) != tuple(g.weight.shape)[::-1] \
-                or g.weight.shape[1] != hidden:
-            problems.append(f"shared_expert weights {tuple(g.weight.shape)}, "
-                            f"{tuple(u.weight.shape)}, {tuple(d.weight.shape)} are not "
-                            f"[F, {hidden}], [F, {hidden}], [{hidden}, F]")
-    if not _is_silu(getattr(mlp, "act_fn", None)):
-        problems.append(f"shared_expert.act_fn {type(mlp.act_fn).__name__} (mc2 computes SiLU)")
-    if not isinstance(gate, nn.Linear) or gate.out_features != 1:
-        problems.append(f"shared_expert_gate must be an nn.Linear to one output, got "
-                        f"{type(gate).__name__}")
-    return problems
+    if not isinstance(mlp, nn.Module) or not isinstance(gate, nn.Module):
+        return [f"shared_expert ({type(mlp).__name__}) and shared_expert_gate "
+                f"({type(gate).__name__}) must be modules"]
+    return []
 
 
 def block_problems(block: nn.Module) -> list[str]:

@@ -42,12 +42,27 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.stateless import _reparametrize_module
 
 ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]  # the contract (module docstring)
 # modules already tried on one row, by (hidden, dtype, device): a module that cannot take the
 # call's rows fails there, before the handshake, not on the ranks that got rows mid-pipeline
 _TRIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
+def stand_in_problem(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run on stand-ins for its parameters, or ``None``: a
+    parametrization anywhere in it (PEFT's LoRA on an experts tensor, ``target_parameters``,
+    registers one while its forward runs) computes the weight from tensors the stage does not
+    see, so their gradients would be lost, silently."""
+    for name, sub in module.named_modules():
+        if parametrize.is_parametrized(sub):
+            where = f"{name}." if name else ""
+            return (f"{type(module).__name__} has a parametrization of "
+                    f"{[where + p for p in sub.parametrizations]} (an adapter on the experts' "
+                    "tensors, e.g. PEFT's target_parameters)")
+    return None
 
 
 @dataclass
@@ -89,6 +104,12 @@ class ModuleExperts:
            ) -> "ModuleExperts":
         """The module's floating-point parameters, read now (inside any context that swapped
         them, e.g. Hugging Face's local shards of DTensor parameters)."""
+        if (problem := stand_in_problem(module)) is not None:
+            raise ValueError(
+                f"fused_expert_module: mc2 runs the experts on stand-ins for their tensors, "
+                f"which would skip what changes them: {problem}. Put the adapter where mc2 "
+                f"calls the module (a shared MLP), or on experts mc2 computes itself (Mixtral, "
+                f"Qwen-MoE under enable_mc2: get_peft_model after enable_mc2)")
         named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
         if local_experts is None:
             local_experts = getattr(module, "num_experts", None)

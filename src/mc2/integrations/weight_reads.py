@@ -1,0 +1,80 @@
+"""Where mc2 reads a module's weights instead of calling it: whether the read is what the call
+would compute.
+
+mc2 runs a shared MLP inside its call as *views* of the MLP's weights, and a model's experts on
+stand-ins for their parameters. That is the module's computation only while the module is
+exactly what it looks like. A LoRA adapter (PEFT wraps the ``nn.Linear`` in a ``LoraLayer``,
+or registers a parametrization on an experts tensor while its forward runs), a quantised
+layer (transformers' ``FP8Linear``, bitsandbytes' ``Linear4bit``: ``nn.Linear`` subclasses with
+forwards of their own), a forward hook (Megatron's distributed optimizer waits for a
+parameter's all-gather in a forward pre-hook) all change what calling the module computes,
+and none of them shows in its ``.weight``.
+
+So every place that reads weights asks here first, **at every forward** (a few attribute
+reads, no device work): adapters are added after ``enable_mc2`` (``get_peft_model`` on the
+patched model) and removed again (``unload``), so a check made once would go stale. Where the
+answer is a problem, the caller runs the module as the model runs it (a shared MLP beside the
+call) or refuses with a ``ValueError``; :func:`say_once` says why, once per reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+
+class WeightReadWarning(UserWarning):
+    """mc2 runs a module as the model runs it instead of reading its weights (said once per
+    reason)."""
+
+
+_said: set[str] = set()
+
+
+def say_once(reason: str) -> None:
+    """Warn with ``reason`` the first time it is given in this process."""
+    if reason not in _said:
+        _said.add(reason)
+        warnings.warn(reason, WeightReadWarning, stacklevel=3)
+
+
+def read_problem(module: Any, kinds: tuple[type, ...] = (nn.Linear,),
+                 ignore: Callable[[Any], bool] | None = None) -> str | None:
+    """Why reading ``module.weight`` is not what calling ``module`` computes, or ``None``.
+
+    ``kinds``: the exact classes whose forward is their weight's GEMM and nothing else (a
+    subclass may compute more: ``FP8Linear`` is an ``nn.Linear``). Also a problem: a forward
+    hook or pre-hook (it would not run; ``ignore``: hooks the caller runs itself) and a
+    parametrization (the read would bypass it).
+    """
+    if type(module) not in kinds:
+        names = " or ".join(_qualified(k) for k in kinds)
+        return (f"{_qualified(type(module))} is not a plain {names} (an adapter or a quantised "
+                "layer computes more than its weight)")
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    if any(ignore is None or not ignore(h) for h in hooks):
+        return f"{type(module).__name__} has forward hooks ({_hook_names(module)})"
+    if parametrize.is_parametrized(module):
+        return f"{type(module).__name__} has a parametrization of {list(module.parametrizations)}"
+    return None
+
+
+def first_problem(modules: Iterable[tuple[str, Any]], kinds: tuple[type, ...] = (nn.Linear,),
+                  ignore: Callable[[Any], bool] | None = None) -> str | None:
+    """The first ``name: problem`` of :func:`read_problem` over ``(name, module)`` pairs."""
+    for name, module in modules:
+        if (problem := read_problem(module, kinds, ignore)) is not None:
+            return f"{name}: {problem}"
+    return None
+
+
+def _hook_names(module: nn.Module) -> str:
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    return ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
