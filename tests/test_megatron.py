@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 
 import mc2  # noqa: E402
 from tests.workers_megatron import (  # noqa: E402
-    CASES, REFUSALS, STEPS, compare_layers, gpt_training, patched_specs, refusals)
+    BATCH, CASES, REFUSALS, SEQ, STEPS, compare_layers, gpt_training, patched_specs, refusals)
 
 TOLERANCE = 1e-5
 
@@ -73,6 +73,22 @@ def test_the_cases_exercise_what_they_name(world: int) -> None:
     for results in _layers(world):
         assert results["capacity_drops"]["dropped"] > 0
         assert results["capacity_drops_position"]["dropped"] > 0
+        skewed = results["capacity_drops_skewed"]
+        assert skewed["dropped"] >= SEQ * BATCH // 2, skewed["dropped"]  # the skew drops
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropped_slots_add_no_rows(world: int) -> None:
+    """With a capacity factor the rows sent to each destination are exactly the router's kept
+    (token, expert) slots: a dropped slot travels nowhere and computes nothing (it used to go
+    to whichever expert ``topk`` picked among the map's ties, weight 0: a straggler where
+    capacity factors are meant to bound the work)."""
+    for rank, results in enumerate(_layers(world)):
+        for case in ("capacity_drops", "capacity_drops_position", "capacity_drops_skewed"):
+            found = results[case]
+            assert found["rows_sent"] == found["kept_rows"], (rank, case, found["rows_sent"])
+            assert sum(found["rows_sent"]) == SEQ * BATCH * CASES[case]["moe_router_topk"] \
+                - found["dropped"], (rank, case)
         for case, loss in [("top2_aux_loss", "load_balancing_loss"),
                            ("sigmoid_expert_bias", "seq_load_balancing_loss"),
                            ("group_limited_z_loss", "z_loss")]:

@@ -53,7 +53,7 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
             ids[0, 0] = p.w_up.shape[0]
         elif bad == "negative_expert":
             ids = ids.clone()
-            ids[-1, -1] = -1
+            ids[-1, -1] = -2  # -1 is no expert (a dropped slot); below it is bad
         elif bad == "hidden_mismatch":
             x = torch.randn(x.shape[0], x.shape[1] + 1, dtype=x.dtype)
         elif bad == "weight_dtype":

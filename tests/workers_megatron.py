@@ -36,6 +36,9 @@ CASES: dict[str, dict[str, Any]] = {
     "capacity_drops_position": dict(num_moe_experts=8, moe_router_topk=2,
                                     moe_expert_capacity_factor=0.75,
                                     moe_token_drop_policy="position"),
+    # a router that sends nearly every token to expert 0 first: most of its slots dropped
+    "capacity_drops_skewed": dict(num_moe_experts=8, moe_router_topk=2,
+                                  moe_expert_capacity_factor=0.5, skew=True),
     "shared_experts": dict(num_moe_experts=4, moe_router_topk=2,
                            moe_shared_expert_intermediate_size=20),
     "shared_experts_gate_overlap": dict(num_moe_experts=4, moe_router_topk=2,
@@ -156,6 +159,7 @@ def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         fields = dict(CASES[name])
         options = fields.pop("mc2", {"micro_batches": 2})
         padding = fields.pop("padding", False)
+        skew = fields.pop("skew", False)
         config = transformer_config(world, **fields)
         spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
                                    moe_grouped_gemm=config.moe_grouped_gemm)
@@ -166,16 +170,19 @@ def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
             m.set_layer_number(1)
             m.train()
         _fill(reference, rank)
+        if skew:  # every token's logit of expert 0 raised by its shared offset
+            with torch.no_grad():
+                reference.router.weight[0].fill_(1.0)
         missing = layer.load_state_dict(reference.state_dict(), strict=True)
         g = torch.Generator().manual_seed(17 + rank)
-        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=g) + (1.0 if skew else 0.0)
         grad = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
         mask = None
         if padding:  # [B, S], True for a real token; the last two positions pad
             mask = torch.ones(BATCH, SEQ, dtype=torch.bool)
             mask[:, -2:] = False
         want, want_losses = _run(reference, x, grad, mask)
-        with _mc2_call_counted() as seen:
+        with _mc2_call_counted() as seen, mc2.count_traffic() as traffic:
             got, got_losses = _run(layer, x, grad, mask)
         errors = {}
         for key, ref in want.items():
@@ -184,16 +191,20 @@ def compare_layers(rank: int, world: int, names: list[str]) -> dict[str, Any]:
                 continue
             scale = float(ref.abs().max()) or 1.0
             errors[key] = float((got[key] - ref).abs().max()) / scale
-        dropped = 0
+        dropped, kept_rows = 0, None
         if config.moe_expert_capacity_factor is not None:
             with torch.no_grad():
                 _, routing_map = layer.router(x)
             dropped = SEQ * BATCH * config.moe_router_topk - int(routing_map.sum())
+            # the kept (token, expert) slots per destination rank: the rows that must travel
+            kept_rows = routing_map.view(-1, world, config.num_moe_experts // world) \
+                .sum((0, 2)).tolist()
         results[name] = {
             "errors": errors, "losses": (want_losses, got_losses),
             "keys_equal": sorted(reference.state_dict()) == sorted(layer.state_dict())
             and not missing.missing_keys and not missing.unexpected_keys,
             "dropped": dropped, "expert_grads": sum(k.startswith("grad experts.") for k in errors),
+            "rows_sent": list(traffic.rows_sent), "kept_rows": kept_rows,
             **seen,
         }
     return results

@@ -31,7 +31,7 @@ Megatron's experts take ``(tokens grouped by local expert, tokens_per_expert, pr
 scale each expert's activation by the token's probability; mc2 hands the stage unit weights and
 scales the expert's output after the combine. Without an output bias the two are the same
 product (``fc2`` is linear), so the probabilities' gradients are the same too. A slot the
-capacity factor dropped travels with weight zero (the routing map's own zero) and adds nothing;
+capacity factor dropped has the id of no expert (``-1``): it sends no row and adds nothing;
 the call reads nothing to the host beyond its own two reads: the top-k slots come from the map
 on the device, and the experts' ``tokens_per_expert`` from the counts the call read anyway.
 
@@ -55,6 +55,7 @@ from mc2.engine.autograd.ops import fused_expert_module
 from mc2.engine.autograd.staged import StagedCall, begin_module
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
+from mc2.engine.decide.validation import NO_EXPERT
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -203,10 +204,12 @@ class MC2MoELayer(MoELayer):
         ``probs [T, E]`` (zero off the route) and ``routing_map [T, E] bool`` are the router's.
         Every token's ``moe_router_topk`` slots are taken from the map (``topk`` of it, on
         the device: no read); with a capacity factor a token may keep fewer, and its dropped
-        slots go to some expert with weight zero (the map's own zero, so no gradient reaches
-        the probabilities there either): each adds nothing, exactly. One read-free path for
-        both (the capacity factor's used to take the kept pairs with ``nonzero``, which makes
-        the host wait for the device).
+        slots get the id of no expert (``-1``): they send no row and compute nothing, and
+        their weight is zero (the map's own zero, so no gradient reaches the probabilities
+        there either). One read-free path for both (the capacity factor's used to take the
+        kept pairs with ``nonzero``, which makes the host wait for the device; then to send
+        the dropped slots, weight 0, to whichever expert ``topk`` picked among the map's
+        ties).
         """
         x, ids, weights = self._slots(hidden_states, probs, routing_map)
         wait_param_gathers(self.experts)
@@ -277,10 +280,9 @@ class MC2MoELayer(MoELayer):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         ids = routing_map.to(torch.int8).topk(self.config.moe_router_topk, dim=-1,
                                               sorted=False).indices
-        weights = probs.gather(1, ids)
-        if self.config.moe_expert_capacity_factor is not None:
-            weights = weights * routing_map.gather(1, ids).to(weights.dtype)
-        return x, ids, weights.to(x.dtype)
+        kept = routing_map.gather(1, ids)  # False: a slot the capacity factor dropped
+        weights = probs.gather(1, ids) * kept.to(probs.dtype)
+        return x, torch.where(kept, ids, NO_EXPERT), weights.to(x.dtype)
 
     def _experts_stage(self, rows: Tensor, local_ids: Tensor, weights: Tensor,
                        tokens_per_expert: Tensor) -> Tensor:

@@ -127,7 +127,9 @@ def fused_expert(
         weights_gate: ``[local_experts, hidden, ffn]`` gate projections.
         weights_down: ``[local_experts, ffn, hidden]`` down projections.
         expert_ids: ``x.shape[:-1] + (topk,)`` integer *global* expert ids in
-            ``[0, world * local_experts)``, on ``x``'s device.
+            ``[0, world * local_experts)``, on ``x``'s device; ``-1``: no expert (a slot a
+            capacity factor dropped, as DeepEP marks one): it sends no row, computes nothing
+            and adds nothing, and its routing weight's gradient is zero.
         routing_weights: like ``expert_ids``, float; the top-k combine weights (``None``: 1).
         group: the expert-parallel process group (``None``: the default group). Without an
             initialised ``torch.distributed`` or with one rank, runs locally without collectives.

@@ -155,7 +155,7 @@ def plan_routes(ids2d: Tensor, combine: Tensor, *, capacity: int, micro_batches:
     device = ids2d.device
     experts = world * local_experts
     ids = ids2d.to(torch.int64)
-    bad = ((ids < 0) | (ids >= experts)).sum()
+    bad = ((ids < -1) | (ids >= experts)).sum()  # -1: no expert (a dropped slot), no row
     ids = torch.where((ids >= 0) & (ids < experts), ids, -1)
     ids_padded = torch.cat([ids, ids.new_full((1, topk), -1)])
     combine_padded = torch.cat([combine, combine.new_zeros((1, topk))])

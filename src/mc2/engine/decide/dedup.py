@@ -73,11 +73,14 @@ class SentRows:
 
 
 def destinations(ids2d: Tensor, local_experts: int, world: int) -> Tensor:
-    """``[T, world] bool``: which ranks hold any of each token's experts. Ids out of range
-    are clamped (the handshake rejects them; this runs before it, to count the rows)."""
-    hit = torch.zeros(ids2d.shape[0], world, dtype=torch.bool, device=ids2d.device)
-    dest = ids2d.to(torch.int64).clamp(0, world * local_experts - 1) // local_experts
-    return hit.scatter_(1, dest, True)
+    """``[T, world] bool``: which ranks hold any of each token's experts (an id ``-1``, no
+    expert, none). Ids out of range are clamped (the handshake rejects them; this runs before
+    it, to count the rows)."""
+    hit = torch.zeros(ids2d.shape[0], world + 1, dtype=torch.bool, device=ids2d.device)
+    ids = ids2d.to(torch.int64)
+    dest = ids.clamp(0, world * local_experts - 1) // local_experts
+    dest = torch.where(ids < 0, world, dest)  # no expert: the extra column, dropped
+    return hit.scatter_(1, dest, True)[:, :world]
 
 
 def rows_per_destination(hit: Tensor, chunk: Tensor, num_micro: int) -> SentRows:

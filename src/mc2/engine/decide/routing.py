@@ -138,22 +138,26 @@ def local_send_counts(
     """Sort the pairs by (micro-batch, expert) and count them, on the ids' device.
 
     Args:
-        expert_ids: ``[T, topk]`` integer global expert ids, already validated.
+        expert_ids: ``[T, topk]`` integer global expert ids, already validated (``-1``: no
+            expert, a dropped slot).
         num_experts: ``E``, the global expert count.
         num_micro_batches: ``K``.
 
     Returns:
         ``(order, counts)``: ``order`` ``[T * topk] int64`` pair indices sorted by micro-batch
-        then expert (stable, so equal experts keep token order); ``counts`` ``[K, E] int64``
-        (a scatter-add: ``bincount`` would read its range back to the host).
+        then expert (stable, so equal experts keep token order), the pairs of no expert last
+        (counted nowhere: they travel nowhere); ``counts`` ``[K, E] int64`` (a scatter-add:
+        ``bincount`` would read its range back to the host).
     """
     num_tokens, topk = expert_ids.shape
     flat = expert_ids.reshape(-1).to(torch.int64)
     chunk = chunk_of_token(num_tokens, micro_batch_bounds(num_tokens, num_micro_batches),
                            flat.device)
     key = chunk.unsqueeze(1).expand(num_tokens, topk).reshape(-1) * num_experts + flat
+    nowhere = num_micro_batches * num_experts
+    key = torch.where(flat < 0, nowhere, key)
     order = torch.sort(key, stable=True).indices
-    counts = count_on_device(key, num_micro_batches * num_experts)
+    counts = count_on_device(key, nowhere + 1)[:nowhere]
     return order, counts.view(num_micro_batches, num_experts)
 
 
@@ -325,7 +329,8 @@ def build_handle(
         pair_orders: list[Tensor | None] = [None] * num_micro
         gathers = None
     else:
-        pairs = torch.split(order, [sum(s) for s in counts.send])
+        sizes = [sum(s) for s in counts.send]  # the pairs of no expert, sorted last, go nowhere
+        pairs = torch.split(order[:sum(sizes)], sizes)
         pair_orders, tokens = list(pairs), [p // topk for p in pairs]
         slots, weight_grads = [None] * num_micro, None
         gathers = expert_grouping_indices(recv_counts, [sum(r) for r in counts.recv], arrival)

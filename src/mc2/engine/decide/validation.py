@@ -138,16 +138,23 @@ def local_problem(
     return None
 
 
+NO_EXPERT = -1
+"""The expert id of a slot that goes nowhere (a slot a capacity factor dropped): it sends no
+row, computes nothing and adds nothing to its token's output; its routing weight's gradient
+is zero."""
+
+
 def range_problem(expert_ids: Tensor, total_experts: int, world_size: int) -> str | None:
-    """Where this rank's expert ids leave ``[0, total_experts)`` (the handshake's error path:
-    it reads the ids)."""
+    """Where this rank's expert ids leave ``[0, total_experts)`` and are not
+    :data:`NO_EXPERT` (the handshake's error path: it reads the ids)."""
     if expert_ids.numel() == 0:
         return None
     lo, hi = int(expert_ids.min()), int(expert_ids.max())
-    if lo < 0 or hi >= total_experts:
-        bad = lo if lo < 0 else hi
+    if lo < NO_EXPERT or hi >= total_experts:
+        bad = lo if lo < NO_EXPERT else hi
         return (f"expert id {bad} out of range [0, {total_experts}) "
-                f"({world_size} ranks x {total_experts // world_size} local experts)")
+                f"({world_size} ranks x {total_experts // world_size} local experts; "
+                f"{NO_EXPERT}: no expert)")
     return None
 
 
@@ -337,7 +344,7 @@ def _agreement(reduced: "_Reduced", problem: str | None, alike: dict[str, int], 
                 "rank of the group must pass the same value"
             )
     max_id, min_id = reduced.data["max id"], -reduced.data["-min id"]
-    if max_id != _ABSENT and (min_id < 0 or max_id >= total_experts):
+    if max_id != _ABSENT and (min_id < NO_EXPERT or max_id >= total_experts):
         _raise_for(range_problem(expert_ids, total_experts, group_size(group)), group)
     if reduced.data["non-finite"] > 0:
         _raise_for(nonfinite_problem(x, routing_weights), group)

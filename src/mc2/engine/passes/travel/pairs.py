@@ -65,6 +65,8 @@ class PairsForward(_ExpertOrder):
         handle = self.call.handle
         self.result.expert_out = self.ws.empty((handle.num_tokens * handle.topk, self.x.shape[-1]),
                                                self.x.dtype, self.x.device)
+        if sum(map(sum, (r.send_splits for r in self.routes))) < handle.num_tokens * handle.topk:
+            self.result.expert_out.zero_()  # slots of no expert (-1): no row comes back
 
     def gather(self, i: int) -> Tensor:
         return gather_rows(self.ws, self.x, self.routes[i].token_index)
