@@ -120,7 +120,7 @@ def test_a_split_the_model_gives_a_chance_is_tried() -> None:
 
 
 def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() -> None:
-    calls = 64  # above the most trial calls this planner can make (62)
+    calls = 40  # above the most trial calls this planner can make (its budget, 24)
     results = mc2.run_local(auto_trials, 2, args=([300, 37], calls))
     a, b = results
     assert a["used"] == b["used"], "every rank must run the same K on every call"
@@ -129,23 +129,25 @@ def test_auto_tries_a_bounded_set_of_k_then_locks_the_fastest_on_every_rank() ->
     assert 1 in tried and len(tried) == 3 + len(widened) and len(widened) <= 2
     per_k = {k: len(v) for k, v in decision["times"].items()}
     n_timed = sum(per_k.values())
-    # 2 timed calls each, round-robin; an untried neighbour of the best adds its 2 and 1 more
-    # of the best; each re-check inside the noise (2 at most) adds 2 per close candidate
-    first = 6 + (2 * len(widened) + 1 if widened else 0)
+    # 2 timed calls each, candidate by candidate; an untried neighbour of the best adds its 2;
+    # each re-check inside the noise (2 at most) adds 2 per close candidate
+    first = 6 + 2 * len(widened)
     assert first <= n_timed <= first + 2 * len(tried) * decision["rechecked"]
     assert (n_timed - first) % 2 == 0, (per_k, decision)
     n_trials = n_timed + decision["settle_calls"]
     bound = mc2.Planner(candidates=(1, 2, 4, 8), explore=3, trials=2).most_trial_calls(False)
-    assert n_trials <= bound == 62 < calls
+    assert n_trials <= bound == 24 < calls
     assert sum(1 for marks in a["trials"] if marks) == n_trials  # bounded, and visible
     assert all(not marks for marks in a["trials"][n_trials:])
     order = [abs(k) for k in sorted(per_k, key=lambda c: (c < 0, abs(c)))][:3]
-    assert a["used"][:12] == [k for k in order for _ in range(2)] * 2  # settle, timed; twice
+    assert a["used"][:9] == [k for k in order for _ in range(3)]  # settle, timed, timed
+    # one settling call per run of a candidate's calls, not one per timed call
+    assert decision["settle_calls"] == 1 + sum(a["used"][i] != a["used"][i - 1]
+                                               for i in range(1, n_trials))
     # a timed call always follows a call of its own K; a settling call only a switch of K
     for i, (marks, k) in enumerate(zip(a["trials"][:n_trials], a["used"])):
         settling = "(settling, untimed)" in marks[0]
         assert settling == (i == 0 or a["used"][i - 1] != k), (i, a["trials"][:n_trials])
-    assert decision["settle_calls"] <= n_timed
     assert a["used"][n_trials:] == [locked] * (calls - n_trials)
     assert locked == b["decision"]["locked"] and decision["why"].startswith(f"locked K={locked}")
     # every call, trial or not, computes the same function
@@ -185,7 +187,7 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
     from mc2.engine.decide.trials import trial_stats, trial_winner, untried_neighbours
 
     order = [4, 16, 1, 2, 8, 32]
-    calls = 64  # above the most trial calls: 12 + 10 + 2 re-checks of five (40)
+    calls = 40  # above the most trial calls (the budget, 24)
     a, b = mc2.run_local(auto_widening, 2, args=(order, calls))
     assert a["used"] == b["used"], "every rank must run the same K on every call"
     da, db = a["decision"], b["decision"]
@@ -194,18 +196,17 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
         return [max(sum(t.values()) for t in pair)
                 for pair in zip(da["times"][k][calls], db["times"][k][calls])]
 
-    # round-robin, 2 timed calls each, each after a settling call of the same K
-    assert a["used"][:12] == [1, 1, 4, 4, 16, 16] * 2
+    # candidate by candidate: a settling call, then 2 timed calls each
+    assert a["used"][:9] == [1, 1, 1, 4, 4, 4, 16, 16, 16]
     first = trial_stats(_c(1, 4, 16), [slowest(k, slice(0, 2)) for k in (1, 4, 16)])
     best = min(first, key=lambda s: s.median_s).candidate.k
     expected = [c.k for c in untried_neighbours((1, 2, 4, 8, 16, 32), _c(1, 4, 16),
                                                 _c(best)[0])]
     assert expected and da["widened"] == tuple(expected) == db["widened"]
     assert sorted(da["tried"]) == sorted([1, 4, 16, *expected])
-    # the neighbours and the best alternate, each turn a settling call and a timed one
-    turns = [*expected, best, *expected]
-    assert a["used"][12:12 + 2 * len(turns)] == [k for k in turns for _ in range(2)]
-    assert len(da["times"][best]) >= 3 and all(len(da["times"][k]) >= 2 for k in expected)
+    # then each neighbour the same way
+    assert a["used"][9:9 + 3 * len(expected)] == [k for k in expected for _ in range(3)]
+    assert all(len(da["times"][k]) >= 2 for k in expected)
     ks = sorted(da["times"])
     final = trial_stats(_c(*ks), [slowest(k, slice(None)) for k in ks])
     locked = trial_winner(_c(*ks), [s.median_s for s in final], 0.02).k
@@ -213,6 +214,7 @@ def test_auto_tries_the_neighbours_the_prior_left_out_then_locks_on_all_calls() 
     n_trials = sum(len(v) for v in da["times"].values()) + da["settle_calls"]
     assert a["used"][n_trials:] == [locked] * (calls - n_trials)
     assert "tried beside the first round's best" in da["why"]
+    assert n_trials <= 24
 
 
 def test_a_lucky_call_does_not_decide_and_a_lead_inside_the_noise_is_rechecked() -> None:
@@ -283,12 +285,78 @@ def test_drift_guard_replans_a_shape_that_got_slower_once(drift: float) -> None:
     assert replans == [12], ([(c["k"], c["trial"], c["replan"]) for c in after], a["decision"])
     assert not any(c["trial"] for c in after[:12])
     retried = [c for c in after[12:] if c["trial"]]
-    # 2 candidates x 2 timed calls, no re-check, and a settling call at each switch of K (the
-    # first trial settles only if it is not the K the locked calls ran)
+    # 2 candidates x 2 timed calls, one after the other, no re-check, and a settling call at
+    # each switch of K (the first trial settles only if it is not the K the locked calls ran)
     settled = a["decision"]["settle_calls"]
-    assert settled in (3, 4) and len(retried) == 4 + settled
+    assert settled in (1, 2) and len(retried) == 4 + settled
     assert all(not c["trial"] for c in after[12 + len(retried):])  # locked again, for good
     why = a["decision"]["replanned"]
     assert why is not None and "slower than its trials" in why
     assert any("slower than its trials" in line for line in a["lines"])
     assert sum("locked K=" in line for line in a["lines"]) == 2
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.0], ids=["changed", "unchanged"])
+def test_a_lock_without_trials_is_revisited_when_its_step_changes(delay: float) -> None:
+    """K = 1 locked without trials (the model gave no split a chance) is watched too: the
+    first window of its calls is its baseline, and a later window clearly off it (here the
+    experts start taking 200 ms more a forward, on a simulated clock) calibrates the model
+    again and decides the shape once more, on every rank at the same call: the new model
+    gives K = 2 a chance, so its trials run and lock. A step that stays as it was is left
+    alone (one calibration, no trial)."""
+    from tests.workers_drift import serial_lock_revisited
+
+    a, b = mc2.run_local(serial_lock_revisited, 2, args=(12, 16, delay))
+    assert a["calls"] == b["calls"], "every rank runs the same K and trials on every call"
+    replans = [i for i, c in enumerate(a["calls"]) if c["replan"]]
+    if delay == 0:
+        assert replans == [] and not any(c["trial"] for c in a["calls"])
+        assert a["measured"] == 1 and a["decision"]["replanned"] is None
+        return
+    assert len(replans) == 1 and replans[0] >= 12, a["calls"]  # once, after the change
+    assert a["measured"] == 3  # calibrated again: the quick stage, then (a split has a chance) the full
+    after = a["calls"][replans[0]:]
+    assert any(c["trial"] and c["k"] == 2 for c in after)  # K = 2 now has its trials
+    assert "locked without trials" in a["decision"]["replanned"]
+    assert a["decision"]["locked"] in (1, 2)
+
+
+def test_a_calibration_line_grows_until_it_stands_out_of_the_noise() -> None:
+    """Where an expert's step costs the same at 4 and 32 rows (a GPU's GEMM below its
+    saturation), the larger point grows until its time stands out of the timings' spread,
+    and the line is fitted there: a per-row cost of the large sizes, not zero."""
+    from mc2.engine.decide.planner import _Probe
+
+    flat_until = 512
+
+    class FakeProbe(_Probe):
+        def timing(self, fn):  # seconds by the rows the last run would take
+            fn()
+            return (1.0 if self.rows < flat_until else 1.0 + self.rows * 1e-3), 0.01
+
+    probe = FakeProbe(None, "loop", None, 3)
+    seen = []
+
+    def run(rows: int) -> None:
+        probe.rows = rows
+        seen.append(rows)
+
+    fixed, per_row = probe.resolved_line(run, 4, 32, float, agree=False, most=4096)
+    assert seen == [4, 32, 128, 512]  # grown fourfold until it stood out
+    assert per_row == pytest.approx((0.512) / (512 - 4)) and fixed >= 0
+    seen.clear()
+    flat_until = 10 ** 9  # flat everywhere: stops at the largest size allowed
+    probe.resolved_line(run, 4, 32, float, agree=False, most=2048)
+    assert seen == [4, 32, 128, 512, 2048]
+
+
+def test_the_full_calibration_is_measured_at_the_sizes_it_prices() -> None:
+    from types import SimpleNamespace
+
+    from mc2.engine.decide.planner import priced_sizes
+
+    weights = SimpleNamespace(local_experts=4)
+    assert priced_sizes(None, weights, None) == (256, 256)
+    assert priced_sizes(100, weights, None) == (256, 256)  # at least 256
+    assert priced_sizes(8192, weights, None) == (2048, 4096)  # one rank: every row its own
+    assert priced_sizes(10 ** 6, weights, None) == (4096, 4096)  # at most 4096

@@ -108,3 +108,65 @@ def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
     (decision,) = planner.decisions().values()
     return {"calls": calls, "locked_at": locked_at, "decision": decision, "lines": lines.lines,
             "max_err": max(errors)}
+
+
+class ChangingModelPlanner(mc2.Planner):
+    """A planner whose cost model gives K = 2 no chance on its first calibration and a good
+    one on every later calibration (as a model measured again on a link that got slower
+    would): its calibrations are counted, not measured."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.measured = 0
+
+    def _measure(self, *args: Any, **kwargs: Any) -> Any:
+        from mc2.engine.decide.planner import Calibration
+
+        self.measured += 1
+        return Calibration(0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def predictions(self, *, quick: bool = False, **shape: Any) -> dict[int, float]:
+        if quick:
+            self.quick_calibration(shape["weights"], shape["group"])
+        else:
+            self.calibration(shape["weights"], shape["group"],
+                             rows=shape["max_tokens"] * shape["topk"])
+        return {1: 1.0, 2: 3.0 if self.measured <= 1 else 0.9}
+
+
+def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: float
+                          ) -> dict[str, Any]:
+    """A shape the model locks at K = 1 without trials; ``quiet`` calls as they were, then
+    ``slow`` calls with every experts forward ``delay`` seconds slower (the simulated clock of
+    :func:`drifting_shape`). Per call the K used, whether it was a trial or a re-plan; the
+    decision and how often the planner calibrated."""
+    import mc2.engine.passes.run as passes
+
+    clock = _SimulatedClock()
+    passes.clock_for = lambda device: clock
+    hidden, tokens = 32, 64
+    experts = _SlowableExperts(hidden, 10 + rank, clock)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * 2, (tokens, 2), generator=g)
+    planner = ChangingModelPlanner(candidates=(1, 2), explore=2, trials=2, recheck=0,
+                                   drift=0.5, drift_window=4)
+    calls: list[dict[str, Any]] = []
+
+    def call() -> None:
+        tl = mc2.Timeline()
+        out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
+                                      micro_batches="auto", planner=planner, timeline=tl)
+        out.sum().backward()
+        marks = [s.name for s in tl.spans if s.name.startswith("auto")]
+        calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
+                      "trial": any(m.startswith("auto trial") for m in marks),
+                      "replan": any(m.startswith("auto re-planning") for m in marks)})
+
+    for _ in range(quiet):
+        call()
+    experts.delay = delay
+    for _ in range(slow):
+        call()
+    (decision,) = planner.decisions().values()
+    return {"calls": calls, "decision": decision, "measured": planner.measured}

@@ -246,6 +246,7 @@ class _Trials:
     last: Candidate | None = None  # the candidate the previous call of this shape ran
     settle_calls: int = 0  # untimed trial calls (:meth:`next_call`)
     ruled_out: str | None = None  # why K = 1 was locked without trials (:mod:`chance`)
+    baseline_s: float | None = None  # such a lock's first window's median (the drift guard's)
     predicted: dict[int, float] = field(default_factory=dict)  # the model's seconds per K
 
     @staticmethod
@@ -256,11 +257,21 @@ class _Trials:
                        ruled_out=why, predicted=predicted or {})
 
     def next_candidate(self) -> Candidate:
-        """Round-robin over the active candidates: the one with the most timed calls still to
-        make, first in order, so a slow spell of the machine falls on every candidate alike
-        (a neighbour tried later alternates with the best)."""
-        return min(self.active, key=lambda k: (len(self.samples[k]) - self.targets.get(k, 0),
-                                               self.active.index(k)))
+        """Candidate by candidate: the previous call's while it still has timed calls to
+        make, else the first active one that has. A run of one candidate's calls pays one
+        untimed settling call (:meth:`next_call`), where turns of one call each paid one per
+        timed call: the trials' largest cost, at training sizes (each call seconds long),
+        for an evenness the re-check rounds, which run the close candidates again in the
+        other order, give too."""
+        if self.last in self.active and len(self.samples[self.last]) < self.targets.get(
+                self.last, 0):
+            return self.last
+        return next((k for k in self.active if len(self.samples[k]) < self.targets.get(k, 0)),
+                    self.active[0])
+
+    def calls(self) -> int:
+        """Trial calls made so far (timed and settling)."""
+        return sum(map(len, self.samples.values())) + self.settle_calls
 
     def next_call(self) -> tuple[Candidate, bool]:
         """``(candidate, timed)``: the next trial call. A call of a candidate other than the
@@ -378,7 +389,8 @@ class Planner:
 
     def __init__(self, candidates: Sequence[int] = (1, 2, 4, 8, 16), min_gain: float = 0.02,
                  repeats: int = 3, explore: int = 3, trials: int = 2, recheck: int = 2,
-                 drift: float = 0.25, drift_window: int = 32) -> None:
+                 drift: float = 0.25, drift_window: int = 32,
+                 max_trial_calls: int = 24) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"candidates must be positive integers, got {candidates!r}")
         if explore < 2 or trials < 1 or recheck < 0:
@@ -387,6 +399,10 @@ class Planner:
         if drift < 0 or drift_window < 2:
             raise ValueError(f"drift must be >= 0 (0: no drift guard) and drift_window >= 2, "
                              f"got {drift}, {drift_window}")
+        if max_trial_calls < 2 * (trials + 1):
+            raise ValueError(f"max_trial_calls must allow K = 1 and one split their trials "
+                             f"({2 * (trials + 1)} calls), got {max_trial_calls}")
+        self.max_trial_calls = max_trial_calls
         self.drift = drift
         self.drift_window = drift_window
         self.candidates = tuple(candidates)
@@ -406,21 +422,25 @@ class Planner:
         # call made again in a backward: weights may serve calls of several shapes
         self._forward_choice: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def calibration(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop"
-                    ) -> Calibration:
-        """Measure (a collective: every rank of ``group`` calls it together) or reuse."""
-        key = (weights.cache_key, group_key(group))
+    def calibration(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop",
+                    rows: int | None = None) -> Calibration:
+        """Measure (a collective: every rank of ``group`` calls it together) or reuse.
+
+        ``rows``: the routed rows per rank of the shape to price (agreed by the group); the
+        expert line and the link are measured up to that shape's sizes (:func:`priced_sizes`),
+        so a calibration is kept per weights, group and those sizes."""
+        key = (weights.cache_key, group_key(group), priced_sizes(rows, weights, group))
         if key not in self._cache:
-            self._cache[key] = self._measure(weights, group, strategy,
-                                             quick=self._quick.pop(key, None))
+            self._cache[key] = self._measure(weights, group, strategy, sizes=key[-1])
         return self._cache[key]
 
     def quick_calibration(self, weights: ExpertWeights | ModuleExperts, group: Any,
                           strategy: str = "loop") -> Calibration:
         """The cheap part of :meth:`calibration` (a collective, like it), enough to rule
-        splits out: the full one where it was measured, else the expert line fitted on 4
-        and 32 rows (one timed step each), the link's latency and bandwidth (fitted on 1 and
-        64 rows per peer), the row moves of 512 rows, and no interference.
+        splits out: the expert line fitted on 4 and 32 rows, the link's latency and bandwidth
+        fitted on 1 and 64 rows per peer (each point the median of ``repeats`` timings, the
+        larger one grown until it stands out of the timings' spread:
+        :meth:`_Probe.resolved_line`), the row moves of 512 rows, and no interference.
 
         Why: the full calibration's largest parts, a 256-row expert step and the
         interference of a transfer under one, took ~1 s of a decode-sized first call
@@ -429,8 +449,6 @@ class Planner:
         out, the full one would too. Where a split keeps a chance, the full calibration
         follows (reusing these measurements) and the trials with it."""
         key = (weights.cache_key, group_key(group))
-        if key in self._cache:
-            return self._cache[key]
         if key not in self._quick:
             self._quick[key] = self._measure(weights, group, strategy, full=False)
         return self._quick[key]
@@ -441,7 +459,8 @@ class Planner:
                     sent_rows: int | None = None, quick: bool = False) -> dict[int, float]:
         """The model's step seconds of every candidate K this size allows (K = 1 always),
         in ascending K (``quick``: on :meth:`quick_calibration`, optimistic for splits)."""
-        cal = (self.quick_calibration if quick else self.calibration)(weights, group, strategy)
+        cal = self.quick_calibration(weights, group, strategy) if quick else \
+            self.calibration(weights, group, strategy, rows=max_tokens * topk)
         return predicted_steps(cal, self.workload(max_tokens, topk, weights, group, wire,
                                                   sent_rows), self.candidates, max_tokens)
 
@@ -525,6 +544,8 @@ class Planner:
                 state.steady.append(sample)
                 return Choice(state.locked.k, plain_rows=state.locked.plain_rows,
                               on_pass_done=sample.__setitem__)
+            if state.ruled_out is not None:  # the model's call, on a machine that changed
+                return self._revisit(key, shape, wire, why)
             state = self._shapes[key] = state.again(self.trials, why)
             return replace(self._trial(state), decided=f"re-planning: {why}")
         return self._trial(state)
@@ -543,16 +564,35 @@ class Planner:
         predicted = self.predictions(wire=wire, **shape)
         chance = with_a_chance(predicted, margin)  # best predicted first
         tried = [Candidate.of(k) for k in [1] + chance[: self.explore - 1]]
-        if wired:  # plain rows: the model's best K, and the serial baseline
+        if wired:  # plain rows where the model gives them a chance against the format's best
             plain = self.predictions(**shape)
             best = min([1, *with_a_chance(plain, margin)], key=lambda k: (plain[k], k))
-            tried += [Candidate.of(1, plain_rows=True), Candidate.of(best, plain_rows=True)]
+            fastest = min(predicted.values())
+            tried += [Candidate.of(k, plain_rows=True) for k in sorted({1, best})
+                      if plain[k] <= fastest * margin]
+        tried = tried[:self.max_trial_calls // (self.trials + 1)]  # a first round that fits
         order = _in_order(tried)
         ladder = tuple(sorted({1, *chance}))
         if order == (SERIAL,):
             return _Trials.serial_only(ruled_out(predicted, margin), ladder, predicted)
         return _Trials(order, {c: [] for c in order}, dict.fromkeys(order, self.trials),
                        ladder, active=order, predicted=predicted)
+
+    def _revisit(self, key: tuple, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat],
+                 why: str) -> Choice:
+        """A K = 1 locked without trials whose step changed: calibrate again (what the model
+        knew of the link and the experts is what changed) and decide the shape afresh, once:
+        its trials where a split now has a chance, else K = 1 again."""
+        weights, group = shape["weights"], shape["group"]
+        self._quick.pop((weights.cache_key, group_key(group)), None)
+        self._cache = {k: v for k, v in self._cache.items()
+                       if k[:2] != (weights.cache_key, group_key(group))}
+        state = self._shapes[key] = self._first_trials(shape, wire)
+        state.replanned = why
+        if state.ruled_out is not None:
+            _log.info("mc2 auto (%s): %s", _shape_text(weights, group), state.ruled_out)
+            return Choice(1, decided=f"re-planning: {why}; {state.ruled_out}")
+        return replace(self._trial(state), decided=f"re-planning: {why}")
 
     @staticmethod
     def _trial(state: _Trials) -> Choice:
@@ -569,7 +609,8 @@ class Planner:
         """Whether this locked call is timed for the drift guard: the guard is on, the shape
         has not been re-planned already, and no graph is being captured (a capture runs no
         check; every rank captures the same calls, so all skip alike)."""
-        return (self.drift > 0 and state.replanned is None and bool(state.stats)
+        return (self.drift > 0 and state.replanned is None
+                and (bool(state.stats) or state.ruled_out is not None)
                 and not streams.capturing(weights.device))
 
     def _drifted(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any
@@ -588,6 +629,19 @@ class Planner:
         slowest, fewest = read(all_reduce_max(flat, group))
         if -fewest < self.drift_window // 2:
             return None  # too few calls with every phase timed to judge
+        if state.ruled_out is not None:  # no trial to compare with: the first window is
+            if state.baseline_s is None:
+                state.baseline_s = slowest
+                return None
+            change = slowest / state.baseline_s - 1
+            if abs(change) <= self.drift:
+                return None
+            why = (f"the steady state of K=1, locked without trials, ran "
+                   f"{slowest * 1e3:.1f} ms a call, {change:+.0%} against its first "
+                   f"{self.drift_window} calls ({state.baseline_s * 1e3:.1f} ms); the model "
+                   "is calibrated again and decides once more")
+            _log.info("mc2 auto (%s): %s", _shape_text(weights, group), why)
+            return why
         mine = next(st for st in state.stats if st.candidate == state.locked)
         if slowest <= mine.median_s * (1 + self.drift) + mine.spread_s:
             return None
@@ -609,19 +663,25 @@ class Planner:
         reduced = [[next(slowest) for _ in per] for per in times]
         stats = trial_stats(state.candidates, reduced)
         best = min(stats, key=lambda st: st.median_s).candidate
+        left = self.max_trial_calls - state.calls()  # each candidate's run: settle + timed
         if state.widened is None:
-            state.widened = tuple(untried_neighbours(state.ladder, state.candidates, best))
-            if state.widened:  # the neighbours, and as many more calls of the best beside them
+            fits = left // (self.trials + 1)
+            state.widened = tuple(untried_neighbours(state.ladder, state.candidates,
+                                                     best)[:fits])
+            if state.widened:  # the neighbours, next to the best's own calls
                 state.candidates = _in_order(state.candidates + state.widened)
                 state.samples.update({k: [] for k in state.widened})
                 state.targets.update(dict.fromkeys(state.widened, self.trials))
-                state.targets[best] = len(state.samples[best]) + max(1, self.trials - 1)
-                state.active = (best,) + state.widened
+                state.active = state.widened
                 return
         close = contenders(stats, RECHECK_WITHIN)
-        if len(close) > 1 and state.rechecks < RECHECK_ROUNDS and self.recheck > 0:
+        if (len(close) > 1 and state.rechecks < RECHECK_ROUNDS and self.recheck > 0
+                and left >= len(close) * (self.recheck + 1)):
             state.rechecks += 1
-            state.active = tuple(close)
+            # the other way round from the candidates' order: a drift of the machine over the
+            # trials falls on both ends alike
+            state.active = tuple(sorted(close, key=state.candidates.index,
+                                        reverse=state.rechecks % 2 == 1))
             state.targets.update({k: len(state.samples[k]) + self.recheck for k in close})
             return
         medians = [st.median_s for st in stats]
@@ -638,11 +698,10 @@ class Planner:
     def most_trial_calls(self, wire: bool = True) -> int:
         """The most calls one shape's trials can take (settling calls included; ``wire``: with
         a wire format, whose plain-rows candidates add two): what a caller that runs calls
-        until :meth:`settled` may allow before calling the planner stuck."""
-        tried = self.explore + (2 if wire else 0)
-        first = 2 * tried * self.trials
-        widen = 2 * (2 * self.trials + max(1, self.trials - 1))  # both neighbours, the best
-        return first + widen + RECHECK_ROUNDS * 2 * self.recheck * (tried + 2)
+        until :meth:`settled` may allow before calling the planner stuck. Every stage of the
+        trials starts only where it fits ``max_trial_calls``."""
+        del wire  # the budget bounds every schedule alike
+        return self.max_trial_calls
 
     def settled(self) -> bool:
         """Whether every shape seen so far has finished its trials and locked a K."""
@@ -727,34 +786,53 @@ class Planner:
         return self._codec[key]
 
     def _measure(self, weights: ExpertWeights | ModuleExperts, group: Any, strategy: str, *,
-                 full: bool = True, quick: Calibration | None = None) -> Calibration:
+                 full: bool = True, sizes: tuple[int, int] = (256, 256)) -> Calibration:
         """Every constant of the model, each rank's own, then the group's maximum.
 
-        ``full=False``: the quick stage (:meth:`quick_calibration`): the expert line on 4 and
-        32 rows, no interference. ``quick``: that stage's result, whose link constants the
-        full one reuses rather than measures again."""
+        Each point is the median of ``repeats`` timings, and a line's larger point grows
+        until it stands out of the points' spread (:meth:`_Probe.resolved_line`: where an
+        expert's GEMM costs the same at 4 and 32 rows, as on a GPU, a line through those two
+        says rows are free). ``full=False``: the quick stage (:meth:`quick_calibration`):
+        the expert line from 4 rows up, the link from 1 row per peer up to 64, no
+        interference. ``sizes``: the full stage's largest expert rows and rows per peer,
+        the sizes of the shape it prices (:func:`priced_sizes`)."""
         one = weights.for_calibration()
-        # the quick stage times each expert size once: it only has to tell a split that
-        # cannot win, and its cost is a decode-sized first call's whole overhead
-        probe = _Probe(one, strategy, group, self.repeats if full else 1)
-        small, large = 4, 256 if full else 32  # 256: large enough to see cache effects
+        probe = _Probe(one, strategy, group, self.repeats)
+        expert_rows, peer_rows = sizes if full else (32, 64)
         with torch.no_grad():
-            probe.expert_step(small)  # warm-up
-            fixed, per_row = _fit_line(small, probe.time(lambda: probe.expert_step(small)),
-                                       large, probe.time(lambda: probe.expert_step(large)))
-            if quick is not None:
-                latency, per_byte = quick.link_latency_s, quick.link_s_per_byte
-            else:
-                latency, per_byte = probe.link(256 if full else 64) \
-                    if group_size(group) > 1 else (0.0, 0.0)
+            probe.expert_step(4)  # warm-up
+            fixed, per_row = probe.resolved_line(probe.expert_step, 4, expert_rows, float,
+                                                 agree=False)
+            latency, per_byte = probe.link(peer_rows) if group_size(group) > 1 else (0.0, 0.0)
             row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device,
                                                  self.repeats, rows=2048 if full else 512)
             interference = 0.0
             if full and group_size(group) > 1:
-                interference = probe.interference(per_row, large, latency, per_byte)
+                interference = probe.interference(per_row, expert_rows, latency, per_byte)
         values = upload([fixed, per_row, latency, per_byte, interference, row_overhead],
                         one.device, torch.float64)
         return Calibration(*read(all_reduce_max(values, group)))
+
+
+# the largest sizes a line is grown to (rows through one expert; rows per peer)
+MOST_EXPERT_ROWS = 4096
+MOST_PEER_ROWS = 4096
+
+
+def priced_sizes(rows: int | None, weights: ExpertWeights | ModuleExperts, group: Any
+                 ) -> tuple[int, int]:
+    """The full calibration's largest expert rows and rows per peer for a shape of ``rows``
+    routed rows per rank: what one expert and one peer see at K = 1 (the largest a trial
+    prices), rounded up to a power of two, within ``[256, MOST_*]``; (256, 256) unknown."""
+    if not rows:
+        return 256, 256
+    world = group_size(group)
+
+    def clamp(n: float, most: int) -> int:
+        return min(max(256, 1 << max(0, int(n) - 1).bit_length()), most)
+
+    return (clamp(rows / max(1, weights.local_experts), MOST_EXPERT_ROWS),
+            clamp(rows / max(1, world), MOST_PEER_ROWS))
 
 
 @dataclass
@@ -767,7 +845,34 @@ class _Probe:
     repeats: int
 
     def time(self, fn: Callable[[], Any]) -> float:
-        return clock_for(self.one.device).median(fn, self.repeats)
+        return self.timing(fn)[0]
+
+    def timing(self, fn: Callable[[], Any]) -> tuple[float, float]:
+        """``(median, half the range)`` of ``repeats`` timings of ``fn()``."""
+        clock = clock_for(self.one.device)
+        times = [clock.time(fn) for _ in range(self.repeats)]
+        return statistics.median(times), (max(times) - min(times)) / 2
+
+    def resolved_line(self, run: Callable[[int], Any], small: int, large: int,
+                      size: Callable[[int], float], *, agree: bool,
+                      most: int = MOST_EXPERT_ROWS) -> tuple[float, float]:
+        """``(fixed, per unit)`` of ``run(n)``'s time, fitted on ``small`` and ``large``
+        (``size(n)``: the units of ``n``). The larger point grows fourfold (up to ``most``)
+        until its median stands out of both points' spread: a line through two points inside
+        the noise says the units are free. ``agree``: ``run`` is a collective, so the group
+        decides each growth on its slowest rank's timings (one all-reduce a step), and every
+        rank runs the same sizes."""
+        t_small, noise_small = self.timing(lambda: run(small))
+        while True:
+            t_large, noise_large = self.timing(lambda: run(large))
+            seen = [t_small, t_large, max(noise_small, noise_large)]
+            if agree:
+                seen = read(all_reduce_max(upload(seen, self.one.device, torch.float64),
+                                           self.group))
+            if seen[1] - seen[0] > 2 * seen[2] or large >= most:
+                break
+            large = min(4 * large, most)
+        return _fit_line(size(small), t_small, size(large), t_large)
 
     def expert_step(self, rows: int) -> None:
         """Forward and backward of ``rows`` rows through one expert."""
@@ -781,10 +886,6 @@ class _Probe:
         return all_to_all_rows(rows, splits, splits, self.group, async_op=async_op,
                                operation="planner measurement")
 
-    def timed_a2a(self, rows_per_peer: int) -> float:
-        barrier(self.group, "planner measurement", self.one.device)
-        return self.time(lambda: self.a2a(rows_per_peer).wait())
-
     def bytes_per(self, rows_per_peer: int) -> int:
         """Bytes one rank sends off-rank in :meth:`a2a` of ``rows_per_peer``."""
         world = group_size(self.group)
@@ -792,11 +893,11 @@ class _Probe:
 
     def link(self, row_large: int = 256) -> tuple[float, float]:
         """``(latency, seconds per byte)`` of the group's All-to-All, fitted on 1 and
-        ``row_large`` rows per peer."""
-        row_small = 1
-        self.a2a(row_small).wait()
-        t_lat, t_big = self.timed_a2a(row_small), self.timed_a2a(row_large)
-        return _fit_line(self.bytes_per(row_small), t_lat, self.bytes_per(row_large), t_big)
+        ``row_large`` rows per peer (grown where the two are inside the noise)."""
+        self.a2a(1).wait()
+        barrier(self.group, "planner measurement", self.one.device)
+        return self.resolved_line(lambda n: self.a2a(n).wait(), 1, row_large, self.bytes_per,
+                                  agree=True, most=MOST_PEER_ROWS)
 
     def interference(self, per_row: float, large: int, latency: float,
                      per_byte: float) -> float:
