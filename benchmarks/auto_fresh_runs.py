@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default=None,
                    help="shape loopback to this rate with tc tbf for the run (root; removed "
                         "after), e.g. 200mbit")
+    p.add_argument("--no-plain", action="store_true",
+                   help="with --wire, compare with the format's fixed K only (not plain rows)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     shape = {"tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn,
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     choices = {"auto": {"micro_batches": "auto", **extra}}
     for k in (int(v) for v in args.ks.split(",")):
         choices[f"K={k}"] = {"micro_batches": k, **extra}
-        if args.wire:
+        if args.wire and not args.no_plain:
             choices[f"K={k} plain"] = {"micro_batches": k}
     if args.rate and (why := can_shape()) is not None:
         raise SystemExit(f"--rate {args.rate}: {why}")

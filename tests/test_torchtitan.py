@@ -192,3 +192,34 @@ def test_qwen3_moe_model_trains_like_torchtitan_under_fsdp_and_ep() -> None:
     assert worst <= BF16, (worst, ref, got)
     for losses in (ref, got):
         assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
+
+
+def test_shared_expert_views_only_where_the_linears_read_as_their_weights() -> None:
+    """TorchTitan's shared ``FeedForward`` enters the call as views of its weights only while
+    each linear is TorchTitan's own, bias-free, in bfloat16, with no hook and no
+    parametrization, asked at every call: a hook (an adapter's, an optimizer's) or a
+    parametrization added later makes it run beside the call, as TorchTitan runs it."""
+    import torch
+    from torch.nn.utils import parametrize
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+
+    from mc2.integrations.torchtitan import shared_views
+
+    shared = FeedForward.Config(w1=Linear.Config(in_features=8, out_features=16),
+                                w2=Linear.Config(in_features=16, out_features=8),
+                                w3=Linear.Config(in_features=8, out_features=16)).build()
+    shared = shared.to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    assert shared_views(shared, x) is not None
+    handle = shared.w1.register_forward_hook(lambda *_: None)
+    assert shared_views(shared, x) is None
+    handle.remove()
+    assert shared_views(shared, x) is not None
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    parametrize.register_parametrization(shared.w3, "weight", Doubled())
+    assert shared_views(shared, x) is None

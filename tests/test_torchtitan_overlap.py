@@ -3,8 +3,10 @@ own Qwen3 MoE, every MoE block with a shared expert, parallelized by its own
 ``parallelize_qwen3`` on 4 ranks (FSDP over the 4, EP = 2, the experts FSDP-sharded over
 ``efsdp``), with the ``mc2_batch_overlap`` override against the same model without it: the
 same losses over a few AdamW steps, each MoE block run as two staged calls per step (one per
-half of the batch) with the shared expert inside; a flex-attention ``BlockMask`` split by
-batch gives each half the attention of the whole; refusals on every rank."""
+half of the batch) with the shared expert inside, with ``batch_overlap`` ``True``, ``False``
+and ``"auto"`` (what it measured and chose visible); a flex-attention ``BlockMask`` split by
+batch gives each half the attention of the whole; refusals on every rank, pipeline
+parallelism through TorchTitan's own ``pipeline_llm`` among them."""
 
 from __future__ import annotations
 
@@ -63,6 +65,83 @@ def test_unsplit_the_shared_experts_still_run_inside_the_call() -> None:
         ref, got = r["ref_losses"], r["losses"]
         assert abs(got[0] - ref[0]) / ref[0] <= FIRST_STEP, (rank, ref, got)
         assert max(abs(b - a) / abs(a) for a, b in zip(ref, got, strict=True)) <= BF16
+
+
+def test_batch_overlap_auto_trains_like_torchtitan_and_shows_what_it_decided() -> None:
+    """``{"batch_overlap": "auto"}`` through the override: the training steps alternate split
+    and unsplit forwards (the first of each side untimed), the shared expert inside the call
+    either way, the losses TorchTitan's; the decision shows what it measured
+    (``Planner.batch_overlaps()``), decides after three timed forwards a side, agreed on each
+    EP group, and the next forward runs as it chose."""
+    from tests import workers_torchtitan_model as m
+
+    steps = 4
+    results = mc2.run_local(m.train_against_torchtitan, 4,
+                            args=({"batch_overlap": "auto", "min_tokens": 1}, steps,
+                                  "partial_dtensor", OVERLAP, True, True), deadline_s=300)
+    split = [((m.BATCH // 2, m.SEQ, m.DIM), True)] * (2 * m.LAYERS)
+    whole = [((m.BATCH, m.SEQ, m.DIM), True)] * m.LAYERS
+    first = results[0]
+    for rank, r in enumerate(results):
+        assert r["same_init"] and r["same_shards_init"], rank
+        assert (r["ref_losses"], r["losses"]) == (first["ref_losses"], first["losses"]), rank
+        assert all(b.endswith("MC2Qwen3TransformerBlock") for b in r["blocks"]), r["blocks"]
+        assert r["begun"] == [split, split, [], []], r["begun"]
+        assert r["fused_calls"] == [[], [], whole, whole], r["fused_calls"]
+        d = r["decided"]
+        after = d["after steps"]
+        (measured,) = after["planner"]
+        assert after["chosen"] is None and measured["mode"] == "auto", after
+        assert [len(measured["times"][side]) for side in ("on", "off")] == [1, 1], measured
+        # the no-grad forwards after the steps: the sides go on alternating until three
+        # forwards a side are timed; split or not, the same loss (seen: bitwise), and
+        # TorchTitan's within the training steps' bfloat16 drift
+        assert [split for _, split in d["forwards"]] == [True, True, False, False] * 2, d
+        (same, _) = d["forwards"][0]
+        for loss, _ in d["forwards"]:
+            assert abs(loss - same) <= FIRST_STEP * abs(same), d["forwards"]
+            assert abs(loss - d["want"]) <= BF16 * abs(d["want"]), (loss, d["want"])
+        (decided,) = d["planner"]
+        assert d["chosen"] in (True, False) and decided["chosen"] is d["chosen"], d
+        assert [len(decided["times"][side]) for side in ("on", "off")] == [3, 3], decided
+        loss, begun, calls = d["decided"]
+        assert (begun, calls) == ((split, []) if d["chosen"] else ([], whole)), d
+        assert abs(loss - same) <= FIRST_STEP * abs(same), (loss, same)
+        # agreed on every rank, not on the EP group (FSDP's collectives span the EP groups):
+        # the same times (the slowest rank's) and the same choice
+        assert len(d["group"]) == len(results) > m.EP and rank in d["group"]
+        for other in d["group"]:
+            assert results[other]["decided"]["planner"] == d["planner"], (rank, other)
+    ref, got = first["ref_losses"], first["losses"]
+    worst = max(abs(b - a) / abs(a) for a, b in zip(ref, got, strict=True))
+    assert worst <= BF16 and abs(got[0] - ref[0]) / ref[0] <= FIRST_STEP, (ref, got)
+    for losses in (ref, got):
+        assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
+
+
+def test_pipeline_parallelism_is_refused_on_every_rank_or_its_blocks_run_whole() -> None:
+    """TorchTitan's own ``pipeline_llm`` (2 stages of 2 blocks, 4 ranks). With EP = 2 the
+    override's blocks refuse it on every rank when the stages are parallelized, naming
+    ``pipeline_parallel_degree``. With EP = 1 TorchTitan does not parallelize the blocks, so
+    nothing refuses: they run whole (said once), and 2 steps through its 1F1B schedule give
+    TorchTitan's losses. (Recorded, the first stage's blocks waited for a last block it does
+    not hold and handed its input on unchanged.)"""
+    from tests import workers_torchtitan_model as m
+
+    for rank, found in enumerate(mc2.run_local(m.pipeline_parallelism, 4, args=(OVERLAP,),
+                                               deadline_s=300)):
+        refused = found[2]
+        assert refused.startswith("ValueError: ") and "pp > 1" in refused \
+            and "pipeline_parallel_degree" in refused, (rank, refused)
+        r = found[1]
+        assert r["blocks mc2"] == ["FSDPMC2Qwen3TransformerBlock"] * 2, r["blocks mc2"]
+        assert r["begun"] == []
+        assert any("not parallelized" in said for said in r["said mc2"]), r["said mc2"]
+        ref, got = r["losses ref"], r["losses mc2"]
+        if rank < 2:  # the first stage
+            assert ref == got == [None, None]
+        else:
+            assert len(set(ref)) == 2 and got == pytest.approx(ref, rel=1e-6), (ref, got)
 
 
 def test_a_block_mask_split_by_batch_gives_each_part_the_whole_batchs_attention() -> None:

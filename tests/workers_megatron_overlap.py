@@ -1,9 +1,11 @@
 """Rank bodies of tests/test_megatron_overlap.py: a Megatron ``GPTModel`` built from
-``use_mc2(spec, batch_overlap=True)`` against the same model on Megatron's own ``MoELayer``
-(alltoall dispatcher), same weights, trained under Megatron's DDP; and the refusals.
+``use_mc2(spec, batch_overlap=True or "auto")`` against the same model on Megatron's own
+``MoELayer`` (alltoall dispatcher), same weights, trained under Megatron's DDP (one or two
+expert-parallel groups, and in pipeline stages under Megatron's own schedules); and the
+refusals.
 
 Each function runs inside a rank of ``mc2.run_local`` (Megatron's CPU shims and process groups
-first, :func:`tests.workers_megatron.start`)."""
+first, :func:`start_groups`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 import torch
 
 from tests.workers_megatron import (
-    STEPS, _batches, _fill_model, _gpt, ddp_training, start, transformer_config)
+    BATCH, SEQ, STEPS, VOCAB, _batches, _fill_model, _gpt, ddp_training, start,
+    transformer_config)
 
 # the two models of the test: TransformerConfig fields, and how the spec is built
 MODELS: dict[str, dict[str, Any]] = {
@@ -37,29 +40,28 @@ def _spec(config: Any, kind: str) -> Any:
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False)
 
 
-def batch_overlap_training(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Megatron's model and the batch-overlap model (same weights), each under Megatron's DDP,
-    ``STEPS`` Adam steps on the same batches; their losses, the begun staged calls per step,
-    what the layers are, the state-dict keys and the expert bias's token counters."""
-    import mc2
-    import mc2.integrations.megatron as integration
-    from mc2.integrations.megatron_overlap import MC2TransformerLayer
+def start_groups(world: int, ep: int | None = None, pp: int = 1,
+                 vpp: int | None = None) -> None:
+    """The shims, then Megatron's process groups: expert-parallel size ``ep`` (default: the
+    world within each pipeline stage), ``pp`` pipeline stages of ``vpp`` virtual stages each."""
+    if ep is None and pp == 1 and vpp is None:
+        return start(world)
+    from tests import megatron_cpu
 
-    start(world)
-    config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0,
-                                **MODELS[kind])
-    spec = _spec(config, kind)
-    models = {"megatron": _gpt(config, spec),
-              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
-                                                       batch_overlap=True, min_tokens=1))}
-    _fill_model(models["megatron"], rank)
-    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
-    found: dict[str, Any] = {
-        "layers": [(type(layer).__name__, type(layer.mlp).__name__)
-                   for layer in models["mc2"].decoder.layers],
-        "keys": {name: sorted(m.state_dict()) for name, m in models.items()},
-        "sharded_keys": {name: sorted(m.sharded_state_dict()) for name, m in models.items()},
-    }
+    megatron_cpu.install()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep or world // pp)
+
+
+def _counted_begins() -> tuple[list[int], Any]:
+    """``begin_module`` (the staged mc2 call) counted: the list its calls' token counts go to,
+    and the function that puts the original back."""
+    import mc2.integrations.megatron as integration
+
     begun: list[int] = []
     original = integration.begin_module
 
@@ -68,6 +70,54 @@ def batch_overlap_training(rank: int, world: int, kind: str) -> dict[str, Any]:
         return original(x, *args, **kwargs)
 
     integration.begin_module = counted
+
+    def restore() -> None:
+        integration.begin_module = original
+
+    return begun, restore
+
+
+def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = True,
+                           ep: int | None = None) -> dict[str, Any]:
+    """Megatron's model and the batch-overlap model (same weights), each under Megatron's DDP,
+    ``STEPS`` Adam steps on the same batches; their losses, the begun staged calls per step,
+    what the layers are, the state-dict keys and the expert bias's token counters. ``mode``:
+    ``use_mc2``'s ``batch_overlap``; ``ep``: the expert-parallel size (default: the world; a
+    smaller one makes several EP groups, each expert held by ``world // ep`` data-parallel
+    ranks). Under ``"auto"`` also what the decision showed after the steps, and after the
+    further no-grad forwards it took to decide, with the losses of those forwards."""
+    import mc2
+    import mc2.integrations.megatron as integration
+    from megatron.core import parallel_state
+
+    from mc2.engine.decide.planner import planner_for
+    from mc2.integrations.megatron_overlap import MC2TransformerLayer
+
+    start_groups(world, ep)
+    ep = ep or world
+    config = transformer_config(ep, hidden_dropout=0.0, attention_dropout=0.0,
+                                **MODELS[kind])
+    spec = _spec(config, kind)
+    models = {"megatron": _gpt(config, spec),
+              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
+                                                       batch_overlap=mode, min_tokens=1))}
+    # the routed experts by expert-parallel rank: the ranks holding the same experts start
+    # with the same weights
+    _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
+    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    found: dict[str, Any] = {
+        "layers": [(type(layer).__name__, type(layer.mlp).__name__)
+                   for layer in models["mc2"].decoder.layers],
+        "keys": {name: sorted(m.state_dict()) for name, m in models.items()},
+        "sharded_keys": {name: sorted(m.sharded_state_dict()) for name, m in models.items()},
+        "ep groups": sorted({tuple(torch.distributed.get_process_group_ranks(layer.mlp.ep_group))
+                             for layer in models["mc2"].decoder.layers
+                             if hasattr(layer.mlp, "ep_group")}),
+        # where the stage's batch-overlap decision is agreed: its data-parallel ranks
+        "decision group": tuple(torch.distributed.get_process_group_ranks(
+            models["mc2"].decoder.layers[0].decision.group)),
+    }
+    begun, restore = _counted_begins()
     for name, model in models.items():
         calls: list[list[int]] = []
 
@@ -82,17 +132,165 @@ def batch_overlap_training(rank: int, world: int, kind: str) -> dict[str, Any]:
             for layer in model.decoder.layers
             if getattr(getattr(layer.mlp, "router", None), "local_tokens_per_expert", None)
             is not None]
-    # one sequence cannot be split: the layers run one after the other, as Megatron's
+        found[f"experts {name}"] = [float(p.detach().double().sum())
+                                    for n, p in model.named_parameters() if ".mlp.experts." in n]
     ids, position, mask = _batches(rank)[STEPS]
+    if mode == "auto":
+        decision = models["mc2"].decoder.layers[0].decision
+        planner = planner_for(decision.group)  # agreed on the stage's data-parallel ranks
+        found["after steps"] = {"chosen": decision.chosen, "planner": planner.batch_overlaps()}
+        # further forwards (no gradient: each timed alone) until "auto" has decided
+        with torch.no_grad():
+            want = float(models["megatron"].eval()(ids, position, mask, labels=ids).mean())
+            models["mc2"].eval()
+            forwards = []
+            while decision.chosen is None and len(forwards) < 20:
+                begun.clear()
+                loss = float(models["mc2"](ids, position, mask, labels=ids).mean())
+                forwards.append((loss, list(begun)))
+            begun.clear()
+            decided = float(models["mc2"](ids, position, mask, labels=ids).mean())
+        found["deciding"] = {"want": want, "forwards": forwards,
+                             "decided": (decided, list(begun)),
+                             "chosen": decision.chosen, "planner": planner.batch_overlaps()}
+    # one sequence cannot be split: the layers run one after the other, as Megatron's
     begun.clear()
     with torch.no_grad():
         found["one sequence"] = [
             float(m.eval()(ids[:1], position[:1], mask, labels=ids[:1]).mean())
             for m in models.values()]
     found["calls one sequence"] = list(begun)
-    integration.begin_module = original
+    restore()
     found["overlap layers"] = sum(isinstance(m, MC2TransformerLayer)
                                   for m in models["mc2"].modules())
+    return found
+
+
+# the pipelines of the pipeline test: TransformerConfig fields and the virtual stages
+PIPELINES: dict[str, dict[str, Any]] = {
+    "pp": dict(num_layers=4, vpp=None),  # 2 stages of 2 layers
+    "vpp": dict(num_layers=8, vpp=2),  # 2 stages of 2 virtual stages of 2 layers
+}
+MICRO_BATCHES = 2
+
+
+def _on_host_schedules() -> None:
+    """Megatron's schedules allocate their token counter with ``device="cuda"``; on a CPU the
+    counter is made on the host (it counts, nothing else)."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    class _Torch:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    schedules.torch = _Torch()
+
+
+def pipeline_training(rank: int, world: int) -> dict[str, Any]:
+    """For each of :data:`PIPELINES`, in one world: Megatron's GPTModel in its pipeline stages
+    (``pipeline_model_parallel_size=2``, EP = 2 within each stage, its layer spec: every
+    layer MoE) and the same from ``use_mc2(spec, batch_overlap=True)``, same weights, each
+    chunk under Megatron's DDP, ``STEPS`` Adam steps of ``MICRO_BATCHES`` micro-batches run by
+    Megatron's own pipeline schedule (1F1B, interleaved with virtual stages). Returns per
+    pipeline: the last stage's losses, how many parameters of this rank's chunks got a non-zero
+    gradient in the first step and the largest difference of the two models' (relative to
+    the largest gradient), the staged calls begun per step, and the layers each chunk
+    holds."""
+    import mc2
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mc2.integrations.megatron import use_mc2
+
+    found: dict[str, Any] = {}
+    for case, fields in PIPELINES.items():
+        fields = dict(fields)
+        vpp = fields.pop("vpp")
+        start_groups(world, ep=2, pp=2, vpp=vpp)
+        _on_host_schedules()
+        config = transformer_config(
+            2, num_moe_experts=4, moe_router_topk=2, hidden_dropout=0.0, attention_dropout=0.0,
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vpp,
+            pipeline_dtype=torch.float32, **fields)
+        config.finalize_model_grads_func = finalize_model_grads
+        spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+        specs = {"megatron": spec, "mc2": use_mc2(spec, config=mc2.MC2Config(),
+                                                   batch_overlap=True, min_tokens=1)}
+        stages = [None] if vpp is None else list(range(vpp))
+        chunks: dict[str, list[torch.nn.Module]] = {
+            name: [GPTModel(config=config, transformer_layer_spec=s, vocab_size=VOCAB,
+                            max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                   vp_stage=v),
+                            post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
+                                                                   vp_stage=v),
+                            vp_stage=v) for v in stages]
+            for name, s in specs.items()}
+        for ours, theirs in zip(chunks["mc2"], chunks["megatron"], strict=True):
+            _fill_model(theirs, ps.get_expert_model_parallel_rank())
+            ours.load_state_dict(theirs.state_dict(), strict=True)
+        # a pipeline's stages read the same batches: seeded by the data-parallel rank
+        dp = ps.get_data_parallel_rank()
+        batches = list(zip(_batches(dp)[:STEPS], _batches(dp + world)[:STEPS]))
+        result: dict[str, Any] = {
+            "layers": [[type(layer).__name__ for layer in c.decoder.layers]
+                       for c in chunks["mc2"]],
+            "stage layers": [[layer.stage_layers for layer in c.decoder.layers]
+                             for c in chunks["mc2"]],
+            "last stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
+        begun, restore = _counted_begins()
+
+        def step(data: Any, model: torch.nn.Module) -> Any:
+            ids, position, mask = next(data)
+            out = model(ids, position, mask, labels=ids)
+
+            def loss(t: torch.Tensor) -> Any:
+                mean = t.mean()
+                return mean, {"loss": mean.detach()}
+            return out, loss
+
+        grads: dict[str, dict[str, torch.Tensor]] = {}
+        for name, models in chunks.items():
+            ddps = [DistributedDataParallel(config, DistributedDataParallelConfig(), m)
+                    for m in models]
+            optimizer = torch.optim.Adam([p for d in ddps for p in d.parameters()], lr=1e-2)
+            losses, calls = [], []
+            for micro in batches:
+                for d in ddps:
+                    d.zero_grad_buffer()
+                optimizer.zero_grad()
+                data = [iter(micro) for _ in ddps]
+                out = get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=data if vpp else data[0],
+                    model=ddps if vpp else ddps[0], num_microbatches=MICRO_BATCHES,
+                    seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+                for d in ddps:
+                    for p in d.parameters():
+                        p.grad = p.main_grad
+                if not losses:  # the first step's gradients, reduced by DDP
+                    grads[name] = {f"{i}.{n}": p.main_grad.clone()
+                                   for i, m in enumerate(models) for n, p in m.named_parameters()}
+                optimizer.step()
+                losses.append([float(o["loss"]) for o in out])
+                calls.append(list(begun))
+                begun.clear()
+            result[f"losses {name}"], result[f"calls {name}"] = losses, calls
+        restore()
+        ours, theirs = grads["mc2"], grads["megatron"]
+        assert ours.keys() == theirs.keys()
+        result["gradients"] = sum(bool(g.any()) for g in theirs.values())
+        result["gradient difference"] = max(
+            float((ours[n] - g).abs().max()) for n, g in theirs.items()) / max(
+            float(g.abs().max()) for g in theirs.values())
+        found[case] = result
     return found
 
 

@@ -118,13 +118,14 @@ def parallel_dims(world: int, backend: str) -> Any:
 
 
 def build_model(world: int, backend: str, mc2: dict | None, override: str = MC2,
-                shared: bool = False, shape: dict[str, int] | None = None) -> torch.nn.Module:
+                shared: bool = False, shape: dict[str, int] | None = None,
+                ep: int = EP) -> torch.nn.Module:
     """The model as the trainer configures it (the sharding configs ``update_from_config``
     sets, then ``override`` when ``mc2`` is given, applied as the trainer applies it: from a
     root that holds the model config in a ``ModelSpec``), built and initialised from seed 0
     on the CPU. ``shared``: every MoE block with a shared expert (a SwiGLU ``FeedForward`` of
     the routed experts' width), as DeepSeek-V3's blocks have; ``shape``: as
-    :func:`qwen3_moe_config`."""
+    :func:`qwen3_moe_config`; ``ep``: the expert-parallel degree it is configured for."""
     from torchtitan.config import OverrideConfig, apply_overrides
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
     from torchtitan.protocols.model_spec import ModelSpec
@@ -135,7 +136,7 @@ def build_model(world: int, backend: str, mc2: dict | None, override: str = MC2,
             layer.moe.shared_experts = shared_expert_config(
                 cfg.dim, (shape or {}).get("moe_hidden", MOE_HIDDEN))
     # what Qwen3Model.Config.update_from_config does for this parallelism (module docstring)
-    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=EP > 1)
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
     if mc2 is not None:
         spec = ModelSpec(name="qwen3", flavor="test", model=cfg, parallelize_fn=None,
                          pipelining_fn=None, post_optimizer_build_fn=None,
@@ -271,12 +272,15 @@ class Trainer:
 
 def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
                              backend: str = "partial_dtensor", override: str = MC2,
-                             shared: bool = False) -> dict:
+                             shared: bool = False, until_decided: bool = False) -> dict:
     """TorchTitan's Qwen3 MoE and the same with mc2's ``override``, same weights and tokens,
     trained ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran,
     state-dict keys and the sharding of both; whether the weights were equal before and after
     parallelize; the block types, and the staged calls begun and the in-layer calls made per
-    step (their token shapes, and whether the shared experts ran inside)."""
+    step (their token shapes, and whether the shared experts ran inside). ``until_decided``
+    (batch overlap ``"auto"``): also what its decision showed after the steps, then the
+    no-grad forwards it took to decide (whether each split, and its loss against
+    TorchTitan's), the forward after it decided, and the EP group it agreed on."""
     import mc2.integrations.torchtitan as node
 
     dims = parallel_dims(world, backend)
@@ -307,13 +311,147 @@ def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
         begun.append([])
         calls.append([])
         losses.append(got_trainer.step(tokens, labels))
+    decided = _decide(ref, got, rank, steps, begun, calls) if until_decided else None
     node.begin_split, node.fused_expert = original, fused
     return {"same_init": same_init, "same_shards_init": same_shards_init, "begun": begun,
+            "decided": decided,
             "fused_calls": calls,
             "blocks": [type(b).__name__ for b in got.layers.values()],
             "ref_losses": ref_losses, "losses": losses,
             "ref_keys": sorted(ref.state_dict()), "keys": sorted(got.state_dict()),
             "ref_sharding": sharding(ref), "sharding": sharding(got)}
+
+
+def _decide(ref: torch.nn.Module, got: torch.nn.Module, rank: int, steps: int,
+            begun: list[list[tuple]], calls: list[list[tuple]]) -> dict:
+    """After the training steps of a ``"auto"`` batch-overlap model: its decision's state and
+    its planner's ``batch_overlaps()``; then no-grad forwards on the next batch until it has
+    decided (each: whether it split, and its loss against TorchTitan's), and one forward
+    after (its loss, staged calls begun and in-layer calls made). ``begun`` and ``calls``: the
+    lists the counted calls go to, left as they were."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    from mc2.engine.decide.planner import planner_for
+
+    first = got.layers["0"]
+    decision = first.decision
+    group = decision.group
+    planner = planner_for(group)
+    found: dict[str, Any] = {"after steps": {"chosen": decision.chosen,
+                                             "planner": planner.batch_overlaps()},
+                             "group": dist.get_process_group_ranks(group)}
+    loss_fn = CrossEntropyLoss.Config().build()
+    tokens, labels = batches(rank, steps + 1)[steps]
+    valid = torch.tensor(labels.numel())
+
+    def loss(model: torch.nn.Module) -> float:
+        begun.append([])
+        calls.append([])
+        return float(loss_fn(model(tokens), labels, valid)[0])
+
+    kept = len(begun)
+    with torch.no_grad():
+        found["want"] = loss(ref)
+        forwards = []
+        while decision.chosen is None and len(forwards) < 20:
+            forwards.append((loss(got), bool(begun[-1])))
+        found["forwards"] = forwards
+        found["chosen"] = decision.chosen
+        found["planner"] = planner.batch_overlaps()
+        found["decided"] = (loss(got), begun[-1], calls[-1])
+    del begun[kept:], calls[kept:]
+    return found
+
+
+def pipeline_parallelism(rank: int, world: int, override: str) -> dict:
+    """TorchTitan's pipeline parallelism (``pipeline_llm``: the model split into 2 stages of 2
+    blocks, each stage parallelized by ``parallelize_qwen3``, its 1F1B schedule) with the
+    batch-overlap override, on 4 ranks: with EP = 2 (FSDP over 2 in each stage) the error
+    every rank raises (then a barrier); with EP = 1, where TorchTitan does not parallelize the
+    blocks, 2 AdamW steps of TorchTitan's model and the override's through the schedule: the
+    last stage's losses, the staged calls begun, and the warnings said."""
+    import warnings
+
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    import mc2.integrations.torchtitan as node
+
+    parallel_dims_module.device_type = "cpu"
+    backend, layers, dp = "partial_dtensor", 4, world // 2
+    set_spmd_backend(backend)
+    loss_fn = CrossEntropyLoss.Config().build()
+    found: dict[str, Any] = {}
+    for ep in (2, 1):
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=1, pp=2, ep=ep,
+                            world_size=world, spmd_backend=backend)
+        dims.build_mesh()
+        parallelism = ParallelismConfig(
+            data_parallel_shard_degree=dp, expert_parallel_degree=ep, pipeline_parallel_degree=2,
+            pipeline_parallel_schedule="1F1B", pipeline_parallel_first_stage_less_layers=0,
+            pipeline_parallel_last_stage_less_layers=0, spmd_backend=backend)
+
+        def pipeline(options: dict | None) -> tuple:
+            model = build_model(world, backend, options, override, shape={"layers": layers},
+                                ep=ep)
+            return pipeline_llm(
+                model, parallel_dims=dims, training=TrainingConfig(local_batch_size=BATCH),
+                parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
+                dump_folder="/tmp", device=torch.device("cpu"),
+                model_config=qwen3_moe_config({"layers": layers}),
+                parallelize_fn=parallelize_qwen3, loss_fn=loss_fn)
+
+        options = {"batch_overlap": True, "min_tokens": 1}
+        if ep > 1:
+            try:
+                pipeline(options)
+                found[ep] = "built"
+            except ValueError as exc:
+                found[ep] = f"ValueError: {exc}"
+            dist.barrier()
+            continue
+        result: dict[str, Any] = {}
+        begun: list[tuple] = []
+        original = node.begin_split
+
+        def counted(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+            begun.append(tuple(x.shape))
+            return original(x, *args, **kwargs)
+
+        node.begin_split = counted
+        for name, opts in (("ref", None), ("mc2", options)):
+            schedule, parts, first, last = pipeline(opts)
+            for part in parts:
+                sum_reductions_for_gloo(part)
+                part.train()
+            optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()],
+                                          lr=LR)
+            losses = []
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                # a pipeline's stages read the same tokens: seeded by the data-parallel rank
+                for tokens, labels in batches(rank % dp, 2):
+                    optimizer.zero_grad()
+                    valid = torch.tensor(labels.numel() * dp)
+                    step_losses: list[Tensor] | None = [] if last else None
+                    schedule.step(*((tokens,) if first else ()), target=labels if last else None,
+                                  losses=step_losses, loss_kwargs={"global_valid_tokens": valid})
+                    optimizer.step()
+                    losses.append(float(torch.stack(step_losses).detach().sum()) if last else None)
+            result[f"losses {name}"] = losses
+            result[f"blocks {name}"] = [type(b).__name__ for part in parts
+                                        for b in part.layers.values()]
+            result[f"said {name}"] = [str(w.message) for w in said
+                                      if "batch overlap" in str(w.message)]
+        node.begin_split = original
+        result["begun"] = begun
+        found[ep] = result
+    return found
 
 
 def batch_overlap_under_checkpointing(rank: int, world: int, override: str) -> str:

@@ -182,10 +182,12 @@ class MC2TransformerLayer(TransformerLayer):
         self.local_number = layer_number  # 1-based within this stage's block
         self.stage_layers = stage_layers or get_num_layers_to_build(
             config, vp_stage, get_pg_rank(self.pg_collection.pp))
-        # the stage's first layer holds the decision (every rank builds the same layers)
-        self.decision = planner_for(self.pg_collection.ep).batch_overlap(
-            batch_overlap, min_tokens=min_tokens, group=self.pg_collection.ep) \
-            if layer_number == 1 else None
+        # the stage's first layer holds the decision (every rank builds the same layers),
+        # agreed on the stage's data-parallel ranks, not its EP group: the DDP buckets span
+        # the EP groups, and groups that split differently would reduce at other points
+        agree = getattr(self.pg_collection, "dp", None) or self.pg_collection.ep
+        self.decision = planner_for(agree).batch_overlap(
+            batch_overlap, min_tokens=min_tokens, group=agree) if layer_number == 1 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
         """As ``TransformerLayer.forward``, or, under batch overlap, recorded (see the module

@@ -56,6 +56,7 @@ from mc2.engine.autograd.recompute import SAVED_OPERATORS
 from mc2.engine.autograd.staged import StagedCall, begin_module, begin_split
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
+from mc2.integrations.weight_reads import read_problem
 
 from torchtitan.config import derive, override
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -201,10 +202,11 @@ def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
         return None
     linears = [shared.w1, shared.w2, shared.w3] + ([shared.gate] if hasattr(shared, "gate")
                                                    else [])
-    # TorchTitan's own Linear (no converter's), bias-free, in the dtype the call computes in
-    # (TorchTitan runs the shared experts in their parameters' dtype, the routed in bfloat16)
-    if any(type(m) is not Linear or m.bias is not None or m.weight.dtype != COMPUTE_DTYPE
-           for m in linears):
+    # TorchTitan's own Linear (no converter's, no adapter, hook or parametrization: checked
+    # at every call, weight_reads), bias-free, in the dtype the call computes in (TorchTitan
+    # runs the shared experts in their parameters' dtype, the routed in bfloat16)
+    if any(read_problem(m, (Linear,)) is not None or m.bias is not None
+           or m.weight.dtype != COMPUTE_DTYPE for m in linears):
         return None
     w1, w2, w3 = (m.weight for m in linears[:3])
     views = (w3.t().unsqueeze(0), w1.t().unsqueeze(0), w2.t().unsqueeze(0))

@@ -35,6 +35,10 @@ TorchTitan parallelizes the blocks); blocks under activation checkpointing (at t
 forward: TorchTitan's ``full`` or ``selective`` AC wraps each block, and a recompute of the
 recorded stack would run its All-to-Alls again). A compiled block's parts run
 uncompiled under batch overlap (the block's compiled ``forward`` is not what runs).
+Blocks TorchTitan did not parallelize (``partial_dtensor`` with EP = 1 and no TP: nothing to
+overlap, and no check of the parallelisms ran) are not recorded: each runs whole, said once.
+Recorded, a pipeline stage holding the first blocks would hand its input on unchanged, their
+work lost.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mc2.engine.autograd.function import saved_tensor_hooks_active
 from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
-from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, timed_forward
+from mc2.engine.decide.batch_split import (
+    MIN_TOKENS, SPLITS, BatchOverlapDecision, say_once, timed_forward)
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.batch_overlap import split_sizes
 from mc2.integrations.layer_recording import NOT_RECORDED, close_recording, record_layer_call
@@ -188,13 +194,20 @@ class _OverlapBlock:
         self.index, self.stage_layers = config.index, config.stage_layers
         self.overlap_mode, self.min_tokens = config.batch_overlap, config.min_tokens
         self.decision: BatchOverlapDecision | None = None
+        # set by parallelize, after its refusals: only then is the block recorded
+        self.parallel_checked = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``block(h, attention_masks, positions)`` recorded, or run unsplit
         (:meth:`forward`)."""
+        if self.overlap_mode is not False and not self.parallel_checked:
+            say_once("the decoder blocks were not parallelized by TorchTitan (EP = 1 and no "
+                     "TP under partial_dtensor), so no pipeline / tensor / context "
+                     "parallelism was checked: each block runs whole")
         if kwargs or len(args) not in (2, 3) or self.stage_layers < 2 or \
-                self.overlap_mode is False or (self.index == 0 and self.decision is not None
-                                               and self.decision.chosen is False):
+                self.overlap_mode is False or not self.parallel_checked or (
+                    self.index == 0 and self.decision is not None
+                    and self.decision.chosen is False):
             if self.index == 0:
                 close_recording()
             return nn.Module.__call__(self, *args, **kwargs)
@@ -219,24 +232,33 @@ class _OverlapBlock:
         """TorchTitan's parallelize, after refusing (every rank alike) the parallelisms the
         recorded stack does not run: pipeline stages (a stage's blocks would wait for a last
         block it does not hold), tensor and context parallelism (their sharded activations
-        and masks are not split by batch here)."""
-        for name in ("pp", "tp", "cp"):
+        and masks are not split by batch here). Only a block checked here is recorded."""
+        for name, field in (("pp", "pipeline_parallel_degree"), ("tp", "tensor_parallel_degree"),
+                            ("cp", "context_parallel_degree")):
             if getattr(parallel_dims, f"{name}_enabled", False):
-                raise ValueError(f"mc2_batch_overlap: {name} > 1 is not supported (the decoder "
-                                 "blocks run as one recorded stack, split by batch); use "
-                                 "mc2_routed_experts with it")
+                raise ValueError(f"mc2_batch_overlap: {name} > 1 (parallelism.{field}) is not "
+                                 "supported (the decoder blocks run as one recorded stack, "
+                                 "split by batch); use mc2_routed_experts with it")
         super().parallelize(parallel_dims)  # type: ignore[misc]
+        self.parallel_checked = True
 
     def decision_for(self, calls: list[tuple[Any, Any]]) -> tuple[BatchOverlapDecision,
                                                                    str | None]:
-        """This stack's decision (made on the first forward, on the EP group of its MoE
-        blocks) and why this forward cannot be split, if it cannot."""
+        """This stack's decision (made on the first forward) and why this forward cannot be
+        split, if it cannot.
+
+        The decision is agreed on every rank, not on the EP group of its MoE blocks: FSDP's
+        gathers and reduce-scatters span the EP groups, and a group that split while another
+        did not would issue them at other points of the step (seen: a reduce-scatter that
+        never met its peers). Every rank runs these blocks (pipeline stages with EP are
+        refused), so every rank reaches the agreement."""
         groups = [block.moe.routed_experts.ep_group for block, _ in calls if block.moe_enabled
                   and isinstance(block.moe.routed_experts, MC2RoutedExperts)]
         group = groups[0] if groups else None
         if self.decision is None:
-            self.decision = planner_for(group).batch_overlap(
-                self.overlap_mode, min_tokens=self.min_tokens, group=group)
+            world = dist.group.WORLD
+            self.decision = planner_for(world).batch_overlap(
+                self.overlap_mode, min_tokens=self.min_tokens, group=world)
         problem = None
         if group is None:
             problem = "batch overlap is off: no MoE block has an expert-parallel group (EP = 1)"

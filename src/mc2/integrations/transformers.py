@@ -510,11 +510,32 @@ def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
     if problems:
         raise ValueError(f"batch_overlap: cannot run these layers in stages: {problems}")
     group = blocks[0].group
+    if blocks[0].layout.dp_group is not None:  # agreed where FSDP's collectives reach
+        group = _whole_mesh_group(blocks[0].layout)
     decision = planner_for(group).batch_overlap(
         mode, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens, group=group)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child,
             OverlappedLayers(list(layers), decision=decision))
+
+
+def _whole_mesh_group(layout: Any) -> Any:
+    """The group batch overlap's decision is agreed on for a ``("dp", "ep")`` mesh: every
+    rank of the mesh, not one EP group (the data-parallel collectives span the EP groups,
+    and groups that split differently would issue them at other points of the step). The
+    default group, so the mesh must span the world.
+
+    Raises:
+        ValueError: the mesh holds fewer ranks than the world.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if layout.mesh is not None and layout.mesh.size() != world:
+        raise ValueError(f"batch_overlap with a ('dp', 'ep') mesh needs the mesh to span the "
+                         f"world ({layout.mesh.size()} of {world} ranks): the decision is "
+                         "agreed on every rank")
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
