@@ -55,7 +55,8 @@ def _save(path: str) -> None:
 
 def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decode: int,
           steps: int, rounds: int, layout: str = "dp",
-          what: tuple[str, ...] = ("train", "decode"), warmup: int = 0) -> dict[str, Any]:
+          what: tuple[str, ...] = ("train", "decode"), warmup: int = 0,
+          warmup_impls: tuple[str, ...] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -103,6 +104,8 @@ def _rank(rank: int, world: int, path: str, impls: list[str], tokens: int, decod
 
     times: dict[str, dict[str, list[float]]] = {i: {w: [] for w in what} for i in impls}
     for impl in impls:  # --warmup: untimed calls before the first round (a new shape's first)
+        if warmup_impls is not None and impl not in warmup_impls:
+            continue
         for part, fn in (("train", train), ("decode", serve)):
             for _ in range(warmup if part in what else 0):
                 fn(models[impl])
@@ -126,7 +129,8 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     impls = args.impls.split(",")
     call = lambda: mc2.run_local(  # noqa: E731
         _rank, 2, args=(path, impls, args.tokens, args.decode_tokens, args.steps, args.rounds,
-                        args.layout, tuple(args.what.split(",")), args.warmup),
+                        args.layout, tuple(args.what.split(",")), args.warmup,
+                        tuple(args.warmup_impls.split(",")) if args.warmup_impls else None),
         deadline_s=7200, timeout_s=1800)
     if regime == "plain":
         results = call()
@@ -162,6 +166,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed calls per implementation before the first round (each round "
                         "adds one): --warmup 4 --steps 9 times a new shape's calls 6-14")
+    p.add_argument("--warmup-impls", default=None,
+                   help="the implementations --warmup applies to (default: all), e.g. mc2: "
+                        "its trials lock before the rounds, as in a job's steady state")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     rows = []
