@@ -195,19 +195,23 @@ def test_use_mc2_refuses_a_spec_without_moe_layer() -> None:
         use_mc2(get_gpt_layer_local_spec())
 
 
-@pytest.mark.parametrize("wait", [True, False])
-def test_distributed_optimizer_with_overlapped_parameter_gather(wait: bool) -> None:
+@pytest.mark.parametrize("wait,batch_overlap", [(True, False), (False, False), (True, True)],
+                         ids=["waits", "no waits", "batch overlap"])
+def test_distributed_optimizer_with_overlapped_parameter_gather(wait: bool,
+                                                                batch_overlap: bool) -> None:
     """``use_distributed_optimizer`` + ``overlap_param_gather``: mc2 waits for the gathers of
     every parameter it reads without calling its module (the shared MLP's views, the experts
     on stand-ins), so training equals Megatron's own model over the steps; without the waits
     (``wait=False``) it does not: Megatron's next ``start_param_sync`` finds a bucket group
-    never waited, or the losses differ."""
+    never waited, or the losses differ. Batch overlap's staged calls wait the same way."""
     from tests.workers_megatron import gathered_training
 
-    for rank, found in enumerate(mc2.run_local(gathered_training, 2, args=(wait,),
-                                               deadline_s=600)):
+    for rank, found in enumerate(mc2.run_local(gathered_training, 2,
+                                               args=(wait, batch_overlap), deadline_s=600)):
         megatron = found["megatron"]
         assert isinstance(megatron, list) and len(set(megatron)) == STEPS, (rank, megatron)
+        # batch overlap: each step's 2 MoE layers as 2 staged calls each (halves of the batch)
+        assert found["staged calls"] == (4 * STEPS if batch_overlap else 0), found
         if wait:
             assert found["mc2"] == pytest.approx(megatron, rel=TOLERANCE), (rank, found)
         else:

@@ -109,8 +109,6 @@ def step_adapters(rank: int, world: int, cases: list[tuple[str, str, str]], ids:
     """Per case ``(model_type, adapter case, "before" | "after")``: this rank's logits and
     adapter gradients of one step, and the adapter tensors after :data:`STEPS` SGD steps
     (replicated adapters' gradients summed over the ranks); or the error it raised."""
-    import torch.distributed as dist
-
     from mc2.integrations.transformers import enable_mc2
     from tests.hf_tiny import tiny_model
 
@@ -125,23 +123,7 @@ def step_adapters(rank: int, world: int, cases: list[tuple[str, str, str]], ids:
             else:
                 enable_mc2(model)
                 model = adapt(model, case)
-            first = None
-            for i in range(STEPS):
-                logits = model(mine).logits
-                (logits * g).sum().backward()
-                params = adapters(model)
-                for name, p in params.items():
-                    if ".experts." not in name:  # replicated: the batch's gradient is the sum
-                        dist.all_reduce(p.grad)
-                if i == 0:
-                    first = {"logits": logits.detach(),
-                             "grads": {n: p.grad.clone() for n, p in params.items()}}
-                with torch.no_grad():
-                    for p in params.values():
-                        p -= LR * p.grad
-                        p.grad = None
-            first["trained"] = {n: p.detach().clone() for n, p in adapters(model).items()}
-            out.append(first)
+            out.append(train(model, mine, g, summed=_summed_replicated))
         except ValueError as exc:
             out.append(f"ValueError: {exc}")
     return out
@@ -152,12 +134,20 @@ def reference(model_type: str, case: str, ids: Tensor, grad: Tensor) -> dict[str
     adapter gradients, and the adapters after :data:`STEPS` SGD steps."""
     from tests.hf_tiny import tiny_model
 
-    model = adapt(tiny_model(model_type).double(), case)
+    return train(adapt(tiny_model(model_type).double(), case), ids, grad)
+
+
+def train(model: nn.Module, ids: Tensor, grad: Tensor, summed: Any = None) -> dict[str, Any]:
+    """:data:`STEPS` SGD steps of ``(logits * grad).sum()`` on the trained tensors
+    (``summed(params)``: makes each gradient the whole batch's, on a rank); the first step's
+    logits and gradients, and the tensors after the steps."""
     first: dict[str, Any] = {}
     for i in range(STEPS):
         logits = model(ids).logits
         (logits * grad).sum().backward()
         params = adapters(model)
+        if summed is not None:
+            summed(params)
         if i == 0:
             first = {"logits": logits.detach(),
                      "grads": {n: p.grad.clone() for n, p in params.items()}}
@@ -167,6 +157,16 @@ def reference(model_type: str, case: str, ids: Tensor, grad: Tensor) -> dict[str
                 p.grad = None
     first["trained"] = {n: p.detach().clone() for n, p in adapters(model).items()}
     return first
+
+
+def _summed_replicated(params: dict[str, Tensor]) -> None:
+    """A replicated tensor's gradient summed over the ranks (each saw its share of the
+    batch); an expert's is already whole (its rows came from every rank)."""
+    import torch.distributed as dist
+
+    for name, p in params.items():
+        if ".experts." not in name:
+            dist.all_reduce(p.grad)
 
 
 def ep_step(rank: int, world: int, paths: dict[str, str], cases: list[tuple[str, str]],

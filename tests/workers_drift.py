@@ -84,14 +84,7 @@ def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
 
     def call() -> None:
         nonlocal first
-        tl = mc2.Timeline()
-        out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
-                                      micro_batches="auto", planner=planner, timeline=tl)
-        out.sum().backward()
-        marks = [s.name for s in tl.spans if s.name.startswith("auto")]
-        calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
-                      "trial": any(m.startswith("auto trial") for m in marks),
-                      "replan": any(m.startswith("auto re-planning") for m in marks)})
+        out = _auto_call(x, experts, ids, planner, calls)
         first = out.detach() if first is None else first
         errors.append(float((out.detach() - first).abs().max()))
 
@@ -153,20 +146,25 @@ def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: f
                                    drift=0.5, drift_window=4)
     calls: list[dict[str, Any]] = []
 
-    def call() -> None:
-        tl = mc2.Timeline()
-        out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
-                                      micro_batches="auto", planner=planner, timeline=tl)
-        out.sum().backward()
-        marks = [s.name for s in tl.spans if s.name.startswith("auto")]
-        calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
-                      "trial": any(m.startswith("auto trial") for m in marks),
-                      "replan": any(m.startswith("auto re-planning") for m in marks)})
-
     for _ in range(quiet):
-        call()
+        _auto_call(x, experts, ids, planner, calls)
     experts.delay = delay
     for _ in range(slow):
-        call()
+        _auto_call(x, experts, ids, planner, calls)
     (decision,) = planner.decisions().values()
     return {"calls": calls, "decision": decision, "measured": planner.measured}
+
+
+def _auto_call(x: torch.Tensor, experts: torch.nn.Module, ids: torch.Tensor, planner: Any,
+               calls: list[dict[str, Any]]) -> torch.Tensor:
+    """One ``"auto"`` forward and backward of the experts module; filed in ``calls``: the K
+    it ran, whether it was a trial, whether it re-planned. Returns its output."""
+    tl = mc2.Timeline()
+    out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
+                                  micro_batches="auto", planner=planner, timeline=tl)
+    out.sum().backward()
+    marks = [s.name for s in tl.spans if s.name.startswith("auto")]
+    calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
+                  "trial": any(m.startswith("auto trial") for m in marks),
+                  "replan": any(m.startswith("auto re-planning") for m in marks)})
+    return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 import mc2
 from tests.problems import Problem

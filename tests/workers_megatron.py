@@ -270,15 +270,16 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def ddp_training(config: Any, model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]],
-                 overlap_grad_reduce: bool, after_step: Any = None) -> list[float]:
+                 overlap_grad_reduce: bool, after_step: Any = None,
+                 **ddp_options: Any) -> list[float]:
     """``model`` under Megatron's DistributedDataParallel, one Adam step per batch (the
     gradients read from ``main_grad``, where Megatron's DDP puts them; Megatron's own
-    optimizer allocates on CUDA and cannot run here); the losses. ``after_step()`` runs after
-    each step."""
+    optimizer allocates on CUDA and cannot run here); the losses. ``after_step(ddp)`` runs
+    after each step; ``ddp_options``: more ``DistributedDataParallelConfig`` fields."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap_grad_reduce, **ddp_options), model)
     optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
     losses = []
     for ids, position, mask in batches:
@@ -290,9 +291,9 @@ def ddp_training(config: Any, model: torch.nn.Module, batches: list[tuple[torch.
         for p in ddp.parameters():
             p.grad = p.main_grad
         optimizer.step()
-        losses.append(float(loss))
         if after_step is not None:
-            after_step()
+            after_step(ddp)
+        losses.append(float(loss))
     return losses
 
 
@@ -457,7 +458,8 @@ def patched_specs(rank: int, world: int, env: str) -> dict[str, Any]:
     return found
 
 
-def gathered_training(rank: int, world: int, wait: bool = True) -> dict[str, Any]:
+def gathered_training(rank: int, world: int, wait: bool = True,
+                      batch_overlap: bool = False) -> dict[str, Any]:
     """Megatron's distributed optimizer with ``overlap_param_gather``: a 2-layer GPTModel with
     shared experts run inside mc2's call (``moe_shared_expert_overlap``) and Megatron's own,
     the same weights, each under ``DistributedDataParallel(use_distributed_optimizer=True,
@@ -466,9 +468,9 @@ def gathered_training(rank: int, world: int, wait: bool = True) -> dict[str, Any
     The gradients are reduce-scattered: outside a rank's shard its Adam step is wrong and the
     gather overwrites it with the owner's, so a forward reading a parameter before its gather
     lands computes with the wrong values. ``wait=False`` turns mc2's waits off (what the test
-    shows fails). Returns both models' losses, or the error."""
+    shows fails); ``batch_overlap``: the mc2 model's layers as batch overlap's (its staged
+    calls read the same parameters). Returns both models' losses, or the error."""
     import mc2
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mc2.integrations import megatron as mc2_megatron
@@ -483,28 +485,21 @@ def gathered_training(rank: int, world: int, wait: bool = True) -> dict[str, Any
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     models = {"megatron": _gpt(config, spec),
               "mc2": _gpt(config, mc2_megatron.use_mc2(spec, config=mc2.MC2Config(
-                  micro_batches=2)))}
+                  micro_batches=2), batch_overlap=batch_overlap, min_tokens=1))}
     _fill_model(models["megatron"], rank)
     models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    staged = []  # the MoE layers' staged calls (batch overlap's), counted
+    begin = mc2_megatron.MC2MoELayer.begin_staged
+    mc2_megatron.MC2MoELayer.begin_staged = \
+        lambda self, *a, **k: staged.append(1) or begin(self, *a, **k)
     found: dict[str, Any] = {}
     for name, model in models.items():
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_param_gather=True), model)
-        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
-        losses = []
-        try:
-            for ids, position, mask in _batches(rank)[:STEPS]:
-                ddp.zero_grad_buffer()
-                optimizer.zero_grad()
-                loss = ddp(ids, position, mask, labels=ids).mean()
-                loss.backward()
-                ddp.finish_grad_sync()
-                for p in ddp.parameters():
-                    p.grad = p.main_grad
-                optimizer.step()
-                ddp.start_param_sync()  # asynchronous: waited by the next forward's hooks
-                losses.append(float(loss))
-            found[name] = losses
+        try:  # each step's asynchronous gather, waited by the next forward's hooks
+            found[name] = ddp_training(config, model, _batches(rank)[:STEPS], False,
+                                       lambda ddp: ddp.start_param_sync(),
+                                       use_distributed_optimizer=True,
+                                       overlap_param_gather=True)
         except AssertionError as exc:  # Megatron's: a bucket group never waited
             found[name] = f"AssertionError: {exc}"
+    found["staged calls"] = len(staged)
     return found

@@ -121,7 +121,7 @@ def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = 
     for name, model in models.items():
         calls: list[list[int]] = []
 
-        def after_step(calls: list[list[int]] = calls) -> None:
+        def after_step(ddp: Any, calls: list[list[int]] = calls) -> None:
             calls.append(list(begun))
             begun.clear()
 

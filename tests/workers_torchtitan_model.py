@@ -396,7 +396,8 @@ def pipeline_parallelism(rank: int, world: int, override: str) -> dict:
             pipeline_parallel_schedule="1F1B", pipeline_parallel_first_stage_less_layers=0,
             pipeline_parallel_last_stage_less_layers=0, spmd_backend=backend)
 
-        def pipeline(options: dict | None) -> tuple:
+        def pipeline(options: dict | None, ep: int = ep, dims: Any = dims,
+                     parallelism: Any = parallelism) -> tuple:
             model = build_model(world, backend, options, override, shape={"layers": layers},
                                 ep=ep)
             return pipeline_llm(
@@ -419,7 +420,8 @@ def pipeline_parallelism(rank: int, world: int, override: str) -> dict:
         begun: list[tuple] = []
         original = node.begin_split
 
-        def counted(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted(x: Tensor, *args: Any, begun: list = begun, original: Any = original,
+                    **kwargs: Any) -> Any:
             begun.append(tuple(x.shape))
             return original(x, *args, **kwargs)
 

@@ -629,28 +629,36 @@ class Planner:
         slowest, fewest = read(all_reduce_max(flat, group))
         if -fewest < self.drift_window // 2:
             return None  # too few calls with every phase timed to judge
-        if state.ruled_out is not None:  # no trial to compare with: the first window is
-            if state.baseline_s is None:
-                state.baseline_s = slowest
-                return None
-            change = slowest / state.baseline_s - 1
-            if abs(change) <= self.drift:
-                return None
-            why = (f"the steady state of K=1, locked without trials, ran "
-                   f"{slowest * 1e3:.1f} ms a call, {change:+.0%} against its first "
-                   f"{self.drift_window} calls ({state.baseline_s * 1e3:.1f} ms); the model "
-                   "is calibrated again and decides once more")
+        why = self._serial_drift(state, slowest) if state.ruled_out is not None \
+            else self._trials_drift(state, slowest)
+        if why is not None:
             _log.info("mc2 auto (%s): %s", _shape_text(weights, group), why)
-            return why
+        return why
+
+    def _trials_drift(self, state: _Trials, slowest: float) -> str | None:
+        """Why a locked shape's steady state (``slowest``: the window's median, the group's
+        slowest rank's) ran clearly slower than its trials, or ``None``."""
         mine = next(st for st in state.stats if st.candidate == state.locked)
         if slowest <= mine.median_s * (1 + self.drift) + mine.spread_s:
             return None
-        why = (f"the steady state of {state.locked.name} ran "
-               f"{slowest * 1e3:.1f} ms a call, {slowest / mine.median_s - 1:.0%} slower than "
-               f"its trials ({mine.median_s * 1e3:.1f} ms +-{mine.spread_s * 1e3:.1f}); "
-               "its trials run again, once")
-        _log.info("mc2 auto (%s): %s", _shape_text(weights, group), why)
-        return why
+        return (f"the steady state of {state.locked.name} ran "
+                f"{slowest * 1e3:.1f} ms a call, {slowest / mine.median_s - 1:.0%} slower than "
+                f"its trials ({mine.median_s * 1e3:.1f} ms +-{mine.spread_s * 1e3:.1f}); "
+                "its trials run again, once")
+
+    def _serial_drift(self, state: _Trials, slowest: float) -> str | None:
+        """The same for a K = 1 locked without trials: no trial to compare with, so its first
+        window is its baseline, and a window more than ``drift`` off it, either way, counts."""
+        if state.baseline_s is None:
+            state.baseline_s = slowest
+            return None
+        change = slowest / state.baseline_s - 1
+        if abs(change) <= self.drift:
+            return None
+        return (f"the steady state of K=1, locked without trials, ran {slowest * 1e3:.1f} ms "
+                f"a call, {change:+.0%} against its first {self.drift_window} calls "
+                f"({state.baseline_s * 1e3:.1f} ms); the model is calibrated again and "
+                "decides once more")
 
     def _decide(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any,
                 wire: tuple[WireFormat, WireFormat]) -> None:
@@ -864,7 +872,7 @@ class _Probe:
         rank runs the same sizes."""
         t_small, noise_small = self.timing(lambda: run(small))
         while True:
-            t_large, noise_large = self.timing(lambda: run(large))
+            t_large, noise_large = self.timing(lambda n=large: run(n))
             seen = [t_small, t_large, max(noise_small, noise_large)]
             if agree:
                 seen = read(all_reduce_max(upload(seen, self.one.device, torch.float64),
