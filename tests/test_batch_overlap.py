@@ -167,8 +167,29 @@ def test_auto_keeps_the_faster_schedule() -> None:
     assert slower.chosen is False and not slower.wanted(4, 4096, cpu)
 
 
+class _SimulatedClock:
+    """A host clock whose time passes only when :meth:`advance` says: the decision's
+    measurements then depend on what the test sets, never on how loaded the machine is (the
+    sleeps this test used failed once in a fresh clone's run under load)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def stamp(self, *_: object) -> float:
+        return self.now
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+_CLOCK = _SimulatedClock()
+
+
 class _SlowBackward(torch.autograd.Function):
-    """The identity, whose backward takes ``seconds``."""
+    """The identity, whose backward takes ``seconds`` of :data:`_CLOCK`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
@@ -177,29 +198,28 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        import time
-
-        time.sleep(ctx.seconds)
+        _CLOCK.advance(ctx.seconds)
         return grad, None
 
 
 class _Lopsided(Block):
-    """Batch overlap's forward slower (a sleep), the plain backward much slower: only a
-    measure of forward and backward together finds batch overlap faster."""
+    """Batch overlap's forward slower (0.03 s of :data:`_CLOCK`), the plain backward much
+    slower (0.15 s): only a measure of forward and backward together finds batch overlap
+    faster."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SlowBackward.apply(super().forward(x), 0.15)
 
     def forward_staged(self, x: torch.Tensor):
-        import time
-
-        time.sleep(0.03)
+        _CLOCK.advance(0.03)
         return (yield from super().forward_staged(x))
 
 
-def test_auto_times_the_backward_through_the_layers_too() -> None:
+def test_auto_times_the_backward_through_the_layers_too(monkeypatch) -> None:
+    import mc2.engine.decide.batch_split as batch_split
     from mc2.engine.decide.batch_split import BatchOverlapDecision as Decision
 
+    monkeypatch.setattr(batch_split, "clock_for", lambda device: _CLOCK)
     torch.manual_seed(0)
     stack = BatchOverlapStack([_Lopsided()], min_tokens=1)
     x = torch.randn(4, 6, 16, dtype=torch.float64, requires_grad=True)
