@@ -56,7 +56,7 @@ from mc2.engine.decide.validation import (
     DTYPE_CODES, HIERARCHY_CODES, Agreement, agree, agreement_issued, local_problem,
     shared_problem
 )
-from mc2.engine.transport.wire import NONE, WireFormat, wire_pair, wire_problem
+from mc2.engine.transport.wire import PLAIN_PAIR, WirePair, wire_pair, wire_problem
 from mc2.engine.transport.workspace import Workspace, default_workspace
 
 _OVERFLOW_CODES = {"raise": 1, "drop": 2}
@@ -98,14 +98,14 @@ class CallPlan:
     timeline: Timeline | None
     workspace: Workspace
     on_pass_done: Callable[[str, Interval], None] | None = None
-    wire: tuple[WireFormat, WireFormat] = (NONE, NONE)
+    wire: WirePair = PLAIN_PAIR
     timeout: float | None = None
     module: ModuleExperts | None = None
     travel: str = "pairs"
 
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
-                     rows_per_rank: int, like: Tensor, wire: tuple[WireFormat, WireFormat]
+                     rows_per_rank: int, like: Tensor, wire: WirePair
                      ) -> tuple[Any, Any] | None:
     """``(topology, (intra, inter) groups)`` where the 2-D exchange is right, else ``None``.
 
@@ -174,7 +174,7 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
-                  needs_grad: bool, wire: tuple[WireFormat, WireFormat],
+                  needs_grad: bool, wire: WirePair,
                   planner: Planner | None, group: Any, timeout: float | None) -> SharedFacts:
     """The values every rank must share, as the handshake carries them (all zero when this
     rank's input is bad: :meth:`SharedFacts.unknown`).
@@ -191,8 +191,8 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         largest_k=capacity, hidden=x.shape[-1], ffn=weights.ffn,
         local_experts=weights.local_experts, dtype=DTYPE_CODES[x.dtype],
         overlap=int(config.overlap), needs_grad=int(needs_grad),
-        hierarchy=HIERARCHY_CODES[config.hierarchy], wire_dispatch=wire[0].code,
-        wire_combine=wire[1].code,
+        hierarchy=HIERARCHY_CODES[config.hierarchy], wire_dispatch=wire.dispatch.code,
+        wire_combine=wire.combine.code,
         planner_calls=planner.digest(group) if planner is not None else 0,
         exchange_measured=measured_sizes(group) if config.hierarchy == "auto" else 0,
         dedup=int(config.dedup), capacity=config.capacity or 0,
@@ -201,9 +201,9 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
-              group: Any, strategy: str, wire: tuple[WireFormat, WireFormat],
+              group: Any, strategy: str, wire: WirePair,
               timeline: Timeline | None, watch: bool = True
-              ) -> tuple[int, Any, tuple[WireFormat, WireFormat]]:
+              ) -> tuple[int, Any, WirePair]:
     """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``
     (``watch``: its drift guard times the locked calls; not for capacity calls, which read
     nothing on the host)."""
@@ -219,7 +219,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
         with maybe_span(timeline, "compute", "plan", "forward"):
             choice = planner.choose(**shape, watch=watch)
     if choice.plain_rows:  # the format measured slower here; the planner said so
-        wire = (NONE, NONE)
+        wire = PLAIN_PAIR
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
         timeline.mark("compute", f"auto trial K={choice.micro_batches}"
                       + (" (settling, untimed)" if choice.settling else ""), "forward")
@@ -230,7 +230,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
 
 def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, capacity: int,
             style: CommStyle, agreement: Any, config: MC2Config,
-            wire: tuple[WireFormat, WireFormat], group: Any, timeline: Timeline | None,
+            wire: WirePair, group: Any, timeline: Timeline | None,
             workspace: Workspace, hit: Tensor | None) -> DispatchHandle:
     """Sort, exchange the counts (K agreed in the same message), read every split once, and
     build the routes (with ``hit``, each token's destinations, rows go once per destination:
@@ -280,7 +280,7 @@ def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, cap
                     nodes=topo.nodes, per_node=plan.per_node, local_experts=local_experts,
                     intra_send=[sum(s["intra_send"]) for s in plan.splits()], group=group)
         two_stage = (plan.exchanges(rows.gathers if rows is not None else None,
-                                    (wire[1], x.shape[-1], x.dtype)), (topo.nodes, plan.per_node))
+                                    (wire.combine, x.shape[-1], x.dtype)), (topo.nodes, plan.per_node))
     elif sent is not None:
         with maybe_span(timeline, "comm", "slots", "forward"):
             rows = exchange_tables(sent, host.send, host.recv, counts.received_rows(payload),
@@ -331,7 +331,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     """
     auto = config.micro_batches == "auto"
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
-                          weights if problem is None else None, needs_grad, (NONE, NONE),
+                          weights if problem is None else None, needs_grad, PLAIN_PAIR,
                           None, group, timeout)
     values = facts.values()
     agreed = group_state(group).agreed_capacity
@@ -362,7 +362,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                       max_rows=config.capacity * group_size(group))
     k, on_pass_done, _ = _choose_k(
         config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
-        group, "grouped" if sorts_slabs(weights) else "loop", (NONE, NONE), timeline,
+        group, "grouped" if sorts_slabs(weights) else "loop", PLAIN_PAIR, timeline,
         watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
@@ -428,7 +428,7 @@ def plan_call(
     if config.capacity is not None:
         return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
                               style, timeline, workspace, timeout, needs_grad, module, planner)
-    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else (NONE, NONE)
+    wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else PLAIN_PAIR
     auto = config.micro_batches == "auto"
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None
     capacity = max(plan_with.candidates) if plan_with is not None else \
@@ -456,7 +456,7 @@ def plan_call(
     handle = _routes(x, ids2d, combine, weights, k, capacity, style, agreement, config, wire,
                      group, timeline, pool, hit)
     if (traffic := active_traffic()) is not None:
-        _count(traffic, handle, wire[0].bytes_per_row(x.shape[-1], x.dtype))
+        _count(traffic, handle, wire.dispatch.bytes_per_row(x.shape[-1], x.dtype))
     call = CallPlan(handle=handle, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module,

@@ -115,14 +115,14 @@ class MC2Config:
     overflow: str = "raise"
 
     def __post_init__(self) -> None:
-        wire = self.wire_dtype
-        if isinstance(wire, (tuple, list)):
-            wire = tuple(parse_wire_dtype(w) for w in wire)
-            if len(set(wire)) == 1:
-                wire = wire[0]
+        kinds = self.wire_dtype
+        if isinstance(kinds, (tuple, list)):
+            kinds = tuple(parse_wire_dtype(k) for k in kinds)
+            if len(set(kinds)) == 1:  # one format both ways
+                (kinds,) = set(kinds)
         else:
-            wire = parse_wire_dtype(wire)
-        object.__setattr__(self, "wire_dtype", wire)
+            kinds = parse_wire_dtype(kinds)
+        object.__setattr__(self, "wire_dtype", kinds)
         if (problem := self.problem()) is not None:
             raise ValueError(f"MC2Config: {problem}")
         # the form a traced call carries it in (mc2.engine.autograd.operator): made here, not while

@@ -60,9 +60,9 @@ from mc2.engine.decide.routing import micro_batch_fractions
 from mc2.engine.decide.trials import (Candidate, contenders, describe, trial_stats,
                                       trial_winner, untried_neighbours)
 from mc2.engine.transport.sizes import bucket
-from mc2.engine.transport.wire import NONE, WireFormat, describe_pair
+from mc2.engine.transport.wire import PLAIN_PAIR, WirePair, describe_pair
 
-NO_WIRE = (NONE, NONE)
+
 SERIAL = Candidate.of(1)  # K = 1 in the requested rows: always tried, the baseline
 # Re-check rounds while the best lead is inside the noise. Two, not one: at 256 tokens on this
 # project's CPU machine one round of 2 more calls each still locked K = 1 with fp8 rows over
@@ -164,7 +164,7 @@ class WireFormatWarning(UserWarning):
     """The chosen wire format is predicted to cost more (encoding) than it saves (bytes)."""
 
 
-def _measure_codec(wire: tuple[WireFormat, WireFormat], hidden: int, dtype: torch.dtype,
+def _measure_codec(wire: WirePair, hidden: int, dtype: torch.dtype,
                    device: torch.device, repeats: int) -> float:
     """Seconds per routed row to encode and decode the four transfers of a forward + backward
     (a wire format at least one way: :meth:`Planner.codec_cost` answers 0 for none)."""
@@ -314,7 +314,7 @@ class _Trials:
         return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
-def _say_plain_rows_won(wire: tuple[WireFormat, WireFormat], dtype: torch.dtype,
+def _say_plain_rows_won(wire: WirePair, dtype: torch.dtype,
                         slowest: list[float], state: _Trials) -> None:
     """Say that rows in ``dtype`` measured faster than the wire format in ``"auto"``'s trials
     (the shape then sends plain rows)."""
@@ -455,7 +455,7 @@ class Planner:
 
     def predictions(self, *, max_tokens: int, topk: int,
                     weights: ExpertWeights | ModuleExperts, group: Any, strategy: str = "loop",
-                    wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+                    wire: WirePair = PLAIN_PAIR,
                     sent_rows: int | None = None, quick: bool = False) -> dict[int, float]:
         """The model's step seconds of every candidate K this size allows (K = 1 always),
         in ascending K (``quick``: on :meth:`quick_calibration`, optimistic for splits)."""
@@ -469,7 +469,7 @@ class Planner:
         return self._errors.setdefault(group_key(group), ModelError())
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-               strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+               strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
                sent_rows: int | None = None, watch: bool = True) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
@@ -494,13 +494,13 @@ class Planner:
 
     @staticmethod
     def shape_key(max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-                  strategy: str, wire: tuple[WireFormat, WireFormat],
+                  strategy: str, wire: WirePair,
                   sent_rows: int | None) -> tuple:
         """What a choice depends on besides the weights themselves: the shape whose trials
         and locked K it is (token count within 1/16, top-k, the weights' shape, the group,
         the GEMM strategy, the wire formats, rows once per destination or not)."""
         return (bucket(max_tokens), topk, weights.cache_key, group_key(group), strategy,
-                wire[0].code, wire[1].code, sent_rows is not None)
+                wire.dispatch.code, wire.combine.code, sent_rows is not None)
 
     def digest(self, group: Any) -> int:
         """How many calls on ``group`` this planner has chosen K for. Ranks whose planners
@@ -509,7 +509,7 @@ class Planner:
         return self._calls.get(group_key(group), 0)
 
     def again(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
-              group: Any, strategy: str = "loop", wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+              group: Any, strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
               sent_rows: int | None = None) -> Choice:
         """The choice of the last forward with these weights and this shape (the arguments
         of :meth:`choose`), for a call made again during a backward (a recompute under
@@ -519,7 +519,7 @@ class Planner:
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
         return self._forward_choice.get(weights.anchor, {}).get(key, Choice(1))
 
-    def _choose(self, key: tuple, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat],
+    def _choose(self, key: tuple, shape: dict[str, Any], wire: WirePair,
                 watch: bool) -> Choice:
         """:meth:`choose` for the shape of ``key`` (``shape``: its arguments but ``wire``)."""
         weights, group = shape["weights"], shape["group"]
@@ -550,7 +550,7 @@ class Planner:
             return replace(self._trial(state), decided=f"re-planning: {why}")
         return self._trial(state)
 
-    def _first_trials(self, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat]
+    def _first_trials(self, shape: dict[str, Any], wire: WirePair
                       ) -> _Trials:
         """A new shape's trials: K = 1 and the model's ``explore - 1`` best splits among those
         it gives a chance (:mod:`mc2.engine.decide.chance`); with a wire format, K = 1 and the
@@ -578,7 +578,7 @@ class Planner:
         return _Trials(order, {c: [] for c in order}, dict.fromkeys(order, self.trials),
                        ladder, active=order, predicted=predicted)
 
-    def _revisit(self, key: tuple, shape: dict[str, Any], wire: tuple[WireFormat, WireFormat],
+    def _revisit(self, key: tuple, shape: dict[str, Any], wire: WirePair,
                  why: str) -> Choice:
         """A K = 1 locked without trials whose step changed: calibrate again (what the model
         knew of the link and the experts is what changed) and decide the shape afresh, once:
@@ -661,7 +661,7 @@ class Planner:
                 "decides once more")
 
     def _decide(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any,
-                wire: tuple[WireFormat, WireFormat]) -> None:
+                wire: WirePair) -> None:
         """Lock a candidate, or once, where the lead is within the noise, ask for
         ``recheck`` more calls of the close candidates (one collective: the group's slowest
         rank per call)."""
@@ -766,7 +766,7 @@ class Planner:
         return out
 
     def workload(self, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
-                 wire: tuple[WireFormat, WireFormat] = NO_WIRE,
+                 wire: WirePair = PLAIN_PAIR,
                  sent_rows: int | None = None) -> Workload:
         hidden, dtype = weights.hidden, weights.dtype
         pairs = max_tokens * topk
@@ -779,12 +779,12 @@ class Planner:
                         sent_share=1.0 if sent_rows is None or not pairs
                         else sent_rows / pairs)
 
-    def codec_cost(self, wire: tuple[WireFormat, WireFormat], weights: ExpertWeights | ModuleExperts,
+    def codec_cost(self, wire: WirePair, weights: ExpertWeights | ModuleExperts,
                    group: Any) -> float:
         """Measured seconds per routed row to encode + decode (the group's maximum; cached)."""
         if all(f.kind is None for f in wire):
             return 0.0
-        key = ("codec", wire[0].code, wire[1].code, weights.hidden, weights.dtype,
+        key = ("codec", wire.dispatch.code, wire.combine.code, weights.hidden, weights.dtype,
                weights.device.type, group_key(group))
         if key not in self._codec:
             local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,

@@ -35,7 +35,7 @@ streams. If a step raises mid-pass, the transfers still in flight are waited for
 buffers can be reused (after a timeout they are kept alive instead: the group is unusable).
 
 Wire formats (:mod:`mc2.engine.transport.wire`): each pass's first exchange (dispatch) encodes its rows with
-``wire[0]``, its second (combine) with ``wire[1]``; rows are encoded on the way out and decoded
+``wire.dispatch``, its second (combine) with ``wire.combine``; rows are encoded on the way out and decoded
 right after the wait, so the compute steps only ever see compute-dtype rows.
 """
 
@@ -53,7 +53,7 @@ from mc2.engine.transport.comm import PendingTransfer, abandon
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.engine.transport.watchdog import check as check_deadlines
 from mc2.engine.decide.routing import DispatchHandle
-from mc2.engine.transport.wire import WireFormat
+from mc2.engine.transport.wire import WireFormat, WirePair
 from mc2.engine.transport.workspace import Workspace
 
 
@@ -130,7 +130,7 @@ class _Pass:
     steps: PipelineSteps
     phase: str
     timeline: Timeline | None
-    wire: tuple[WireFormat, WireFormat]
+    wire: WirePair
     workspace: Workspace | None
     dispatches: dict[int, Pending] = field(default_factory=dict)  # in flight, by micro-batch
     combines: dict[int, Pending] = field(default_factory=dict)

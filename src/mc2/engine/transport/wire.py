@@ -19,7 +19,7 @@ bytes moves every format (Gloo has no float8 type).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -190,10 +190,24 @@ def wire_problem(wire_dtype: Any, block: int, hidden: int | None) -> str | None:
     return None
 
 
-def wire_pair(wire_dtype: Any, block: int = 128) -> tuple[WireFormat, WireFormat]:
-    """``(dispatch, combine)`` formats of a validated ``wire_dtype``."""
-    kinds = wire_dtype if isinstance(wire_dtype, tuple) else (wire_dtype, wire_dtype)
-    return WireFormat(kinds[0], block), WireFormat(kinds[1], block)
+class WirePair(NamedTuple):
+    """The formats of a call's two exchanges, by name: ``dispatch`` (rows out to the experts;
+    in a backward, the output gradients out) and ``combine`` (rows back; in a backward, the
+    input gradients back). A pass indexes it by direction (0: dispatch, 1: combine)."""
+
+    dispatch: WireFormat
+    combine: WireFormat
+
+
+PLAIN_PAIR = WirePair(NONE, NONE)
+"""Rows in the compute dtype both ways."""
+
+
+def wire_pair(wire_dtype: Any, block: int = 128) -> WirePair:
+    """The :class:`WirePair` of a validated ``wire_dtype`` (one format both ways, or a
+    ``(dispatch, combine)`` pair)."""
+    dispatch, combine = wire_dtype if isinstance(wire_dtype, tuple) else (wire_dtype, wire_dtype)
+    return WirePair(WireFormat(dispatch, block), WireFormat(combine, block))
 
 
 def _known(kind: Any) -> bool:
@@ -212,7 +226,7 @@ def wire_names(wire_dtype: Any) -> Any:
     return [_SHORT[k] for k in wire_dtype] if isinstance(wire_dtype, tuple) else _SHORT[wire_dtype]
 
 
-def describe_pair(wire: tuple[WireFormat, WireFormat]) -> str:
+def describe_pair(wire: WirePair) -> str:
     """``"fp8 ..."`` for one format both ways, ``"dispatch X, combine Y"`` for a pair."""
-    return wire[0].describe() if wire[0] == wire[1] else \
-        f"dispatch {wire[0].describe()}, combine {wire[1].describe()}"
+    return wire.dispatch.describe() if wire.dispatch == wire.combine else \
+        f"dispatch {wire.dispatch.describe()}, combine {wire.combine.describe()}"
