@@ -11,6 +11,13 @@ A layer called with no recording open (called on its own, or in a pipeline stage
 layer is not this loop's first) is not recorded: :data:`NOT_RECORDED` tells it to run its
 own forward. A call that breaks an open recording (out of order, or on another tensor than the
 layers before handed back) raises: the recorded layers' work would otherwise be lost.
+
+A recording whose last layer is never called (a loop that stops early, a layer after the
+recorded ones that is no recording layer and so is not the last) left the forward's output
+its input, unchanged, and nothing said so. The next forward's first layer finds it still open
+and raises, naming the layer that never ran, on every rank alike (every rank runs the same
+loop): one forward late, since nothing of the loop's own marks its end, but never silent
+for a training run.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ _OPEN = threading.local()  # the recording of the forward running in this thread
 
 
 class _Recording:
-    def __init__(self, first: Tensor) -> None:
-        self.first = first
+    def __init__(self, first: Tensor, count: int) -> None:
+        self.first, self.count = first, count
         self.calls: list[tuple[Any, Any]] = []
 
 
@@ -37,7 +44,15 @@ def record_layer_call(layer: Any, index: int, count: int, hidden: Tensor, argume
     returns ``run(first input, [(layer, arguments), ...])``, the others ``hidden``;
     :data:`NOT_RECORDED` where this call is not the next of an open recording."""
     if index == 0:
-        _OPEN.current = _Recording(hidden)
+        left: _Recording | None = getattr(_OPEN, "current", None)
+        if left is not None:
+            _OPEN.current = None
+            raise RuntimeError(
+                f"batch overlap: the previous forward recorded layers 0..{len(left.calls) - 1} "
+                f"of {left.count} and layer {len(left.calls)} was never called, so they never "
+                "ran and that forward's output was its input unchanged. Every recording layer "
+                "of the loop must be called, in order, with the last one last")
+        _OPEN.current = _Recording(hidden, count)
     recording: _Recording | None = getattr(_OPEN, "current", None)
     if recording is None:
         return NOT_RECORDED
