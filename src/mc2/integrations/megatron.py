@@ -356,6 +356,9 @@ def shared_read_problem(mlp: Any) -> str | None:
         kinds += (TEColumnParallelLinear, TERowParallelLinear)
     except ImportError:  # TransformerEngine absent
         pass
+    hooks = [*mlp._forward_pre_hooks.values(), *mlp._forward_hooks.values()]
+    if any(not is_param_gather_hook(h) for h in hooks):
+        return f"{type(mlp).__name__} has forward hooks (its gate weight is read, not called)"
     return first_problem(((name, getattr(mlp, name, None))
                           for name in ("linear_fc1", "linear_fc2")), kinds,
                          ignore=is_param_gather_hook)

@@ -185,7 +185,11 @@ class MC2TransformerLayer(TransformerLayer):
         # the stage's first layer holds the decision (every rank builds the same layers),
         # agreed on the stage's data-parallel ranks, not its EP group: the DDP buckets span
         # the EP groups, and groups that split differently would reduce at other points
-        agree = getattr(self.pg_collection, "dp", None) or self.pg_collection.ep
+        agree = getattr(self.pg_collection, "dp", None)
+        if agree is None and layer_number == 1:
+            raise ValueError("batch overlap: the layer's pg_collection has no data-parallel "
+                             "group (dp), where its decision is agreed (DDP's buckets span the "
+                             "EP groups); pass a ProcessGroupCollection with dp")
         self.decision = planner_for(agree).batch_overlap(
             batch_overlap, min_tokens=min_tokens, group=agree) if layer_number == 1 else None
 

@@ -198,7 +198,8 @@ def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
     them), the scale ``[..., 1]`` or ``None``; ``None`` for any other module, one with biases
     or converted linears, or weights in another dtype than the call's bfloat16 (it then runs
     beside the call, as TorchTitan runs it)."""
-    if type(shared) not in (FeedForward, SigmoidGatedFeedForward):
+    if type(shared) not in (FeedForward, SigmoidGatedFeedForward) or \
+            shared._forward_pre_hooks or shared._forward_hooks:
         return None
     linears = [shared.w1, shared.w2, shared.w3] + ([shared.gate] if hasattr(shared, "gate")
                                                    else [])

@@ -811,7 +811,8 @@ class Planner:
             probe.expert_step(4)  # warm-up
             fixed, per_row = probe.resolved_line(probe.expert_step, 4, expert_rows, float,
                                                  agree=False)
-            latency, per_byte = probe.link(peer_rows) if group_size(group) > 1 else (0.0, 0.0)
+            latency, per_byte = probe.link(peer_rows, most=peer_rows if full else 4 * peer_rows) \
+                if group_size(group) > 1 else (0.0, 0.0)
             row_overhead = _measure_row_overhead(one.hidden, one.dtype, one.device,
                                                  self.repeats, rows=2048 if full else 512)
             interference = 0.0
@@ -822,9 +823,11 @@ class Planner:
         return Calibration(*read(all_reduce_max(values, group)))
 
 
-# the largest sizes a line is grown to (rows through one expert; rows per peer)
+# the largest sizes a line is grown to (rows through one expert; rows per peer), and the most
+# bytes of rows the link probe sends (its receive buffer is as large)
 MOST_EXPERT_ROWS = 4096
 MOST_PEER_ROWS = 4096
+PROBE_BYTES = 64 * 2 ** 20
 
 
 def priced_sizes(rows: int | None, weights: ExpertWeights | ModuleExperts, group: Any
@@ -899,13 +902,19 @@ class _Probe:
         world = group_size(self.group)
         return rows_per_peer * (world - 1) * self.one.hidden * self.one.element_size
 
-    def link(self, row_large: int = 256) -> tuple[float, float]:
+    def link(self, row_large: int = 256, most: int = MOST_PEER_ROWS) -> tuple[float, float]:
         """``(latency, seconds per byte)`` of the group's All-to-All, fitted on 1 and
-        ``row_large`` rows per peer (grown where the two are inside the noise)."""
+        ``row_large`` rows per peer, grown where the two are inside the noise up to ``most``
+        (the full stage: the priced size itself) and never past :data:`PROBE_BYTES` of rows
+        to send (a 64-rank group of hidden 7168 would otherwise allocate gigabytes on a
+        decode-sized first call)."""
         self.a2a(1).wait()
         barrier(self.group, "planner measurement", self.one.device)
+        row_bytes = group_size(self.group) * self.one.hidden * self.one.element_size
+        most = max(row_large, min(most, MOST_PEER_ROWS, PROBE_BYTES // max(1, row_bytes)))
+        row_large = min(row_large, most)
         return self.resolved_line(lambda n: self.a2a(n).wait(), 1, row_large, self.bytes_per,
-                                  agree=True, most=MOST_PEER_ROWS)
+                                  agree=True, most=most)
 
     def interference(self, per_row: float, large: int, latency: float,
                      per_byte: float) -> float:
