@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.workers_drift import SimulatedClock
+
 import mc2
 from mc2.integrations.batch_overlap import BatchOverlapStack, BatchOverlapWarning
 from tests.workers_overlap import with_and_without
@@ -167,25 +169,10 @@ def test_auto_keeps_the_faster_schedule() -> None:
     assert slower.chosen is False and not slower.wanted(4, 4096, cpu)
 
 
-class _SimulatedClock:
-    """A host clock whose time passes only when :meth:`advance` says: the decision's
-    measurements then depend on what the test sets, never on how loaded the machine is (the
-    sleeps this test used failed once in a fresh clone's run under load)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    def stamp(self, *_: object) -> float:
-        return self.now
-
-    def elapsed(self, start: float, end: float) -> float:
-        return end - start
-
-
-_CLOCK = _SimulatedClock()
+# a host clock whose time passes only when told: the decision's measurements then depend on
+# what the test sets, never on how loaded the machine is (the sleeps this test used failed
+# once in a fresh clone's run under load)
+_CLOCK = SimulatedClock()
 
 
 class _SlowBackward(torch.autograd.Function):

@@ -15,7 +15,7 @@ import mc2
 from tests.workers import PriorPlanner
 
 
-class _SimulatedClock:
+class SimulatedClock:
     """A host clock whose time passes only when :meth:`advance` says."""
 
     def __init__(self) -> None:
@@ -34,7 +34,7 @@ class _SimulatedClock:
 class _SlowableExperts(torch.nn.Module):
     """Two local linear experts; each forward takes 1 ms of ``clock``, plus ``delay``."""
 
-    def __init__(self, hidden: int, seed: int, clock: _SimulatedClock) -> None:
+    def __init__(self, hidden: int, seed: int, clock: SimulatedClock) -> None:
         super().__init__()
         self.clock = clock
         g = torch.Generator().manual_seed(seed)
@@ -69,7 +69,7 @@ def drifting_shape(rank: int, world: int, drift: float, quiet: int, slow: int,
     log.setLevel(logging.INFO)
     import mc2.engine.passes.run as passes
 
-    clock = _SimulatedClock()
+    clock = SimulatedClock()
     passes.clock_for = lambda device: clock  # the passes' times, which the planner reads
     hidden, tokens = 32, 64
     experts = _SlowableExperts(hidden, 10 + rank, clock)
@@ -135,7 +135,7 @@ def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: f
     decision and how often the planner calibrated."""
     import mc2.engine.passes.run as passes
 
-    clock = _SimulatedClock()
+    clock = SimulatedClock()
     passes.clock_for = lambda device: clock
     hidden, tokens = 32, 64
     experts = _SlowableExperts(hidden, 10 + rank, clock)
