@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers_drift import SimulatedClock
-
 import mc2
 from mc2.integrations.batch_overlap import BatchOverlapStack, BatchOverlapWarning
+from tests.workers_drift import SimulatedClock
 from tests.workers_overlap import with_and_without
 
 
