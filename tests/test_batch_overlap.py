@@ -117,8 +117,9 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
     import warnings
 
     from mc2.engine.decide import batch_split as bo
+    from mc2.observation.once import forget
 
-    bo._said.clear()
+    forget()
     decision = bo.BatchOverlapDecision(True, min_tokens=64)
     cpu = torch.device("cpu")
     with pytest.warns(bo.BatchOverlapWarning, match="fewer than 2 sequences"):

@@ -360,3 +360,35 @@ def test_the_full_calibration_is_measured_at_the_sizes_it_prices() -> None:
     assert priced_sizes(100, weights, None) == (256, 256)  # at least 256
     assert priced_sizes(8192, weights, None) == (2048, 4096)  # one rank: every row its own
     assert priced_sizes(10 ** 6, weights, None) == (4096, 4096)  # at most 4096
+
+
+def test_the_link_probe_stays_inside_its_byte_budget(monkeypatch) -> None:
+    """The link line's rows per peer, where it starts and where it may grow to, never pass
+    the priced size nor ``PROBE_BYTES`` of rows to send: a 64-rank group of hidden 7168 in
+    bf16 would otherwise allocate gigabytes on a decode-sized first call."""
+    from types import SimpleNamespace
+
+    import mc2.engine.decide.planner as planner_module
+    from mc2.engine.decide.planner import PROBE_BYTES, _Probe
+
+    seen = []
+
+    class Probe(_Probe):
+        def a2a(self, rows_per_peer, async_op=False):
+            return SimpleNamespace(wait=lambda: None)
+
+        def resolved_line(self, run, small, large, size, *, agree, most=0):
+            seen.append((small, large, most))
+            return 0.0, 0.0
+
+    monkeypatch.setattr(planner_module, "group_size", lambda group: 64)
+    monkeypatch.setattr(planner_module, "barrier", lambda *args: None)
+    probe = Probe(SimpleNamespace(hidden=7168, element_size=2, device=torch.device("cpu")),
+                  "loop", None, 3)
+    row_bytes = 64 * 7168 * 2
+    probe.link(4096, most=4096)  # the full stage of a large shape
+    (_, large, most), = seen
+    assert large == most == PROBE_BYTES // row_bytes and large * row_bytes <= PROBE_BYTES
+    seen.clear()
+    probe.link(64, most=256)  # the quick stage: its 64 rows, growing to 4x at the most
+    assert seen == [(1, 64, 73)]  # 73 rows: the budget, below 256

@@ -65,7 +65,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mc2.engine.decide.batch_split import MIN_TOKENS
 from mc2.integrations.megatron_overlap import MC2TransformerLayer
-from mc2.integrations.weight_reads import first_problem, say_once
+from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
@@ -347,6 +347,18 @@ def shared_read_problem(mlp: Any) -> str | None:
     """Why ``mlp``'s ``linear_fc1`` / ``linear_fc2`` do not read as their weights (a class
     other than Megatron's own parallel linears, e.g. an adapter's wrapper; a hook other than
     the parameter gather :func:`wait_param_gathers` runs; a parametrization), or ``None``."""
+    if (problem := hook_problem(mlp, ignore=is_param_gather_hook)) is not None:
+        return f"{problem}: its gate weight is read, not called"
+    return first_problem(((name, getattr(mlp, name, None))
+                          for name in ("linear_fc1", "linear_fc2")), _parallel_linears(),
+                         ignore=is_param_gather_hook)
+
+
+@functools.cache
+def _parallel_linears() -> tuple[type, ...]:
+    """Megatron's own parallel linears, whose forward is their weight's GEMM at
+    ``tensor_model_parallel_size=1``, with TransformerEngine's where it imports (found once:
+    a failed import is searched for again at every attempt, and this is asked every forward)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     kinds: tuple[type, ...] = (ColumnParallelLinear, RowParallelLinear)
@@ -356,12 +368,7 @@ def shared_read_problem(mlp: Any) -> str | None:
         kinds += (TEColumnParallelLinear, TERowParallelLinear)
     except ImportError:  # TransformerEngine absent
         pass
-    hooks = [*mlp._forward_pre_hooks.values(), *mlp._forward_hooks.values()]
-    if any(not is_param_gather_hook(h) for h in hooks):
-        return f"{type(mlp).__name__} has forward hooks (its gate weight is read, not called)"
-    return first_problem(((name, getattr(mlp, name, None))
-                          for name in ("linear_fc1", "linear_fc2")), kinds,
-                         ignore=is_param_gather_hook)
+    return kinds
 
 
 def config_from_env(value: str | None = None) -> MC2Config:

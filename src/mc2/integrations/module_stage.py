@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mc2.engine.autograd.ops import fused_expert_module
 from mc2.engine.decide.config import MC2Config
-from mc2.integrations.weight_reads import first_problem, say_once
+from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
 from mc2.parallel.mesh import resolve_layout
 
 
@@ -106,8 +106,8 @@ def shared_swiglu_problem(mlp: Any) -> str | None:
         return problem
     if any(m.bias is not None for _, m in linears):
         return "a projection has a bias (mc2's SwiGLU has none)"
-    if mlp._forward_pre_hooks or mlp._forward_hooks:
-        return f"{type(mlp).__name__} has forward hooks"
+    if (problem := hook_problem(mlp)) is not None:
+        return problem
     g, u, d = (m.weight for _, m in linears)
     if g.shape != u.shape or tuple(d.shape) != tuple(g.shape)[::-1]:
         return (f"weights {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)} are not [F, H], "

@@ -56,7 +56,7 @@ from mc2.engine.autograd.recompute import SAVED_OPERATORS
 from mc2.engine.autograd.staged import StagedCall, begin_module, begin_split
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
-from mc2.integrations.weight_reads import read_problem
+from mc2.integrations.weight_reads import hook_problem, read_problem
 
 from torchtitan.config import derive, override
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -198,8 +198,7 @@ def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
     them), the scale ``[..., 1]`` or ``None``; ``None`` for any other module, one with biases
     or converted linears, or weights in another dtype than the call's bfloat16 (it then runs
     beside the call, as TorchTitan runs it)."""
-    if type(shared) not in (FeedForward, SigmoidGatedFeedForward) or \
-            shared._forward_pre_hooks or shared._forward_hooks:
+    if type(shared) not in (FeedForward, SigmoidGatedFeedForward) or hook_problem(shared):
         return None
     linears = [shared.w1, shared.w2, shared.w3] + ([shared.gate] if hasattr(shared, "gate")
                                                    else [])

@@ -19,11 +19,12 @@ call) or refuses with a ``ValueError``; :func:`say_once` says why, once per reas
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable
 
 from torch import nn
 from torch.nn.utils import parametrize
+
+from mc2.observation.once import warn_once
 
 
 class WeightReadWarning(UserWarning):
@@ -31,14 +32,9 @@ class WeightReadWarning(UserWarning):
     reason)."""
 
 
-_said: set[str] = set()
-
-
 def say_once(reason: str) -> None:
     """Warn with ``reason`` the first time it is given in this process."""
-    if reason not in _said:
-        _said.add(reason)
-        warnings.warn(reason, WeightReadWarning, stacklevel=3)
+    warn_once(reason, WeightReadWarning, stacklevel=3)
 
 
 def read_problem(module: Any, kinds: tuple[type, ...] = (nn.Linear,),
@@ -54,9 +50,8 @@ def read_problem(module: Any, kinds: tuple[type, ...] = (nn.Linear,),
         names = " or ".join(_qualified(k) for k in kinds)
         return (f"{_qualified(type(module))} is not a plain {names} (an adapter or a quantised "
                 "layer computes more than its weight)")
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    if any(ignore is None or not ignore(h) for h in hooks):
-        return f"{type(module).__name__} has forward hooks ({_hook_names(module)})"
+    if (problem := hook_problem(module, ignore)) is not None:
+        return problem
     if parametrize.is_parametrized(module):
         return f"{type(module).__name__} has a parametrization of {list(module.parametrizations)}"
     return None
@@ -71,9 +66,15 @@ def first_problem(modules: Iterable[tuple[str, Any]], kinds: tuple[type, ...] = 
     return None
 
 
-def _hook_names(module: nn.Module) -> str:
-    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
-    return ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+def hook_problem(module: Any, ignore: Callable[[Any], bool] | None = None) -> str | None:
+    """Where ``module`` has a forward hook or pre-hook (which a read of its weights would not
+    run; ``ignore``: hooks the caller runs itself), what it has; else ``None``."""
+    hooks = [h for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+             if ignore is None or not ignore(h)]
+    if not hooks:
+        return None
+    names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+    return f"{type(module).__name__} has forward hooks ({names})"
 
 
 def _qualified(cls: type) -> str:

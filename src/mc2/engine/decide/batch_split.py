@@ -19,7 +19,6 @@ the faster one stays.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.decide.trials import Candidate, trial_stats, trial_winner
 from mc2.engine.transport.comm import all_reduce_max
 from mc2.engine.transport.host import read, upload
+from mc2.observation.once import warn_once
 
 MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
 # micro-batches per forward: more shrank the fill and drain but not the step in any sitting
@@ -42,13 +42,8 @@ class BatchOverlapWarning(UserWarning):
     """Batch overlap was asked for and does not run (said once per reason)."""
 
 
-_said: set[str] = set()
-
-
 def say_once(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        warnings.warn(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
+    warn_once(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
 
 
 class BatchOverlapDecision:

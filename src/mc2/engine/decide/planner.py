@@ -911,8 +911,8 @@ class _Probe:
         self.a2a(1).wait()
         barrier(self.group, "planner measurement", self.one.device)
         row_bytes = group_size(self.group) * self.one.hidden * self.one.element_size
-        most = max(row_large, min(most, MOST_PEER_ROWS, PROBE_BYTES // max(1, row_bytes)))
-        row_large = min(row_large, most)
+        most = max(2, min(most, MOST_PEER_ROWS, PROBE_BYTES // max(1, row_bytes)))
+        row_large = min(row_large, most)  # the budget bounds where it starts, too
         return self.resolved_line(lambda n: self.a2a(n).wait(), 1, row_large, self.bytes_per,
                                   agree=True, most=most)
 
