@@ -85,3 +85,40 @@ def test_a_capacity_changed_by_one_rank_after_warm_up_raises_on_every_rank(world
         want.backward(p.grad_outs[rank])
         torch.testing.assert_close(r["after"], want.detach(), rtol=0, atol=1e-12)
         torch.testing.assert_close(r["x"], x.grad, rtol=0, atol=1e-12)
+
+
+def test_host_numbers_agree_on_a_gloo_group_where_the_group_carries_no_host_memory() -> None:
+    """The branch a NCCL group takes (its collectives take no CPU tensors), run on CPU: host
+    numbers agree on a Gloo group over the same ranks, made once (one group, kept), so the
+    decision of every forward never reads the device."""
+    from tests.workers_agreement import host_agreement_without_host_memory
+
+    for found in mc2.run_local(host_agreement_without_host_memory, 2, timeout_s=60):
+        assert found["first"] == found["second"] == [1.0, 0.0, 0.5]
+        assert found["third"] == [10.0]
+        assert found["own_group"] and found["ranks"] == [0, 1]
+        assert found["made"] == 1 and found["kept"]
+
+
+@pytest.mark.parametrize("fingerprints", (True, False), ids=["fingerprint", "check-removed"])
+def test_without_a_host_handshake_the_slab_fingerprint_catches_a_later_mismatch(
+        fingerprints: bool) -> None:
+    """The branch a group of NCCL alone takes (no host memory to agree in: steady capacity
+    calls run no handshake), run on CPU with the host check forced off: rank 0 calls with
+    another agreed configuration than its peers; the slabs are the same size and only the
+    fingerprint in their headers tells. Every rank raises, naming it; with the fingerprint
+    check removed, no rank does (the test's own mutation check)."""
+    from tests.workers_agreement import later_mismatch_without_host_handshake
+
+    p = make_problem(2, "uniform", dtype=torch.float32, seed=5)
+    a = {"micro_batches": 1, "capacity": 64, "overflow": "drop"}
+    b = {"micro_batches": 1, "capacity": 64, "overflow": "raise"}
+    results = mc2.run_local(later_mismatch_without_host_handshake, 2,
+                            args=(p, a, b, fingerprints), timeout_s=30, deadline_s=120)
+    for rank, r in enumerate(results):
+        if fingerprints:
+            assert r["raised"] is not None and "configuration differs" in r["raised"], r
+        else:
+            assert r["raised"] is None, r
+        want = dense_moe(p.xs[rank], p.w_up, p.w_gate, p.w_down, p.ids[rank], p.rws[rank])
+        torch.testing.assert_close(r["after"], want, rtol=1e-5, atol=1e-5)

@@ -121,17 +121,16 @@ def test_it_turns_itself_off_and_says_so_once() -> None:
 
     forget()
     decision = bo.BatchOverlapDecision(True, min_tokens=64)
-    cpu = torch.device("cpu")
     with pytest.warns(bo.BatchOverlapWarning, match="fewer than 2 sequences"):
-        assert not decision.wanted(1, 4096, cpu)
+        assert not decision.wanted(1, 4096)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: no second warning
-        assert not decision.wanted(1, 4096, cpu)
+        assert not decision.wanted(1, 4096)
     with pytest.warns(bo.BatchOverlapWarning, match="fewer than min_tokens=64"):
-        assert not decision.wanted(4, 32, cpu)
+        assert not decision.wanted(4, 32)
     with pytest.warns(bo.BatchOverlapWarning, match="already holds tokens"):
-        assert not decision.wanted(4, 4096, cpu, "the KV cache already holds tokens")
-    assert decision.wanted(4, 4096, cpu)
+        assert not decision.wanted(4, 4096, "the KV cache already holds tokens")
+    assert decision.wanted(4, 4096)
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         bo.BatchOverlapDecision("sometimes")
 
@@ -146,27 +145,28 @@ def test_auto_keeps_the_faster_schedule() -> None:
     decision = planner.batch_overlap("auto", min_tokens=1, trials=2)
     picks = []
     for _ in range(4):
-        on = decision.wanted(4, 4096, cpu)
+        on = decision.wanted(4, 4096)
         picks.append(on)
-        decision.measured(on, 1.0 if on else 2.0, cpu)
+        decision.measured(on, 1.0 if on else 2.0)
     assert sorted(picks) == [False, False, True, True]  # both sides measured, alternating
     assert decision.chosen is True
     # on the planner, beside its K decisions: one auto-tuner
-    assert planner.batch_overlaps() == [{"mode": "auto", "chosen": True,
-                                         "times": {"on": [1.0, 1.0], "off": [2.0, 2.0]}}]
+    assert planner.batch_overlaps() == [{
+        "mode": "auto", "chosen": True, "times": {"on": [1.0, 1.0], "off": [2.0, 2.0]},
+        "forward_only": {"chosen": None, "times": {"on": [], "off": []}}}]
     timed = bo.BatchOverlapDecision("auto", min_tokens=1, trials=1)
     sides, warm = [], []
     while timed.chosen is None:  # through timed_forward: one untimed step at each switch
-        sides.append(timed.wanted(4, 4096, cpu))
+        sides.append(timed.wanted(4, 4096))
         warm.append(timed.warming)
         bo.timed_forward(timed, sides[-1], lambda: torch.zeros(1), cpu)
     assert sides == [True, True, False, False] and warm == [True, False, True, False]
     slower = bo.BatchOverlapDecision("auto", min_tokens=1, trials=1)
     with pytest.warns(bo.BatchOverlapWarning, match="measured slower"):
         for _ in range(2):
-            on = slower.wanted(4, 4096, cpu)
-            slower.measured(on, 2.0 if on else 1.0, cpu)
-    assert slower.chosen is False and not slower.wanted(4, 4096, cpu)
+            on = slower.wanted(4, 4096)
+            slower.measured(on, 2.0 if on else 1.0)
+    assert slower.chosen is False and not slower.wanted(4, 4096)
 
 
 # a host clock whose time passes only when told: the decision's measurements then depend on
@@ -219,8 +219,23 @@ def test_auto_times_the_backward_through_the_layers_too(monkeypatch) -> None:
     assert stack.decision.chosen is True, stack.decision.times
     assert min(stack.decision.times[False]) >= 0.15  # the plain backward was in the measure
     assert not x._backward_hooks  # the trials' timing hooks went with their backwards
-    stack.decision = Decision("auto", min_tokens=1, trials=1)
     with torch.no_grad(), pytest.warns(BatchOverlapWarning, match="measured slower"):
-        for _ in range(4):  # no backward follows: the forward alone decides
+        for _ in range(4):  # no backward follows: forwards alone decide for forwards alone
             stack(x)
-    assert stack.decision.chosen is False
+        assert stack.decision.chosen is False
+    # and never for a training step: that one stays what forward and backward measured
+    assert stack.decision.chosen is True
+    assert stack.decision.report()["forward_only"]["chosen"] is False
+
+
+def test_a_capacity_mode_step_reads_nothing_from_the_device_batch_overlap_included() -> None:
+    """Capacity mode runs with no host read; batch overlap's decision, agreed at every
+    forward, agrees in host memory (on a Gloo group), so a step with it reads nothing either
+    (it read its agreed flag back from the device at every forward)."""
+    from tests.workers_overlap import capacity_step_reads
+
+    for found in mc2.run_local(capacity_step_reads, 2, timeout_s=120):
+        for name in ("in-layer", "batch overlap", "auto"):
+            assert found[name]["reads"] == 0, (name, found[name]["where"])
+        assert found["batch overlap"]["chosen"] is True
+        assert found["auto"]["chosen"] in (True, False)

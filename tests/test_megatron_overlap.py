@@ -82,16 +82,18 @@ def test_batch_overlap_auto_trains_as_megatrons_and_shows_what_it_decided() -> N
         assert [len(measured["times"][side]) for side in ("on", "off")] == [1, 1], measured
         assert all(t > 0 for side in ("on", "off") for t in measured["times"][side])
         deciding = found["deciding"]
-        # the no-grad forwards after the steps: the sides go on alternating, each loss
+        # the no-grad forwards after the steps: measured apart from the training steps
+        # (a forward alone never decides a training step), the sides alternating, each loss
         # Megatron's, until three forwards a side are timed
         assert [bool(calls) for _, calls in deciding["forwards"]] == [True, True, False,
-                                                                       False] * 2, deciding
+                                                                       False] * 3, deciding
         for loss, calls in deciding["forwards"]:
             assert calls in (split, []) and loss == pytest.approx(deciding["want"],
                                                                   rel=TOLERANCE)
         assert deciding["chosen"] in (True, False)
-        (decided,) = deciding["planner"]
-        assert decided["mode"] == "auto" and decided["chosen"] is deciding["chosen"]
+        (report,) = deciding["planner"]
+        decided = report["forward_only"]  # no-grad forwards decide for forwards alone
+        assert report["mode"] == "auto" and decided["chosen"] is deciding["chosen"]
         assert [len(decided["times"][side]) for side in ("on", "off")] == [3, 3], decided
         loss, calls = deciding["decided"]
         assert calls == (split if deciding["chosen"] else []), deciding

@@ -321,6 +321,19 @@ def test_a_lock_without_trials_is_revisited_when_its_step_changes(delay: float) 
     assert a["decision"]["locked"] in (1, 2)
 
 
+def test_going_from_forwards_alone_to_training_is_no_drift() -> None:
+    """A K = 1 lock made on no-grad calls, then training calls whose forward takes longer (it
+    keeps what the backward needs; 50 ms more on the simulated clock): each kind of window
+    has its own baseline, so the change of kind re-plans nothing (one compared against the
+    other read as a machine that changed: seen once in the suite under load)."""
+    from tests.workers_drift import serial_lock_revisited
+
+    a, b = mc2.run_local(serial_lock_revisited, 2, args=(12, 16, 0.0, True))
+    assert a["calls"] == b["calls"]
+    assert not any(c["replan"] or c["trial"] for c in a["calls"]), a["calls"]
+    assert a["measured"] == 1 and a["decision"]["replanned"] is None
+
+
 def test_a_calibration_line_grows_until_it_stands_out_of_the_noise() -> None:
     """Where an expert's step costs the same at 4 and 32 rows (a GPU's GEMM below its
     saturation), the larger point grows until its time stands out of the timings' spread,

@@ -70,3 +70,42 @@ def changed_after_warmup(rank: int, world: int, problem: Problem, timeout: float
     after = mc2.fused_expert(x, *args[1:], micro_batches=2, capacity=64, timeout=timeout)
     after.backward(problem.grad_outs[rank])
     return {"raised": raised, "seconds": took, "after": after.detach(), "x": x.grad}
+
+
+def host_agreement_without_host_memory(rank: int, world: int) -> dict:
+    """:func:`mc2.engine.transport.comm.host_max` on a group whose collectives are taken to
+    carry no CPU tensors (as NCCL's): it agrees on a Gloo group of its own over the same ranks,
+    made once and kept in the group's state; what it agreed, and which groups it used."""
+    import torch.distributed as dist
+
+    from mc2.engine.transport import comm
+    from mc2.engine.transport.group_state import group_state
+
+    group = dist.new_group(list(range(world)))
+    first = comm.host_max([rank, -rank, 0.5 * rank], group, "test")
+    assert comm.host_group(group) is group  # Gloo carries host memory: no group made
+    comm.carries_host_memory = lambda g: False  # as a NCCL group
+    made_before = len(dist.distributed_c10d._world.pg_names)
+    second = comm.host_max([rank, -rank, 0.5 * rank], group, "test")
+    host = group_state(group).host
+    third = comm.host_max([10 * rank], group, "test")
+    return {"first": first, "second": second, "third": third,
+            "own_group": host is not None and host is not group,
+            "ranks": dist.get_process_group_ranks(host),
+            "made": len(dist.distributed_c10d._world.pg_names) - made_before,
+            "kept": group_state(group).host is host}
+
+
+def later_mismatch_without_host_handshake(rank: int, world: int, problem: Problem,
+                                          a: dict[str, Any], b: dict[str, Any],
+                                          fingerprints: bool) -> dict:
+    """:func:`later_mismatch` where the group is taken to carry no host memory (as NCCL's):
+    steady capacity calls then run no handshake at all, and only the configuration
+    fingerprint in the slabs' headers tells that rank 0 called with other options.
+    ``fingerprints=False``: every fingerprint 0 (the check removed)."""
+    from mc2.engine.decide import call_plan
+
+    call_plan.carries_host_memory = lambda group: False
+    if not fingerprints:
+        call_plan.fingerprint_of = lambda values: 0
+    return later_mismatch(rank, world, problem, a, b)

@@ -32,7 +32,8 @@ class SimulatedClock:
 
 
 class _SlowableExperts(torch.nn.Module):
-    """Two local linear experts; each forward takes 1 ms of ``clock``, plus ``delay``."""
+    """Two local linear experts; each forward takes 1 ms of ``clock``, plus ``delay``, plus
+    ``training`` where gradients are on (a training forward keeps what its backward needs)."""
 
     def __init__(self, hidden: int, seed: int, clock: SimulatedClock) -> None:
         super().__init__()
@@ -40,11 +41,11 @@ class _SlowableExperts(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.num_experts = 2
         self.w = torch.nn.Parameter(torch.randn(2, hidden, hidden, generator=g) / hidden**0.5)
-        self.delay = 0.0
+        self.delay = self.training_s = 0.0
 
     def forward(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
-        self.clock.advance(0.001 + self.delay)
+        self.clock.advance(0.001 + self.delay + self.training_s * torch.is_grad_enabled())
         return torch.bmm(rows.unsqueeze(1), self.w[ids[:, 0]]).squeeze(1) * weights
 
 
@@ -127,12 +128,13 @@ class ChangingModelPlanner(mc2.Planner):
         return {1: 1.0, 2: 3.0 if self.measured <= 1 else 0.9}
 
 
-def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: float
-                          ) -> dict[str, Any]:
+def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: float,
+                          no_grad_first: bool = False) -> dict[str, Any]:
     """A shape the model locks at K = 1 without trials; ``quiet`` calls as they were, then
     ``slow`` calls with every experts forward ``delay`` seconds slower (the simulated clock of
     :func:`drifting_shape`). Per call the K used, whether it was a trial or a re-plan; the
-    decision and how often the planner calibrated."""
+    decision and how often the planner calibrated. ``no_grad_first``: the ``quiet`` calls run
+    without gradients (forwards alone), and a training forward takes 50 ms more."""
     import mc2.engine.passes.run as passes
 
     clock = SimulatedClock()
@@ -146,8 +148,10 @@ def serial_lock_revisited(rank: int, world: int, quiet: int, slow: int, delay: f
                                    drift=0.5, drift_window=4)
     calls: list[dict[str, Any]] = []
 
+    experts.training_s = 0.05 if no_grad_first else 0.0
     for _ in range(quiet):
-        _auto_call(x, experts, ids, planner, calls)
+        with torch.set_grad_enabled(not no_grad_first):
+            _auto_call(x, experts, ids, planner, calls)
     experts.delay = delay
     for _ in range(slow):
         _auto_call(x, experts, ids, planner, calls)
@@ -160,9 +164,11 @@ def _auto_call(x: torch.Tensor, experts: torch.nn.Module, ids: torch.Tensor, pla
     """One ``"auto"`` forward and backward of the experts module; filed in ``calls``: the K
     it ran, whether it was a trial, whether it re-planned. Returns its output."""
     tl = mc2.Timeline()
-    out = mc2.fused_expert_module(x.clone().requires_grad_(True), experts, ids,
+    grad = torch.is_grad_enabled()
+    out = mc2.fused_expert_module(x.clone().requires_grad_(grad), experts, ids,
                                   micro_batches="auto", planner=planner, timeline=tl)
-    out.sum().backward()
+    if grad:
+        out.sum().backward()
     marks = [s.name for s in tl.spans if s.name.startswith("auto")]
     calls.append({"k": 1 + max((s.micro_batch for s in tl.spans), default=0),
                   "trial": any(m.startswith("auto trial") for m in marks),

@@ -152,7 +152,8 @@ def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = 
             decided = float(models["mc2"](ids, position, mask, labels=ids).mean())
         found["deciding"] = {"want": want, "forwards": forwards,
                              "decided": (decided, list(begun)),
-                             "chosen": decision.chosen, "planner": planner.batch_overlaps()}
+                             "chosen": decision.report()["forward_only"]["chosen"],
+                             "planner": planner.batch_overlaps()}
     # one sequence cannot be split: the layers run one after the other, as Megatron's
     begun.clear()
     with torch.no_grad():

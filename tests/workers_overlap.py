@@ -117,3 +117,28 @@ def _prefill_and_decode(model, ids: torch.Tensor) -> dict[str, Any]:
         # every layer's hidden states: recorded by hooks on the layers, so not split (said)
         hidden = torch.stack(model(ids, output_hidden_states=True, use_cache=False).hidden_states)
     return {"logits": out.logits, "cache": keys, "decode": step, "hidden": hidden}
+
+
+def capacity_step_reads(rank: int, world: int) -> dict[str, Any]:
+    """The host reads of one training step (forward and backward, after a first one) of a
+    capacity-mode model, in-layer and with batch overlap (``True`` and a decided
+    ``"auto"``), with where each read was made."""
+    from mc2.observation.host_syncs import HostSyncCounter
+
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
+    found: dict[str, Any] = {}
+    for name, options in (("in-layer", {}), ("batch overlap", {"batch_overlap": True}),
+                          ("auto", {"batch_overlap": "auto"})):
+        model = _model(torch.float64, False, aux=False, capacity=256, min_tokens=1,
+                       **options) if options else _model(torch.float64, False, aux=False,
+                                                         capacity=256)
+        steps = 1 if name != "auto" else 12  # "auto": 3 timed steps a side, each after a switch
+        for _ in range(steps):
+            model(ids).logits.sum().backward()
+        with HostSyncCounter() as syncs:
+            model(ids).logits.sum().backward()
+        decision = getattr(model.model.layers, "decision", None)
+        found[name] = {"reads": syncs.reads, "where": syncs.where,
+                       "chosen": None if decision is None else decision.chosen}
+    return found

@@ -16,13 +16,13 @@ a timeline being read), never on the pipeline's path.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
+from mc2.device.per_device import device_state
 from mc2.device.streams import full_device
 
 
@@ -101,7 +101,6 @@ class DeviceClock(HostClock):
 
 
 HOST = HostClock()
-_device_clock = functools.cache(DeviceClock)  # one per device: its anchor is taken once
 
 
 def clock_for(device: torch.device | str | None) -> HostClock:
@@ -109,7 +108,10 @@ def clock_for(device: torch.device | str | None) -> HostClock:
     (one per device, so that its anchor is taken once) on an accelerator."""
     if device is None or torch.device(device).type in ("cpu", "meta"):
         return HOST
-    return _device_clock(full_device(device))
+    state = device_state(full_device(device))
+    if state.clock is None:  # one per device: its anchor is taken once
+        state.clock = DeviceClock(full_device(device))
+    return state.clock
 
 
 class Interval:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-_STREAMS: dict[tuple[torch.device, str], Any] = {}
+from mc2.device.per_device import device_state
 
 
 def full_device(device: torch.device | str) -> torch.device:
@@ -32,10 +32,11 @@ def side_stream(device: torch.device | str, purpose: str) -> Any:
     device = torch.device(device)
     if device.type in ("cpu", "meta"):
         return contextlib.nullcontext()
-    key = (full_device(device), purpose)
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.Stream(device=key[0])
-    return _STREAMS[key]
+    device = full_device(device)
+    streams = device_state(device).streams
+    if purpose not in streams:
+        streams[purpose] = torch.Stream(device=device)
+    return streams[purpose]
 
 
 def capturing(device: torch.device | str | None) -> bool:

@@ -37,42 +37,25 @@ layer (:mod:`.split_records`). The schedule itself is the engine's
 
 from __future__ import annotations
 
-from functools import partial, reduce
 from contextlib import contextmanager
+from functools import partial, reduce
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
+from mc2.engine.autograd.layer_schedule import LayerStages
 from mc2.engine.autograd.staged import micro_batch_label
-from mc2.engine.decide.batch_split import (
-    MIN_TOKENS, SPLITS, BatchOverlapDecision, BatchOverlapWarning, timed_forward
-)
+from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision, BatchOverlapWarning
 from mc2.engine.decide.planner import planner_for
 from mc2.parallel.layer_gather import LayerGathers
 from mc2.integrations import split_cache
+from mc2.integrations.layer_loop import run_layer_loop, split_value
+from mc2.integrations.layer_recording import NOT_RECORDED, record_layer_call
 from mc2.integrations.split_records import SplitRecords
 
 __all__ = ["BatchOverlapStack", "BatchOverlapWarning", "MIN_TOKENS", "OverlappedLayers",
            "hf_layer_stages", "stage_problem"]
-
-def split_sizes(batch: int, parts: int) -> list[int]:
-    """Sequences in each of ``parts`` micro-batches: as equal as they can be, so the token
-    counts balance (equal lengths); the first ones take the remainder."""
-    return [batch // parts + (i < batch % parts) for i in range(parts)]
-
-
-def split_value(value: Any, batch: int, sizes: Sequence[int]) -> list[Any]:
-    """A layer argument for each micro-batch: tensors (and tuples of them) whose first
-    dimension is the batch are cut into ``sizes``; everything else goes to all."""
-    if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch:
-        return list(value.split(list(sizes)))
-    if isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
-        parts = [split_value(v, batch, sizes) for v in value]
-        return [tuple(p[i] for p in parts) for i in range(len(sizes))]
-    return [value] * len(sizes)
-
 
 class BatchOverlapStack(nn.Module):
     """A stack of your own layers, run with batch overlap.
@@ -102,20 +85,10 @@ class BatchOverlapStack(nn.Module):
                                                          group=group)
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-        overlapped = self.decision.wanted(x.shape[0], tokens, x.device)
-
-        def plain() -> Tensor:
-            return reduce(lambda h, layer: layer(h), self.layers, x)
-
-        def split() -> Tensor:
-            parts = x.split(split_sizes(x.shape[0], SPLITS))
-            stages = [layer.forward_staged for layer in self.layers]
-            return torch.cat(run_overlapped([stages] * len(parts), parts,
-                                            LayerGathers(self.layers)))
-
-        return timed_forward(self.decision, overlapped, split if overlapped else plain,
-                             x.device, first=x)
+        stages = [layer.forward_staged for layer in self.layers]
+        return run_layer_loop(
+            self.decision, x, plain=lambda: reduce(lambda h, layer: layer(h), self.layers, x),
+            stages=lambda sizes: [stages] * len(sizes), gathers=LayerGathers(self.layers))
 
 
 def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str, Any]
@@ -154,19 +127,20 @@ def stage_problem(layer: nn.Module) -> str | None:
 
 
 class _LayerCall:
-    """What the model's loop calls for one layer: records the layer's arguments; the last one
-    runs every layer (:class:`OverlappedLayers`). The others hand their input back unchanged:
+    """What the model's loop calls for one layer: the call recorded
+    (:func:`~mc2.integrations.layer_recording.record_layer_call`), so that the last one runs
+    every layer (:class:`OverlappedLayers`); the others hand their input back unchanged, as
     the loop only threads it through."""
 
     def __init__(self, loop: "_Loop", index: int) -> None:
         self.loop, self.index = loop, index
 
     def __call__(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if self.index == 0:
-            self.loop.calls.clear()
-            self.loop.first = hidden_states
-        self.loop.calls.append((args, kwargs))
-        return hidden_states if self.index < len(self.loop.layers) - 1 else self.loop.run()
+        layers = self.loop.layers
+        out = record_layer_call(layers[self.index], self.index, len(layers), hidden_states,
+                                (args, kwargs), self.loop.run)
+        return layers[self.index](hidden_states, *args, **kwargs) if out is NOT_RECORDED \
+            else out
 
 
 def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple[str, Any]]
@@ -184,19 +158,15 @@ class _Loop:
 
     def __init__(self, layers: list[nn.Module], decision: BatchOverlapDecision) -> None:
         self.layers, self.decision = layers, decision
-        self.calls: list[tuple[tuple, dict[str, Any]]] = []
-        self.first: Tensor | None = None
 
-    def run(self) -> Tensor:
-        hidden_states = self.first
-        assert hidden_states is not None
-        calls, self.first = list(self.calls), None
-        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+    def run(self, hidden_states: Tensor, recorded: list[tuple[nn.Module, Any]]) -> Tensor:
+        calls = [arguments for _, arguments in recorded]
+        batch = hidden_states.shape[0]
         caches = {id(kw[k]): (k, kw[k]) for _, kw in calls for k in CACHE_KEYS
                   if kw.get(k) is not None}
+        key, cache = next(iter(caches.values()), (None, None))
         records = SplitRecords()
-        problem = records.problem() or _split_problem(calls, list(caches.values()))
-        overlapped = self.decision.wanted(batch, batch * seq, hidden_states.device, problem)
+        cache_parts: list[Any] = []
 
         def plain() -> Tensor:  # the layers one after the other, each its own forward
             h = hidden_states
@@ -204,28 +174,29 @@ class _Loop:
                 h = layer(h, *args, **kwargs)
             return h
 
-        def split() -> Tensor:
-            sizes = split_sizes(batch, SPLITS)
-            key, cache = next(iter(caches.values()), (None, None))
-            parts = split_cache.split(cache, len(sizes)) if cache is not None else None
+        def stages(sizes: list[int]) -> list[list[Callable[[Tensor], LayerStages]]]:
+            if cache is not None:
+                cache_parts.extend(split_cache.split(cache, len(sizes)))
             layers: list[list[Callable[[Tensor], LayerStages]]] = [[] for _ in sizes]
             for layer, (_, kwargs) in zip(self.layers, calls):
                 pieces = {name: split_value(value, batch, sizes) for name, value in kwargs.items()}
                 for i in range(len(sizes)):
                     part = {name: values[i] for name, values in pieces.items()}
-                    if parts is not None:
-                        part[key] = parts[i]
+                    if cache is not None:
+                        part[key] = cache_parts[i]
                     layers[i].append(partial(hf_layer_stages, layer, kwargs=part))
-            out = torch.cat(run_overlapped(layers, hidden_states.split(sizes),
-                                           LayerGathers(self.layers),
-                                           partial(_recording, records)))
-            if parts is not None:
-                split_cache.join(cache, parts)
-            records.join()
-            return out
+            return layers
 
-        return timed_forward(self.decision, overlapped, split if overlapped else plain,
-                             hidden_states.device, first=hidden_states)
+        def joined() -> None:
+            if cache is not None:
+                split_cache.join(cache, cache_parts)
+            records.join()
+
+        return run_layer_loop(
+            self.decision, hidden_states, plain=plain, stages=stages,
+            problem=records.problem() or _split_problem(calls, list(caches.values())),
+            gathers=LayerGathers(self.layers), label=partial(_recording, records),
+            joined=joined)
 
 
 @contextmanager

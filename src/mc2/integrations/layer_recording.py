@@ -13,19 +13,27 @@ own forward. A call that breaks an open recording (out of order, or on another t
 layers before handed back) raises: the recorded layers' work would otherwise be lost.
 
 A recording whose last layer is never called (a loop that stops early, a layer after the
-recorded ones that is no recording layer and so is not the last) left the forward's output
-its input, unchanged, and nothing said so. The next forward's first layer finds it still open
-and raises, naming the layer that never ran, on every rank alike (every rank runs the same
-loop): one forward late, since nothing of the loop's own marks its end, but never silent
-for a training run.
+recorded ones that is no recording layer and so is not the last) would leave the forward's
+output its input, unchanged. So a recording still open raises, naming the layer that never
+ran, on every rank alike (every rank runs the same loop), at the first of:
+
+- a module returning from its forward, other than the recorded layers, while the recording
+  is open (a dense layer, a final norm run on the handed-back input): a global forward hook,
+  held only while a recording is open;
+- the block whose loop it is returning from its forward (the nearest module up the stack that
+  holds the first layer, found at its first recording and hooked from then on: its first
+  forward's own return was already under way, without hooks);
+- the next forward's first layer, which finds the recording still open.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook
 
 NOT_RECORDED = object()
 
@@ -36,6 +44,56 @@ class _Recording:
     def __init__(self, first: Tensor, count: int) -> None:
         self.first, self.count = first, count
         self.calls: list[tuple[Any, Any]] = []
+        # while open: a module returning that is none of the recorded layers raises
+        self.watch = register_module_forward_hook(self._returned)
+
+    def never_ran(self) -> str:
+        return (f"batch overlap: layers 0..{len(self.calls) - 1} of {self.count} were recorded "
+                f"and layer {len(self.calls)} was never called, so they never ran and the "
+                "loop's output was its input unchanged. Every recording layer of the loop "
+                "must be called, in order, with the last one last")
+
+    def _returned(self, module: nn.Module, args: Any, output: Any) -> None:
+        if getattr(_OPEN, "current", None) is not self or \
+                any(module is layer for layer, _ in self.calls):
+            return
+        _close()
+        raise RuntimeError(f"{self.never_ran()} ({type(module).__name__} returned while the "
+                           "recording was open)")
+
+
+WATCHED = "_mc2_block_watched"  # set on a first layer once its block is hooked
+
+
+def _watch_block(layer: Any) -> None:
+    """Hook the block whose loop calls ``layer`` (the nearest module up the stack holding it),
+    once: its forward returning with a recording open raises."""
+    if not isinstance(layer, nn.Module) or layer.__dict__.get(WATCHED):
+        return
+    layer.__dict__[WATCHED] = True
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner is not layer and \
+                any(m is layer for m in owner.modules()):
+            owner.register_forward_hook(_block_returned)
+            return
+        frame = frame.f_back
+
+
+def _block_returned(module: nn.Module, args: Any, output: Any) -> None:
+    recording: _Recording | None = getattr(_OPEN, "current", None)
+    if recording is not None:
+        _close()
+        raise RuntimeError(f"{recording.never_ran()} ({type(module).__name__}, the block, "
+                           "returned while the recording was open)")
+
+
+def _close() -> None:
+    recording: _Recording | None = getattr(_OPEN, "current", None)
+    _OPEN.current = None
+    if recording is not None:
+        recording.watch.remove()
 
 
 def record_layer_call(layer: Any, index: int, count: int, hidden: Tensor, arguments: Any,
@@ -46,18 +104,15 @@ def record_layer_call(layer: Any, index: int, count: int, hidden: Tensor, argume
     if index == 0:
         left: _Recording | None = getattr(_OPEN, "current", None)
         if left is not None:
-            _OPEN.current = None
-            raise RuntimeError(
-                f"batch overlap: the previous forward recorded layers 0..{len(left.calls) - 1} "
-                f"of {left.count} and layer {len(left.calls)} was never called, so they never "
-                "ran and that forward's output was its input unchanged. Every recording layer "
-                "of the loop must be called, in order, with the last one last")
+            _close()
+            raise RuntimeError(f"{left.never_ran()} (found at the next forward)")
         _OPEN.current = _Recording(hidden, count)
+        _watch_block(layer)
     recording: _Recording | None = getattr(_OPEN, "current", None)
     if recording is None:
         return NOT_RECORDED
     if hidden is not recording.first or len(recording.calls) != index:
-        _OPEN.current = None
+        _close()
         raise RuntimeError(
             f"batch overlap: layer {index} of {count} was called on another input than the "
             f"one layers 0..{len(recording.calls) - 1} handed back (or out of order); their "
@@ -66,11 +121,11 @@ def record_layer_call(layer: Any, index: int, count: int, hidden: Tensor, argume
     recording.calls.append((layer, arguments))
     if index < count - 1:
         return hidden
-    _OPEN.current = None
+    _close()
     return run(recording.first, recording.calls)
 
 
 def close_recording() -> None:
     """Close this thread's open recording, if any (a first layer that runs unrecorded: the
     ones after it then run their own forwards too)."""
-    _OPEN.current = None
+    _close()

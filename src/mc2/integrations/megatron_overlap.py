@@ -34,13 +34,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
-from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, timed_forward
+from mc2.engine.autograd.layer_schedule import LayerStages
+from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision
 from mc2.engine.decide.planner import planner_for
-from mc2.integrations.batch_overlap import split_sizes, split_value
+from mc2.integrations.layer_loop import run_layer_loop, split_value
 from mc2.integrations.layer_recording import (
     NOT_RECORDED, close_recording, record_layer_call)
 
@@ -113,12 +112,10 @@ def megatron_layer_stages(layer: TransformerLayer, hidden_states: Tensor, *,
 
 def _run_block(decision: BatchOverlapDecision, x: Tensor,
                calls: list[tuple[TransformerLayer, dict[str, Any]]]) -> Tensor:
-    """The recorded layers of one block forward, on its input ``x``: split in two along the
-    batch and run stage by stage, or (where this forward cannot be split) one after the
-    other, as Megatron's loop runs them."""
-    batch, kwargs = x.shape[1], calls[0][1]
-    problem = _forward_problem(kwargs)
-    overlapped = decision.wanted(batch, batch * x.shape[0], x.device, problem)
+    """The recorded layers of one block forward, on its input ``x`` (``[s, b, h]``): split in
+    two along the batch and run stage by stage, or (where this forward cannot be split) one
+    after the other, as Megatron's loop runs them."""
+    batch = x.shape[1]
 
     def plain() -> Tensor:  # Megatron's own layer loop
         h = x
@@ -126,21 +123,19 @@ def _run_block(decision: BatchOverlapDecision, x: Tensor,
             h, _ = TransformerLayer.forward(layer, **{**kwargs, "hidden_states": h})
         return h
 
-    def split() -> Tensor:
-        sizes = split_sizes(batch, SPLITS)
-        stages: list[list[Any]] = [[] for _ in sizes]
+    def stages(sizes: list[int]) -> list[list[Any]]:
+        layers: list[list[Any]] = [[] for _ in sizes]
         for layer, kwargs in calls:
             pieces = {k: split_value(v, batch, sizes) if k in BATCH_FIRST else [v] * len(sizes)
                       for k, v in kwargs.items() if k != "hidden_states"}
             for i in range(len(sizes)):
                 part = {k: values[i] for k, values in pieces.items()}
-                stages[i].append(partial(megatron_layer_stages, layer, kwargs=part))
-        parts = [p.contiguous() for p in x.split(sizes, dim=1)]
-        # no gathers: layers sharded by FSDP2 are refused (MC2TransformerLayer.forward)
-        return torch.cat(run_overlapped(stages, parts), dim=1)
+                layers[i].append(partial(megatron_layer_stages, layer, kwargs=part))
+        return layers
 
-    return timed_forward(decision, overlapped, split if overlapped else plain, x.device,
-                         first=x)
+    # no gathers: layers sharded by FSDP2 are refused (MC2TransformerLayer.forward)
+    return run_layer_loop(decision, x, plain=plain, stages=stages, batch_dim=1,
+                          problem=_forward_problem(calls[0][1]))
 
 
 def _forward_problem(kwargs: dict[str, Any]) -> str | None:

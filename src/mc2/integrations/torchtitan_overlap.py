@@ -52,11 +52,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mc2.engine.autograd.function import saved_tensor_hooks_active
-from mc2.engine.autograd.layer_schedule import LayerStages, run_overlapped
-from mc2.engine.decide.batch_split import (
-    MIN_TOKENS, SPLITS, BatchOverlapDecision, say_once, timed_forward)
+from mc2.engine.autograd.layer_schedule import LayerStages
+from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, say_once
 from mc2.engine.decide.planner import planner_for
-from mc2.integrations.batch_overlap import split_sizes
+from mc2.integrations.layer_loop import run_layer_loop, split_sizes
 from mc2.integrations.layer_recording import NOT_RECORDED, close_recording, record_layer_call
 from mc2.integrations.torchtitan import (
     MC2RoutedExperts, mc2_config_of, mc2_routed_experts, shared_views)
@@ -159,12 +158,10 @@ def _run_layers(x: Tensor, calls: list[tuple[Any, tuple[Any, Tensor | None]]]) -
     first: _OverlapBlock = calls[0][0]
     masks, positions = calls[0][1]
     batch = x.shape[0]
-    sizes = split_sizes(batch, SPLITS)
     decision, problem = first.decision_for(calls)
-    masks_split = _split_masks(masks, batch, sizes) if batch >= SPLITS else []
+    masks_split = _split_masks(masks, batch, split_sizes(batch)) if batch >= SPLITS else []
     if problem is None and isinstance(masks_split, str):
         problem = masks_split
-    overlapped = decision.wanted(batch, x.shape[0] * x.shape[1], x.device, problem)
 
     def plain() -> Tensor:  # TorchTitan's own loop
         h = x
@@ -172,17 +169,15 @@ def _run_layers(x: Tensor, calls: list[tuple[Any, tuple[Any, Tensor | None]]]) -
             h = nn.Module.__call__(block, h, masks, positions)
         return h
 
-    def split() -> Tensor:
+    def stages(sizes: list[int]) -> list[list[Any]]:
         assert not isinstance(masks_split, str)
         pos = [None] * len(sizes) if positions is None or positions.shape[0] != batch \
             else list(positions.split(sizes))
-        stages = [[partial(titan_layer_stages, block, masks=masks_split[i], positions=pos[i])
-                   for block, _ in calls] for i in range(len(sizes))]
-        return torch.cat(run_overlapped(stages, x.split(sizes), LayerGathers(
-            [block for block, _ in calls])))
+        return [[partial(titan_layer_stages, block, masks=masks_split[i], positions=pos[i])
+                 for block, _ in calls] for i in range(len(sizes))]
 
-    return timed_forward(decision, overlapped, split if overlapped else plain, x.device,
-                         first=x)
+    return run_layer_loop(decision, x, plain=plain, stages=stages, problem=problem,
+                          gathers=LayerGathers([block for block, _ in calls]))
 
 
 class _OverlapBlock:

@@ -103,6 +103,9 @@ class Mode:
     hierarchy: str = "flat"
     wire: str = "none"
     dedup: bool = False
+    # the mode's own buffer pool, reused by its steps (modes do not share one: each keeps
+    # the sizes it runs at)
+    workspace: Workspace = field(default_factory=Workspace, compare=False, repr=False)
 
 
 @dataclass
@@ -205,14 +208,11 @@ def _device() -> torch.device:
     return full_device(default_device_type())
 
 
-_WORKSPACES: dict[str, Workspace] = {}
-
-
 def _step(x, ws, ids, rw, grad_out, mode: Mode, cfg: BenchConfig, timeline: Timeline | None):
     xg = x.detach().requires_grad_(True)
     wg = [w.detach().requires_grad_(True) for w in ws]
     out = fused_expert_packed(xg, *wg, ids, rw, config=cfg.call_config(mode), timeline=timeline,
-                              workspace=_WORKSPACES.setdefault(mode.name, Workspace()))
+                              workspace=mode.workspace)
     out.backward(grad_out)
     return [out.detach(), xg.grad] + [w.grad for w in wg]
 

@@ -62,14 +62,10 @@ def _context() -> Any:
     if _START_METHOD in mp.get_all_start_methods():
         ctx = mp.get_context(_START_METHOD)
         ctx.set_forkserver_preload(list(_PRELOAD))
-        if not _STOP_AT_EXIT:
-            atexit.register(_stop_server)
-            _STOP_AT_EXIT.append(True)
+        atexit.unregister(_stop_server)  # registered once, however many worlds start
+        atexit.register(_stop_server)
         return ctx
     return mp.get_context("spawn")
-
-
-_STOP_AT_EXIT: list[bool] = []
 
 
 def _stop_server() -> None:

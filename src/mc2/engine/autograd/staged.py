@@ -113,12 +113,11 @@ class _Begin(torch.autograd.Function):
         back with this stage's backward (``None`` from :class:`_End` then)."""
         ctx.state = state
         needs_x, needs_combine, _, *needs_weights = ctx.needs_input_grad
-        shared = 3 if state.inputs.shared_up is not None else 0  # up, gate, down or none
+        shared = state.inputs.shared_names()  # the shared weights come first, by name
         state.needs.x, state.needs.combine = needs_x, needs_combine
-        if shared:
-            state.needs.shared_up, state.needs.shared_gate, state.needs.shared_down = \
-                needs_weights[:shared]
-        state.needs.experts = tuple(needs_weights[shared:])
+        for name, needed in zip(shared, needs_weights):
+            setattr(state.needs, name, needed)
+        state.needs.experts = tuple(needs_weights[len(shared):])
         flat = x.reshape(-1, x.shape[-1])
         state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
                                        state.inputs.shared_weights(), state.call, state.needs)
@@ -130,11 +129,12 @@ class _Begin(torch.autograd.Function):
         state: _State = ctx.state
         while state.grads is None:
             state.step_backward()
-        grad_x, expert_grads, shared_grads, grad_combine = state.grads
+        grads: CallInputs[Tensor | None] = state.grads
         state.call.workspace.tick()
         ctx.state = None
-        shared = tuple(shared_grads) if state.inputs.shared_up is not None else ()
-        return (grad_x.view(state.inputs.x.shape), grad_combine, None, *shared, *expert_grads)
+        shared = tuple(getattr(grads, name) for name in state.inputs.shared_names())
+        return (grads.x.view(state.inputs.x.shape), grads.combine, None, *shared,
+                *grads.experts)
 
 
 class _Experts(torch.autograd.Function):
@@ -281,6 +281,6 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
     experts = module.tensors() if module is not None else weights.tensors()
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
-    shared_tensors = (s_up, s_gate, s_down) if s_up is not None else ()
+    shared_tensors = [getattr(state.inputs, name) for name in state.inputs.shared_names()]
     token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
     return StagedCall(token, state, combine, s_scale)

@@ -36,7 +36,6 @@ gathered for the forward).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -46,9 +45,10 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.stateless import _reparametrize_module
 
 ExpertsForward = Callable[[Tensor, Tensor, Tensor], Tensor]  # the contract (module docstring)
-# modules already tried on one row, by (hidden, dtype, device): a module that cannot take the
-# call's rows fails there, before the handshake, not on the ranks that got rows mid-pipeline
-_TRIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+# the (hidden, dtype, device) a module was already tried on, one row each, kept on the module:
+# a module that cannot take the call's rows fails there, before the handshake, not on the
+# ranks that got rows mid-pipeline
+TRIED_ATTRIBUTE = "_mc2_tried_on"
 
 
 def stand_in_problem(module: nn.Module) -> str | None:
@@ -129,7 +129,8 @@ class ModuleExperts:
         fails does so on every rank, as an error, and never mid-pipeline on some ranks while
         the others wait in a transfer."""
         key = (self.hidden, like.dtype, str(like.device))
-        if key in _TRIED.get(self.module, set()):
+        tried: set = self.module.__dict__.setdefault(TRIED_ATTRIBUTE, set())
+        if key in tried:
             return None
         row = torch.zeros(1, self.hidden, dtype=like.dtype, device=like.device)
         ids = torch.zeros(1, 1, dtype=torch.int64, device=like.device)
@@ -140,7 +141,7 @@ class ModuleExperts:
         except Exception as exc:  # noqa: BLE001 - reported on every rank by the handshake
             return (f"the experts module {type(self.module).__name__} fails on a row of "
                     f"width {self.hidden} and dtype {like.dtype}: {type(exc).__name__}: {exc}")
-        _TRIED.setdefault(self.module, set()).add(key)
+        tried.add(key)
         return None
 
     def bound(self, tensors: tuple[Tensor, ...]) -> "ModuleExperts":

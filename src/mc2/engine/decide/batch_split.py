@@ -8,17 +8,22 @@ margin, or the unsplit one stays) and the same collectives; an integration only 
 (:meth:`mc2.engine.decide.planner.Planner.batch_overlap`).
 
 When it runs: every rank must split or not (the micro-batches make different collectives), so
-the decision is agreed in one small ``all_reduce`` per forward. It is off, and says so once
+the decision is agreed at every forward, in host memory (:func:`~mc2.engine.transport.comm.host_max`:
+on a Gloo group, never a device read: a training step under capacity mode reads nothing from
+the device, batch overlap included). It is off, and says so once
 (:class:`BatchOverlapWarning`), where it cannot or should not run: a batch of fewer than two
 sequences, fewer tokens than ``min_tokens`` (too small to hide anything behind: the measured
 threshold is in ``docs/batch_overlap.md``), or what the caller names (a KV cache that holds
 tokens, a block that cannot be staged, ...). ``"auto"`` also measures: the first forwards (with
 their backwards, in training: :func:`timed_forward`) alternate with and without the split, and
-the faster one stays.
+the faster one stays. A training step and a forward alone (no gradient: inference, a no-grad
+evaluation) are measured and decided apart: a forward alone says nothing of the backward
+that batch overlap interleaves too, so it never decides a training step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -26,8 +31,7 @@ from torch import Tensor
 
 from mc2.device.clock import clock_for
 from mc2.engine.decide.trials import Candidate, trial_stats, trial_winner
-from mc2.engine.transport.comm import all_reduce_max
-from mc2.engine.transport.host import read, upload
+from mc2.engine.transport.comm import host_max
 from mc2.observation.once import warn_once
 
 MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
@@ -46,15 +50,38 @@ def say_once(reason: str) -> None:
     warn_once(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
 
 
+@dataclass
+class SideTrials:
+    """One kind of forward's trials under ``"auto"`` (a training step's, or a forward's alone).
+
+    Attributes:
+        times: the group's slowest rank's seconds, per side (``True``: split).
+        chosen: the side decided (``None``: still measuring).
+        warming: this forward switched sides, so it is not timed (see :class:`BatchOverlapDecision`).
+        last: the side the previous forward ran.
+    """
+
+    chosen: bool | None
+    times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    warming: bool = False
+    last: bool | None = None
+
+
 class BatchOverlapDecision:
     """Whether a forward runs with batch overlap; the same answer on every rank.
 
     Args:
         mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
         min_tokens: tokens per rank below which it is off.
-        group: the expert-parallel group the agreement runs on.
+        group: the group the agreement runs on.
         trials: forwards measured each way under ``"auto"`` (each with its backward through
             the layers, when one follows: :func:`timed_forward`).
+
+    ``"auto"``: the first forward after switching sides is not timed. It reallocates the
+    workspace for the other side's buffer sizes; timed, batch overlap's trials (each right
+    after a plain one) measured 11-15% over its steady state in benchmarks/model_overlap.py,
+    and ``"auto"`` turned it off where it was 9% faster. A job runs the steady state. (The K
+    trials settle a switch the same way.)
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
@@ -62,21 +89,36 @@ class BatchOverlapDecision:
         if mode not in (True, False, "auto"):
             raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
-        self.times: dict[bool, list[float]] = {True: [], False: []}
-        self.chosen: bool | None = None if mode == "auto" else bool(mode)
-        # "auto": the first forward after switching sides is not timed. It reallocates the
-        # workspace for the other side's buffer sizes; timed, batch overlap's trials (each
-        # right after a plain one) measured 11-15% over its steady state in
-        # benchmarks/model_overlap.py, and "auto" turned it off where it was 9% faster. A job
-        # runs the steady state. (The K trials settle a switch the same way.)
-        self.warming: bool = False
-        self._last: bool | None = None
+        first = None if mode == "auto" else bool(mode)
+        # by whether a backward may follow (gradients on): a training step's and a forward's
+        self.kinds = {True: SideTrials(first), False: SideTrials(first)}
 
-    def wanted(self, batch: int, tokens: int, device: torch.device,
-               problem: str | None = None) -> bool:
-        """This forward's answer (one ``all_reduce`` when batch overlap may run); ``problem``:
-        why the caller cannot split this forward, if it cannot."""
-        if self.chosen is False:
+    def now(self) -> SideTrials:
+        """The trials of the forward about to run: a training step's where gradients are on."""
+        return self.kinds[torch.is_grad_enabled()]
+
+    @property
+    def chosen(self) -> bool | None:
+        """What this kind of forward runs (``None``: ``"auto"`` still measuring it)."""
+        return self.now().chosen
+
+    @chosen.setter
+    def chosen(self, value: bool | None) -> None:
+        self.now().chosen = value
+
+    @property
+    def times(self) -> dict[bool, list[float]]:
+        return self.now().times
+
+    @property
+    def warming(self) -> bool:
+        return self.now().warming
+
+    def wanted(self, batch: int, tokens: int, problem: str | None = None) -> bool:
+        """This forward's answer (one host ``all_reduce`` when batch overlap may run);
+        ``problem``: why the caller cannot split this forward, if it cannot."""
+        trials = self.now()
+        if trials.chosen is False:
             return False
         reason = problem
         if reason is None and batch < SPLITS:
@@ -84,72 +126,89 @@ class BatchOverlapDecision:
         elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
-        # one all_reduce and one read a forward: whether any rank cannot split
-        flag = upload([0 if reason is None else 1], device)
-        (cannot,) = read(all_reduce_max(flag, self.group, "batch overlap"))
+        # whether any rank cannot split: host numbers, agreed with no device read
+        (cannot,) = host_max([0 if reason is None else 1], self.group, "batch overlap")
         if cannot:
             say_once(reason or "another rank cannot split its batch")
-            self._last = False  # the plain side runs: a trial of it next is no switch
+            trials.last = False  # the plain side runs: a trial of it next is no switch
             return False
-        if self.chosen is None:  # "auto": alternate until both sides are measured
-            side = len(self.times[True]) <= len(self.times[False])
-            self.warming, self._last = side != self._last, side
+        if trials.chosen is None:  # "auto": alternate until both sides are measured
+            side = len(trials.times[True]) <= len(trials.times[False])
+            trials.warming, trials.last = side != trials.last, side
             return side
-        return self.chosen
+        return trials.chosen
 
-    def measured(self, overlapped: bool, seconds: float, device: torch.device) -> None:
-        """One forward's time (with its backward's), the group's slowest rank's; decides
-        ``"auto"`` once both sides have ``trials`` times, as the K trials decide."""
-        if self.chosen is not None:
+    def measured(self, overlapped: bool, seconds: float, trials: SideTrials | None = None
+                 ) -> None:
+        """One forward's time (with its backward's), the group's slowest rank's, for
+        ``trials`` (the current kind's by default); decides ``"auto"`` for that kind once
+        both sides have ``trials`` times, as the K trials decide."""
+        trials = trials or self.now()
+        if trials.chosen is not None:
             return
-        agreed = all_reduce_max(upload([seconds], device, torch.float64), self.group,
-                                "batch overlap")
-        self.times[overlapped].append(float(read(agreed)[0]))
-        if min(len(t) for t in self.times.values()) < self.trials:
+        (agreed,) = host_max([seconds], self.group, "batch overlap")
+        trials.times[overlapped].append(agreed)
+        if min(len(t) for t in trials.times.values()) < self.trials:
             return
         sides = (False, True)
-        stats = trial_stats([_SIDES[s] for s in sides], [self.times[s] for s in sides])
+        stats = trial_stats([_SIDES[s] for s in sides], [trials.times[s] for s in sides])
         winner = trial_winner([_SIDES[s] for s in sides], [s.median_s for s in stats],
                               MIN_GAIN)
-        self.chosen = winner == _SIDES[True]
-        if not self.chosen:
+        trials.chosen = winner == _SIDES[True]
+        if not trials.chosen:
             off, on = (s.median_s for s in stats)
             say_once(f"measured slower here ({on * 1e3:.1f} ms against {off * 1e3:.1f} ms "
                      "a forward)")
+
+    def report(self) -> dict[str, Any]:
+        """What it chose and measured: a training step's at the top, a forward's alone
+        under ``"forward_only"``."""
+        def one(t: SideTrials) -> dict[str, Any]:
+            return {"chosen": t.chosen, "times": {"on": list(t.times[True]),
+                                                 "off": list(t.times[False])}}
+        return {"mode": self.mode, **one(self.kinds[True]), "forward_only": one(self.kinds[False])}
 
 
 def timed_forward(decision: BatchOverlapDecision, overlapped: bool, run: Callable[[], Tensor],
                   device: torch.device, first: Tensor | None = None) -> Tensor:
     """``run()``, timed for an undecided ``"auto"``.
 
-    A forward that a backward will follow (``first``, the layers' input, and the output
-    both need gradients) is timed with that backward through the layers: batch overlap
-    interleaves both passes, and on a link slow against the compute it can gain more in one
-    than in the other. The backward is timed from the moment the output's gradient reaches
-    the layers to the moment the input's gradient is complete (tensor hooks), so what the
-    caller does between forward and backward (the loss, the head) does not count. A forward
-    without a backward (inference, a no-grad prefill) is timed alone.
+    A forward with gradients on is a training step's: it is timed with the backward through
+    the layers that follows it, since batch overlap interleaves both passes, and on a link
+    slow against the compute it can gain more in one than in the other. The backward is timed
+    from the moment the output's gradient reaches the layers to the moment the input's
+    gradient is complete (tensor hooks; where the input needs none, a frozen embedding under
+    an adapter, to the end of the backward), so what the caller does between forward and
+    backward (the loss, the head) does not count. A forward without gradients (inference, a
+    no-grad prefill) is timed alone, for forwards alone (:class:`BatchOverlapDecision`); so
+    is one whose layers need none (nothing of them to run backward).
     """
-    if decision.chosen is not None or decision.warming:
+    trials = decision.now()
+    if trials.chosen is not None or trials.warming:
         return run()
     clock = clock_for(device)
     start = clock.stamp()
     out = run()
     forward = clock.elapsed(start, clock.stamp())
-    if first is None or not (first.requires_grad and out.requires_grad):
-        decision.measured(overlapped, forward, device)
+    if not (torch.is_grad_enabled() and out.requires_grad):  # no backward through the layers
+        decision.measured(overlapped, forward, trials)
         return out
     began: list[Any] = []
 
-    def backward_begins(grad: Tensor) -> None:
-        began.append(clock.stamp())
-
-    def backward_ends(grad: Tensor) -> None:
+    def ended() -> None:
         for handle in handles:  # once: a caller's own input tensor keeps no hooks of ours
             handle.remove()
         if began:
             decision.measured(overlapped, forward + clock.elapsed(began[0], clock.stamp()),
-                              device)
+                              trials)
 
-    handles = [out.register_hook(backward_begins), first.register_hook(backward_ends)]
+    def backward_begins(grad: Tensor) -> None:
+        began.append(clock.stamp())
+        if not input_hooked:  # the backward's end is where the engine finishes it
+            torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    input_hooked = first is not None and first.requires_grad
+    handles = [out.register_hook(backward_begins)]
+    if input_hooked:
+        handles.append(first.register_hook(lambda grad: ended()))
     return out

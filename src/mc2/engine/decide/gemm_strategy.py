@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from mc2.device.clock import clock_for
+from mc2.device.per_device import device_state
+from mc2.device.streams import full_device
 from mc2.engine.decide.config import GemmStrategy
 from mc2.engine.compute.experts import ExpertWeights, forward_and_backward
 from mc2.engine.transport.host import upload
@@ -32,7 +34,6 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.05  # what one-time timing of a few repeats can tell apart
 ROWS_PER_EXPERT = 64  # rows per expert of the timed step
 REPEATS = 3
-_CHOSEN: dict[tuple, str] = {}
 
 
 def grouped_problem(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -87,11 +88,12 @@ def resolve_strategy(strategy: GemmStrategy, weights: ExpertWeights) -> str:
     if not isinstance(weights, ExpertWeights) or weights.device.type == "cpu" \
             or grouped_problem(weights.dtype, weights.device) is not None:
         return "loop"  # a module stage runs its own GEMMs; the CPU: see the module docstring
-    key = (weights.packed, tuple(weights.down.shape), weights.dtype, str(weights.device))
-    if key not in _CHOSEN:
+    chosen = device_state(full_device(weights.device)).gemm  # a measurement of the device
+    key = (weights.packed, tuple(weights.down.shape), weights.dtype)
+    if key not in chosen:
         plain = weights.detached()
         rows = ROWS_PER_EXPERT * weights.local_experts
         loop = _time_step(plain, "loop", rows)
         grouped = _time_step(plain, "grouped", rows)
-        _CHOSEN[key] = "grouped" if grouped < loop * (1 - MIN_GAIN) else "loop"
-    return _CHOSEN[key]
+        chosen[key] = "grouped" if grouped < loop * (1 - MIN_GAIN) else "loop"
+    return chosen[key]

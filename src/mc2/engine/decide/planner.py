@@ -246,7 +246,9 @@ class _Trials:
     last: Candidate | None = None  # the candidate the previous call of this shape ran
     settle_calls: int = 0  # untimed trial calls (:meth:`next_call`)
     ruled_out: str | None = None  # why K = 1 was locked without trials (:mod:`chance`)
-    baseline_s: float | None = None  # such a lock's first window's median (the drift guard's)
+    # such a lock's first window's median, per kind of window (with a backward or without:
+    # the drift guard compares like with like)
+    baseline_s: dict[bool, float] = field(default_factory=dict)
     predicted: dict[int, float] = field(default_factory=dict)  # the model's seconds per K
 
     @staticmethod
@@ -306,11 +308,13 @@ class _Trials:
         return [[sum(t[p].seconds for p in self.phases) for t in self.samples[k]]
                 for k in self.candidates]
 
-    def steady_median(self) -> tuple[float, int]:
+    def steady_median(self, phases: tuple[str, ...] | None = None) -> tuple[float, int]:
         """The median seconds of this window's locked calls that have every phase the trials
-        timed (a call whose backward has not run yet is left out), and how many there were."""
-        done = [sum(t[p].seconds for p in self.phases) for t in self.steady
-                if all(p in t for p in self.phases)]
+        timed (or ``phases``; a call whose backward has not run yet is left out), and how
+        many there were."""
+        phases = phases or self.phases
+        done = [sum(t[p].seconds for p in phases) for t in self.steady
+                if all(p in t for p in phases)]
         return (statistics.median(done), len(done)) if done else (0.0, 0)
 
 
@@ -623,13 +627,18 @@ class Planner:
         windows count the group's agreed calls."""
         if len(state.steady) < self.drift_window:
             return None
-        median, count = state.steady_median()
+        serial = state.ruled_out is not None
+        # a K = 1 locked without trials has no trials' phases: its windows are timed as they
+        # ran, forward alone or forward + backward, each against a baseline of its own kind
+        trained = serial and any("backward" in t for t in state.steady)
+        median, count = state.steady_median(("forward", "backward") if trained else None)
         state.steady = []
-        flat = upload([median, -float(count)], weights.device, torch.float64)
-        slowest, fewest = read(all_reduce_max(flat, group))
-        if -fewest < self.drift_window // 2:
-            return None  # too few calls with every phase timed to judge
-        why = self._serial_drift(state, slowest) if state.ruled_out is not None \
+        flat = upload([median, -float(count), float(trained), -float(trained)], weights.device,
+                      torch.float64)
+        slowest, fewest, any_trained, all_trained = read(all_reduce_max(flat, group))
+        if -fewest < self.drift_window // 2 or any_trained != -all_trained:
+            return None  # too few calls with every phase timed, or windows of two kinds
+        why = self._serial_drift(state, slowest, trained) if serial \
             else self._trials_drift(state, slowest)
         if why is not None:
             _log.info("mc2 auto (%s): %s", _shape_text(weights, group), why)
@@ -646,19 +655,22 @@ class Planner:
                 f"its trials ({mine.median_s * 1e3:.1f} ms +-{mine.spread_s * 1e3:.1f}); "
                 "its trials run again, once")
 
-    def _serial_drift(self, state: _Trials, slowest: float) -> str | None:
+    def _serial_drift(self, state: _Trials, slowest: float, trained: bool) -> str | None:
         """The same for a K = 1 locked without trials: no trial to compare with, so its first
-        window is its baseline, and a window more than ``drift`` off it, either way, counts."""
-        if state.baseline_s is None:
-            state.baseline_s = slowest
+        window of each kind (``trained``: with a backward) is that kind's baseline, and a
+        window more than ``drift`` off it, either way, counts. (Compared across kinds, going
+        from no-grad calls to training ones read as a drift of the machine.)"""
+        baseline = state.baseline_s.get(trained)
+        if baseline is None:
+            state.baseline_s[trained] = slowest
             return None
-        change = slowest / state.baseline_s - 1
+        change = slowest / baseline - 1
         if abs(change) <= self.drift:
             return None
         return (f"the steady state of K=1, locked without trials, ran {slowest * 1e3:.1f} ms "
-                f"a call, {change:+.0%} against its first {self.drift_window} calls "
-                f"({state.baseline_s * 1e3:.1f} ms); the model is calibrated again and "
-                "decides once more")
+                f"a call, {change:+.0%} against its first {self.drift_window} calls of the "
+                f"kind ({baseline * 1e3:.1f} ms); the model is calibrated again and decides "
+                "once more")
 
     def _decide(self, state: _Trials, weights: ExpertWeights | ModuleExperts, group: Any,
                 wire: WirePair) -> None:
@@ -727,10 +739,10 @@ class Planner:
 
     def batch_overlaps(self) -> list[dict[str, Any]]:
         """What each live batch-overlap decision chose (``None``: still measuring) and the
-        times it measured each way (the group's slowest rank's seconds)."""
-        return [{"mode": d.mode, "chosen": d.chosen, "times": {"on": list(d.times[True]),
-                                                              "off": list(d.times[False])}}
-                for d in self._overlaps]
+        times it measured each way (the group's slowest rank's seconds): a training step's,
+        and a forward's alone under ``"forward_only"``
+        (:meth:`~mc2.engine.decide.batch_split.BatchOverlapDecision.report`)."""
+        return [d.report() for d in self._overlaps]
 
     def decisions(self) -> dict[tuple, dict[str, Any]]:
         """What ``"auto"`` tried and chose per shape: ``{key: {"tried", "locked",

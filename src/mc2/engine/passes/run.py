@@ -83,6 +83,11 @@ class CallInputs(Generic[T]):
         x, combine, up, gate, down, scale, *experts = values
         return cls(x, combine, up, gate, down, scale, tuple(experts))
 
+    def shared_names(self) -> tuple[str, ...]:
+        """The shared experts' weight fields this call has (all three or none): the staged
+        Functions take them as inputs, and read their flags and gradients, by these names."""
+        return SHARED_WEIGHTS if self.shared_up is not None else ()
+
     def shared_weights(self) -> ExpertWeights | None:
         if self.shared_up is None:
             return None
@@ -93,6 +98,9 @@ class CallInputs(Generic[T]):
         if call is not None and call.module is not None:
             return call.module.bound(tuple(self.experts))
         return ExpertWeights.in_order(tuple(self.experts))
+
+
+SHARED_WEIGHTS = ("shared_up", "shared_gate", "shared_down")
 
 
 @dataclass
@@ -210,8 +218,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
     from ``state`` once used (freed as the pass goes, where nothing else holds them).
 
     Returns:
-        ``(grad_x [T, H], routed expert grads in the layout's order, shared grads (up, gate,
-        down), the combine weights' ``[T, topk]`` gradient or ``None`` where not needed)``.
+        the gradients by input (``x``'s as ``[T, H]``; ``None`` where not needed; the shared
+        scale's is :func:`scale_grad`'s, not this pass's).
     """
     call = state.call
     ws, hidden = call.workspace, grad_out.shape[-1]
@@ -230,8 +238,8 @@ def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: Forward
         local=local,
     ), "backward", grad_out.device)
     grad_x, expert_grads, grad_combine = rows.finish()
-    shared_out = shared_grads.finish() if shared_grads is not None else (None, None, None)
-    return grad_x, expert_grads, shared_out, grad_combine
+    up, gate, down = shared_grads.finish() if shared_grads is not None else (None, None, None)
+    return CallInputs(grad_x, grad_combine, up, gate, down, None, tuple(expert_grads))
 
 
 def scale_grad(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]) -> Tensor | None:
@@ -294,10 +302,9 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state, grad_out, needs)
-        grad_x, expert_grads, (s_up, s_gate, s_down), grad_combine = finished(
-            backward_stages(grad_out, inputs, state, needs))
+        grads = finished(backward_stages(grad_out, inputs, state, needs))
         call.workspace.tick()
         done()
-    return CallInputs(grad_x.view(state.x_shape), grad_combine, s_up, s_gate, s_down,
-                      grad_scale, tuple(expert_grads))
+    grads.x, grads.shared_scale = grads.x.view(state.x_shape), grad_scale
+    return grads
 

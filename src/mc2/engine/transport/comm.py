@@ -466,6 +466,43 @@ def all_reduce_max_later(values: Tensor, group: Any, operation: str = "agreement
     return lambda: (done(), values)[1]
 
 
+def host_max(values: Sequence[float], group: Any, operation: str) -> list[float]:
+    """Element-wise maximum of host numbers over the group, with no device in the way.
+
+    Why: a decision agreed at every forward from host facts (batch overlap's: can this rank
+    split its batch, how long did its step take) would otherwise upload a flag, reduce it on
+    the device and read it back, a host synchronisation in every step. Here the numbers stay
+    in host memory: on ``group`` itself where its collectives take CPU tensors (Gloo, or a
+    mixed ``"cpu:gloo,cuda:nccl"`` group), else on a Gloo group over the same ranks
+    (:func:`host_group`, made once)."""
+    if is_local(group):
+        return [float(v) for v in values]
+    on = host_group(group)
+    numbers = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    collective(lambda a: dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=on, async_op=a),
+               on, operation, numbers.device)
+    return numbers.tolist()
+
+
+def host_group(group: Any) -> Any:
+    """Where :func:`host_max` meets: ``group`` if it carries host memory, else a Gloo group
+    over its ranks, made by its members at the first host agreement (which every member
+    reaches at the same point) and held by the group's state."""
+    if carries_host_memory(group):
+        return group
+    state = group_state(group)
+    if state.host is None or not _registered(state.host):
+        device = torch.device(torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        if (differ := groups_made_agree(group, device)) is not None:
+            raise RuntimeError(f"{differ}, so the Gloo group of its host agreements cannot be "
+                               "made; make the same process groups, in the same order, on "
+                               "every rank")
+        state.host = _new_group(dist.get_process_group_ranks(group), "gloo", group, device)
+        group_state(state.host).carries_for = weakref.ref(state)
+    return state.host
+
+
 def barrier(group: Any, operation: str = "barrier", device: torch.device | None = None) -> None:
     """A barrier under the call's deadline: a one-element ``all_reduce`` on ``device`` (a
     ``dist.barrier`` on NCCL guesses a device and may pick the wrong one)."""

@@ -28,6 +28,8 @@ class GroupState:
     Attributes:
         control: the communicator of its control messages
             (:func:`~mc2.engine.transport.comm.control_group`), or ``None`` before the first.
+        host: a Gloo group over its ranks, where host numbers are agreed on a group whose
+            collectives take no CPU tensors (:func:`~mc2.engine.transport.comm.host_max`).
         topologies: its nodes and sub-groups (:func:`~mc2.engine.transport.topology.topology_for`),
             by ``LOCAL_WORLD_SIZE`` (what discovery reads first).
         two_stage: whether the 2-D exchange measured faster, by (rows per peer, row bytes)
@@ -47,6 +49,7 @@ class GroupState:
     """
 
     control: Any = None
+    host: Any = None
     topologies: dict[str | None, Any] = field(default_factory=dict)
     two_stage: dict[tuple[int, int], bool] = field(default_factory=dict)
     failure: Any = None
