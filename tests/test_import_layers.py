@@ -36,8 +36,8 @@ ROOT_PACKAGE = "mc2"
 ENGINE_FLOORS = ("transport", "compute", "decide", "passes", "autograd")
 PUBLIC_FACE = ("mc2", "mc2.__main__", "mc2.checkpoint")
 # what the engine must not import (the public face imports everything, so it is above too)
-ABOVE_ENGINE = ("mc2.parallel", "mc2.integrations", "mc2.layer", "mc2.tools", "mc2.sim",
-                *PUBLIC_FACE)
+ABOVE_ENGINE = ("mc2.parallel", "mc2.integrations", "mc2.layer", "mc2.forward_backward",
+                "mc2.tools", "mc2.sim", *PUBLIC_FACE)
 
 
 @dataclass(frozen=True)

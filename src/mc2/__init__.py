@@ -20,6 +20,7 @@ from mc2.engine.autograd.ops import fused_expert, fused_expert_module, fused_exp
 from mc2.engine.autograd.recompute import checkpoint_policy
 from mc2.engine.decide.planner import Planner, WireFormatWarning
 from mc2.engine.transport.workspace import Workspace
+from mc2.forward_backward import forward_backward
 from mc2.layer import MoELayer, MoEOutput, RouterLosses, load_full_state_dict
 from mc2.observation.profiler import Profiler, profile
 from mc2.observation.timeline import Span, Timeline
@@ -35,7 +36,8 @@ __all__ = ["fused_expert", "fused_expert_packed", "fused_expert_module", "MC2Con
            "WireFormatWarning", "expert_parallel_mesh", "ParallelLayout", "average_gradients",
            "GradientSync", "fully_shard", "clip_grad_norm_", "checkpoint_policy",
            "load_full_state_dict", "profile", "Profiler", "Timeline", "Span", "run_local",
-           "count_traffic", "Traffic", "checkpoint", "check_overflow", "CapacityOverflow"]
+           "count_traffic", "Traffic", "checkpoint", "check_overflow", "CapacityOverflow",
+           "forward_backward"]
 __version__ = "0.1.0"
 
 

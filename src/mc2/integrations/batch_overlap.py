@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from mc2.engine.autograd.layer_schedule import LayerStages
+from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision, BatchOverlapWarning
 from mc2.engine.decide.planner import planner_for
@@ -238,6 +239,6 @@ class OverlappedLayers(nn.ModuleList):
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
             layers = list(self._modules.values())[idx]
-            return nn.ModuleList(layers) if self.decision.chosen is False else \
-                _LoopView(layers, self.decision)
+            plain = self.decision.chosen is False and current_pairing() is None
+            return nn.ModuleList(layers) if plain else _LoopView(layers, self.decision)
         return super().__getitem__(idx)

@@ -37,6 +37,7 @@ from typing import Any
 from torch import Tensor
 
 from mc2.engine.autograd.layer_schedule import LayerStages
+from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.layer_loop import run_layer_loop, split_value
@@ -201,7 +202,7 @@ class MC2TransformerLayer(TransformerLayer):
                 raise ValueError("use_mc2(batch_overlap=...): the layers are sharded by torch "
                                  "FSDP2 (use_torch_fsdp2 / Megatron-FSDP), which batch overlap "
                                  "does not run with; use Megatron's DDP or batch_overlap=False")
-            if self.decision.chosen is False:
+            if self.decision.chosen is False and current_pairing() is None:
                 close_recording()
                 return super().forward(**kwargs)
         out = record_layer_call(self, self.local_number - 1, self.stage_layers, hidden_states,

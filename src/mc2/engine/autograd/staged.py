@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 from torch import Tensor
@@ -75,6 +75,13 @@ class _State:
     state: ForwardState | None = None
     backward: Generator[str, None, Any] | None = None
     grads: Any = None
+    # where this call's backward waits for a transfer it issued: another micro-batch's paired
+    # forward runs there (:mod:`mc2.engine.autograd.pairing`)
+    give_way: Callable[[], None] | None = None
+
+    def waiting(self) -> None:
+        if self.give_way is not None:
+            self.give_way()
 
     def step_forward(self, through: str | None = None) -> None:
         """Run the forward pass to its next stop (or its end); with ``through``, on past
@@ -127,6 +134,7 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
+        state.waiting()  # the input gradients' combine travels
         while state.grads is None:
             state.step_backward()
         grads: CallInputs[Tensor | None] = state.grads
@@ -146,6 +154,7 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        ctx.state.waiting()  # the output gradients' dispatch travels
         ctx.state.step_backward(through="dispatch")
         return _token(_), None
 
@@ -192,6 +201,10 @@ class StagedCall:
     def experts(self) -> None:
         """Wait for the dispatch, run the experts, issue the combine."""
         self._token = _Experts.apply(self._token, self._state)
+
+    def give_way_to(self, pairing: Any) -> None:
+        """Let ``pairing``'s next forward run where this call's backward waits."""
+        self._state.give_way = pairing.give_way
 
     def end(self) -> Tensor:
         """Wait for the combine; the output, shaped like the input."""

@@ -46,8 +46,8 @@ class BatchOverlapWarning(UserWarning):
     """Batch overlap was asked for and does not run (said once per reason)."""
 
 
-def say_once(reason: str) -> None:
-    warn_once(f"mc2 batch overlap is off: {reason}", BatchOverlapWarning, stacklevel=3)
+def say_once(reason: str, what: str = "batch overlap") -> None:
+    warn_once(f"mc2 {what} is off: {reason}", BatchOverlapWarning, stacklevel=3)
 
 
 @dataclass
@@ -89,6 +89,8 @@ class BatchOverlapDecision:
         if mode not in (True, False, "auto"):
             raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
+        # what is measured, in its messages (mc2.forward_backward decides its pairing so)
+        self.what, self.unit = "batch overlap", "forward"
         first = None if mode == "auto" else bool(mode)
         # by whether a backward may follow (gradients on): a training step's and a forward's
         self.kinds = {True: SideTrials(first), False: SideTrials(first)}
@@ -129,7 +131,7 @@ class BatchOverlapDecision:
         # whether any rank cannot split: host numbers, agreed with no device read
         (cannot,) = host_max([0 if reason is None else 1], self.group, "batch overlap")
         if cannot:
-            say_once(reason or "another rank cannot split its batch")
+            say_once(reason or "another rank cannot split its batch", self.what)
             trials.last = False  # the plain side runs: a trial of it next is no switch
             return False
         if trials.chosen is None:  # "auto": alternate until both sides are measured
@@ -158,7 +160,7 @@ class BatchOverlapDecision:
         if not trials.chosen:
             off, on = (s.median_s for s in stats)
             say_once(f"measured slower here ({on * 1e3:.1f} ms against {off * 1e3:.1f} ms "
-                     "a forward)")
+                     f"a {self.unit})", self.what)
 
     def report(self) -> dict[str, Any]:
         """What it chose and measured: a training step's at the top, a forward's alone

@@ -40,7 +40,7 @@ from mc2.engine.transport.hierarchy import TwoStagePlan, measured_sizes, two_sta
 from mc2.engine.decide.planner import Planner, planner_for
 from mc2.device import streams
 from mc2.device.clock import Interval
-from mc2.engine.decide.capacity import fingerprint_of, sorts_slabs, plan_routes
+from mc2.engine.decide.capacity import CapacityHandle, fingerprint_of, plan_routes, sorts_slabs
 from mc2.engine.decide.dedup import (
     chunk_of_token, destinations, exchange_node_tables, exchange_tables, expand, node_destinations,
     rows_per_destination
@@ -67,9 +67,12 @@ class CallPlan:
     """Everything decided before any row moves; shared by the forward and backward of one call.
 
     Attributes:
-        handle: the routes of every micro-batch.
+        handle: the routes of every micro-batch (fixed slabs, a
+            :class:`~mc2.engine.decide.capacity.CapacityHandle`, where ``travel`` is
+            ``"slabs"``).
         overlap: asynchronous (pipelined) or synchronous collectives.
-        strategy: the expert GEMM strategy (``"loop"`` or ``"grouped"``).
+        strategy: how the experts' GEMMs run: ``"loop"`` or ``"grouped"``; a capacity call's
+            ``"grouped"`` (sorted pairs) or ``"dense"`` (every row through every expert).
         keep_activations: whether a backward will follow (save what it needs).
         timeline: where spans go, or ``None``.
         workspace: where large buffers come from.
@@ -91,7 +94,7 @@ class CallPlan:
             was read to the host). Chosen here, when the call is planned, and nowhere else.
     """
 
-    handle: DispatchHandle
+    handle: DispatchHandle | CapacityHandle
     overlap: bool
     strategy: str
     keep_activations: bool
@@ -360,9 +363,12 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     # calibration, once per group and weight shape, and one all-reduce when its trials end.
     slabs = Agreement(max_tokens=config.capacity, max_topk=ids2d.shape[-1],
                       max_rows=config.capacity * group_size(group))
+    # what the slabs' experts run, decided here once: sorted pairs through grouped GEMMs, or
+    # every row through every expert (priced as the loop)
+    strategy = "grouped" if sorts_slabs(weights) else "dense"
     k, on_pass_done, _ = _choose_k(
         config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
-        group, "grouped" if sorts_slabs(weights) else "loop", PLAIN_PAIR, timeline,
+        group, "grouped" if strategy == "grouped" else "loop", PLAIN_PAIR, timeline,
         watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
@@ -373,7 +379,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     if trusted is not None:  # before any slab is issued
         with maybe_span(timeline, "comm", "handshake", "forward"):
             trusted()
-    call = CallPlan(handle=handle, overlap=config.overlap, strategy="loop",
+    call = CallPlan(handle=handle, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,
                     travel="slabs", on_pass_done=on_pass_done)

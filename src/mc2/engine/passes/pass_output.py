@@ -5,11 +5,26 @@ pass never ask which ran."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from mc2.engine.compute.experts import ExpertActivations
+
+
+def by_pairs(result: "PassOutput", out: Tensor, combine: Tensor) -> None:
+    """``out [T, H]``: each token's ``topk`` expert outputs (one row per pair came back),
+    weighted by ``combine [T, topk]`` here."""
+    (tokens, topk), hidden = combine.shape, out.shape[-1]
+    torch.bmm(combine.view(tokens, 1, topk), result.expert_out.view(tokens, topk, hidden),
+              out=out.view(tokens, 1, hidden))
+
+
+def as_summed(result: "PassOutput", out: Tensor, combine: Tensor) -> None:
+    """``out [T, H]``: the sum the experts' side already weighted (rows once per destination,
+    capacity slabs)."""
+    out.copy_(result.summed)
 
 
 @dataclass
@@ -22,5 +37,12 @@ class PassOutput:
     shared_activations: ExpertActivations | None = None
     summed: Tensor | None = None  # [T, H] the weighted sum so far, where the experts' side
     # weights the rows (once per destination; capacity slabs)
-    pair_out: list[Tensor | None] | None = None  # once per destination: each micro-batch's
-    # expert outputs
+    kept: list[Tensor | None] | None = None  # what the way rows travel keeps for its
+    # backward (once per destination: each micro-batch's expert outputs)
+    # how the top-k outputs become each token's weighted sum: set by the way rows travel (a
+    # module-level function, so the result holds no reference back to the pass's objects)
+    weigh: Callable[["PassOutput", Tensor, Tensor], None] = by_pairs
+
+    def weighted(self, out: Tensor, combine: Tensor) -> None:
+        """``out [T, H]`` = each token's expert outputs weighted by ``combine [T, topk]``."""
+        self.weigh(self, out, combine)

@@ -117,9 +117,10 @@ class ForwardState:
         expert_out: ``[T * topk, H]`` each (token, slot)'s expert output, kept where the
             combine weights need a gradient.
         shared_out: ``[T, H]`` the shared experts' output, kept where their scale needs one.
-        pair_out: rows once per destination: per micro-batch, this rank's expert outputs in
-            expert order (``[P_i, H]``), kept where the combine weights need a gradient (it is
-            computed here, where they are: :mod:`~mc2.engine.decide.dedup`).
+        kept: what the way rows travel kept for its backward, where the combine weights need
+            a gradient (rows once per destination: per micro-batch, this rank's expert outputs
+            in expert order, ``[P_i, H]``: their gradient is computed where the experts are,
+            :mod:`~mc2.engine.decide.dedup`).
     """
 
     call: CallPlan
@@ -128,7 +129,7 @@ class ForwardState:
     shared_gate_up: Tensor | None = None
     expert_out: Tensor | None = None
     shared_out: Tensor | None = None
-    pair_out: list[Tensor | None] | None = None
+    kept: list[Tensor | None] | None = None
 
     def tensors(self) -> list[Tensor | None]:
         """Every tensor of the state (for ``save_for_backward``), in :meth:`with_tensors`'
@@ -136,19 +137,19 @@ class ForwardState:
         are (:mod:`~mc2.engine.compute.module_experts`)."""
         rows = [t for a in self.activations if isinstance(a, ExpertActivations)
                 for t in (a.x, a.gate_up)]
-        return [self.shared_gate_up, self.expert_out, self.shared_out, *(self.pair_out or ()),
+        return [self.shared_gate_up, self.expert_out, self.shared_out, *(self.kept or ()),
                 *rows]
 
     def with_tensors(self, tensors: list[Tensor | None]) -> "ForwardState":
         """The state with :meth:`tensors` replaced (as a saved-tensor hook hands them back)."""
         shared_gate_up, expert_out, shared_out, *rest = tensors
-        n = len(self.pair_out or ())
-        pair_out, rows = (rest[:n] if self.pair_out is not None else None), rest[n:]
+        n = len(self.kept or ())
+        kept, rows = (rest[:n] if self.kept is not None else None), rest[n:]
         pairs = iter(zip(rows[0::2], rows[1::2]))
         activations = [ExpertActivations(*next(pairs)) if isinstance(a, ExpertActivations)
                        else a for a in self.activations]
         return ForwardState(self.call, self.x_shape, activations, shared_gate_up, expert_out,
-                            shared_out, pair_out)
+                            shared_out, kept)
 
 
 def advance(stages: Generator[Any, Any, Any]) -> tuple[Any, Any]:
@@ -196,11 +197,7 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
     tokens, topk, hidden = call.handle.num_tokens, call.handle.topk, like.shape[-1]
     with maybe_span(call.timeline, "compute", "weighted_sum", "forward"):
         out = call.workspace.empty(tuple(shape), like.dtype, like.device)
-        if forward.summed is not None:  # weighted where the experts are (dedup)
-            out.view(tokens, hidden).copy_(forward.summed)
-        else:
-            torch.bmm(combine.view(tokens, 1, topk), forward.expert_out.view(tokens, topk, hidden),
-                      out=out.view(tokens, 1, hidden))
+        forward.weighted(out.view(tokens, hidden), combine.view(tokens, topk))
         if forward.shared_out is not None and shared_scale is not None:
             out.view(tokens, hidden).addcmul_(shared_scale, forward.shared_out)
         elif forward.shared_out is not None:
@@ -261,7 +258,7 @@ def state_of(output: PassOutput, call: CallPlan, shape: torch.Size, needs: CallI
                         shared.gate_up if shared is not None else None,
                         output.expert_out if needs.combine else None,
                         output.shared_out if needs.shared_scale else None,
-                        output.pair_out if needs.combine else None)
+                        output.kept if needs.combine else None)
 
 
 def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], None]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.engine.passes.pass_output import as_summed
 from mc2.engine.passes.travel.pairs import PairsBackward, PairsForward, gather_rows
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.observation.timeline import maybe_span
@@ -30,14 +31,15 @@ class OnceForward(PairsForward):
         self.result.summed = torch.zeros((handle.num_tokens, self.x.shape[-1]),
                                          dtype=accumulation_dtype(self.x.dtype),
                                          device=self.x.device)
-        self.result.pair_out = [None] * len(self.routes)
+        self.result.kept = [None] * len(self.routes)
+        self.result.weigh = as_summed
 
     def to_experts(self, i: int, received: Tensor) -> Tensor:
         return gather_rows(self.ws, received, self.routes[i].slots.rows)
 
     def from_experts(self, i: int, y: Tensor) -> Tensor:
         if self.call.keep_activations:  # for the combine weights' gradient, computed here
-            self.result.pair_out[i] = y.detach()
+            self.result.kept[i] = y.detach()
         slots = self.routes[i].slots
         return sum_rows(y, slots.rows, slots.received, scale=slots.weights)
 
@@ -68,10 +70,10 @@ class OnceBackward(PairsBackward):
         if self.needs.combine:
             acc = accumulation_dtype(rows.dtype)
             table = torch.zeros(slots.received * topk, dtype=acc, device=rows.device)
-            y = self.state.pair_out[i]
+            y = self.state.kept[i]
             table.index_copy_(0, slots.slots, (y.to(acc) * rows.to(acc)).sum(-1))
             self.weight_tables.append(table.view(slots.received, topk))
-            self.state.pair_out[i] = None
+            self.state.kept[i] = None
         return rows.mul_(slots.weights.unsqueeze(1))
 
     def from_experts(self, i: int, grad_in: Tensor) -> Tensor:

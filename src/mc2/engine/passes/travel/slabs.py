@@ -7,8 +7,8 @@ each token. Backward: the output gradient of each slot's token out; the experts'
 rows' gradient back with each row's weight gradients packed beside it. Two collectives per
 micro-batch and pass (and, before the forward, the call's trusted handshake in host memory).
 
-The experts run one of two ways (:func:`experts_way`, chosen once per pass), neither reading
-a count:
+The experts run one of two ways (the plan's ``strategy``, decided once where the call is
+planned: :func:`experts_way`), neither reading a count:
 
 - :class:`SortedPairs` (experts with a grouped backward, mc2's SwiGLU, where ``grouped_mm``
   serves the dtype: float32 and bfloat16): the received (row, slot) pairs sorted by local
@@ -30,11 +30,11 @@ from torch import Tensor
 
 from mc2.engine.compute.experts import ExpertActivations
 from mc2.engine.compute.module_experts import ModuleGrads
-from mc2.engine.decide.capacity import HEADER, CapacityHandle, record_errors, sorts_slabs
+from mc2.engine.decide.capacity import HEADER, CapacityHandle, record_errors
 from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.overflow import check_at_once, raises_at_once
 from mc2.engine.decide.routing import count_on_device
-from mc2.engine.passes.pass_output import PassOutput
+from mc2.engine.passes.pass_output import PassOutput, as_summed
 from mc2.engine.transport.row_sums import accumulation_dtype, sum_rows
 from mc2.engine.transport.slabs import pack, unpack
 
@@ -178,8 +178,9 @@ class Dense:
 
 
 def experts_way(experts: Any, call: Any, needs: Any) -> Sorted | Dense:
-    """How a slab call's experts run: the one place that chooses (module docstring)."""
-    return (Sorted if sorts_slabs(experts) else Dense)(experts, call, needs)
+    """How a slab call's experts run, as the plan decided (``call.strategy``: module
+    docstring)."""
+    return (Sorted if call.strategy == "grouped" else Dense)(experts, call, needs)
 
 
 class SlabsForward:
@@ -215,6 +216,7 @@ class SlabsForward:
         if raises_at_once(self.x.device):  # every exchange done: every rank raises here alike
             check_at_once(self.handle.group)
         self.result.summed = self.summed[:self.handle.num_tokens]
+        self.result.weigh = as_summed
 
 
 class SlabsBackward:

@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""A training step with gradient accumulation: the sequential loop against ``mc2.forward_backward``.
+
+The Mixtral-shaped model of ``benchmarks/model_overlap.py`` (hidden 1024, ffn 2048, 8 experts,
+top-2, 8 heads, ``--layers`` decoder layers), 2 ranks, plain processes; a step is
+``--micro-batches`` micro-batches of ``--batch`` sequences of ``--seq`` tokens per rank, forward
+and backward each (no optimizer step). The modes, interleaved step by step in one world per
+regime (each after one untimed step at every switch), median of the slowest rank's steps:
+
+- ``serial``: ``for mb: loss(mb).backward()``, every fused call synchronous, K = 1;
+- ``mc2``: the same loop, MC2 inside each layer (``micro_batches="auto"``, settled first);
+- ``batch``: the same loop, batch overlap (two halves of each micro-batch across the layers);
+- ``paired``: ``mc2.forward_backward(overlap=True)``: micro-batch n+1's forward beside n's
+  backward, layer by layer.
+
+The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
+loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped
+regime. Shaped regimes use ``tc tbf`` (root; always removed)::
+
+    sudo .venv/bin/python benchmarks/accumulation.py --regimes plain,200mbit,100mbit \\
+        --json docs/accumulation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import mc2  # noqa: E402
+from compare_peers import ShapedLoopback, can_shape  # noqa: E402
+from layer_rounds import until_auto_locked  # noqa: E402
+from model_overlap import LATENCY, SHAPE, _model, _set_mode  # noqa: E402
+
+MODES = ("serial", "mc2", "batch", "paired")
+
+
+def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids, use_cache=False).loss
+
+
+def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
+    if mode == "paired":
+        mc2.forward_backward(model, batches, _loss, overlap=True)
+        return
+    for ids in batches:
+        _loss(model, ids).backward()
+
+
+def _set(model: Any, mode: str) -> None:
+    """``model_overlap``'s modes; paired runs each micro-batch whole (no split), its calls
+    overlapped (the staged calls run K = 1: the other micro-batch gives the overlap)."""
+    _set_mode(model, "mc2" if mode == "paired" else mode)
+
+
+def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
+               rounds: int, modes: tuple[str, ...], layers: int) -> dict[str, Any]:
+    from mc2.device.clock import clock_for
+
+    model = _model(layers)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
+               for _ in range(micro_batches)]
+    clock = clock_for(torch.device("cpu"))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for mode in modes:  # warm up every mode (and let the in-layer "auto" settle its K)
+        _set(model, mode)
+        _step(model, mode, batches)
+        until_auto_locked(lambda m=mode: _step(model, m, batches[:1]))
+    for _ in range(rounds):
+        for mode in modes:
+            _set(model, mode)
+            _step(model, mode, batches)  # untimed at every switch (the workspace's sizes)
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                torch.distributed.barrier()
+                start = clock.stamp()
+                _step(model, mode, batches)
+                times[mode].append(clock.elapsed(start, clock.stamp()))
+    return {"times": times}
+
+
+def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int, seq: int,
+                layers: int) -> dict[str, float]:
+    """This process's peak resident memory over a few steps of ``mode`` alone (a world of
+    its own: the peak is a high-water mark), less what it held once the model was built."""
+    import resource
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    model = _model(layers)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
+               for _ in range(micro_batches)]
+    _set(model, mode)
+    built = resident_mib()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        _step(model, mode, batches)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"built_mib": built, "peak_mib": peak, "above_mib": peak - built}
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = {}
+    for mode in ranks[0]["times"]:
+        slowest = [max(v) for v in zip(*(r["times"][mode] for r in ranks))]
+        steps[mode] = {"median_s": statistics.median(slowest), "steps_s": slowest}
+    return {"steps": steps}
+
+
+def bounds(results: dict[str, Any]) -> dict[str, Any]:
+    """Per shaped regime: ``T_comp`` (serial, plain), ``T_comm`` (serial shaped minus plain),
+    the bound and each mode against it and against the in-layer loop."""
+    if "plain" not in results:
+        return {}
+    t_comp = results["plain"]["steps"]["serial"]["median_s"]
+    out = {}
+    for regime, result in results.items():
+        steps = {m: s["median_s"] for m, s in result["steps"].items()}
+        t_comm = max(steps["serial"] - t_comp, 0.0) if regime != "plain" else 0.0
+        bound = max(t_comp, t_comm)
+        out[regime] = {"T_comp": t_comp, "T_comm": t_comm, "bound": bound,
+                       "vs_bound": {m: s / bound for m, s in steps.items()},
+                       "vs_mc2": {m: s / steps["mc2"] for m, s in steps.items()
+                                  if "mc2" in steps}}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--regimes", default="plain,200mbit,100mbit")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: each mode's peak resident memory above the built "
+                             "model, a world per mode (plain loopback)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.memory:
+        memory = {}
+        for mode in args.modes.split(","):
+            ranks = mc2.run_local(rank_memory, 2, args=(
+                mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
+            memory[mode] = max(r["above_mib"] for r in ranks)
+            print(f"{mode:>7}: peak {memory[mode]:.0f} MiB above the built model "
+                  "(the larger rank)", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                             "memory_mib": memory}, indent=1))
+        return 0
+    regimes = args.regimes.split(",")
+    if any(r != "plain" for r in regimes) and (why := can_shape()):
+        raise SystemExit(f"shaped regimes: {why}")
+    modes = tuple(args.modes.split(","))
+    results: dict[str, Any] = {}
+    for regime in regimes:
+        print(f"== {regime}", file=sys.stderr, flush=True)
+        run = lambda: mc2.run_local(rank_steps, 2, args=(  # noqa: E731
+            args.micro_batches, args.batch, args.seq, args.steps, args.rounds, modes,
+            args.layers), timeout_s=3600, deadline_s=6 * 3600)
+        if regime == "plain":
+            ranks = run()
+        else:
+            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
+                ranks = run()
+        results[regime] = summarize(ranks)
+        for mode, s in results[regime]["steps"].items():
+            print(f"{regime:>8} {mode:>7}: {s['median_s']:.2f} s  "
+                  f"({', '.join(f'{t:.2f}' for t in s['steps_s'])})", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                             "results": results, "bounds": bounds(results)},
+                                            indent=1))
+    for regime, b in bounds(results).items():
+        print(f"{regime}: T_comp {b['T_comp']:.2f} s, T_comm {b['T_comm']:.2f} s, bound "
+              f"{b['bound']:.2f} s; step / bound "
+              + ", ".join(f"{m} {v:.3f}" for m, v in b["vs_bound"].items())
+              + "; / mc2 " + ", ".join(f"{m} {v:.3f}" for m, v in b["vs_mc2"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""One micro-batch's forward run beside another's backward, layer by layer.
+
+Under gradient accumulation the forward of micro-batch n+1 does not depend on the backward of
+micro-batch n (the parameters do not change between them; only their ``.grad`` does, which no
+forward reads). So n+1's forward can fill the waits of n's backward, and n's backward can fill
+the waits of n+1's forward: each one's All-to-Alls travel while the other computes. Batch
+overlap alone cannot do that: its backward begins after its forward ends, and a forward
+carries more communication than compute while a backward carries more compute
+(``docs/batch_overlap.md``).
+
+How: n's backward is autograd's, running the staged calls of n's forward
+(:mod:`mc2.engine.autograd.staged`); each stops where it waits for a transfer it just issued
+(the output gradients' dispatch, the input gradients' combine), and there it *gives way*
+(:meth:`Pairing.give_way`). n+1's forward is the user's own ``loss_fn(model, micro_batch)``,
+which cannot be suspended half-way by a generator (the model's forward calls mc2's layer loop
+deep inside), so it runs in a helper thread used as a coroutine (:class:`Partner`): exactly
+one of the two threads runs at any time, handing over at fixed points. Given way to, the
+partner runs n+1's layers (:func:`~mc2.engine.autograd.layer_schedule.run_paired`) up to the
+next transfer it issues and hands back. Everything is issued in the same order on every rank,
+from one thread at a time, so the collectives of a group meet in one order. Results are those
+of the sequential loop: the same forwards on the same parameters, the same backwards, each
+``.grad`` accumulated in micro-batch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Any, Callable, Iterator
+
+_ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
+    "mc2_pairing", default=None)
+
+
+class Partner:
+    """``fn()`` in a helper thread, run as a coroutine of the caller: :meth:`resume` runs it
+    until it calls :meth:`pause` (from inside, in its thread) or ends; the caller waits
+    meanwhile, so the two never run at once. The caller's context variables go with it."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self._context = fn, contextvars.copy_context()
+        self._run = threading.Semaphore(0)  # the partner's turn
+        self._back = threading.Semaphore(0)  # the caller's turn
+        self._thread: threading.Thread | None = None
+        self.done, self.result, self.error = False, None, None
+
+    def _main(self) -> None:
+        self._run.acquire()
+        try:
+            self.result = self._context.run(self._fn)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller by finish()
+            self.error = exc
+        finally:
+            self.done = True
+            self._back.release()
+
+    def running_here(self) -> bool:
+        return self._thread is threading.current_thread()
+
+    def resume(self) -> None:
+        """Run the partner to its next pause (or its end)."""
+        if self.done:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="mc2-paired-forward",
+                                            daemon=True)
+            self._thread.start()
+        self._run.release()
+        self._back.acquire()
+
+    def pause(self) -> None:
+        """Hand back to the caller (called from the partner's own thread)."""
+        self._back.release()
+        self._run.acquire()
+
+    def finish(self) -> Any:
+        """Run the partner to its end; its result (its exception raised here)."""
+        while not self.done:
+            self.resume()
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Pairing:
+    """The pairing of one ``forward_backward`` call: the partner forward that the running
+    backward gives way to, and how many layer loops ran paired (none: the model's layers are
+    not mc2's layer loop, and nothing could be paired)."""
+
+    def __init__(self) -> None:
+        self.partner: Partner | None = None
+        self.layer_loops = 0
+
+    def give_way(self) -> None:
+        """Where a backward waits for a transfer it issued: the partner forward runs up to
+        its next transfer (nothing where no forward is paired with this backward)."""
+        partner = self.partner
+        if partner is not None and not partner.running_here():
+            partner.resume()
+
+    def hand_back(self) -> None:
+        """Where a paired forward issued a transfer: the backward it is paired with goes on
+        (nothing for a forward that runs alone: the first micro-batch's)."""
+        partner = self.partner
+        if partner is not None and partner.running_here():
+            partner.pause()
+
+
+def current_pairing() -> Pairing | None:
+    """The pairing a layer loop runs under (set by ``forward_backward``), or ``None``."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def pairing_active(pairing: Pairing) -> Iterator[None]:
+    token = _ACTIVE.set(pairing)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,147 @@
+"""``mc2.forward_backward``: gradient accumulation with one micro-batch's forward beside
+another's backward.
+
+``for mb in micro_batches: loss_fn(model, mb).backward()`` leaves the link idle where each
+backward computes and the compute idle where each forward waits for its exchanges. Here the
+forward of micro-batch n+1 runs inside the backward of micro-batch n, layer by layer (the
+first forward and the last backward alone): see :mod:`mc2.engine.autograd.pairing` for how,
+and ``docs/forward_backward.md`` for what it measured.
+
+The model's decoder layers must run through mc2's layer loop, which is what batch overlap
+builds (``enable_mc2(model, batch_overlap=True or "auto")``,
+:class:`~mc2.integrations.batch_overlap.BatchOverlapStack`): under this call each micro-batch
+runs whole (not split in two), its layers in stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from mc2.device.clock import clock_for
+from mc2.engine.autograd.pairing import Pairing, Partner, pairing_active
+from mc2.engine.decide.batch_split import BatchOverlapDecision
+
+__all__ = ["forward_backward"]
+
+_DECISION = "_mc2_forward_backward"  # the model's "auto" decision, kept on the model
+
+
+def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
+                     loss_fn: Callable[[nn.Module, Any], Tensor], *,
+                     overlap: bool | str = "auto", group: Any = None) -> list[Tensor]:
+    """Forward and backward of every micro-batch, gradients accumulated in each parameter's
+    ``.grad`` as ``for mb in micro_batches: loss_fn(model, mb).backward()`` leaves them (to
+    rounding); the detached losses, in order.
+
+    Args:
+        model: a model whose decoder layers run through mc2's layer loop (module docstring).
+        micro_batches: what ``loss_fn`` takes, one per micro-batch.
+        loss_fn: ``loss_fn(model, micro_batch)``, a scalar loss that requires a gradient.
+        overlap: ``True`` (pair every forward after the first with the previous backward),
+            ``False`` (the sequential loop), ``"auto"`` (measure both on the first calls, as
+            batch overlap's ``"auto"`` does, and keep the faster: one call per step).
+        group: where ``"auto"``'s measurements are agreed (default: every rank).
+
+    Raises:
+        ValueError: a bad ``overlap``; a loss that is no scalar needing a gradient; with
+            ``overlap=True``, a model whose layers do not run through mc2's layer loop, or
+            whose layers FSDP2 shards (every rank alike: every rank runs the same model).
+    """
+    if overlap not in (True, False, "auto"):
+        raise ValueError(f"forward_backward: overlap must be True, False or 'auto', "
+                         f"got {overlap!r}")
+    batches = list(micro_batches)
+    if not torch.is_grad_enabled():
+        raise ValueError("forward_backward: gradients are disabled (torch.no_grad); it runs "
+                         "backwards")
+    decision = _decision(model, overlap, group)
+    paired = len(batches) > 1 and decision.wanted(2, 1)
+    trials = decision.now()
+    if trials.chosen is not None or trials.warming:
+        return (_paired if paired else _sequential)(model, batches, loss_fn)
+    clock = clock_for(_device(model))
+    start = clock.stamp()
+    losses = (_paired if paired else _sequential)(model, batches, loss_fn)
+    decision.measured(paired, clock.elapsed(start, clock.stamp()), trials)
+    return losses
+
+
+def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlapDecision:
+    """The model's decision for ``overlap`` (kept on the model: ``"auto"`` measures across
+    calls)."""
+    kept = model.__dict__.get(_DECISION)
+    if kept is None or kept.mode != overlap:
+        kept = BatchOverlapDecision(overlap, min_tokens=0, group=group)
+        kept.what, kept.unit = "pairing one micro-batch's forward with another's backward", "step"
+        model.__dict__[_DECISION] = kept
+    return kept
+
+
+def _device(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _loss(loss_fn: Callable[[nn.Module, Any], Tensor], model: nn.Module, batch: Any) -> Tensor:
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise ValueError("forward_backward: loss_fn(model, micro_batch) must return a scalar "
+                         "tensor that requires a gradient")
+    return loss
+
+
+def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
+    losses = []
+    for batch in batches:
+        loss = _loss(loss_fn, model, batch)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
+    """Micro-batch n+1's forward in a partner, run where n's backward gives way."""
+    pairing = Pairing()
+    losses: list[Tensor] = []
+    with pairing_active(pairing):
+        loss = _loss(loss_fn, model, batches[0])
+        if pairing.layer_loops == 0:
+            raise ValueError(
+                "forward_backward(overlap=True): the model's layers do not run through mc2's "
+                "layer loop, so nothing can be paired; build it with batch overlap "
+                "(enable_mc2(model, batch_overlap=True), BatchOverlapStack) or pass "
+                "overlap=False")
+        state = _thread_state(model)
+        for n in range(len(batches)):
+            partner = None
+            if n + 1 < len(batches):
+                partner = Partner(lambda batch=batches[n + 1]: _in_state(
+                    state, lambda: _loss(loss_fn, model, batch)))
+            pairing.partner = partner
+            try:
+                loss.backward()  # gives way to the partner at each of its waits
+                following = partner.finish() if partner is not None else None
+            finally:
+                pairing.partner = None
+            losses.append(loss.detach())
+            loss = following
+    return losses
+
+
+def _thread_state(model: nn.Module) -> list[tuple[str, torch.dtype]]:
+    """What of the caller's thread-local state a forward depends on, for the partner's thread:
+    the autocast regions enabled (by device type)."""
+    kinds = {"cpu", _device(model).type}
+    return [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(kinds)
+            if torch.is_autocast_enabled(kind)]
+
+
+def _in_state(autocast: list[tuple[str, torch.dtype]], fn: Callable[[], Tensor]) -> Tensor:
+    with contextlib.ExitStack() as stack:
+        for kind, dtype in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        return fn()

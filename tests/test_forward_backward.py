@@ -1,0 +1,59 @@
+"""``mc2.forward_backward``: micro-batch n+1's forward beside micro-batch n's backward, equal
+to the sequential gradient-accumulation loop, and really paired (its forward's transfers in
+flight across the other's backward compute)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mc2
+from tests.workers_pairing import hf_paired, refusals, stack_paired
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    """Within ``tol`` of the tensor's own scale."""
+    return float((got - want).norm()) <= tol * max(float(want.norm()), 1e-30)
+
+
+def test_paired_micro_batches_equal_the_sequential_loop_and_overlap() -> None:
+    for r in mc2.run_local(stack_paired, 2, timeout_s=120):
+        want = r["loop"]
+        for overlap in (False, True):
+            got = r[overlap]
+            assert [float(x) for x in got["losses"]] == pytest.approx(
+                [float(x) for x in want["losses"]], rel=1e-12)
+            assert all(_close(g, w, 1e-10) for g, w in zip(got["grads"], want["grads"]))
+        # paired: the forward's exchanges travel across the backward's compute; the
+        # sequential loop never (the check that fails when the pairing is removed)
+        assert r[False]["under_backward"] == 0
+        assert r[True]["under_backward"] >= 2 * 3 * (len(want["losses"]) - 1) // 2, r[True]
+
+
+@pytest.mark.parametrize("dtype,hostile,tol", [("float64", False, 1e-10),
+                                              ("float64", True, 1e-10),
+                                              ("float32", False, 1e-4)],
+                         ids=["float64", "one-expert", "float32"])
+def test_a_hugging_face_model_trains_as_its_sequential_loop(dtype: str, hostile: bool,
+                                                            tol: float) -> None:
+    for r in mc2.run_local(hf_paired, 2, args=(dtype, hostile), timeout_s=180):
+        assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
+                                                             rel=tol)
+        for name, (want, got) in r["grads"].items():
+            assert (want is None) == (got is None), name
+            if want is not None:
+                assert _close(got, want, tol), name
+
+
+def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
+    for r in mc2.run_local(refusals, 2, timeout_s=60):
+        assert "layer loop" in r["no layer loop"], r
+        assert "scalar" in r["not a scalar"], r
+
+
+def test_bad_arguments() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        mc2.forward_backward(model, [], lambda m, b: m(b).sum(), overlap="yes")
+    with torch.no_grad(), pytest.raises(ValueError, match="gradients are disabled"):
+        mc2.forward_backward(model, [torch.ones(2)], lambda m, b: m(b).sum())

@@ -1,0 +1,114 @@
+"""Rank functions for ``mc2.forward_backward``: the paired schedule against the sequential
+loop, gradients and the schedule it really ran."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import mc2
+from tests.workers_schedule import ScheduleRecorder
+
+MICRO_BATCHES = 4
+
+
+def _stack(seed: int = 0) -> torch.nn.Module:
+    from mc2.integrations.batch_overlap import BatchOverlapStack
+    from tests.test_batch_overlap import Block
+
+    torch.manual_seed(seed)
+    return BatchOverlapStack([Block() for _ in range(3)], batch_overlap=True, min_tokens=1)
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(2, 6, 16, dtype=torch.float64, generator=g)
+            for _ in range(MICRO_BATCHES)]
+
+
+def _stack_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def _forward_transfers_under_backward(exchanges: list, spans: list) -> int:
+    """How many of the forward's exchanges were in flight (issued, not yet waited for) across
+    a whole compute span of a backward: the pairing at work (the sequential loop has none)."""
+    backward = [s for s in spans if s.phase == "backward" and s.kind == "compute"]
+    return sum(1 for e in exchanges if e.phase == "forward" and any(
+        e.issued <= s.start and s.end <= e.waited for s in backward))
+
+
+def stack_paired(rank: int, world: int) -> dict[str, Any]:
+    """The same 3-layer stack of MoE layers (float64) through the sequential loop and through
+    ``forward_backward(overlap=True)`` (and ``False``), each recorded: losses, gradients, the
+    forward exchanges in flight across a backward's compute."""
+    found: dict[str, Any] = {}
+    batches = _micro_batches(rank)
+    model = _stack()
+    loop = []
+    for x in batches:
+        loss = _stack_loss(model, x)
+        loss.backward()
+        loop.append(loss.detach())
+    found["loop"] = {"losses": loop, "grads": [p.grad.clone() for p in model.parameters()]}
+    for overlap in (False, True):
+        model = _stack()
+        recorder = ScheduleRecorder()
+        with recorder.installed(), mc2.profile() as prof:
+            losses = mc2.forward_backward(model, batches, _stack_loss, overlap=overlap)
+        found[overlap] = {
+            "losses": losses, "grads": [p.grad.clone() for p in model.parameters()],
+            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
+                                                                prof.spans)}
+    return found
+
+
+def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool) -> dict[str, Any]:
+    """A 2-layer Mixtral under ``enable_mc2``: the sequential loop on the in-layer model
+    against ``forward_backward(overlap=True)`` on the batch-overlap model, same weights and
+    micro-batches (with padding masks, a router auxiliary loss); losses and gradients."""
+    from tests.workers_mesh import CONFIG
+    from tests.workers_overlap import _model
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(rank)
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[-1, :3] = 0
+        batches.append((ids, mask))
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        ids, mask = batch
+        return model(ids, labels=ids, attention_mask=mask).loss
+
+    ref = _model(dtype, hostile)
+    want = []
+    for batch in batches:
+        loss = loss_fn(ref, batch)
+        loss.backward()
+        want.append(loss.detach())
+    got_model = _model(dtype, hostile, batch_overlap=True, min_tokens=1)
+    got = mc2.forward_backward(got_model, batches, loss_fn, overlap=True)
+    return {"want": want, "got": got,
+            "grads": {n: (p.grad, q.grad) for (n, p), q in
+                      zip(ref.named_parameters(), got_model.parameters())}}
+
+
+def refusals(rank: int, world: int) -> dict[str, str | None]:
+    """What ``forward_backward`` raises for a model with no layer loop of mc2's and for a
+    loss that is no scalar (overlap=True), on each rank."""
+    found: dict[str, str | None] = {}
+    plain = torch.nn.Sequential(mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64))
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    for name, model, loss_fn in (
+            ("no layer loop", plain, lambda m, b: m(b).pow(2).mean()),
+            ("not a scalar", _stack(), lambda m, b: m(b))):
+        try:
+            mc2.forward_backward(model, [x, x], loss_fn, overlap=True)
+            found[name] = None
+        except ValueError as exc:
+            found[name] = str(exc)
+    return found
