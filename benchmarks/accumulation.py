@@ -11,7 +11,9 @@ regime (each after one untimed step at every switch), median of the slowest rank
 - ``mc2``: the same loop, MC2 inside each layer (``micro_batches="auto"``, settled first);
 - ``batch``: the same loop, batch overlap (two halves of each micro-batch across the layers);
 - ``paired``: ``mc2.forward_backward(overlap=True)``: micro-batch n+1's forward beside n's
-  backward, layer by layer.
+  backward, layer by layer;
+- ``paired-k2`` (asked for by ``--modes``): the same, each layer's call also split in two
+  micro-batches inside (MC2's in-layer pipeline under the pairing).
 
 The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
 loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped
@@ -41,6 +43,7 @@ from layer_rounds import until_auto_locked  # noqa: E402
 from model_overlap import LATENCY, SHAPE, _model, _set_mode  # noqa: E402
 
 MODES = ("serial", "mc2", "batch", "paired")
+OPTIONAL_MODES = ("paired-k2",)  # paired, each call split in two micro-batches inside too
 
 
 def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,7 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
-    if mode == "paired":
+    if mode.startswith("paired"):
         mc2.forward_backward(model, batches, _loss, overlap=True)
         return
     for ids in batches:
@@ -58,7 +61,13 @@ def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
 def _set(model: Any, mode: str) -> None:
     """``model_overlap``'s modes; paired runs each micro-batch whole (no split), its calls
     overlapped (the staged calls run K = 1: the other micro-batch gives the overlap)."""
-    _set_mode(model, "mc2" if mode == "paired" else mode)
+    _set_mode(model, "mc2" if mode.startswith("paired") else mode)
+    if mode == "paired-k2":
+        from mc2.integrations.transformers import MC2SparseMoeBlock
+
+        for block in model.modules():
+            if isinstance(block, MC2SparseMoeBlock):
+                block.config = block.config.replace(micro_batches=2)
 
 
 def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
@@ -160,9 +169,10 @@ def main() -> int:
         for mode in args.modes.split(","):
             ranks = mc2.run_local(rank_memory, 2, args=(
                 mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
-            memory[mode] = max(r["above_mib"] for r in ranks)
-            print(f"{mode:>7}: peak {memory[mode]:.0f} MiB above the built model "
-                  "(the larger rank)", flush=True)
+            memory[mode] = {k: max(r[k] for r in ranks) for k in ranks[0]}
+            print(f"{mode:>7}: peak {memory[mode]['peak_mib']:.0f} MiB, "
+                  f"{memory[mode]['above_mib']:.0f} MiB above the built model "
+                  f"({memory[mode]['built_mib']:.0f} MiB; the larger rank)", flush=True)
         if args.json:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                              "memory_mib": memory}, indent=1))

@@ -57,3 +57,17 @@ def test_bad_arguments() -> None:
         mc2.forward_backward(model, [], lambda m, b: m(b).sum(), overlap="yes")
     with torch.no_grad(), pytest.raises(ValueError, match="gradients are disabled"):
         mc2.forward_backward(model, [torch.ones(2)], lambda m, b: m(b).sum())
+
+
+def test_auto_measures_both_schedules_then_keeps_one_on_every_rank() -> None:
+    """``overlap="auto"``: the first calls alternate paired and sequential (three timed each,
+    after an untimed one at each switch), then one is kept, the same on both ranks (agreed
+    times); every call's gradients are the sequential loop's."""
+    from tests.workers_pairing import auto_decides
+
+    a, b = mc2.run_local(auto_decides, 2, args=(14,), timeout_s=180)
+    assert a["paired"] == b["paired"] and a["chosen"] == b["chosen"] and a["times"] == b["times"]
+    assert a["paired"][:12] == [True, True, False, False] * 3, a["paired"]
+    assert a["chosen"] in (True, False) and a["paired"][12:] == [a["chosen"]] * 2
+    assert [len(a["times"][side]) for side in ("on", "off")] == [3, 3]
+    assert a["equal"] and b["equal"]

@@ -183,3 +183,18 @@ def test_a_block_spec_with_a_layer_batch_overlap_cannot_run_is_refused() -> None
     with pytest.raises(ValueError, match=r"layer_specs\[1\] \(IdentityOp\)"):
         use_mc2(block, batch_overlap=True)
     assert use_mc2(dataclasses.replace(block, layer_specs=[layer, layer]), batch_overlap=True)
+
+
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec"), (4, "block_spec")])
+def test_paired_gradient_accumulation_trains_as_megatrons(world: int, kind: str) -> None:
+    """``mc2.forward_backward(overlap=True)`` on the batch-overlap ``GPTModel`` under Megatron's
+    DDP, 3 micro-batches per Adam step: every micro-batch's loss over 4 steps is Megatron's
+    own model's, trained by the sequential loop (with and without a shared expert, 2 and 4
+    ranks)."""
+    from tests.workers_megatron_overlap import paired_accumulation
+
+    for found in mc2.run_local(paired_accumulation, world, args=(kind,), deadline_s=600):
+        want = [x for step in found["megatron"] for x in step]
+        got = [x for step in found["mc2"] for x in step]
+        assert len(set(want)) == len(want)
+        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)

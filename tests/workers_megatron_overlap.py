@@ -332,3 +332,56 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     torch.distributed.barrier()
     del mc2
     return found
+
+
+def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's model (the sequential loop) and the batch-overlap model under
+    ``mc2.forward_backward(overlap=True)``, the same weights, each under Megatron's DDP:
+    ``STEPS`` Adam steps, each accumulating 3 micro-batches; the losses of each step's
+    micro-batches."""
+    import mc2
+    import mc2.integrations.megatron as integration
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    start_groups(world)
+    config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
+    spec = _spec(config, kind)
+    models = {"megatron": _gpt(config, spec),
+              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
+                                                       batch_overlap=True, min_tokens=1))}
+    _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
+    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    g = torch.Generator().manual_seed(11 + rank)
+    position = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    steps = [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
+             for _ in range(STEPS)]
+
+    def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, position, mask, labels=ids).mean() / 3
+
+    found: dict[str, Any] = {}
+    for name, model in models.items():
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            overlap_grad_reduce=False), model)
+        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+        losses = []
+        for batches in steps:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            if name == "mc2":
+                step = mc2.forward_backward(ddp, batches, loss_fn, overlap=True)
+            else:
+                step = []
+                for ids in batches:
+                    loss = loss_fn(ddp, ids)
+                    loss.backward()
+                    step.append(loss.detach())
+            ddp.finish_grad_sync()
+            for p in ddp.parameters():
+                p.grad = p.main_grad
+            optimizer.step()
+            losses.append([float(x) for x in step])
+        found[name] = losses
+    return found

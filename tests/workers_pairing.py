@@ -112,3 +112,28 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
         except ValueError as exc:
             found[name] = str(exc)
     return found
+
+
+def auto_decides(rank: int, world: int, calls: int) -> dict[str, Any]:
+    """``overlap="auto"`` over ``calls`` calls of the stack: whether each call paired (from the
+    forward exchanges in flight across a backward), the decision, and whether every call's
+    gradients equal the sequential loop's."""
+    batches = _micro_batches(rank)
+    reference = _stack()
+    for x in batches:
+        _stack_loss(reference, x).backward()
+    want = [p.grad.clone() for p in reference.parameters()]
+    model = _stack()
+    paired, equal = [], True
+    for _ in range(calls):
+        model.zero_grad(set_to_none=True)
+        recorder = ScheduleRecorder()
+        with recorder.installed(), mc2.profile() as prof:
+            mc2.forward_backward(model, batches, _stack_loss, overlap="auto")
+        paired.append(_forward_transfers_under_backward(recorder.exchanges(), prof.spans) > 0)
+        equal = equal and all(
+            float((p.grad - w).norm()) <= 1e-10 * float(w.norm())
+            for p, w in zip(model.parameters(), want))
+    decision = model.__dict__["_mc2_forward_backward"]
+    return {"paired": paired, "chosen": decision.chosen, "equal": equal,
+            "times": decision.report()["times"]}

@@ -32,6 +32,13 @@ from typing import Any, Callable, Iterator
 _ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
     "mc2_pairing", default=None)
 
+# micro-batches inside each paired call whose config says "auto" (batch overlap's run K = 1,
+# the other half of the batch giving the overlap): a paired backward hides only part of a
+# forward transfer, and MC2's own split hides more of the rest. Measured (the Mixtral-shaped
+# model, 200 Mbit, docs/forward_backward.md): K = 2 0.925-0.926 of the in-layer loop's step in
+# two sittings, K = 1 0.959 and 1.011.
+PAIRED_SPLITS = 2
+
 
 class Partner:
     """``fn()`` in a helper thread, run as a coroutine of the caller: :meth:`resume` runs it

@@ -50,6 +50,7 @@ from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
+from mc2.engine.autograd.pairing import PAIRED_SPLITS, current_pairing
 from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.run import (
     CallInputs, ForwardState, advance, backward_stages, forward_stages, scale_grad, state_of,
@@ -274,7 +275,7 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
                          "selective activation checkpointing region (batch overlap runs the "
                          "layers' parts eagerly)")
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
-        config = config.replace(micro_batches=1)
+        config = config.replace(micro_batches=1 if current_pairing() is None else PAIRED_SPLITS)
     seconds = resolve_timeout(config.timeout)
     # under autocast, in the autocast dtype, as the plain call (the pass itself runs with
     # autocast off: its GEMMs write into buffers of the call's dtype)
