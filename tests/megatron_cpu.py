@@ -168,3 +168,23 @@ def seed_rng(seed: int, rank: int = 0) -> None:
     tracker.add(random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
     tracker.add(random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * (rank + 1))
     tracker.add(random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+
+
+class _TorchOnCpu:
+    """``torch`` as Megatron's pipeline schedules see it, but for their one CUDA allocation
+    (the no-pipelining schedule's token count, ``torch.zeros(..., device="cuda")``), which is
+    made on the CPU: no arithmetic depends on where it lives."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def cpu_schedules() -> None:
+    """Let Megatron's ``forward_backward_no_pipelining`` run on a CPU (this process only)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchOnCpu()

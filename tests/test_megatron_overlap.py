@@ -198,3 +198,22 @@ def test_paired_gradient_accumulation_trains_as_megatrons(world: int, kind: str)
         got = [x for step in found["mc2"] for x in step]
         assert len(set(want)) == len(want)
         assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+
+
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (4, "block_spec")])
+def test_the_paired_schedule_equals_megatrons_no_pipelining_schedule(world: int,
+                                                                     kind: str) -> None:
+    """``forward_backward_paired`` (Megatron's ``forward_backward_no_pipelining`` signature,
+    one micro-batch's forward beside another's backward) on the batch-overlap model against
+    Megatron's own schedule on Megatron's model, same weights, under Megatron's DDP with its
+    no_sync: every micro-batch's loss over 4 Adam steps of 3 micro-batches, 1e-5; a model
+    with nothing to pair is refused on every rank."""
+    from tests.workers_megatron_overlap import schedule_against_megatrons
+
+    for found in mc2.run_local(schedule_against_megatrons, world, args=(kind,),
+                               deadline_s=600):
+        want = [x for step in found["megatron"] for x in step]
+        got = [x for step in found["mc2"] for x in step]
+        assert len(want) == 12 and len(set(want)) == len(want)
+        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+        assert "not batch-overlap layers" in (found["refused"] or ""), found["refused"]

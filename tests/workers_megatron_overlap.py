@@ -385,3 +385,74 @@ def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
             losses.append([float(x) for x in step])
         found[name] = losses
     return found
+
+
+def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's ``forward_backward_no_pipelining`` on Megatron's model against
+    ``forward_backward_paired`` on the batch-overlap model (same weights), each under
+    Megatron's DDP with its ``no_sync`` and a grad-sync finalize: ``STEPS`` Adam steps of 3
+    micro-batches each; the losses Megatron's ``forward_data_store`` holds, per step. Also
+    what the paired function raises on Megatron's own model (nothing to pair)."""
+    import mc2
+    import mc2.integrations.megatron as integration
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from mc2.integrations.megatron_schedule import forward_backward_paired
+    from tests import megatron_cpu
+
+    start_groups(world)
+    megatron_cpu.cpu_schedules()
+    config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
+    spec = _spec(config, kind)
+    models = {"megatron": _gpt(config, spec),
+              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
+                                                       batch_overlap=True, min_tokens=1))}
+    _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
+    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    g = torch.Generator().manual_seed(11 + rank)
+    position = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    steps = [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
+             for _ in range(STEPS)]
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        ids = next(data_iterator)
+        output = model(ids, position, mask, labels=ids)
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = output.float().mean()
+            return loss, {"lm loss": loss.detach()}
+        return output, loss_func
+
+    found: dict[str, Any] = {}
+    for name, model in models.items():
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            overlap_grad_reduce=False), model)
+        config.no_sync_func = ddp.no_sync
+        config.finalize_model_grads_func = \
+            lambda chunks, tokens, pg_collection=None, force_all_reduce=False: [
+                c.finish_grad_sync() for c in chunks]
+        schedule = forward_backward_paired if name == "mc2" else forward_backward_no_pipelining
+        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+        losses = []
+        for batches in steps:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            store = schedule(forward_step_func=forward_step, data_iterator=iter(batches),
+                             model=[ddp], num_microbatches=len(batches), seq_length=SEQ,
+                             micro_batch_size=BATCH)
+            for p in ddp.parameters():
+                p.grad = p.main_grad
+            optimizer.step()
+            losses.append([float(s["lm loss"]) for s in store])
+        found[name] = losses
+    try:
+        forward_backward_paired(forward_step_func=forward_step, data_iterator=iter(steps[0]),
+                                model=[models["megatron"]], num_microbatches=3,
+                                seq_length=SEQ, micro_batch_size=BATCH)
+        found["refused"] = None
+    except ValueError as exc:
+        found["refused"] = str(exc)
+    return found

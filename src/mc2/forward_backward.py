@@ -15,14 +15,13 @@ runs whole (not split in two), its layers in stages.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from mc2.device.clock import clock_for
-from mc2.engine.autograd.pairing import Pairing, Partner, pairing_active
+from mc2.engine.autograd.pairing import Pairing, run_pairs
 from mc2.engine.decide.batch_split import BatchOverlapDecision
 
 __all__ = ["forward_backward"]
@@ -104,44 +103,15 @@ def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tens
 
 
 def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
-    """Micro-batch n+1's forward in a partner, run where n's backward gives way."""
-    pairing = Pairing()
-    losses: list[Tensor] = []
-    with pairing_active(pairing):
-        loss = _loss(loss_fn, model, batches[0])
+    """Micro-batch n+1's forward beside n's backward (:func:`run_pairs`)."""
+    def unpaired(pairing: Pairing) -> None:
         if pairing.layer_loops == 0:
             raise ValueError(
                 "forward_backward(overlap=True): the model's layers do not run through mc2's "
                 "layer loop, so nothing can be paired; build it with batch overlap "
                 "(enable_mc2(model, batch_overlap=True), BatchOverlapStack) or pass "
                 "overlap=False")
-        state = _thread_state(model)
-        for n in range(len(batches)):
-            partner = None
-            if n + 1 < len(batches):
-                partner = Partner(lambda batch=batches[n + 1]: _in_state(
-                    state, lambda: _loss(loss_fn, model, batch)))
-            pairing.partner = partner
-            try:
-                loss.backward()  # gives way to the partner at each of its waits
-                following = partner.finish() if partner is not None else None
-            finally:
-                pairing.partner = None
-            losses.append(loss.detach())
-            loss = following
-    return losses
 
-
-def _thread_state(model: nn.Module) -> list[tuple[str, torch.dtype]]:
-    """What of the caller's thread-local state a forward depends on, for the partner's thread:
-    the autocast regions enabled (by device type)."""
-    kinds = {"cpu", _device(model).type}
-    return [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(kinds)
-            if torch.is_autocast_enabled(kind)]
-
-
-def _in_state(autocast: list[tuple[str, torch.dtype]], fn: Callable[[], Tensor]) -> Tensor:
-    with contextlib.ExitStack() as stack:
-        for kind, dtype in autocast:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
-        return fn()
+    losses = run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
+                       lambda loss: loss.backward(), first_done=unpaired)
+    return [loss.detach() for loss in losses]

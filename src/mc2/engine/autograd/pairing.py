@@ -27,7 +27,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
+
+import torch
+
+T = TypeVar("T")
 
 _ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
     "mc2_pairing", default=None)
@@ -40,13 +44,31 @@ _ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
 PAIRED_SPLITS = 2
 
 
+def _autocast_regions() -> list[tuple[str, torch.dtype]]:
+    """The autocast regions enabled in this thread (thread-local state a forward depends
+    on), by device type."""
+    kinds = ["cpu"] + ([torch.accelerator.current_accelerator().type]
+                       if torch.accelerator.is_available() else [])
+    return [(kind, torch.get_autocast_dtype(kind)) for kind in kinds
+            if torch.is_autocast_enabled(kind)]
+
+
 class Partner:
     """``fn()`` in a helper thread, run as a coroutine of the caller: :meth:`resume` runs it
     until it calls :meth:`pause` (from inside, in its thread) or ends; the caller waits
-    meanwhile, so the two never run at once. The caller's context variables go with it."""
+    meanwhile, so the two never run at once. The caller's context variables and autocast
+    regions go with it (a forward in the caller's autocast stays in it)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._context = fn, contextvars.copy_context()
+        self._context, regions = contextvars.copy_context(), _autocast_regions()
+
+        def in_regions() -> Any:
+            with contextlib.ExitStack() as stack:
+                for kind, dtype in regions:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                return fn()
+
+        self._fn = in_regions
         self._run = threading.Semaphore(0)  # the partner's turn
         self._back = threading.Semaphore(0)  # the caller's turn
         self._thread: threading.Thread | None = None
@@ -128,3 +150,34 @@ def pairing_active(pairing: Pairing) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
+              around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+              first_done: Callable[[Pairing], None] | None = None) -> list[T]:
+    """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned:
+    each forward after the first runs beside the previous micro-batch's backward (given way
+    to where it waits), the last backward alone. ``around()``: the context every forward and
+    every backward but the last run in (a framework's gradient-sync suspension: the last
+    backward syncs). ``first_done(pairing)``: called after the first forward (to refuse a
+    model whose layers were not paired). Returns the forwards' results, in order."""
+    pairing = Pairing()
+    results: list[T] = []
+    with pairing_active(pairing):
+        with around():
+            out = forward(0)
+            if first_done is not None:
+                first_done(pairing)
+            for i in range(1, count):
+                partner = Partner(lambda i=i: forward(i))
+                pairing.partner = partner
+                try:
+                    backward(out)  # gives way to the partner at each of its waits
+                    following = partner.finish()
+                finally:
+                    pairing.partner = None
+                results.append(out)
+                out = following
+        backward(out)
+        results.append(out)
+    return results

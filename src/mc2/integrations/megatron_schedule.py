@@ -1,0 +1,88 @@
+"""Megatron-Core's gradient accumulation with one micro-batch's forward beside another's
+backward: a ``forward_backward_func`` with the signature of Megatron's
+``forward_backward_no_pipelining``, so a ``pretrain_gpt.py``-style script swaps one function::
+
+    from mc2.integrations.megatron_schedule import forward_backward_paired
+    losses = forward_backward_paired(forward_step_func=forward_step, data_iterator=it,
+                                     model=[model], num_microbatches=8, seq_length=s,
+                                     micro_batch_size=b)
+
+Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step`` (its
+``forward_step_func``, loss scaling, token counts and ``forward_data_store``), every backward
+but the last under ``config.no_sync_func`` and ``config.finalize_model_grads_func`` at the end,
+as Megatron's schedule runs them; the forward of micro-batch n+1 runs beside the backward of
+micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). The model's layers must be
+:class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``use_mc2(spec,
+batch_overlap=True or "auto")``); a forward-only call, one micro-batch, or a config with
+Megatron's own combined 1F1B or hybrid context parallelism runs Megatron's function as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from mc2.engine.autograd.pairing import Pairing, run_pairs
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import get_model_config, get_model_type
+
+
+def forward_backward_paired(**kwargs: Any) -> list[Any]:
+    """Megatron's ``forward_backward_no_pipelining`` (same keywords, same result: the
+    ``forward_data_store``), each micro-batch's forward after the first run beside the
+    previous one's backward (module docstring).
+
+    Raises:
+        ValueError: the model's layers are not batch-overlap layers, so nothing was paired
+            (every rank alike, after the first micro-batch's forward).
+    """
+    model, data_iterator = kwargs["model"], kwargs["data_iterator"]
+    if isinstance(model, list):
+        if len(model) != 1:  # Megatron's own function refuses model chunks
+            return schedules.forward_backward_no_pipelining(**kwargs)
+        model = model[0]
+    if isinstance(data_iterator, list) and len(data_iterator) == 1:
+        data_iterator = data_iterator[0]
+    config = get_model_config(model)
+    count = kwargs["num_microbatches"]
+    if kwargs.get("forward_only") or count < 2 or config.overlap_moe_expert_parallel_comm \
+            or getattr(config, "hybrid_context_parallel", False):
+        return schedules.forward_backward_no_pipelining(**kwargs)
+    pg_collection = kwargs.get("pg_collection")
+    cp_size = pg_collection.cp.size() if pg_collection is not None else \
+        parallel_state.get_context_parallel_world_size()
+    first_val_step = kwargs.get("first_val_step")
+    collect = kwargs.get("collect_non_loss_data", False)
+    store: list[Any] = []
+    model_type = get_model_type(model)
+    device = next(model.parameters()).device
+    tokens = [torch.zeros([], dtype=torch.int, device=device)]
+
+    def forward(i: int) -> Any:
+        output, num_tokens = schedules.forward_step(
+            kwargs["forward_step_func"], data_iterator, model, count, None, store, config,
+            cp_size, collect, is_first_microbatch=schedules.check_first_val_step(
+                first_val_step, False, i == 0), current_microbatch=i)
+        tokens[0] = tokens[0] + num_tokens
+        return output
+
+    def backward(output: Any) -> None:
+        schedules.backward_step(None, output, None, model_type, config)
+
+    def unpaired(pairing: Pairing) -> None:
+        if pairing.layer_loops == 0:
+            raise ValueError("forward_backward_paired: the model's layers are not batch-overlap "
+                             "layers (use_mc2(spec, batch_overlap=True)), so nothing can be "
+                             "paired; use Megatron's forward_backward_no_pipelining")
+
+    run_pairs(count, forward, backward, around=config.no_sync_func or contextlib.nullcontext,
+              first_done=unpaired)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            [model], tokens[0] if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=kwargs.get("force_all_reduce", False))
+    return store
