@@ -122,6 +122,28 @@ def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int
     return {"built_mib": built, "peak_mib": peak, "above_mib": peak - built}
 
 
+def rank_gantt(rank: int, world: int, modes: tuple[str, ...], micro_batches: int, batch: int,
+               seq: int, layers: int) -> dict[str, list[Any]]:
+    """One profiled step of each mode (after its warm-up): its spans, on this rank."""
+    model = _model(layers)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
+               for _ in range(micro_batches)]
+    spans = {}
+    for mode in modes:
+        _set(model, mode)
+        _step(model, mode, batches)
+        until_auto_locked(lambda m=mode: _step(model, m, batches[:1]))
+        _step(model, mode, batches)
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        with mc2.profile() as prof:
+            _step(model, mode, batches)
+        spans[mode] = list(prof.spans)
+    return spans
+
+
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {}
     for mode in ranks[0]["times"]:
@@ -162,8 +184,28 @@ def main() -> int:
     parser.add_argument("--memory", action="store_true",
                         help="instead: each mode's peak resident memory above the built "
                              "model, a world per mode (plain loopback)")
+    parser.add_argument("--gantt", type=Path, default=None,
+                        help="instead: a Gantt picture of one step of each mode, in the first "
+                             "regime given (PNG)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.gantt:
+        from mc2.observation.plot import plot_gantt
+
+        regime = args.regimes.split(",")[0]
+        modes = tuple(args.modes.split(","))
+        run = lambda: mc2.run_local(rank_gantt, 2, args=(  # noqa: E731
+            modes, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
+        if regime == "plain":
+            ranks = run()
+        else:
+            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
+                ranks = run()
+        plot_gantt({m: [r[m] for r in ranks] for m in modes}, args.gantt,
+                   title=f"one step of {args.micro_batches} micro-batches, {regime}: forward "
+                         "(solid) and backward (light), per micro-batch")
+        print(f"wrote {args.gantt}")
+        return 0
     if args.memory:
         memory = {}
         for mode in args.modes.split(","):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import Pairing, run_pairs
+from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision
 
 __all__ = ["forward_backward"]
@@ -113,5 +114,6 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
                 "overlap=False")
 
     losses = run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
-                       lambda loss: loss.backward(), first_done=unpaired)
+                       lambda loss: loss.backward(), first_done=unpaired,
+                       label=micro_batch_label)
     return [loss.detach() for loss in losses]

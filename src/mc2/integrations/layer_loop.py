@@ -21,7 +21,7 @@ from torch import Tensor
 from mc2.engine.autograd.layer_schedule import (
     LayerGathers, LayerStages, run_overlapped, run_paired)
 from mc2.engine.autograd.pairing import current_pairing
-from mc2.engine.autograd.staged import micro_batch_label
+from mc2.engine.autograd.staged import current_label, micro_batch_label
 from mc2.engine.decide.batch_split import SPLITS, BatchOverlapDecision, timed_forward
 
 StageLists = list[list[Callable[[Tensor], LayerStages]]]
@@ -70,7 +70,8 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
             raise ValueError("mc2.forward_backward: the layers are sharded by FSDP2, whose "
                              "gathers and reduce-scatters would run from the paired forward "
                              "and backward at once; use overlap=False")
-        with label(0):
+        outer = current_label()  # the micro-batch of the accumulation, for the trace
+        with label(0), micro_batch_label(outer):
             out = run_paired(stages([batch])[0], x, pairing)
         if joined is not None:
             joined()

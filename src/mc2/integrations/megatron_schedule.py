@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mc2.engine.autograd.pairing import Pairing, run_pairs
+from mc2.engine.autograd.staged import micro_batch_label
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
@@ -80,7 +81,7 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
                              "paired; use Megatron's forward_backward_no_pipelining")
 
     run_pairs(count, forward, backward, around=config.no_sync_func or contextlib.nullcontext,
-              first_done=unpaired)
+              first_done=unpaired, label=micro_batch_label)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens[0] if config.calculate_per_token_loss else None,

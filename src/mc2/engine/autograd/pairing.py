@@ -154,13 +154,21 @@ def pairing_active(pairing: Pairing) -> Iterator[None]:
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-              first_done: Callable[[Pairing], None] | None = None) -> list[T]:
+              first_done: Callable[[Pairing], None] | None = None,
+              label: Callable[[int], ContextManager[Any]] | None = None) -> list[T]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned:
     each forward after the first runs beside the previous micro-batch's backward (given way
     to where it waits), the last backward alone. ``around()``: the context every forward and
     every backward but the last run in (a framework's gradient-sync suspension: the last
     backward syncs). ``first_done(pairing)``: called after the first forward (to refuse a
-    model whose layers were not paired). Returns the forwards' results, in order."""
+    model whose layers were not paired). ``label(i)``: the context forward ``i`` runs in (its
+    micro-batch label in a trace). Returns the forwards' results, in order."""
+    if label is not None:
+        unlabelled = forward
+
+        def forward(i: int) -> T:  # type: ignore[no-redef]
+            with label(i):
+                return unlabelled(i)
     pairing = Pairing()
     results: list[T] = []
     with pairing_active(pairing):
