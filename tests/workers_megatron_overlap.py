@@ -334,15 +334,13 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     return found
 
 
-def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Megatron's model (the sequential loop) and the batch-overlap model under
-    ``mc2.forward_backward(overlap=True)``, the same weights, each under Megatron's DDP:
-    ``STEPS`` Adam steps, each accumulating 3 micro-batches; the losses of each step's
-    micro-batches."""
+def _accumulation(rank: int, world: int, kind: str) -> tuple[Any, dict[str, Any], list, Any,
+                                                              Any]:
+    """Megatron's model and the batch-overlap model (same weights), and ``STEPS`` steps of 3
+    micro-batches each: ``(config, models, steps, position, mask)``."""
     import mc2
     import mc2.integrations.megatron as integration
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     start_groups(world)
     config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
@@ -357,6 +355,18 @@ def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     steps = [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
              for _ in range(STEPS)]
+    return config, models, steps, position, mask
+
+
+def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's model (the sequential loop) and the batch-overlap model under
+    ``mc2.forward_backward(overlap=True)``, the same weights, each under Megatron's DDP:
+    ``STEPS`` Adam steps, each accumulating 3 micro-batches; the losses of each step's
+    micro-batches."""
+    import mc2
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config, models, steps, position, mask = _accumulation(rank, world, kind)
 
     def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, position, mask, labels=ids).mean() / 3
@@ -393,29 +403,14 @@ def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, An
     Megatron's DDP with its ``no_sync`` and a grad-sync finalize: ``STEPS`` Adam steps of 3
     micro-batches each; the losses Megatron's ``forward_data_store`` holds, per step. Also
     what the paired function raises on Megatron's own model (nothing to pair)."""
-    import mc2
-    import mc2.integrations.megatron as integration
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from mc2.integrations.megatron_schedule import forward_backward_paired
     from tests import megatron_cpu
 
-    start_groups(world)
+    config, models, steps, position, mask = _accumulation(rank, world, kind)
     megatron_cpu.cpu_schedules()
-    config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
-    spec = _spec(config, kind)
-    models = {"megatron": _gpt(config, spec),
-              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
-                                                       batch_overlap=True, min_tokens=1))}
-    _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
-    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
-    g = torch.Generator().manual_seed(11 + rank)
-    position = torch.arange(SEQ).expand(BATCH, SEQ)
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
-    steps = [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
-             for _ in range(STEPS)]
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         ids = next(data_iterator)
