@@ -155,7 +155,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def bounds(results: dict[str, Any]) -> dict[str, Any]:
     """Per shaped regime: ``T_comp`` (serial, plain), ``T_comm`` (serial shaped minus plain),
     the bound and each mode against it and against the in-layer loop."""
-    if "plain" not in results:
+    if "plain" not in results or "serial" not in results["plain"]["steps"]:
         return {}
     t_comp = results["plain"]["steps"]["serial"]["median_s"]
     out = {}

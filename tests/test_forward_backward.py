@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mc2
-from tests.workers_pairing import hf_paired, refusals, stack_paired
+from tests.workers_pairing import hf_paired, hf_refusal, refusals, stack_paired
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -49,6 +49,10 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
     for r in mc2.run_local(refusals, 2, timeout_s=60):
         assert "layer loop" in r["no layer loop"], r
         assert "scalar" in r["not a scalar"], r
+    # a forward whose layers cannot run in parts as they run whole: refused, never run so
+    for raised in mc2.run_local(hf_refusal, 2, timeout_s=60):
+        assert raised is not None and "cannot run in stages" in raised, raised
+        assert "output_hidden_states" in raised, raised
 
 
 def test_bad_arguments() -> None:

@@ -137,3 +137,19 @@ def auto_decides(rank: int, world: int, calls: int) -> dict[str, Any]:
     decision = model.__dict__["_mc2_forward_backward"]
     return {"paired": paired, "chosen": decision.chosen, "equal": equal,
             "times": decision.report()["times"]}
+
+
+def hf_refusal(rank: int, world: int) -> str | None:
+    """What ``forward_backward(overlap=True)`` raises on a Mixtral whose forward asks for every
+    layer's hidden states (recorded by hooks on the decoder layers, which run in parts)."""
+    from tests.workers_mesh import CONFIG
+    from tests.workers_overlap import _model
+
+    model = _model(torch.float64, False, batch_overlap=True, min_tokens=1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        mc2.forward_backward(model, [ids, ids], lambda m, b: m(
+            b, labels=b, output_hidden_states=True).loss, overlap=True)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -113,7 +113,6 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
                 "(enable_mc2(model, batch_overlap=True), BatchOverlapStack) or pass "
                 "overlap=False")
 
-    losses = run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
-                       lambda loss: loss.backward(), first_done=unpaired,
-                       label=micro_batch_label)
-    return [loss.detach() for loss in losses]
+    return run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
+                     lambda loss: loss.backward(), first_done=unpaired,
+                     label=micro_batch_label, kept=lambda loss: loss.detach())

@@ -70,6 +70,9 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
             raise ValueError("mc2.forward_backward: the layers are sharded by FSDP2, whose "
                              "gathers and reduce-scatters would run from the paired forward "
                              "and backward at once; use overlap=False")
+        if problem is not None:  # what the layers' parts would not run as the layers do
+            raise ValueError(f"mc2.forward_backward: this forward cannot run in stages "
+                             f"({problem}); use overlap=False")
         outer = current_label()  # the micro-batch of the accumulation, for the trace
         with label(0), micro_batch_label(outer):
             out = run_paired(stages([batch])[0], x, pairing)

@@ -54,41 +54,53 @@ def _autocast_regions() -> list[tuple[str, torch.dtype]]:
 
 
 class Partner:
-    """``fn()`` in a helper thread, run as a coroutine of the caller: :meth:`resume` runs it
-    until it calls :meth:`pause` (from inside, in its thread) or ends; the caller waits
-    meanwhile, so the two never run at once. The caller's context variables and autocast
-    regions go with it (a forward in the caller's autocast stays in it)."""
+    """Functions run one after another in one helper thread, each as a coroutine of the
+    caller: :meth:`start` hands it the next, :meth:`resume` runs it until it calls
+    :meth:`pause` (from inside, in its thread) or ends; the caller waits meanwhile, so the two
+    never run at once. Each function takes the caller's context variables and autocast
+    regions as they were at :meth:`start` (a forward in the caller's autocast stays in it).
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._context, regions = contextvars.copy_context(), _autocast_regions()
+    One thread for all the functions of a call, not one each: a thread's first parallel
+    kernel makes it a team of intra-op threads, and a new team per micro-batch costs."""
 
-        def in_regions() -> Any:
-            with contextlib.ExitStack() as stack:
-                for kind, dtype in regions:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype))
-                return fn()
-
-        self._fn = in_regions
+    def __init__(self) -> None:
         self._run = threading.Semaphore(0)  # the partner's turn
         self._back = threading.Semaphore(0)  # the caller's turn
         self._thread: threading.Thread | None = None
-        self.done, self.result, self.error = False, None, None
+        self._job: Callable[[], Any] | None = None
+        self.done, self.result, self.error = True, None, None
+
+    def start(self, fn: Callable[[], Any]) -> None:
+        """The next function to run (the previous one must have finished)."""
+        context, regions = contextvars.copy_context(), _autocast_regions()
+
+        def job() -> Any:
+            with contextlib.ExitStack() as stack:
+                for kind, dtype in regions:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                return context.run(fn)
+
+        self._job, self.done, self.result, self.error = job, False, None, None
 
     def _main(self) -> None:
-        self._run.acquire()
-        try:
-            self.result = self._context.run(self._fn)
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller by finish()
-            self.error = exc
-        finally:
-            self.done = True
-            self._back.release()
+        while True:
+            self._run.acquire()
+            job, self._job = self._job, None
+            if job is None:  # closed
+                return
+            try:
+                self.result = job()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller by finish()
+                self.error = exc
+            finally:
+                self.done = True
+                self._back.release()
 
     def running_here(self) -> bool:
         return self._thread is threading.current_thread()
 
     def resume(self) -> None:
-        """Run the partner to its next pause (or its end)."""
+        """Run the current function to its next pause (or its end)."""
         if self.done:
             return
         if self._thread is None:
@@ -104,14 +116,20 @@ class Partner:
         self._run.acquire()
 
     def finish(self) -> Any:
-        """Run the partner to its end; its result (its exception raised here)."""
+        """Run the current function to its end; its result (its exception raised here)."""
         while not self.done:
             self.resume()
-        if self._thread is not None:
-            self._thread.join()
         if self.error is not None:
             raise self.error
         return self.result
+
+    def close(self) -> None:
+        """End the thread (after the last function finished)."""
+        if self._thread is not None and self.done:
+            self._job = None
+            self._run.release()
+            self._thread.join()
+            self._thread = None
 
 
 class Pairing:
@@ -155,14 +173,19 @@ def pairing_active(pairing: Pairing) -> Iterator[None]:
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
               first_done: Callable[[Pairing], None] | None = None,
-              label: Callable[[int], ContextManager[Any]] | None = None) -> list[T]:
+              label: Callable[[int], ContextManager[Any]] | None = None,
+              kept: Callable[[T], Any] = lambda out: None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned:
     each forward after the first runs beside the previous micro-batch's backward (given way
     to where it waits), the last backward alone. ``around()``: the context every forward and
     every backward but the last run in (a framework's gradient-sync suspension: the last
     backward syncs). ``first_done(pairing)``: called after the first forward (to refuse a
     model whose layers were not paired). ``label(i)``: the context forward ``i`` runs in (its
-    micro-batch label in a trace). Returns the forwards' results, in order."""
+    micro-batch label in a trace). Returns ``kept(result)`` of each forward, in order, taken
+    right after its backward: a result kept whole would keep its autograd graph (and the
+    staged calls' state) alive until the last micro-batch, which the sequential loop frees
+    at once (measured: 8 micro-batches ran 17-19% slower than the in-layer loop on plain
+    loopback so, against 3-4% with 4)."""
     if label is not None:
         unlabelled = forward
 
@@ -170,22 +193,26 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
             with label(i):
                 return unlabelled(i)
     pairing = Pairing()
-    results: list[T] = []
+    results: list[Any] = []
     with pairing_active(pairing):
         with around():
             out = forward(0)
             if first_done is not None:
                 first_done(pairing)
-            for i in range(1, count):
-                partner = Partner(lambda i=i: forward(i))
-                pairing.partner = partner
-                try:
-                    backward(out)  # gives way to the partner at each of its waits
-                    following = partner.finish()
-                finally:
-                    pairing.partner = None
-                results.append(out)
-                out = following
+            partner = Partner()
+            try:
+                for i in range(1, count):
+                    partner.start(lambda i=i: forward(i))
+                    pairing.partner = partner
+                    try:
+                        backward(out)  # gives way to the partner at each of its waits
+                        following = partner.finish()
+                    finally:
+                        pairing.partner = None
+                    results.append(kept(out))
+                    out = following
+            finally:
+                partner.close()
         backward(out)
-        results.append(out)
+        results.append(kept(out))
     return results
