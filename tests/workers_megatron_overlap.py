@@ -77,25 +77,17 @@ def _counted_begins() -> tuple[list[int], Any]:
     return begun, restore
 
 
-def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = True,
-                           ep: int | None = None) -> dict[str, Any]:
-    """Megatron's model and the batch-overlap model (same weights), each under Megatron's DDP,
-    ``STEPS`` Adam steps on the same batches; their losses, the begun staged calls per step,
-    what the layers are, the state-dict keys and the expert bias's token counters. ``mode``:
-    ``use_mc2``'s ``batch_overlap``; ``ep``: the expert-parallel size (default: the world; a
-    smaller one makes several EP groups, each expert held by ``world // ep`` data-parallel
-    ranks). Under ``"auto"`` also what the decision showed after the steps, and after the
-    further no-grad forwards it took to decide, with the losses of those forwards."""
+def _both_models(world: int, kind: str, mode: bool | str, ep: int | None = None
+                 ) -> tuple[Any, dict[str, Any]]:
+    """Megatron's model of ``kind`` and the batch-overlap model (``use_mc2``'s
+    ``batch_overlap=mode``) with the same weights, on process groups of expert-parallel size
+    ``ep`` (default: the world): ``(config, {"megatron": ..., "mc2": ...})``."""
     import mc2
     import mc2.integrations.megatron as integration
     from megatron.core import parallel_state
 
-    from mc2.engine.decide.planner import planner_for
-    from mc2.integrations.megatron_overlap import MC2TransformerLayer
-
     start_groups(world, ep)
-    ep = ep or world
-    config = transformer_config(ep, hidden_dropout=0.0, attention_dropout=0.0,
+    config = transformer_config(ep or world, hidden_dropout=0.0, attention_dropout=0.0,
                                 **MODELS[kind])
     spec = _spec(config, kind)
     models = {"megatron": _gpt(config, spec),
@@ -105,6 +97,23 @@ def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = 
     # with the same weights
     _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
     models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    return config, models
+
+
+def batch_overlap_training(rank: int, world: int, kind: str, mode: bool | str = True,
+                           ep: int | None = None) -> dict[str, Any]:
+    """Megatron's model and the batch-overlap model (same weights), each under Megatron's DDP,
+    ``STEPS`` Adam steps on the same batches; their losses, the begun staged calls per step,
+    what the layers are, the state-dict keys and the expert bias's token counters. ``mode``:
+    ``use_mc2``'s ``batch_overlap``; ``ep``: the expert-parallel size (default: the world; a
+    smaller one makes several EP groups, each expert held by ``world // ep`` data-parallel
+    ranks). Under ``"auto"`` also what the decision showed after the steps, and after the
+    further no-grad forwards it took to decide, with the losses of those forwards."""
+
+    from mc2.engine.decide.planner import planner_for
+    from mc2.integrations.megatron_overlap import MC2TransformerLayer
+
+    config, models = _both_models(world, kind, mode, ep)
     found: dict[str, Any] = {
         "layers": [(type(layer).__name__, type(layer.mlp).__name__)
                    for layer in models["mc2"].decoder.layers],
@@ -338,18 +347,8 @@ def _accumulation(rank: int, world: int, kind: str) -> tuple[Any, dict[str, Any]
                                                               Any]:
     """Megatron's model and the batch-overlap model (same weights), and ``STEPS`` steps of 3
     micro-batches each: ``(config, models, steps, position, mask)``."""
-    import mc2
-    import mc2.integrations.megatron as integration
-    from megatron.core import parallel_state
 
-    start_groups(world)
-    config = transformer_config(world, hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
-    spec = _spec(config, kind)
-    models = {"megatron": _gpt(config, spec),
-              "mc2": _gpt(config, integration.use_mc2(spec, config=mc2.MC2Config(),
-                                                       batch_overlap=True, min_tokens=1))}
-    _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
-    models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+    config, models = _both_models(world, kind, True)
     g = torch.Generator().manual_seed(11 + rank)
     position = torch.arange(SEQ).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)

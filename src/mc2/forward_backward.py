@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from mc2.device.clock import clock_for
-from mc2.engine.autograd.pairing import Pairing, run_pairs
+from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision
 
@@ -60,12 +60,12 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
                          "backwards")
     decision = _decision(model, overlap, group)
     paired = len(batches) > 1 and decision.wanted(2, 1)
-    trials = decision.now()
+    run, trials = _paired if paired else _sequential, decision.now()
     if trials.chosen is not None or trials.warming:
-        return (_paired if paired else _sequential)(model, batches, loss_fn)
+        return run(model, batches, loss_fn)
     clock = clock_for(_device(model))
     start = clock.stamp()
-    losses = (_paired if paired else _sequential)(model, batches, loss_fn)
+    losses = run(model, batches, loss_fn)
     decision.measured(paired, clock.elapsed(start, clock.stamp()), trials)
     return losses
 
@@ -75,8 +75,9 @@ def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlap
     calls)."""
     kept = model.__dict__.get(_DECISION)
     if kept is None or kept.mode != overlap:
-        kept = BatchOverlapDecision(overlap, min_tokens=0, group=group)
-        kept.what, kept.unit = "pairing one micro-batch's forward with another's backward", "step"
+        kept = BatchOverlapDecision(
+            overlap, min_tokens=0, group=group, unit="step",
+            what="pairing one micro-batch's forward with another's backward")
         model.__dict__[_DECISION] = kept
     return kept
 
@@ -105,14 +106,10 @@ def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tens
 
 def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
     """Micro-batch n+1's forward beside n's backward (:func:`run_pairs`)."""
-    def unpaired(pairing: Pairing) -> None:
-        if pairing.layer_loops == 0:
-            raise ValueError(
-                "forward_backward(overlap=True): the model's layers do not run through mc2's "
-                "layer loop, so nothing can be paired; build it with batch overlap "
-                "(enable_mc2(model, batch_overlap=True), BatchOverlapStack) or pass "
-                "overlap=False")
-
     return run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
-                     lambda loss: loss.backward(), first_done=unpaired,
-                     label=micro_batch_label, kept=lambda loss: loss.detach())
+                     lambda loss: loss.backward(), label=micro_batch_label,
+                     kept=lambda loss: loss.detach(),
+                     unpaired="forward_backward(overlap=True): the model's layers do not "
+                              "run through mc2's layer loop, so nothing can be paired; build "
+                              "it with batch overlap (enable_mc2(model, batch_overlap=True), "
+                              "BatchOverlapStack) or pass overlap=False")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mc2.engine.autograd.pairing import Pairing, run_pairs
+from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
 
 from megatron.core import parallel_state
@@ -74,14 +74,11 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
     def backward(output: Any) -> None:
         schedules.backward_step(None, output, None, model_type, config)
 
-    def unpaired(pairing: Pairing) -> None:
-        if pairing.layer_loops == 0:
-            raise ValueError("forward_backward_paired: the model's layers are not batch-overlap "
-                             "layers (use_mc2(spec, batch_overlap=True)), so nothing can be "
-                             "paired; use Megatron's forward_backward_no_pipelining")
-
     run_pairs(count, forward, backward, around=config.no_sync_func or contextlib.nullcontext,
-              first_done=unpaired, label=micro_batch_label)
+              label=micro_batch_label,
+              unpaired="forward_backward_paired: the model's layers are not batch-overlap "
+                       "layers (use_mc2(spec, batch_overlap=True)), so nothing can be paired; "
+                       "use Megatron's forward_backward_no_pipelining")
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens[0] if config.calculate_per_token_loss else None,

@@ -172,15 +172,16 @@ def pairing_active(pairing: Pairing) -> Iterator[None]:
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-              first_done: Callable[[Pairing], None] | None = None,
+              unpaired: str = "the model's layers do not run through mc2's layer loop",
               label: Callable[[int], ContextManager[Any]] | None = None,
               kept: Callable[[T], Any] = lambda out: None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned:
     each forward after the first runs beside the previous micro-batch's backward (given way
     to where it waits), the last backward alone. ``around()``: the context every forward and
     every backward but the last run in (a framework's gradient-sync suspension: the last
-    backward syncs). ``first_done(pairing)``: called after the first forward (to refuse a
-    model whose layers were not paired). ``label(i)``: the context forward ``i`` runs in (its
+    backward syncs). ``unpaired``: the ``ValueError`` raised after the first forward where
+    the model's layers ran no paired layer loop, so nothing can be paired (every rank alike:
+    every rank runs the same model). ``label(i)``: the context forward ``i`` runs in (its
     micro-batch label in a trace). Returns ``kept(result)`` of each forward, in order, taken
     right after its backward: a result kept whole would keep its autograd graph (and the
     staged calls' state) alive until the last micro-batch, which the sequential loop frees
@@ -197,8 +198,8 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
     with pairing_active(pairing):
         with around():
             out = forward(0)
-            if first_done is not None:
-                first_done(pairing)
+            if pairing.layer_loops == 0:
+                raise ValueError(unpaired)
             partner = Partner()
             try:
                 for i in range(1, count):

@@ -85,12 +85,13 @@ class BatchOverlapDecision:
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
-                 trials: int = 3) -> None:
+                 trials: int = 3, what: str = "batch overlap", unit: str = "forward") -> None:
         if mode not in (True, False, "auto"):
             raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
-        # what is measured, in its messages (mc2.forward_backward decides its pairing so)
-        self.what, self.unit = "batch overlap", "forward"
+        # what is measured, and per what, in its messages (mc2.forward_backward decides its
+        # pairing so, per step)
+        self.what, self.unit = what, unit
         first = None if mode == "auto" else bool(mode)
         # by whether a backward may follow (gradients on): a training step's and a forward's
         self.kinds = {True: SideTrials(first), False: SideTrials(first)}
