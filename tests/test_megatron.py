@@ -150,8 +150,14 @@ def test_one_import_patches_the_gpt_specs(source: str, tmp_path) -> None:
         assert found["patched"] == [("MC2MoELayer", want)] * 4
         assert found["built"] == ["MC2MoELayer", "MC2MoELayer"]
         assert found["unpatched"] == [("MoELayer", None)] * 4
-        # no batch overlap asked: the layers are Megatron's
-        assert found["layers"] == found["unpatched layers"] == ["TransformerLayer"] * 4
+        # no batch overlap asked: the layers holding a MoE layer are MC2TransformerLayer all
+        # the same (they run as TransformerLayer; the paired schedule runs them in stages),
+        # a dense layer spec stays Megatron's
+        assert found["layers"] == ["MC2TransformerLayer"] * 3 + ["TransformerLayer"]
+        assert found["built layers"] == ["MC2TransformerLayer"] * 2
+        assert found["unpatched layers"] == ["TransformerLayer"] * 4
+        # Megatron's schedule honours overlap_moe_expert_parallel_comm, and is given back
+        assert found["schedule"] == ["mc2's", "Megatron's"]
 
 
 def test_one_import_switches_batch_overlap_on() -> None:

@@ -217,3 +217,29 @@ def test_the_paired_schedule_equals_megatrons_no_pipelining_schedule(world: int,
         assert len(want) == 12 and len(set(want)) == len(want)
         assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
         assert "not batch-overlap layers" in (found["refused"] or ""), found["refused"]
+
+
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (4, "block_spec")])
+def test_megatrons_own_overlap_flag_runs_the_paired_schedule_through_the_patch(
+        world: int, kind: str) -> None:
+    """Megatron's ``overlap_moe_expert_parallel_comm=True`` under ``import
+    mc2.integrations.megatron_patch``: the patched specs build ``MC2TransformerLayer`` layers
+    and Megatron's ``get_forward_backward_func()`` runs mc2's paired schedule (one call per
+    step, 3 micro-batches), equal to Megatron's model without the flag, same weights, same
+    function: every micro-batch's loss over 4 Adam steps, 1e-5 (with and without a shared
+    expert, 2 and 4 ranks). ``use_mc2`` without ``paired`` refuses the flag, naming it, and so
+    does Megatron's pipelined schedule under the patch."""
+    from tests.workers_megatron_overlap import megatrons_flag_through_the_patch
+
+    for found in mc2.run_local(megatrons_flag_through_the_patch, world, args=(kind,),
+                               deadline_s=600):
+        want = [x for step in found["megatron"] for x in step]
+        got = [x for step in found["mc2"] for x in step]
+        assert len(want) == 12 and len(set(want)) == len(want)
+        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+        assert found["paired"] == [3] * 4
+        assert set(found["layers"]) == {"MC2TransformerLayer"}
+        assert "overlap_moe_expert_parallel_comm" in found["refused"]
+        assert "paired=True" in found["refused"]
+        assert "overlap_moe_expert_parallel_comm=True with pipeline parallelism" in \
+            found["pipelined"]

@@ -452,7 +452,15 @@ def patched_specs(rank: int, world: int, env: str) -> dict[str, Any]:
     model = _gpt(config, specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False))
     found["built"] = [type(layer.mlp).__name__ for layer in model.decoder.layers]
     found["built layers"] = [type(layer).__name__ for layer in model.decoder.layers]
+    from megatron.core.pipeline_parallel import schedules
+
+    def schedule() -> str:
+        return "mc2's" if hasattr(schedules.get_forward_backward_func(),
+                                  "__mc2_original__") else "Megatron's"
+
+    found["schedule"] = [schedule()]
     patch.unpatch()
+    found["schedule"].append(schedule())
     found["unpatched"] = moe_modules()
     found["unpatched layers"] = layer_modules()
     return found

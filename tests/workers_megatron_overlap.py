@@ -396,21 +396,9 @@ def paired_accumulation(rank: int, world: int, kind: str) -> dict[str, Any]:
     return found
 
 
-def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Megatron's ``forward_backward_no_pipelining`` on Megatron's model against
-    ``forward_backward_paired`` on the batch-overlap model (same weights), each under
-    Megatron's DDP with its ``no_sync`` and a grad-sync finalize: ``STEPS`` Adam steps of 3
-    micro-batches each; the losses Megatron's ``forward_data_store`` holds, per step. Also
-    what the paired function raises on Megatron's own model (nothing to pair)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    from mc2.integrations.megatron_schedule import forward_backward_paired
-    from tests import megatron_cpu
-
-    config, models, steps, position, mask = _accumulation(rank, world, kind)
-    megatron_cpu.cpu_schedules()
-
+def _forward_step(position: torch.Tensor, mask: torch.Tensor) -> Any:
+    """A ``forward_step_func`` of a ``pretrain_gpt.py``-style script: the mean output as the
+    loss, reported as ``"lm loss"``."""
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         ids = next(data_iterator)
         output = model(ids, position, mask, labels=ids)
@@ -419,29 +407,56 @@ def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, An
             loss = output.float().mean()
             return loss, {"lm loss": loss.detach()}
         return output, loss_func
+    return forward_step
 
-    found: dict[str, Any] = {}
-    for name, model in models.items():
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            overlap_grad_reduce=False), model)
-        config.no_sync_func = ddp.no_sync
-        config.finalize_model_grads_func = \
-            lambda chunks, tokens, pg_collection=None, force_all_reduce=False: [
-                c.finish_grad_sync() for c in chunks]
-        schedule = forward_backward_paired if name == "mc2" else forward_backward_no_pipelining
-        optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
-        losses = []
-        for batches in steps:
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            store = schedule(forward_step_func=forward_step, data_iterator=iter(batches),
-                             model=[ddp], num_microbatches=len(batches), seq_length=SEQ,
-                             micro_batch_size=BATCH)
-            for p in ddp.parameters():
-                p.grad = p.main_grad
-            optimizer.step()
-            losses.append([float(s["lm loss"]) for s in store])
-        found[name] = losses
+
+def _trained_by(schedule: Any, config: Any, model: Any, steps: list, forward_step: Any
+                ) -> list[list[float]]:
+    """``model`` under Megatron's DDP with its ``no_sync`` and a grad-sync finalize, trained
+    by ``schedule`` (Megatron's ``forward_backward_func`` signature): an Adam step per entry of
+    ``steps`` (its micro-batches); the losses Megatron's ``forward_data_store`` holds, per
+    step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        overlap_grad_reduce=False), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = \
+        lambda chunks, tokens, pg_collection=None, force_all_reduce=False: [
+            c.finish_grad_sync() for c in chunks]
+    optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
+    losses = []
+    for batches in steps:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = schedule(forward_step_func=forward_step, data_iterator=iter(batches),
+                         model=[ddp], num_microbatches=len(batches), seq_length=SEQ,
+                         micro_batch_size=BATCH)
+        for p in ddp.parameters():
+            p.grad = p.main_grad
+        optimizer.step()
+        losses.append([float(s["lm loss"]) for s in store])
+    return losses
+
+
+def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's ``forward_backward_no_pipelining`` on Megatron's model against
+    ``forward_backward_paired`` on the batch-overlap model (same weights), each under
+    Megatron's DDP (:func:`_trained_by`): ``STEPS`` Adam steps of 3 micro-batches; the losses
+    per step. Also what the paired function raises on Megatron's own model (nothing to
+    pair)."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from mc2.integrations.megatron_schedule import forward_backward_paired
+    from tests import megatron_cpu
+
+    config, models, steps, position, mask = _accumulation(rank, world, kind)
+    megatron_cpu.cpu_schedules()
+    forward_step = _forward_step(position, mask)
+    found: dict[str, Any] = {
+        name: _trained_by(forward_backward_paired if name == "mc2"
+                          else forward_backward_no_pipelining, config, model, steps,
+                          forward_step) for name, model in models.items()}
     try:
         forward_backward_paired(forward_step_func=forward_step, data_iterator=iter(steps[0]),
                                 model=[models["megatron"]], num_microbatches=3,
@@ -449,4 +464,69 @@ def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, An
         found["refused"] = None
     except ValueError as exc:
         found["refused"] = str(exc)
+    return found
+
+
+def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's own switch: ``import mc2.integrations.megatron_patch``, a config with
+    ``overlap_moe_expert_parallel_comm=True``, the model built from the patched GPT specs and
+    trained through Megatron's ``get_forward_backward_func()``;
+    against Megatron's model without the flag, unpatched specs, same weights, same function.
+    The losses per step, the paired schedule's calls, the layers, what ``use_mc2`` without
+    ``paired`` makes of the flag, and what Megatron's pipelined schedule does with it."""
+    import mc2
+    import mc2.integrations.megatron_patch as megatron_patch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    from mc2.integrations import megatron_schedule
+    from mc2.integrations.megatron import use_mc2
+    from tests import megatron_cpu
+
+    start_groups(world)
+    fields = dict(hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
+    config = transformer_config(world, **fields)
+    # Megatron's config check refuses the flag without bf16 or fp16 (a limit of its own
+    # kernels), and bf16 would make its attention compute in bf16: the flag is set after the
+    # check, so that both models compute in float32 and compare to rounding
+    flagged = transformer_config(world, **fields)
+    flagged.overlap_moe_expert_parallel_comm = True
+    megatron_patch.unpatch()
+    models = {"megatron": _gpt(config, _spec(config, kind))}
+    found: dict[str, Any] = {}
+    try:
+        _gpt(flagged, use_mc2(_spec(flagged, kind)))
+    except ValueError as exc:
+        found["refused"] = str(exc)
+    megatron_patch.patch(mc2.MC2Config())
+    try:
+        models["mc2"] = _gpt(flagged, _spec(flagged, kind))
+        _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
+        models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+        found["layers"] = [type(layer).__name__ for layer in models["mc2"].decoder.layers]
+        paired: list[int] = []
+        run_pairs = megatron_schedule.run_pairs
+        megatron_schedule.run_pairs = lambda count, *a, **k: paired.append(count) or \
+            run_pairs(count, *a, **k)
+        megatron_cpu.cpu_schedules()
+        g = torch.Generator().manual_seed(11 + rank)
+        position = torch.arange(SEQ).expand(BATCH, SEQ)
+        mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+        steps = [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
+                 for _ in range(STEPS)]
+        forward_step = _forward_step(position, mask)
+        for name, model in models.items():
+            found[name] = _trained_by(schedules.get_forward_backward_func(),
+                                      flagged if name == "mc2" else config, model, steps,
+                                      forward_step)
+        found["paired"] = paired
+        try:  # with pipeline stages: refused, not Megatron's combined 1F1B on mc2's layers
+            schedules.forward_backward_pipelining_without_interleaving(
+                forward_step_func=forward_step, data_iterator=iter(steps[0]),
+                model=[models["mc2"]], num_microbatches=3, seq_length=SEQ,
+                micro_batch_size=BATCH)
+        except ValueError as exc:
+            found["pipelined"] = str(exc)
+    finally:
+        megatron_patch.unpatch()
     return found

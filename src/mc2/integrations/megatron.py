@@ -73,7 +73,8 @@ DEFAULT_CONFIG = MC2Config()
 ENV = "MC2_MEGATRON_CONFIG"
 
 
-def megatron_problem(config: Any, pg_collection: Any) -> str | None:
+def megatron_problem(config: Any, pg_collection: Any, paired_layer: bool = False
+                     ) -> str | None:
     """Why :class:`MC2MoELayer` cannot honour this ``TransformerConfig`` (and process groups),
     or ``None``. Every reason names the field to change.
 
@@ -84,8 +85,13 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
       and attention shards of a token live on several ranks, which mc2's exchange does not
       gather;
     - ``moe_pad_expert_input_to_capacity``: Megatron then sends padding rows as tokens;
-    - ``overlap_moe_expert_parallel_comm`` and ``moe_token_dispatcher_type="flex"``:
-      Megatron's own overlap and DeepEP/HybridEP dispatch, which the layer replaces (use one);
+    - ``moe_token_dispatcher_type="flex"``: DeepEP/HybridEP dispatch, which the layer
+      replaces;
+    - ``overlap_moe_expert_parallel_comm`` in a layer that is no
+      :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``paired_layer``
+      false): mc2 honours it with its own paired schedule, which runs the layers in stages
+      (:mod:`~mc2.integrations.megatron_schedule`); Megatron's combined 1F1B would call the
+      dispatcher's parts this layer does not run;
     - ``add_bias_linear``: Megatron adds the experts' output bias unscaled, mc2 scales the whole
       output by the probability;
     - ``moe_apply_probs_on_input``: the probability scales the input, not the output;
@@ -111,9 +117,11 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
         return ("moe_pad_expert_input_to_capacity is not supported by MC2MoELayer (rows are not "
                 "padded to the capacity; mc2's own capacity mode is MC2Config(capacity=N)); set "
                 "it to False")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        return ("overlap_moe_expert_parallel_comm is Megatron's own All-to-All overlap, which "
-                "MC2MoELayer replaces; set it to False")
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not paired_layer:
+        return ("overlap_moe_expert_parallel_comm=True runs as mc2's paired schedule, whose "
+                "layers must be MC2TransformerLayer: import mc2.integrations.megatron_patch "
+                "before the specs are built, or build them with use_mc2(spec, paired=True); "
+                "or set it to False")
     dispatcher = getattr(config, "moe_token_dispatcher_type", "alltoall")
     if dispatcher not in ("alltoall", "allgather"):
         return (f"moe_token_dispatcher_type={dispatcher!r} is not supported by MC2MoELayer "
@@ -161,16 +169,20 @@ class MC2MoELayer(MoELayer):
         config, submodules, layer_number, pg_collection: as ``MoELayer``.
         mc2_config: how mc2's calls run (default :data:`DEFAULT_CONFIG`); every rank passes the
             same. :func:`use_mc2` puts it in the spec's ``params``.
+        paired_layer: the layer holding this one is an
+            :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (set by
+            :func:`use_mc2`), which ``overlap_moe_expert_parallel_comm`` needs.
 
     Raises:
         ValueError: naming the field, for a setting :func:`megatron_problem` refuses.
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
-                 pg_collection: Any = None, mc2_config: MC2Config | None = None) -> None:
+                 pg_collection: Any = None, mc2_config: MC2Config | None = None,
+                 paired_layer: bool = False) -> None:
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
-        if (problem := megatron_problem(config, pg_collection)) is not None:
+        if (problem := megatron_problem(config, pg_collection, paired_layer)) is not None:
             raise ValueError(problem)
         if mc2_config is not None and not isinstance(mc2_config, MC2Config):
             raise ValueError(f"mc2_config must be an mc2.MC2Config, got "
@@ -448,6 +460,7 @@ def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
         if layer is not None and obj.module in (TransformerLayer, MC2TransformerLayer):
             obj = dataclasses.replace(obj, module=MC2TransformerLayer,
                                       params={**obj.params, **layer})
+            extra = {**extra, "paired_layer": True}  # its MoE layer's
         if isinstance(obj.module, type) and issubclass(obj.module, MoELayer):
             raise ValueError(f"use_mc2: {where} is {obj.module.__name__}, a MoELayer subclass of "
                              "the model's own; use_mc2 replaces only MoELayer")
@@ -468,7 +481,8 @@ def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
 
 
 def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None,
-            batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS) -> Any:
+            batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS,
+            paired: bool = False) -> Any:
     r"""A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
     block's ``TransformerBlockSubmodules``) whose ``MoELayer`` specs build :class:`MC2MoELayer`
     with ``config``; their submodules (router, experts, shared experts) are kept, so the model's
@@ -485,6 +499,13 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     of the batch interleaved stage by stage across layers (``docs/megatron.md``);
     ``min_tokens``: tokens per rank below which a forward runs unsplit.
 
+    ``paired``: the ``TransformerLayer``\ s are built as ``MC2TransformerLayer`` even without
+    batch overlap (each forward unsplit), so that a paired schedule (one micro-batch's forward
+    beside another's backward: Megatron's ``overlap_moe_expert_parallel_comm=True`` under
+    :mod:`~mc2.integrations.megatron_patch`,
+    :func:`~mc2.integrations.megatron_schedule.forward_backward_paired`,
+    :func:`mc2.forward_backward`) can run them in stages.
+
     Raises:
         ValueError: ``spec`` holds no ``MoELayer`` (``spec`` names the argument), or a subclass
             of ``MoELayer`` of the model's own (which the rewrite would lose); a config that
@@ -500,7 +521,7 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     if batch_overlap not in (False, True, "auto"):
         raise ValueError(f"batch_overlap must be True, False or 'auto', got {batch_overlap!r}")
     layer = None
-    if batch_overlap:
+    if batch_overlap or paired:
         layer = {"batch_overlap": batch_overlap, "min_tokens": min_tokens}
         if isinstance(spec, TransformerBlockSubmodules):  # this stage's layers, as built
             layer["stage_layers"] = len(spec.layer_specs)
@@ -512,8 +533,9 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
                  for i, s in enumerate(out.layer_specs) if getattr(s, "module", None)
                  is not MC2TransformerLayer]
         if other:
-            raise ValueError(f"use_mc2(batch_overlap=...): {other} are not TransformerLayer "
-                             "specs; batch overlap runs a block of TransformerLayers")
+            raise ValueError(f"use_mc2(batch_overlap=... or paired=True): {other} are not "
+                             "TransformerLayer specs; batch overlap and the paired schedule "
+                             "run a block of TransformerLayers")
     if not found:
         raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
     return out

@@ -20,13 +20,26 @@ JSON file, with :class:`~mc2.MC2Config`'s fields (``MC2Config.to_dict``'s form).
 empty: :data:`~mc2.integrations.megatron.DEFAULT_CONFIG`. :func:`patch` patches again with
 another config; :func:`unpatch` restores Megatron's functions.
 
+**The layers.** The GPT layer and block spec functions (``get_gpt_layer_local_spec``,
+``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``) are wrapped
+too, so that a spec holding a MoE layer builds its ``TransformerLayer`` specs as
+``MC2TransformerLayer`` (``use_mc2(..., paired=True)``: Megatron's parameters and keys; it runs
+as ``TransformerLayer`` unless batch overlap or the paired schedule is on). A block spec with
+layers of other kinds keeps Megatron's layers (its MoE layers are still mc2's).
+
 **Batch overlap** across the layers (``docs/megatron.md``): ``"batch_overlap": true`` (or
-``"auto"``) in the same JSON also wraps the GPT layer and block spec functions
-(``get_gpt_layer_local_spec``, ``get_gpt_layer_with_transformer_engine_spec``,
-``get_gpt_decoder_block_spec``), so that a spec holding a MoE layer builds its
-``TransformerLayer`` specs as ``MC2TransformerLayer``::
+``"auto"``) in the same JSON::
 
     MC2_MEGATRON_CONFIG='{"batch_overlap": true}' python pretrain_gpt.py ...
+
+**Megatron's ``overlap_moe_expert_parallel_comm=True``** (``--overlap-moe-expert-parallel-comm``)
+is honoured on every backend: Megatron's ``forward_backward_no_pipelining`` (what
+``get_forward_backward_func()`` returns without pipeline stages) is wrapped so that, with the
+flag in the model's config, a training call runs
+:func:`~mc2.integrations.megatron_schedule.forward_backward_paired`, mc2's schedule of one
+micro-batch's forward beside another's backward, in place of Megatron's combined 1F1B (which
+needs CUDA streams and Megatron's own dispatcher). Without the flag, and for forward-only
+calls, Megatron's function runs as it is.
 """
 
 from __future__ import annotations
@@ -77,14 +90,66 @@ def _wrapped(original: Callable[..., Any], rewrite: Callable[[Any], Any],
     return through_mc2
 
 
+def _layers(spec: Any, config: MC2Config, overlap: bool | str) -> Any:
+    """A layer or block spec holding a MoE layer, its layers ``MC2TransformerLayer``; a block
+    that also holds other kinds of layers (which no layer loop of mc2 runs) as it was, bar its
+    MoE layers, unless batch overlap was asked for (then it is refused)."""
+    if not holds_moe_layer(spec):
+        return spec
+    try:
+        return use_mc2(spec, config=config, batch_overlap=overlap, paired=True)
+    except ValueError:
+        if overlap:
+            raise
+        return use_mc2(spec, config=config)
+
+
+def _pipelined_refused(**kwargs: Any) -> Any:
+    raise ValueError("overlap_moe_expert_parallel_comm=True with pipeline parallelism: mc2 "
+                     "runs the flag as its paired schedule, which is built for no pipeline "
+                     "stages only (Megatron's combined 1F1B calls its dispatcher's parts, "
+                     "which mc2's layers do not run); set it to False or "
+                     "pipeline_model_parallel_size=1")
+
+
+def _paired_when_asked(original: Callable[..., Any], paired: Callable[..., Any]
+                       ) -> Callable[..., Any]:
+    """Megatron's schedule ``original``, running ``paired`` instead where the model's config
+    sets ``overlap_moe_expert_parallel_comm`` in a training call (module docstring)."""
+    from megatron.core.utils import get_model_config
+
+    @functools.wraps(original)
+    def schedule(**kwargs: Any) -> Any:
+        model = kwargs["model"]
+        first = model[0] if isinstance(model, list) else model
+        if not kwargs.get("forward_only") and \
+                get_model_config(first).overlap_moe_expert_parallel_comm:
+            return paired(**kwargs)
+        return original(**kwargs)
+
+    schedule.__mc2_original__ = original  # type: ignore[attr-defined]
+    return schedule
+
+
+# Megatron's schedules and what runs in their place with overlap_moe_expert_parallel_comm
+# (None: mc2's paired schedule)
+_SCHEDULES: dict[str, Callable[..., Any] | None] = {
+    "forward_backward_no_pipelining": None,
+    "forward_backward_pipelining_with_interleaving": _pipelined_refused,
+    "forward_backward_pipelining_without_interleaving": _pipelined_refused,
+}
+
+
 def patch(config: MC2Config | None = None, batch_overlap: bool | str | None = None
           ) -> MC2Config:
     """Make every MoE spec Megatron's GPT spec functions build an ``MC2MoELayer`` spec with
-    ``config`` (default: from :data:`ENV`); with ``batch_overlap`` (default: from :data:`ENV`)
-    ``True`` or ``"auto"``, their layer and block specs holding a MoE layer also build
-    ``MC2TransformerLayer`` layers (``use_mc2(..., batch_overlap=...)``). The config in force."""
+    ``config`` (default: from :data:`ENV`), and their layer and block specs holding a MoE layer
+    ``MC2TransformerLayer`` layers, with ``batch_overlap`` (default: from :data:`ENV`);
+    Megatron's ``forward_backward_no_pipelining`` honours ``overlap_moe_expert_parallel_comm``
+    with mc2's paired schedule (module docstring). The config in force."""
     import megatron.core.models.gpt.gpt_layer_specs as layer_specs
     import megatron.core.models.gpt.moe_module_specs as moe_specs
+    from megatron.core.pipeline_parallel import schedules
 
     from_env, env_overlap = settings_from_env()
     config = from_env if config is None else config
@@ -96,14 +161,14 @@ def patch(config: MC2Config | None = None, batch_overlap: bool | str | None = No
     unpatch()
     _install(moe_specs, _NAME, _wrapped(_original(getattr(moe_specs, _NAME)),
                                         lambda spec: use_mc2(spec, config=config), config))
-    if overlap:
-        def with_overlap(spec: Any) -> Any:
-            return use_mc2(spec, config=config, batch_overlap=overlap) \
-                if holds_moe_layer(spec) else spec
+    for name in _LAYER_SPECS:
+        _install(layer_specs, name, _wrapped(_original(getattr(layer_specs, name)),
+                                             lambda spec: _layers(spec, config, overlap), config))
+    from mc2.integrations.megatron_schedule import forward_backward_paired
 
-        for name in _LAYER_SPECS:
-            _install(layer_specs, name,
-                     _wrapped(_original(getattr(layer_specs, name)), with_overlap, config))
+    for name, paired in _SCHEDULES.items():
+        _install(schedules, name, _paired_when_asked(
+            _original(getattr(schedules, name)), paired or forward_backward_paired))
     return config
 
 
@@ -111,8 +176,10 @@ def unpatch() -> None:
     """Megatron's own spec functions back, wherever :func:`patch` put its wrappers."""
     import megatron.core.models.gpt.gpt_layer_specs as layer_specs
     import megatron.core.models.gpt.moe_module_specs as moe_specs
+    from megatron.core.pipeline_parallel import schedules
 
-    for home, name in [(moe_specs, _NAME), *((layer_specs, n) for n in _LAYER_SPECS)]:
+    for home, name in [(moe_specs, _NAME), *((schedules, n) for n in _SCHEDULES),
+                       *((layer_specs, n) for n in _LAYER_SPECS)]:
         _install(home, name, _original(getattr(home, name)))
 
 

@@ -7,14 +7,21 @@ backward: a ``forward_backward_func`` with the signature of Megatron's
                                      model=[model], num_microbatches=8, seq_length=s,
                                      micro_batch_size=b)
 
+Megatron's own switch does the same: with ``overlap_moe_expert_parallel_comm=True`` in the
+model's config, :mod:`~mc2.integrations.megatron_patch` makes Megatron's
+``forward_backward_no_pipelining`` (what ``get_forward_backward_func()`` returns without
+pipeline stages) this function, on every backend; the layers it builds are
+``MC2TransformerLayer`` layers, which this schedule runs in stages.
+
 Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step`` (its
 ``forward_step_func``, loss scaling, token counts and ``forward_data_store``), every backward
 but the last under ``config.no_sync_func`` and ``config.finalize_model_grads_func`` at the end,
 as Megatron's schedule runs them; the forward of micro-batch n+1 runs beside the backward of
 micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). The model's layers must be
 :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``use_mc2(spec,
-batch_overlap=True or "auto")``); a forward-only call, one micro-batch, or a config with
-Megatron's own combined 1F1B or hybrid context parallelism runs Megatron's function as it is.
+batch_overlap=True or "auto")``, or ``paired=True``); a forward-only call, one micro-batch
+(without ``overlap_moe_expert_parallel_comm``), or a config with hybrid context parallelism
+runs Megatron's function as it is.
 """
 
 from __future__ import annotations
@@ -32,6 +39,23 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 
+def megatrons(**kwargs: Any) -> Any:
+    """Megatron's own ``forward_backward_no_pipelining`` (not the patch's, which may be this
+    module's), with its own handling of ``overlap_moe_expert_parallel_comm`` off: its combined
+    1F1B would call the dispatcher's parts, which mc2's layers do not run."""
+    function = schedules.forward_backward_no_pipelining
+    function = getattr(function, "__mc2_original__", function)
+    if kwargs.get("forward_only"):  # Megatron's flag only changes the training schedule
+        return function(**kwargs)
+    model = kwargs["model"]
+    config = get_model_config(model[0] if isinstance(model, list) else model)
+    if not config.overlap_moe_expert_parallel_comm:
+        return function(**kwargs)
+    raise ValueError("overlap_moe_expert_parallel_comm=True under mc2 runs mc2's paired "
+                     "schedule, which takes one model chunk without hybrid context "
+                     "parallelism; set it to False")
+
+
 def forward_backward_paired(**kwargs: Any) -> list[Any]:
     """Megatron's ``forward_backward_no_pipelining`` (same keywords, same result: the
     ``forward_data_store``), each micro-batch's forward after the first run beside the
@@ -44,15 +68,15 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
     model, data_iterator = kwargs["model"], kwargs["data_iterator"]
     if isinstance(model, list):
         if len(model) != 1:  # Megatron's own function refuses model chunks
-            return schedules.forward_backward_no_pipelining(**kwargs)
+            return megatrons(**kwargs)
         model = model[0]
     if isinstance(data_iterator, list) and len(data_iterator) == 1:
         data_iterator = data_iterator[0]
     config = get_model_config(model)
     count = kwargs["num_microbatches"]
-    if kwargs.get("forward_only") or count < 2 or config.overlap_moe_expert_parallel_comm \
-            or getattr(config, "hybrid_context_parallel", False):
-        return schedules.forward_backward_no_pipelining(**kwargs)
+    if kwargs.get("forward_only") or getattr(config, "hybrid_context_parallel", False) or (
+            count < 2 and not config.overlap_moe_expert_parallel_comm):
+        return megatrons(**kwargs)
     pg_collection = kwargs.get("pg_collection")
     cp_size = pg_collection.cp.size() if pg_collection is not None else \
         parallel_state.get_context_parallel_world_size()
