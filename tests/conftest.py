@@ -16,5 +16,12 @@ HEAVY = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distribute
          *(f"transformers.models.{m}.modeling_{m}" for m in (
              "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "olmoe", "glm4_moe",
              "granitemoe", "phimoe", "jamba"))]
+# Megatron-Core and TorchTitan, as their tests' ranks import them (about 4 s a rank each;
+# the CPU shims patch their modules after the fork, in each rank; the patch import is not
+# preloaded: it rewrites Megatron's spec functions when imported)
+FRAMEWORKS = ["megatron.core.models.gpt", "megatron.core.distributed",
+              "megatron.core.pipeline_parallel.schedules", "mc2.integrations.megatron",
+              "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3.model",
+              "torchtitan.config", "torchtitan.components.loss", "mc2.integrations.torchtitan"]
 preload(*(f"tests.{path.stem}" for path in sorted(__import__("pathlib").Path(__file__).parent.glob(
-    "workers*.py"))), "tests.fake_stream_backend", *HEAVY)
+    "workers*.py"))), "tests.fake_stream_backend", *HEAVY, *FRAMEWORKS)

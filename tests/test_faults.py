@@ -285,7 +285,7 @@ def test_ctrl_c_during_bench_across_nodes_leaves_nothing_behind() -> None:
 
     proc = subprocess.Popen([sys.executable, "-m", "mc2.tools.cli", "bench", "--nodes", "2",
                              "--ranks-per-node", "1", "--inter-node-bandwidth", "100mbit",
-                             "--tokens-per-rank", "2048", "--hidden", "256", "--repeats", "50"],
+                             "--tokens-per-rank", "512", "--hidden", "128", "--repeats", "200"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
     try:
