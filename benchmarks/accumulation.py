@@ -13,7 +13,9 @@ regime (each after one untimed step at every switch), median of the slowest rank
 - ``paired``: ``mc2.forward_backward(overlap=True)``: micro-batch n+1's forward beside n's
   backward, layer by layer;
 - ``paired-k2`` (asked for by ``--modes``): the same, each layer's call also split in two
-  micro-batches inside (MC2's in-layer pipeline under the pairing).
+  micro-batches inside (MC2's in-layer pipeline under the pairing);
+- ``auto`` (asked for by ``--modes``): ``mc2.forward_backward(overlap="auto")``, decided in
+  its warm-up (both schedules measured, the faster kept), then timed as it runs.
 
 The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
 loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped
@@ -43,7 +45,8 @@ from layer_rounds import until_auto_locked  # noqa: E402
 from model_overlap import LATENCY, SHAPE, _model, _set_mode  # noqa: E402
 
 MODES = ("serial", "mc2", "batch", "paired")
-OPTIONAL_MODES = ("paired-k2",)  # paired, each call split in two micro-batches inside too
+# paired, each call split in two micro-batches inside too; forward_backward's "auto"
+OPTIONAL_MODES = ("paired-k2", "auto")
 
 
 def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -51,8 +54,8 @@ def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
-    if mode.startswith("paired"):
-        mc2.forward_backward(model, batches, _loss, overlap=True)
+    if mode.startswith("paired") or mode == "auto":
+        mc2.forward_backward(model, batches, _loss, overlap=True if mode != "auto" else "auto")
         return
     for ids in batches:
         _loss(model, ids).backward()
@@ -61,7 +64,7 @@ def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
 def _set(model: Any, mode: str) -> None:
     """``model_overlap``'s modes; paired runs each micro-batch whole (no split), its calls
     overlapped (the staged calls run K = 1: the other micro-batch gives the overlap)."""
-    _set_mode(model, "mc2" if mode.startswith("paired") else mode)
+    _set_mode(model, "mc2" if mode.startswith("paired") or mode == "auto" else mode)
     if mode == "paired-k2":
         from mc2.integrations.transformers import MC2SparseMoeBlock
 
@@ -85,6 +88,9 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
         _set(model, mode)
         _step(model, mode, batches)
         until_auto_locked(lambda m=mode: _step(model, m, batches[:1]))
+    if "auto" in modes:  # forward_backward's "auto" decides on whole steps
+        _set(model, "auto")
+        decided = _decided(model, lambda: _step(model, "auto", batches))
     for _ in range(rounds):
         for mode in modes:
             _set(model, mode)
@@ -95,7 +101,19 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
                 start = clock.stamp()
                 _step(model, mode, batches)
                 times[mode].append(clock.elapsed(start, clock.stamp()))
-    return {"times": times}
+    return {"times": times, **({"auto_chose_pairing": decided} if "auto" in modes else {})}
+
+
+def _decided(model: Any, step: Any, most: int = 40) -> bool:
+    """Steps until ``mc2.forward_backward``'s ``"auto"`` has chosen; what it chose."""
+    from mc2.forward_backward import _DECISION
+
+    for _ in range(most):
+        step()
+        chosen = model.__dict__[_DECISION].chosen
+        if chosen is not None:
+            return chosen
+    raise RuntimeError(f'forward_backward "auto" did not decide in {most} steps')
 
 
 def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int, seq: int,
@@ -149,7 +167,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for mode in ranks[0]["times"]:
         slowest = [max(v) for v in zip(*(r["times"][mode] for r in ranks))]
         steps[mode] = {"median_s": statistics.median(slowest), "steps_s": slowest}
-    return {"steps": steps}
+    return {"steps": steps, **{k: v for k, v in ranks[0].items() if k != "times"}}
 
 
 def bounds(results: dict[str, Any]) -> dict[str, Any]:
@@ -219,14 +237,29 @@ def main() -> int:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                              "memory_mib": memory}, indent=1))
         return 0
+    measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="serial")
+    return 0
+
+
+def measure_regimes(rank_fn: Any, args: argparse.Namespace, modes: tuple[str, ...],
+                    serial: str) -> dict[str, Any]:
+    """``rank_fn(rank, world, micro_batches, batch, seq, steps, rounds, modes, layers)`` on 2
+    ranks in each of ``--regimes`` (shaped ones with ``tc``, always removed), printed, with
+    the bounds taken from mode ``serial`` (the synchronous loop), and written to ``--json``
+    after each regime."""
     regimes = args.regimes.split(",")
     if any(r != "plain" for r in regimes) and (why := can_shape()):
         raise SystemExit(f"shaped regimes: {why}")
-    modes = tuple(args.modes.split(","))
     results: dict[str, Any] = {}
+
+    def bounds_now() -> dict[str, Any]:
+        return bounds({r: {"steps": {("serial" if m == serial else m): s
+                                     for m, s in res["steps"].items()}}
+                       for r, res in results.items()})
+
     for regime in regimes:
         print(f"== {regime}", file=sys.stderr, flush=True)
-        run = lambda: mc2.run_local(rank_steps, 2, args=(  # noqa: E731
+        run = lambda: mc2.run_local(rank_fn, 2, args=(  # noqa: E731
             args.micro_batches, args.batch, args.seq, args.steps, args.rounds, modes,
             args.layers), timeout_s=3600, deadline_s=6 * 3600)
         if regime == "plain":
@@ -236,18 +269,18 @@ def main() -> int:
                 ranks = run()
         results[regime] = summarize(ranks)
         for mode, s in results[regime]["steps"].items():
-            print(f"{regime:>8} {mode:>7}: {s['median_s']:.2f} s  "
+            print(f"{regime:>8} {mode:>8}: {s['median_s']:.2f} s  "
                   f"({', '.join(f'{t:.2f}' for t in s['steps_s'])})", flush=True)
         if args.json:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                             "results": results, "bounds": bounds(results)},
+                                             "results": results, "bounds": bounds_now()},
                                             indent=1))
-    for regime, b in bounds(results).items():
+    for regime, b in bounds_now().items():
         print(f"{regime}: T_comp {b['T_comp']:.2f} s, T_comm {b['T_comm']:.2f} s, bound "
               f"{b['bound']:.2f} s; step / bound "
               + ", ".join(f"{m} {v:.3f}" for m, v in b["vs_bound"].items())
               + "; / mc2 " + ", ".join(f"{m} {v:.3f}" for m, v in b["vs_mc2"].items()))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from a :class:`~mc2.engine.transport.workspace.Workspace`, so steady-state calls
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -217,6 +218,15 @@ class ExpertActivations:
 
     x: Tensor
     gate_up: Tensor
+
+    def saved(self) -> tuple[Tensor, ...]:
+        """The tensors ``save_for_backward`` keeps for this micro-batch."""
+        return (self.x, self.gate_up)
+
+    def restored(self, tensors: Sequence[Tensor]) -> ExpertActivations:
+        """The activations from :meth:`saved`'s tensors as a saved-tensor hook hands them
+        back."""
+        return ExpertActivations(*tensors)
 
 
 def swiglu_forward(

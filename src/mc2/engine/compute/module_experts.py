@@ -65,8 +65,21 @@ def stand_in_problem(module: nn.Module) -> str | None:
     return None
 
 
+class KeptAsIs:
+    """Activations kept as they are, not through ``save_for_backward``: an autograd graph of
+    their own (a module stage's, a dense capacity pass's), or a capacity pass's sorted pairs.
+    The same two methods as :class:`~mc2.engine.compute.experts.ExpertActivations`, so the
+    pass's state never asks which it holds."""
+
+    def saved(self) -> tuple[Tensor, ...]:
+        return ()
+
+    def restored(self, tensors: Any) -> Any:
+        return self
+
+
 @dataclass
-class ModuleActivations:
+class ModuleActivations(KeptAsIs):
     """One micro-batch's forward, kept for its backward: the rows as a leaf, the leaves that
     stood for the parameters, and the module's output (the root of its autograd graph)."""
 

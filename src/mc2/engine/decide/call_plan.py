@@ -106,6 +106,14 @@ class CallPlan:
     module: ModuleExperts | None = None
     travel: str = "pairs"
 
+    def routed_experts(self, tensors: tuple[Tensor, ...]) -> ExpertWeights | ModuleExperts:
+        """The routed experts this call runs, on ``tensors`` (the autograd node's): the
+        module stage bound to them, or mc2's SwiGLU in their layout's order. Both have the
+        same experts-stage methods, so a pass never asks which it holds."""
+        if self.module is not None:
+            return self.module.bound(tensors)
+        return ExpertWeights.in_order(tensors)
+
 
 def _wants_two_stage(hierarchy: str, group: Any, timeline: Timeline | None,
                      rows_per_rank: int, like: Tensor, wire: WirePair

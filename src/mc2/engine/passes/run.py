@@ -93,11 +93,9 @@ class CallInputs(Generic[T]):
             return None
         return ExpertWeights.split_of(self.shared_up, self.shared_gate, self.shared_down)
 
-    def routed_weights(self, call: CallPlan | None = None) -> ExpertWeights | ModuleExperts:
-        """The routed experts: a module's (:attr:`CallPlan.module`) or mc2's SwiGLU."""
-        if call is not None and call.module is not None:
-            return call.module.bound(tuple(self.experts))
-        return ExpertWeights.in_order(tuple(self.experts))
+    def routed_weights(self, call: CallPlan) -> ExpertWeights | ModuleExperts:
+        """The routed experts as the call runs them (:meth:`CallPlan.routed_experts`)."""
+        return call.routed_experts(tuple(self.experts))
 
 
 SHARED_WEIGHTS = ("shared_up", "shared_gate", "shared_down")
@@ -133,10 +131,10 @@ class ForwardState:
 
     def tensors(self) -> list[Tensor | None]:
         """Every tensor of the state (for ``save_for_backward``), in :meth:`with_tensors`'
-        order. A module stage's activations are its own autograd graph: they stay as they
-        are (:mod:`~mc2.engine.compute.module_experts`)."""
-        rows = [t for a in self.activations if isinstance(a, ExpertActivations)
-                for t in (a.x, a.gate_up)]
+        order; each micro-batch's activations give what they keep (``saved()``: a module
+        stage's are its own autograd graph and give nothing,
+        :mod:`~mc2.engine.compute.module_experts`)."""
+        rows = [t for a in self.activations if a is not None for t in a.saved()]
         return [self.shared_gate_up, self.expert_out, self.shared_out, *(self.kept or ()),
                 *rows]
 
@@ -144,10 +142,9 @@ class ForwardState:
         """The state with :meth:`tensors` replaced (as a saved-tensor hook hands them back)."""
         shared_gate_up, expert_out, shared_out, *rest = tensors
         n = len(self.kept or ())
-        kept, rows = (rest[:n] if self.kept is not None else None), rest[n:]
-        pairs = iter(zip(rows[0::2], rows[1::2]))
-        activations = [ExpertActivations(*next(pairs)) if isinstance(a, ExpertActivations)
-                       else a for a in self.activations]
+        kept, rows = (rest[:n] if self.kept is not None else None), iter(rest[n:])
+        activations = [None if a is None else a.restored([next(rows) for _ in a.saved()])
+                       for a in self.activations]
         return ForwardState(self.call, self.x_shape, activations, shared_gate_up, expert_out,
                             shared_out, kept)
 

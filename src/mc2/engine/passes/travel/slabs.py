@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.compute.experts import ExpertActivations
-from mc2.engine.compute.module_experts import ModuleGrads
+from mc2.engine.compute.module_experts import KeptAsIs, ModuleGrads
 from mc2.engine.decide.capacity import HEADER, CapacityHandle, record_errors
 from mc2.engine.decide.dedup import slot_ids
 from mc2.engine.decide.overflow import check_at_once, raises_at_once
@@ -70,17 +70,17 @@ class SortedPairs:
 
 
 @dataclass
-class SortedActivations:
+class SortedActivations(KeptAsIs):
     """One micro-batch of :class:`Sorted`: its pairs, the experts' saved inputs, and each
     pair's expert output where the combine weights need a gradient."""
 
     pairs: SortedPairs
-    saved: ExpertActivations | None
+    expert_inputs: ExpertActivations | None
     y: Tensor | None  # [R*k, H]
 
 
 @dataclass
-class DenseActivations:
+class DenseActivations(KeptAsIs):
     """One micro-batch of :class:`Dense`: the leaves and the output of its graph."""
 
     rows: Tensor
@@ -119,7 +119,7 @@ class Sorted:
         if saved.y is not None:  # each pair's weight's gradient, filed in the tables' places
             dots = torch.where(pairs.valid[:, 0], (saved.y * rows).sum(-1), 0)
             slots.index_copy_(0, pairs.slots, dots.to(torch.float64))
-        grad_in, work = self.experts.backward(saved.saved, rows * pairs.weights.unsqueeze(1),
+        grad_in, work = self.experts.backward(saved.expert_inputs, rows * pairs.weights.unsqueeze(1),
                                               [], pairs.offsets, grads, strategy="grouped",
                                               workspace=self.call.workspace)
         grads.add(work, strategy="grouped")  # (nothing where no row came: work is None)
