@@ -13,9 +13,11 @@ interleaved step by step in one world per regime, median of the slowest rank's s
   ``forward_backward_no_pipelining`` (its sequential loop; its combined 1F1B needs CUDA);
 - ``mc2``: the model built from the GPT specs under ``import mc2.integrations.megatron_patch``,
   the same function (MC2 inside each layer, ``"auto"``);
-- ``paired``: the same model and function with Megatron's own
-  ``overlap_moe_expert_parallel_comm=True``: mc2's paired schedule (micro-batch n+1's forward
-  beside n's backward).
+- ``paired``: the same model through ``megatron_schedule.forward_backward_paired``: mc2's
+  paired schedule (micro-batch n+1's forward beside n's backward) on every step;
+- ``flag``: the same model and Megatron's function with Megatron's own
+  ``overlap_moe_expert_parallel_comm=True``: under the patch, the paired schedule where its
+  first steps (the warm-up) measured it faster than the sequential loop, else that loop.
 
 The bound, as in ``accumulation.py``: ``max(T_comp, T_comm)``, ``T_comp`` Megatron's step on
 plain loopback (its exchanges are synchronous), ``T_comm`` its shaped step minus that::
@@ -38,10 +40,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import mc2  # noqa: E402
-from accumulation import measure_regimes  # noqa: E402
+from accumulation import _decided, measure_regimes  # noqa: E402
 from model_overlap import SHAPE  # noqa: E402
 
-MODES = ("megatron", "mc2", "paired")
+MODES = ("megatron", "mc2", "paired", "flag")
 
 
 def _models(rank: int, world: int, layers: int, seq: int) -> tuple[Any, dict[str, Any]]:
@@ -95,6 +97,7 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
     from megatron.core.pipeline_parallel import schedules
 
     from mc2.device.clock import clock_for
+    from mc2.integrations.megatron_schedule import forward_backward_paired
     from layer_rounds import until_auto_locked
 
     config, models = _models(rank, world, layers, seq)
@@ -110,17 +113,21 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
         return output, lambda out: (out.float().mean(), {"lm loss": out.detach().mean()})
 
     def step(mode: str, count: int = micro_batches) -> None:
-        config.overlap_moe_expert_parallel_comm = mode == "paired"  # read per call
-        schedules.get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches[:count]),
-            model=[models["megatron" if mode == "megatron" else "mc2"]],
-            num_microbatches=count, seq_length=seq, micro_batch_size=batch)
+        config.overlap_moe_expert_parallel_comm = mode == "flag"  # read per call
+        function = forward_backward_paired if mode == "paired" else \
+            schedules.get_forward_backward_func()
+        function(forward_step_func=forward_step, data_iterator=iter(batches[:count]),
+                 model=[models["megatron" if mode == "megatron" else "mc2"]],
+                 num_microbatches=count, seq_length=seq, micro_batch_size=batch)
 
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
+    found: dict[str, Any] = {}
     for mode in modes:  # warm up every mode (and let the in-layer "auto" settle its K)
         step(mode)
-        until_auto_locked(lambda m=mode: step(m, 1) if m != "paired" else step(m))
+        until_auto_locked(lambda m=mode: step(m, 1) if m in ("megatron", "mc2") else step(m))
+        if mode == "flag":  # the flag's "auto" decides on whole steps
+            found["flag_chose_pairing"] = _decided(models["mc2"], lambda: step("flag"))
     for _ in range(rounds):
         for mode in modes:
             step(mode)  # untimed at every switch
@@ -131,7 +138,7 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
                 start = clock.stamp()
                 step(mode)
                 times[mode].append(clock.elapsed(start, clock.stamp()))
-    return {"times": times}
+    return {"times": times, **found}
 
 
 def main() -> int:

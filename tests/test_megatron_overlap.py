@@ -224,11 +224,12 @@ def test_megatrons_own_overlap_flag_runs_the_paired_schedule_through_the_patch(
         world: int, kind: str) -> None:
     """Megatron's ``overlap_moe_expert_parallel_comm=True`` under ``import
     mc2.integrations.megatron_patch``: the patched specs build ``MC2TransformerLayer`` layers
-    and Megatron's ``get_forward_backward_func()`` runs mc2's paired schedule (one call per
-    step, 3 micro-batches), equal to Megatron's model without the flag, same weights, same
-    function: every micro-batch's loss over 4 Adam steps, 1e-5 (with and without a shared
-    expert, 2 and 4 ranks). ``use_mc2`` without ``paired`` refuses the flag, naming it, and so
-    does Megatron's pipelined schedule under the patch."""
+    and Megatron's ``get_forward_backward_func()`` runs mc2's paired schedule where it
+    measures faster (its first steps run both ways; 3 micro-batches a step), equal to
+    Megatron's model without the flag, same weights, same function: every micro-batch's
+    loss over 4 Adam steps, 1e-5 (with and without a shared expert, 2 and 4 ranks).
+    ``use_mc2`` without ``paired`` refuses the flag, naming it, and so does Megatron's
+    pipelined schedule under the patch."""
     from tests.workers_megatron_overlap import megatrons_flag_through_the_patch
 
     for found in mc2.run_local(megatrons_flag_through_the_patch, world, args=(kind,),
@@ -237,7 +238,8 @@ def test_megatrons_own_overlap_flag_runs_the_paired_schedule_through_the_patch(
         got = [x for step in found["mc2"] for x in step]
         assert len(want) == 12 and len(set(want)) == len(want)
         assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
-        assert found["paired"] == [3] * 4
+        # "auto": its first steps run both ways (and the losses are Megatron's either way)
+        assert found["paired"] and set(found["paired"]) == {3}, found["paired"]
         assert set(found["layers"]) == {"MC2TransformerLayer"}
         assert "overlap_moe_expert_parallel_comm" in found["refused"]
         assert "paired=True" in found["refused"]

@@ -15,7 +15,7 @@ runs whole (not split in two), its layers in stages.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,7 @@ from mc2.engine.decide.batch_split import BatchOverlapDecision
 __all__ = ["forward_backward"]
 
 _DECISION = "_mc2_forward_backward"  # the model's "auto" decision, kept on the model
+T = TypeVar("T")
 
 
 def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
@@ -58,16 +59,27 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     if not torch.is_grad_enabled():
         raise ValueError("forward_backward: gradients are disabled (torch.no_grad); it runs "
                          "backwards")
+    return decided_schedule(model, overlap, group, len(batches),
+                            paired=lambda: _paired(model, batches, loss_fn),
+                            sequential=lambda: _sequential(model, batches, loss_fn))
+
+
+def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: int, *,
+                     paired: Callable[[], T], sequential: Callable[[], T]) -> T:
+    """``paired()`` or ``sequential()`` (one step of ``count`` micro-batches), as the model's
+    decision for ``overlap`` says: ``True`` pairs, ``False`` does not, ``"auto"`` times its
+    first steps both ways (agreed on ``group``) and keeps the faster. A framework's own
+    accumulation loop (Megatron's) decides through this too."""
     decision = _decision(model, overlap, group)
-    paired = len(batches) > 1 and decision.wanted(2, 1)
-    run, trials = _paired if paired else _sequential, decision.now()
+    pairs = count > 1 and decision.wanted(2, 1)
+    run, trials = paired if pairs else sequential, decision.now()
     if trials.chosen is not None or trials.warming:
-        return run(model, batches, loss_fn)
+        return run()
     clock = clock_for(_device(model))
     start = clock.stamp()
-    losses = run(model, batches, loss_fn)
-    decision.measured(paired, clock.elapsed(start, clock.stamp()), trials)
-    return losses
+    out = run()
+    decision.measured(pairs, clock.elapsed(start, clock.stamp()), trials)
+    return out
 
 
 def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlapDecision:

@@ -36,10 +36,11 @@ layers of other kinds keeps Megatron's layers (its MoE layers are still mc2's).
 is honoured on every backend: Megatron's ``forward_backward_no_pipelining`` (what
 ``get_forward_backward_func()`` returns without pipeline stages) is wrapped so that, with the
 flag in the model's config, a training call runs
-:func:`~mc2.integrations.megatron_schedule.forward_backward_paired`, mc2's schedule of one
-micro-batch's forward beside another's backward, in place of Megatron's combined 1F1B (which
-needs CUDA streams and Megatron's own dispatcher). Without the flag, and for forward-only
-calls, Megatron's function runs as it is.
+:func:`~mc2.integrations.megatron_schedule.forward_backward_decided`, mc2's schedule of one
+micro-batch's forward beside another's backward where its first steps measured it faster than
+the sequential loop (as ``mc2.forward_backward(overlap="auto")``), in place of Megatron's
+combined 1F1B (which needs CUDA streams and Megatron's own dispatcher). Without the flag, and
+for forward-only calls, Megatron's function runs as it is.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def _paired_when_asked(original: Callable[..., Any], paired: Callable[..., Any]
 
 
 # Megatron's schedules and what runs in their place with overlap_moe_expert_parallel_comm
-# (None: mc2's paired schedule)
+# (None: mc2's paired schedule where it measures faster)
 _SCHEDULES: dict[str, Callable[..., Any] | None] = {
     "forward_backward_no_pipelining": None,
     "forward_backward_pipelining_with_interleaving": _pipelined_refused,
@@ -164,11 +165,11 @@ def patch(config: MC2Config | None = None, batch_overlap: bool | str | None = No
     for name in _LAYER_SPECS:
         _install(layer_specs, name, _wrapped(_original(getattr(layer_specs, name)),
                                              lambda spec: _layers(spec, config, overlap), config))
-    from mc2.integrations.megatron_schedule import forward_backward_paired
+    from mc2.integrations.megatron_schedule import forward_backward_decided
 
     for name, paired in _SCHEDULES.items():
         _install(schedules, name, _paired_when_asked(
-            _original(getattr(schedules, name)), paired or forward_backward_paired))
+            _original(getattr(schedules, name)), paired or forward_backward_decided))
     return config
 
 

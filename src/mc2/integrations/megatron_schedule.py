@@ -33,6 +33,7 @@ import torch
 
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
+from mc2.forward_backward import decided_schedule
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
@@ -65,6 +66,18 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
         ValueError: the model's layers are not batch-overlap layers, so nothing was paired
             (every rank alike, after the first micro-batch's forward).
     """
+    return _forward_backward(kwargs, True)
+
+
+def forward_backward_decided(**kwargs: Any) -> list[Any]:
+    """:func:`forward_backward_paired` where it measured faster, else the sequential loop
+    (through the same ``forward_step`` and ``backward_step``): the first steps run both ways,
+    as ``mc2.forward_backward(overlap="auto")`` does, and the faster one is kept. What
+    Megatron's ``overlap_moe_expert_parallel_comm=True`` runs under the patch import."""
+    return _forward_backward(kwargs, "auto")
+
+
+def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
     model, data_iterator = kwargs["model"], kwargs["data_iterator"]
     if isinstance(model, list):
         if len(model) != 1:  # Megatron's own function refuses model chunks
@@ -86,23 +99,33 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
     model_type = get_model_type(model)
     device = next(model.parameters()).device
     tokens = [torch.zeros([], dtype=torch.int, device=device)]
+    no_sync = config.no_sync_func or contextlib.nullcontext
 
     def forward(i: int) -> Any:
-        output, num_tokens = schedules.forward_step(
-            kwargs["forward_step_func"], data_iterator, model, count, None, store, config,
-            cp_size, collect, is_first_microbatch=schedules.check_first_val_step(
-                first_val_step, False, i == 0), current_microbatch=i)
+        with micro_batch_label(i):
+            output, num_tokens = schedules.forward_step(
+                kwargs["forward_step_func"], data_iterator, model, count, None, store, config,
+                cp_size, collect, is_first_microbatch=schedules.check_first_val_step(
+                    first_val_step, False, i == 0), current_microbatch=i)
         tokens[0] = tokens[0] + num_tokens
         return output
 
     def backward(output: Any) -> None:
         schedules.backward_step(None, output, None, model_type, config)
 
-    run_pairs(count, forward, backward, around=config.no_sync_func or contextlib.nullcontext,
-              label=micro_batch_label,
-              unpaired="forward_backward_paired: the model's layers are not batch-overlap "
-                       "layers (use_mc2(spec, batch_overlap=True)), so nothing can be paired; "
-                       "use Megatron's forward_backward_no_pipelining")
+    def paired() -> None:
+        run_pairs(count, forward, backward, around=no_sync,
+                  unpaired="forward_backward_paired: the model's layers are not batch-overlap "
+                           "layers (use_mc2(spec, batch_overlap=True)), so nothing can be "
+                           "paired; use Megatron's forward_backward_no_pipelining")
+
+    def sequential() -> None:  # Megatron's loop: the last micro-batch outside no_sync
+        with no_sync():
+            for i in range(count - 1):
+                backward(forward(i))
+        backward(forward(count - 1))
+
+    decided_schedule(model, overlap, None, count, paired=paired, sequential=sequential)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens[0] if config.calculate_per_token_loss else None,
