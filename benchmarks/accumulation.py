@@ -188,24 +188,30 @@ def bounds(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+def step_parser(doc: str, regimes: str, modes: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options of an accumulation benchmark's step (what :func:`measure_regimes` reads)."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--regimes", default="plain,200mbit,100mbit")
+    parser.add_argument("--regimes", default=regimes)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1, help="timed steps per mode and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(modes))
+    parser.add_argument("--json", type=Path, default=None)
+    return parser
+
+
+def main() -> int:
+    parser = step_parser(__doc__, "plain,200mbit,100mbit", MODES)
     parser.add_argument("--memory", action="store_true",
                         help="instead: each mode's peak resident memory above the built "
                              "model, a world per mode (plain loopback)")
     parser.add_argument("--gantt", type=Path, default=None,
                         help="instead: a Gantt picture of one step of each mode, in the first "
                              "regime given (PNG)")
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.gantt:
         from mc2.observation.plot import plot_gantt

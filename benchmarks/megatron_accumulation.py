@@ -28,7 +28,6 @@ plain loopback (its exchanges are synchronous), ``T_comm`` its shaped step minus
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import mc2  # noqa: E402
-from accumulation import _decided, measure_regimes  # noqa: E402
+from accumulation import _decided, measure_regimes, step_parser  # noqa: E402
 from model_overlap import SHAPE  # noqa: E402
 
 MODES = ("megatron", "mc2", "paired", "flag")
@@ -142,17 +141,7 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--regimes", default="plain,200mbit")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=1, help="timed steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--json", type=Path, default=None)
+    parser = step_parser(__doc__, "plain,200mbit", MODES)
     args = parser.parse_args()
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="megatron")
     return 0

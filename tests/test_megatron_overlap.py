@@ -185,6 +185,16 @@ def test_a_block_spec_with_a_layer_batch_overlap_cannot_run_is_refused() -> None
     assert use_mc2(dataclasses.replace(block, layer_specs=[layer, layer]), batch_overlap=True)
 
 
+def assert_the_same_losses(found: dict, count: int | None = None) -> None:
+    """Every micro-batch's loss of every step of ``found["mc2"]`` is ``found["megatron"]``'s
+    (``count`` of them, all different: the steps changed the model)."""
+    want = [x for step in found["megatron"] for x in step]
+    got = [x for step in found["mc2"] for x in step]
+    assert count is None or len(want) == count
+    assert len(set(want)) == len(want)
+    assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+
+
 @pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec"), (4, "block_spec")])
 def test_paired_gradient_accumulation_trains_as_megatrons(world: int, kind: str) -> None:
     """``mc2.forward_backward(overlap=True)`` on the batch-overlap ``GPTModel`` under Megatron's
@@ -194,10 +204,7 @@ def test_paired_gradient_accumulation_trains_as_megatrons(world: int, kind: str)
     from tests.workers_megatron_overlap import paired_accumulation
 
     for found in mc2.run_local(paired_accumulation, world, args=(kind,), deadline_s=600):
-        want = [x for step in found["megatron"] for x in step]
-        got = [x for step in found["mc2"] for x in step]
-        assert len(set(want)) == len(want)
-        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+        assert_the_same_losses(found)
 
 
 @pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (4, "block_spec")])
@@ -212,10 +219,7 @@ def test_the_paired_schedule_equals_megatrons_no_pipelining_schedule(world: int,
 
     for found in mc2.run_local(schedule_against_megatrons, world, args=(kind,),
                                deadline_s=600):
-        want = [x for step in found["megatron"] for x in step]
-        got = [x for step in found["mc2"] for x in step]
-        assert len(want) == 12 and len(set(want)) == len(want)
-        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+        assert_the_same_losses(found, 12)
         assert "not batch-overlap layers" in (found["refused"] or ""), found["refused"]
 
 
@@ -234,10 +238,7 @@ def test_megatrons_own_overlap_flag_runs_the_paired_schedule_through_the_patch(
 
     for found in mc2.run_local(megatrons_flag_through_the_patch, world, args=(kind,),
                                deadline_s=600):
-        want = [x for step in found["megatron"] for x in step]
-        got = [x for step in found["mc2"] for x in step]
-        assert len(want) == 12 and len(set(want)) == len(want)
-        assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
+        assert_the_same_losses(found, 12)
         # "auto": its first steps run both ways (and the losses are Megatron's either way)
         assert found["paired"] and set(found["paired"]) == {3}, found["paired"]
         assert set(found["layers"]) == {"MC2TransformerLayer"}
