@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import mc2  # noqa: E402
 from accumulation import _decided, measure_regimes, step_parser  # noqa: E402
+from megatron_model import gpt_config  # noqa: E402
 from model_overlap import SHAPE  # noqa: E402
 
 MODES = ("megatron", "mc2", "paired", "flag")
@@ -50,22 +51,14 @@ def _models(rank: int, world: int, layers: int, seq: int) -> tuple[Any, dict[str
     weights (the routed experts seeded by rank)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import mc2.integrations.megatron_patch as megatron_patch
     from megatron.core.models.gpt import gpt_layer_specs
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    config = TransformerConfig(
-        num_layers=layers, hidden_size=SHAPE["hidden_size"],
-        num_attention_heads=SHAPE["num_attention_heads"],
-        ffn_hidden_size=SHAPE["intermediate_size"], moe_ffn_hidden_size=SHAPE["intermediate_size"],
-        num_moe_experts=SHAPE["num_local_experts"], moe_router_topk=SHAPE["num_experts_per_tok"],
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
-        use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-        moe_router_load_balancing_type="none", params_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0)
+    config = gpt_config(world, layers=layers, heads=SHAPE["num_attention_heads"],
+                        hidden=SHAPE["hidden_size"], ffn=SHAPE["intermediate_size"],
+                        experts=SHAPE["num_local_experts"], topk=SHAPE["num_experts_per_tok"])
 
     def build() -> Any:
         torch.manual_seed(0)  # dense weights alike on every rank and in both models

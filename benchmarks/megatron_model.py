@@ -51,6 +51,23 @@ def _spec(impl: str, spec: Any) -> Any:
     return use_mc2(spec, config=mc2.MC2Config(), batch_overlap=overlap)
 
 
+def gpt_config(world: int, *, layers: int, heads: int, hidden: int, ffn: int, experts: int,
+               topk: int, **_: Any) -> Any:
+    """The benchmarks' Megatron ``TransformerConfig``: SwiGLU experts, float32, dropless, no
+    aux loss, no dropout, expert-parallel over the ``world`` (``_``: other shape entries,
+    tokens)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_moe_experts=experts,
+        moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=world, use_cpu_initialization=True, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False, moe_router_load_balancing_type="none",
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+
+
 def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps: int,
           rounds: int) -> dict[str, Any]:
     from tests import megatron_cpu
@@ -59,18 +76,9 @@ def _rank(rank: int, world: int, impls: list[str], shape: dict[str, int], steps:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=shape["hidden"], num_attention_heads=HEADS,
-        ffn_hidden_size=shape["ffn"], moe_ffn_hidden_size=shape["ffn"],
-        num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
-        use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-        moe_router_load_balancing_type="none", params_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0)
+    config = gpt_config(world, layers=LAYERS, heads=HEADS, **shape)
     spec = get_gpt_layer_local_spec(num_experts=shape["experts"], moe_grouped_gemm=False)
     models = {}
     for impl in impls:

@@ -118,8 +118,11 @@ def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tens
 
 def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
     """Micro-batch n+1's forward beside n's backward (:func:`run_pairs`)."""
-    return run_pairs(len(batches), lambda i: _loss(loss_fn, model, batches[i]),
-                     lambda loss: loss.backward(), label=micro_batch_label,
+    def forward(i: int) -> Tensor:
+        with micro_batch_label(i):  # its calls' spans, under its micro-batch in a trace
+            return _loss(loss_fn, model, batches[i])
+
+    return run_pairs(len(batches), forward, lambda loss: loss.backward(),
                      kept=lambda loss: loss.detach(),
                      unpaired="forward_backward(overlap=True): the model's layers do not "
                               "run through mc2's layer loop, so nothing can be paired; build "

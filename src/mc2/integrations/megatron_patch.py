@@ -117,16 +117,11 @@ def _paired_when_asked(original: Callable[..., Any], paired: Callable[..., Any]
                        ) -> Callable[..., Any]:
     """Megatron's schedule ``original``, running ``paired`` instead where the model's config
     sets ``overlap_moe_expert_parallel_comm`` in a training call (module docstring)."""
-    from megatron.core.utils import get_model_config
+    from mc2.integrations.megatron_schedule import flag_asked
 
     @functools.wraps(original)
     def schedule(**kwargs: Any) -> Any:
-        model = kwargs["model"]
-        first = model[0] if isinstance(model, list) else model
-        if not kwargs.get("forward_only") and \
-                get_model_config(first).overlap_moe_expert_parallel_comm:
-            return paired(**kwargs)
-        return original(**kwargs)
+        return (paired if flag_asked(kwargs) else original)(**kwargs)
 
     schedule.__mc2_original__ = original  # type: ignore[attr-defined]
     return schedule

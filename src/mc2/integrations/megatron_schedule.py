@@ -40,18 +40,22 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 
+def flag_asked(kwargs: dict[str, Any]) -> bool:
+    """Whether a call of one of Megatron's schedules with ``kwargs`` is a training call whose
+    model's config sets ``overlap_moe_expert_parallel_comm`` (Megatron's flag changes only
+    the training schedule)."""
+    model = kwargs["model"]
+    return not kwargs.get("forward_only") and get_model_config(
+        model[0] if isinstance(model, list) else model).overlap_moe_expert_parallel_comm
+
+
 def megatrons(**kwargs: Any) -> Any:
     """Megatron's own ``forward_backward_no_pipelining`` (not the patch's, which may be this
     module's), with its own handling of ``overlap_moe_expert_parallel_comm`` off: its combined
     1F1B would call the dispatcher's parts, which mc2's layers do not run."""
     function = schedules.forward_backward_no_pipelining
-    function = getattr(function, "__mc2_original__", function)
-    if kwargs.get("forward_only"):  # Megatron's flag only changes the training schedule
-        return function(**kwargs)
-    model = kwargs["model"]
-    config = get_model_config(model[0] if isinstance(model, list) else model)
-    if not config.overlap_moe_expert_parallel_comm:
-        return function(**kwargs)
+    if not flag_asked(kwargs):
+        return getattr(function, "__mc2_original__", function)(**kwargs)
     raise ValueError("overlap_moe_expert_parallel_comm=True under mc2 runs mc2's paired "
                      "schedule, which takes one model chunk without hybrid context "
                      "parallelism; set it to False")

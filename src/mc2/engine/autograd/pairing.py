@@ -173,7 +173,6 @@ def pairing_active(pairing: Pairing) -> Iterator[None]:
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
               unpaired: str = "the model's layers do not run through mc2's layer loop",
-              label: Callable[[int], ContextManager[Any]] | None = None,
               kept: Callable[[T], Any] = lambda out: None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned:
     each forward after the first runs beside the previous micro-batch's backward (given way
@@ -181,18 +180,11 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
     every backward but the last run in (a framework's gradient-sync suspension: the last
     backward syncs). ``unpaired``: the ``ValueError`` raised after the first forward where
     the model's layers ran no paired layer loop, so nothing can be paired (every rank alike:
-    every rank runs the same model). ``label(i)``: the context forward ``i`` runs in (its
-    micro-batch label in a trace). Returns ``kept(result)`` of each forward, in order, taken
+    every rank runs the same model). Returns ``kept(result)`` of each forward, in order, taken
     right after its backward: a result kept whole would keep its autograd graph (and the
     staged calls' state) alive until the last micro-batch, which the sequential loop frees
     at once (measured: 8 micro-batches ran 17-19% slower than the in-layer loop on plain
     loopback so, against 3-4% with 4)."""
-    if label is not None:
-        unlabelled = forward
-
-        def forward(i: int) -> T:  # type: ignore[no-redef]
-            with label(i):
-                return unlabelled(i)
     pairing = Pairing()
     results: list[Any] = []
     with pairing_active(pairing):
