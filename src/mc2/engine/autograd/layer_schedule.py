@@ -5,8 +5,8 @@ yields the begun call (:class:`mc2.engine.autograd.staged.StagedCall`), receives
 output and returns the layer's output. :func:`run_overlapped` interleaves two (or more)
 micro-batches' layers so that each transfer of one travels while another computes, across
 layer boundaries (the picture is in :mod:`mc2.integrations.batch_overlap`); within a call the
-pass's own schedule (:mod:`mc2.engine.passes.pipeline`) stops before each wait
-(:mod:`mc2.engine.autograd.staged`), and this is where the other micro-batch's work runs. The
+pass's own schedule (:mod:`mc2.engine.passes.pipeline`) is three plain steps, one per staged
+Function (:mod:`mc2.engine.autograd.staged`), and between them the other micro-batch's work runs. The
 backward interleaves the same way by itself. Framework code only hands it layers as stages
 (:func:`mc2.integrations.batch_overlap.hf_layer_stages`).
 """
@@ -18,11 +18,19 @@ from typing import Any, Callable, ContextManager, Generator, Protocol, Sequence
 from torch import Tensor
 
 from mc2.engine.autograd.staged import micro_batch_label
-from mc2.engine.passes.run import advance
 
 LayerStages = Generator[Any, Tensor, Tensor]
 """A layer run in stages: yields one begun MoE call (or none), is sent its output, returns the
 layer's output."""
+
+
+def advance(stages: LayerStages) -> tuple[Any, Any]:
+    """Run a layer's stages to its MoE call: ``(the begun call, None)``, or ``(None, the
+    layer's output)`` where it ends without one."""
+    try:
+        return next(stages), None
+    except StopIteration as stop:
+        return None, stop.value
 
 
 class LayerGathers(Protocol):

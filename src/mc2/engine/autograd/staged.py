@@ -4,7 +4,7 @@ Batch overlap (:mod:`mc2.integrations.batch_overlap`) splits a batch into two mi
 runs the decoder layers stage by stage: while micro-batch A's dispatch travels, B computes its
 attention; while B's dispatch travels, A computes its experts; and so on. The fused call of one
 micro-batch must then stop where it would wait. Here it is three autograd Functions over one
-state, each running the pass (:func:`~mc2.engine.passes.run.forward_stages`) up to its next wait:
+state, each running one step of the pass (:class:`~mc2.engine.passes.run.ForwardPass`) up to its next wait:
 
 ====================  ==================================  =========================================
 stage                 forward                             backward
@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -51,17 +51,17 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.autograd.pairing import PAIRED_SPLITS, current_pairing
-from mc2.engine.passes.pass_output import PassOutput
 from mc2.engine.passes.run import (
-    CallInputs, ForwardState, advance, backward_stages, forward_stages, scale_grad, state_of,
-    weighted_sum
+    BackwardPass, CallInputs, ForwardPass, ForwardState, scale_grad, state_of, weighted_sum
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
 
 
 @dataclass
 class _State:
-    """One staged call, from its plan to its last backward stage.
+    """One staged call, from its plan to its last backward stage: the plan, the inputs, and
+    each pass's steps (:class:`~mc2.engine.passes.run.ForwardPass`,
+    :class:`~mc2.engine.passes.run.BackwardPass`), which the three Functions run one each.
 
     ``inputs`` holds what :func:`begin_packed` was given (the combine weights and the scale
     arrive with :meth:`StagedCall.end`); ``needs`` which of them need a gradient, filled in by
@@ -71,11 +71,9 @@ class _State:
     inputs: CallInputs[Any]
     needs: CallInputs[bool]
     seconds: float | None
-    forward: Generator[str, None, PassOutput] | None = None
-    output: PassOutput | None = None
+    forward: ForwardPass | None = None
     state: ForwardState | None = None
-    backward: Generator[str, None, Any] | None = None
-    grads: Any = None
+    backward: BackwardPass | None = None
     # where this call's backward waits for a transfer it issued: another micro-batch's paired
     # forward runs there (:mod:`mc2.engine.autograd.pairing`)
     give_way: Callable[[], None] | None = None
@@ -84,28 +82,12 @@ class _State:
         if self.give_way is not None:
             self.give_way()
 
-    def step_forward(self, through: str | None = None) -> None:
-        """Run the forward pass to its next stop (or its end); with ``through``, on past
-        every stop of that name."""
-        while self.output is None:
-            stop, self.output = self._advanced(self.forward)
-            if stop != through:
-                return
-
-    def step_backward(self, through: str | None = None) -> None:
-        """Run the backward pass to its next stop (or its end), as :meth:`step_forward`."""
-        while self.grads is None:
-            stop, self.grads = self._advanced(self.backward)
-            if stop != through:
-                return
-
-    def _advanced(self, stages: Generator[str, None, Any] | None) -> tuple[str | None, Any]:
-        """:func:`~mc2.engine.passes.run.advance` under the call's deadline, autocast off (its
-        GEMMs write into buffers of the call's dtype)."""
-        if stages is None:  # a stage run out of order: a bug, never a silent loop
-            raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """A step of the call runs under its deadline, autocast off (its GEMMs write into
+        buffers of the call's dtype)."""
         with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
-            return advance(stages)
+            yield
 
 
 def _token(like: Tensor) -> Tensor:
@@ -127,18 +109,19 @@ class _Begin(torch.autograd.Function):
             setattr(state.needs, name, needed)
         state.needs.experts = tuple(needs_weights[len(shared):])
         flat = x.reshape(-1, x.shape[-1])
-        state.forward = forward_stages(flat, state.inputs.routed_weights(state.call),
-                                       state.inputs.shared_weights(), state.call, state.needs)
-        state.step_forward()
+        state.forward = ForwardPass(flat, state.inputs.routed_weights(state.call),
+                                    state.inputs.shared_weights(), state.call, state.needs)
+        with state.running():
+            state.forward.begin()
         return _token(x)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
         state.waiting()  # the input gradients' combine travels
-        while state.grads is None:
-            state.step_backward()
-        grads: CallInputs[Tensor | None] = state.grads
+        with state.running():
+            grads: CallInputs[Tensor | None] = state.backward.end()
+        state.backward = None
         state.call.workspace.tick()
         ctx.state = None
         shared = tuple(getattr(grads, name) for name in state.inputs.shared_names())
@@ -150,13 +133,16 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
-        state.step_forward(through="dispatch")  # every micro-batch's experts, up to a combine
+        with state.running():
+            state.forward.experts()  # the experts, up to the first combine's wait
         return _token(token)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        ctx.state.waiting()  # the output gradients' dispatch travels
-        ctx.state.step_backward(through="dispatch")
+        state: _State = ctx.state
+        state.waiting()  # the output gradients' dispatch travels
+        with state.running():
+            state.backward.experts()
         return _token(_), None
 
 
@@ -165,19 +151,19 @@ class _End(torch.autograd.Function):
     def forward(ctx: Any, token: Tensor, combine: Tensor, s_scale: Tensor | None,
                 state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
-        while state.output is None:
-            state.step_forward()
+        with state.running():
+            output = state.forward.end()
+        state.forward = None
         x = state.inputs.x
-        out = weighted_sum(state.output, combine, state.call, x.reshape(-1, x.shape[-1]),
+        out = weighted_sum(output, combine, state.call, x.reshape(-1, x.shape[-1]),
                            x.shape, s_scale)
         state.needs.combine, state.needs.shared_scale = ctx.needs_input_grad[1:3]
         if state.call.keep_activations:
             state.inputs.combine, state.inputs.shared_scale = combine, s_scale
-            state.state = state_of(state.output, state.call, x.shape, state.needs)
+            state.state = state_of(output, state.call, x.shape, state.needs)
         else:
             state.inputs = CallInputs.of([None] * len(state.inputs.as_list()))
             state.call.workspace.tick()
-        state.output = None
         return out
 
     @staticmethod
@@ -185,9 +171,10 @@ class _End(torch.autograd.Function):
         state: _State = ctx.state
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state.state, grad_out, state.needs)
-        state.backward = backward_stages(grad_out, state.inputs, state.state, state.needs)
+        state.backward = BackwardPass(grad_out, state.inputs, state.state, state.needs)
         state.state = None
-        state.step_backward()
+        with state.running():
+            state.backward.begin()
         return _token(grad_out), None, grad_scale, None  # combine's: _Begin's
 
 

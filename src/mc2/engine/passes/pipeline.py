@@ -41,6 +41,7 @@ right after the wait, so the compute steps only ever see compute-dtype rows.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -99,26 +100,52 @@ class PipelineSteps:
     drain: Callable[[], None] | None = None
 
 
-def pass_stages(call: Any, steps: PipelineSteps, phase: str, device: torch.device
-                ) -> Iterator[str]:
-    """The pass's schedule. Overlapped, it stops before each wait: it yields ``"dispatch"``
-    when a dispatch is in flight and is about to be waited for, ``"combine"`` likewise, and
-    ends when the pass is done; a caller runs other work at each stop (batch overlap,
-    :mod:`mc2.engine.autograd.staged`, computes the other micro-batch there) and transfers in
-    flight are released on an error. The serial schedule runs through. Inside a graph capture
-    no span is recorded: it would time the capture, not the replays."""
-    timeline = None if streams.capturing(device) else call.timeline
-    one_pass = _Pass(call.handle, steps, phase, timeline, call.wire, call.workspace)
-    if not call.overlap:
-        one_pass.serial()
-        check_deadlines()
-        return
-    try:
-        yield from one_pass.overlapped()
-        check_deadlines()
-    except BaseException as exc:
-        one_pass.release(wait=not isinstance(exc, CommTimeout))
-        raise
+class PassSchedule:
+    """One pass's schedule as three plain steps its caller runs in order: :meth:`begin` (up
+    to the first dispatch's wait), :meth:`experts` (up to the first combine's wait) and
+    :meth:`end`. Between them the first transfers are in flight, and a caller may run other
+    work there: batch overlap (:mod:`mc2.engine.autograd.staged`) computes the other
+    micro-batch, a paired backward another micro-batch's forward; the in-layer call runs the
+    three back to back (:meth:`run`). The serial schedule runs whole in :meth:`begin`.
+    Transfers in flight are released when a step raises. Inside a graph capture no span is
+    recorded: it would time the capture, not the replays."""
+
+    def __init__(self, call: Any, steps: PipelineSteps, phase: str, device: torch.device) -> None:
+        timeline = None if streams.capturing(device) else call.timeline
+        self._pass = _Pass(call.handle, steps, phase, timeline, call.wire, call.workspace)
+        self._overlap = call.overlap
+
+    def begin(self) -> None:
+        if not self._overlap:
+            self._pass.serial()
+            check_deadlines()
+            return
+        with self._released():
+            self._pass.fill()
+
+    def experts(self) -> None:
+        if self._overlap:
+            with self._released():
+                self._pass.first_experts()
+
+    def end(self) -> None:
+        if self._overlap:
+            with self._released():
+                self._pass.rest()
+                check_deadlines()
+
+    def run(self) -> None:
+        self.begin()
+        self.experts()
+        self.end()
+
+    @contextmanager
+    def _released(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            self._pass.release(wait=not isinstance(exc, CommTimeout))
+            raise
 
 
 @dataclass
@@ -134,6 +161,8 @@ class _Pass:
     workspace: Workspace | None
     dispatches: dict[int, Pending] = field(default_factory=dict)  # in flight, by micro-batch
     combines: dict[int, Pending] = field(default_factory=dict)
+    owed: list[int] = field(default_factory=list)  # micro-batches whose deferred work is due
+    held: Callable[[bool], Pending] | None = None  # a dispatch prepared, issued after the next wait
 
     def _span(self, kind: SpanKind, name: str, i: int = -1) -> Any:
         return maybe_span(self.timeline, kind, name, self.phase, i)
@@ -234,48 +263,68 @@ class _Pass:
             self.deferred(i)
         self.drain()
 
-    def overlapped(self) -> Iterator[str]:
-        """The overlapped schedule, stopping before each wait (see :func:`pass_stages`);
-        transfers stay in :attr:`dispatches` and :attr:`combines` until waited, so they can be
-        released on an error."""
-        k = self.handle.num_micro_batches
-        # without local work the fill gets the link to itself (module docstring)
-        first_alone = self.steps.local is None
-        owed: list[int] = []  # micro-batches whose deferred work runs after the next stop
+    def fill(self) -> None:
+        """The overlapped schedule up to the first dispatch's wait: the first dispatch (and
+        the second, unless it waits for the first to arrive: module docstring), the local
+        work under them."""
         self.dispatches[0] = self.send(0, self.gather(0), async_op=True)
-        for i in range(k):
-            issue_next = self.prepare(i + 1, self.gather(i + 1), 0) if i + 1 < k else None
-            if issue_next is not None and not (i == 0 and first_alone):
-                self.dispatches[i + 1], issue_next = issue_next(True), None
-            if i == 0:
-                self.local()
-            yield "dispatch"
-            self._pay(owed)
-            with self._span("wait", "dispatch", i):
-                received = self.waited(self.dispatches.pop(i), "dispatch", i)
-            if issue_next is not None:
-                self.dispatches[i + 1] = issue_next(True)
-            self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)
-            # deferred work after the next stop: there the caller computes the other
-            # micro-batch (batch overlap), up to issuing its next transfer; the weight gradients
-            # then run while both transfers travel instead of in the way of the other's issue.
-            # Measured at 200 Mbit (``docs/batch_overlap.md``): the step 5.5% faster than with
-            # the weight gradients right after the combine.
-            owed.append(i)
-            if i == k - 1:  # the last combine is on the wire: nothing else to compute
-                self.drain()
-            if i >= 1:
-                yield "combine"
-                self._pay(owed)
-                self._receive(i - 1)
-        yield "combine"
-        self._pay(owed)
+        self._next(0)
+        self.local()
+
+    def first_experts(self) -> None:
+        """On to the first combine's wait: micro-batch 0's experts (and 1's: its dispatch
+        was in flight under 0's)."""
+        self._experts(0)
+        if self.handle.num_micro_batches > 1:
+            self._next(1)
+            self._experts(1)
+
+    def rest(self) -> None:
+        """On to the end: each combine received while the next micro-batch computes."""
+        k = self.handle.num_micro_batches
+        if k > 1:
+            self._pay()
+            self._receive(0)
+        for i in range(2, k):
+            self._next(i)
+            self._experts(i)
+            self._pay()
+            self._receive(i - 1)
+        self._pay()
         self._receive(k - 1)
 
-    def _pay(self, owed: list[int]) -> None:
-        """The deferred work postponed to this point (right after a stop)."""
-        while owed:
-            self.deferred(owed.pop(0))
+    def _next(self, i: int) -> None:
+        """Gather and encode micro-batch ``i + 1``'s dispatch and issue it, or hold it until
+        micro-batch 0's has arrived where no local work runs under the fill (module
+        docstring)."""
+        if i + 1 >= self.handle.num_micro_batches:
+            return
+        issue = self.prepare(i + 1, self.gather(i + 1), 0)
+        if i == 0 and self.steps.local is None:
+            self.held = issue
+        else:
+            self.dispatches[i + 1] = issue(True)
+
+    def _experts(self, i: int) -> None:
+        """Wait for ``i``'s dispatch, compute, issue its combine. The deferred work of the
+        micro-batch before runs first: after the stop where a caller computed the other
+        micro-batch up to issuing its next transfer, so the weight gradients run while both
+        transfers travel instead of in the way of the other's issue (measured at 200 Mbit,
+        ``docs/batch_overlap.md``: the step 5.5% faster than right after the combine)."""
+        self._pay()
+        with self._span("wait", "dispatch", i):
+            received = self.waited(self.dispatches.pop(i), "dispatch", i)
+        if self.held is not None:
+            self.dispatches[i + 1], self.held = self.held(True), None
+        self.combines[i] = self.combine(i, self.compute(i, received), async_op=True)
+        self.owed.append(i)
+        if i == self.handle.num_micro_batches - 1:  # the last combine is on the wire
+            self.drain()
+
+    def _pay(self) -> None:
+        """The deferred work postponed to this point."""
+        while self.owed:
+            self.deferred(self.owed.pop(0))
 
     def _receive(self, i: int) -> None:
         with self._span("wait", "combine", i):

@@ -28,7 +28,7 @@ them under the last combine, :mod:`mc2.engine.passes.shared_experts`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ from mc2.engine.compute.experts import (
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.passes.pass_output import PassOutput
-from mc2.engine.passes.pipeline import PipelineSteps, pass_stages
+from mc2.engine.passes.pipeline import PassSchedule, PipelineSteps
 from mc2.engine.passes.shared_experts import SharedForward, shared_backward
 from mc2.engine.passes.travel import TRAVELS
 from mc2.engine.transport.deadline import deadline
@@ -149,40 +149,55 @@ class ForwardState:
                             shared_out, kept)
 
 
-def advance(stages: Generator[Any, Any, Any]) -> tuple[Any, Any]:
-    """Run a pass's stages to the next stop: ``(its name, None)``, or ``(None, the pass's
-    result)`` at the end (a layer's stages alike: ``(its begun MoE call, None)``, or
-    ``(None, its output)``)."""
-    try:
-        return next(stages), None
-    except StopIteration as stop:
-        return None, stop.value
+class _Pass:
+    """One pass of a call as the three plain steps of its schedule
+    (:class:`~mc2.engine.passes.pipeline.PassSchedule`): :meth:`begin` issues the first
+    dispatch, :meth:`experts` runs up to the first combine's wait, :meth:`end` finishes and
+    returns what the pass produced. A caller may run other work between them, where the first
+    transfers travel (the staged calls of batch overlap, a paired backward); :meth:`run` runs
+    the three back to back (the eager Function, the custom op)."""
+
+    schedule: PassSchedule
+
+    def begin(self) -> None:
+        self.schedule.begin()
+
+    def experts(self) -> None:
+        self.schedule.experts()
+
+    def end(self) -> Any:
+        self.schedule.end()
+        return self.finish()
+
+    def finish(self) -> Any:
+        raise NotImplementedError
+
+    def run(self) -> Any:
+        self.begin()
+        self.experts()
+        return self.end()
 
 
-def finished(stages: Generator[str, None, Any]) -> Any:
-    """Run a pass's stages to the end; its result."""
-    while (step := advance(stages))[0] is not None:
-        pass
-    return step[1]
-
-
-def forward_stages(x: Tensor, weights: ExpertWeights | ModuleExperts,
-                   shared: ExpertWeights | None, call: CallPlan,
-                   needs: CallInputs[bool]) -> Generator[str, None, PassOutput]:
+class ForwardPass(_Pass):
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
-    first dispatch), stopping before each wait; returns what the pass produced. How rows
-    travel is the plan's (:data:`~mc2.engine.passes.travel.TRAVELS`), how experts compute
-    ``weights``'. ``needs``: which inputs need a gradient (a module stage records only the
-    experts' that do; the experts' side keeps its outputs where the combine weights do)."""
-    result = PassOutput(None, [None] * call.handle.num_micro_batches)
-    rows = TRAVELS[call.travel].forward(x, weights, call, needs, result)
-    local = SharedForward(x, shared, call, result) if shared is not None else None
-    yield from pass_stages(call, PipelineSteps(
-        gather=rows.gather, compute=rows.compute, scatter=rows.scatter,
-        local=local and local.fill, drain=local and local.drain,
-    ), "forward", x.device)
-    rows.finish()
-    return result
+    first dispatch); :meth:`end` returns the :class:`PassOutput`. How rows travel is the plan's
+    (:data:`~mc2.engine.passes.travel.TRAVELS`), how experts compute ``weights``'. ``needs``:
+    which inputs need a gradient (a module stage records only the experts' that do; the
+    experts' side keeps its outputs where the combine weights do)."""
+
+    def __init__(self, x: Tensor, weights: ExpertWeights | ModuleExperts,
+                 shared: ExpertWeights | None, call: CallPlan, needs: CallInputs[bool]) -> None:
+        self.result = PassOutput(None, [None] * call.handle.num_micro_batches)
+        self._rows = TRAVELS[call.travel].forward(x, weights, call, needs, self.result)
+        local = SharedForward(x, shared, call, self.result) if shared is not None else None
+        self.schedule = PassSchedule(call, PipelineSteps(
+            gather=self._rows.gather, compute=self._rows.compute, scatter=self._rows.scatter,
+            local=local and local.fill, drain=local and local.drain,
+        ), "forward", x.device)
+
+    def finish(self) -> PassOutput:
+        self._rows.finish()
+        return self.result
 
 
 def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Tensor,
@@ -202,38 +217,39 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
     return out
 
 
-def backward_stages(grad_out: Tensor, inputs: CallInputs[Tensor], state: ForwardState,
-                    needs: CallInputs[bool]
-                    ) -> Generator[str, None, tuple[Tensor, tuple[Tensor | None, ...],
-                                                    tuple[Tensor | None, ...], Tensor | None]]:
+class BackwardPass(_Pass):
     """The output gradients out along the dispatch routes, the input gradients back along the
     combine routes; the weight gradients while those travel. The shared experts see the output
     gradient times their ``[T, 1]`` scale, if any. Each micro-batch's activations are dropped
     from ``state`` once used (freed as the pass goes, where nothing else holds them).
+    :meth:`end` returns the gradients by input (``x``'s as ``[T, H]``; ``None`` where not
+    needed; the shared scale's is :func:`scale_grad`'s, not this pass's)."""
 
-    Returns:
-        the gradients by input (``x``'s as ``[T, H]``; ``None`` where not needed; the shared
-        scale's is :func:`scale_grad`'s, not this pass's).
-    """
-    call = state.call
-    ws, hidden = call.workspace, grad_out.shape[-1]
-    rows = TRAVELS[call.travel].backward(grad_out, inputs, state, needs)
-    shared = inputs.shared_weights()
-    shared_grads = local = None
-    if shared is not None and state.shared_gate_up is not None:
-        shared_grads = WeightGrads(shared, (needs.shared_up, needs.shared_gate, needs.shared_down),
-                                   ws)
-        saved = ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up)
-        state.shared_gate_up = None
-        local = shared_backward(grad_out, inputs.shared_scale, saved, shared, call,
-                                lambda grad_in: rows.grad_x.add_(grad_in), shared_grads)
-    yield from pass_stages(call, PipelineSteps(
-        gather=rows.gather, compute=rows.compute, scatter=rows.scatter, deferred=rows.deferred,
-        local=local,
-    ), "backward", grad_out.device)
-    grad_x, expert_grads, grad_combine = rows.finish()
-    up, gate, down = shared_grads.finish() if shared_grads is not None else (None, None, None)
-    return CallInputs(grad_x, grad_combine, up, gate, down, None, tuple(expert_grads))
+    def __init__(self, grad_out: Tensor, inputs: CallInputs[Tensor], state: ForwardState,
+                 needs: CallInputs[bool]) -> None:
+        call = state.call
+        ws, hidden = call.workspace, grad_out.shape[-1]
+        self._rows = rows = TRAVELS[call.travel].backward(grad_out, inputs, state, needs)
+        shared = inputs.shared_weights()
+        self._shared_grads = local = None
+        if shared is not None and state.shared_gate_up is not None:
+            self._shared_grads = WeightGrads(
+                shared, (needs.shared_up, needs.shared_gate, needs.shared_down), ws)
+            saved = ExpertActivations(inputs.x.reshape(-1, hidden), state.shared_gate_up)
+            state.shared_gate_up = None
+            local = shared_backward(grad_out, inputs.shared_scale, saved, shared, call,
+                                    lambda grad_in: rows.grad_x.add_(grad_in),
+                                    self._shared_grads)
+        self.schedule = PassSchedule(call, PipelineSteps(
+            gather=rows.gather, compute=rows.compute, scatter=rows.scatter,
+            deferred=rows.deferred, local=local,
+        ), "backward", grad_out.device)
+
+    def finish(self) -> CallInputs[Tensor | None]:
+        grad_x, expert_grads, grad_combine = self._rows.finish()
+        up, gate, down = self._shared_grads.finish() if self._shared_grads is not None else \
+            (None, None, None)
+        return CallInputs(grad_x, grad_combine, up, gate, down, None, tuple(expert_grads))
 
 
 def scale_grad(state: ForwardState, grad_out: Tensor, needs: CallInputs[bool]) -> Tensor | None:
@@ -275,8 +291,8 @@ def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bo
     done = _timed(call, "forward", inputs.x.device)
     shape = inputs.x.shape
     flat = inputs.x.reshape(-1, shape[-1])
-    output = finished(forward_stages(flat, inputs.routed_weights(call), inputs.shared_weights(),
-                                     call, needs))
+    output = ForwardPass(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
+                         needs).run()
     out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
     state = state_of(output, call, shape, needs)
     if not call.keep_activations:
@@ -296,7 +312,7 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state, grad_out, needs)
-        grads = finished(backward_stages(grad_out, inputs, state, needs))
+        grads = BackwardPass(grad_out, inputs, state, needs).run()
         call.workspace.tick()
         done()
     grads.x, grads.shared_scale = grads.x.view(state.x_shape), grad_scale
