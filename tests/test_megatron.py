@@ -222,3 +222,31 @@ def test_distributed_optimizer_with_overlapped_parameter_gather(wait: bool,
             assert found["mc2"] == pytest.approx(megatron, rel=TOLERANCE), (rank, found)
         else:
             assert found["mc2"] != pytest.approx(megatron, rel=TOLERANCE), (rank, found)
+
+
+def test_a_block_with_other_layers_is_paired_nowhere_and_refused_under_batch_overlap() -> None:
+    """A block that holds a layer mc2's layer loop cannot run: use_mc2 refuses batch overlap
+    and pairing, naming the layer; the patch builds it with MC2MoELayer only (no
+    MC2TransformerLayer), as use_mc2 without them does."""
+    import torch
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from mc2.integrations.megatron import other_layers, use_mc2
+    from mc2.integrations.megatron_patch import _layers
+
+    build = gpt_layer_specs.get_gpt_layer_local_spec  # Megatron's own, if a test patched it
+    moe = getattr(build, "__mc2_original__", build)(num_experts=4)
+    block = TransformerBlockSubmodules(layer_specs=[moe, ModuleSpec(module=torch.nn.Identity)])
+    assert other_layers(moe) == []
+    assert other_layers(block) == ["layer_specs[1] (Identity)"]
+    for asked in ({"batch_overlap": True}, {"paired": True}):
+        with pytest.raises(ValueError, match=r"layer_specs\[1\] \(Identity\)"):
+            use_mc2(block, **asked)
+    built = _layers(block, mc2.MC2Config(), False)
+    assert [s.module.__name__ for s in built.layer_specs] == ["TransformerLayer", "Identity"]
+    assert built.layer_specs[0].submodules.mlp.module.__name__ == "MC2MoELayer"
+    assert _layers(moe, mc2.MC2Config(), False).module.__name__ == "MC2TransformerLayer"
+    with pytest.raises(ValueError, match="Identity"):
+        _layers(block, mc2.MC2Config(), True)

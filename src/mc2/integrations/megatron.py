@@ -480,6 +480,17 @@ def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
     return obj
 
 
+def other_layers(spec: Any) -> list[str]:
+    """The layers of a block spec that mc2's layer loop cannot run (any but
+    ``TransformerLayer``), by index and kind; none for a layer spec. Batch overlap and the
+    paired schedule run a block only where this is empty."""
+    if not isinstance(spec, TransformerBlockSubmodules):
+        return []
+    return [f"layer_specs[{i}] ({getattr(s.module, '__name__', s.module)})"
+            for i, s in enumerate(spec.layer_specs)
+            if getattr(s, "module", None) not in (TransformerLayer, MC2TransformerLayer)]
+
+
 def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None,
             batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS,
             paired: bool = False) -> Any:
@@ -526,13 +537,10 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
         if isinstance(spec, TransformerBlockSubmodules):  # this stage's layers, as built
             layer["stage_layers"] = len(spec.layer_specs)
     out = _rewrite(spec, extra, found, "spec", layer)
-    if layer is not None and isinstance(out, TransformerBlockSubmodules):
+    if layer is not None:
         # every layer of the block must take part: a layer left as it was would run its own
         # forward between recorded ones (and the stack's last would never be reached)
-        other = [f"layer_specs[{i}] ({getattr(s.module, '__name__', s.module)})"
-                 for i, s in enumerate(out.layer_specs) if getattr(s, "module", None)
-                 is not MC2TransformerLayer]
-        if other:
+        if other := other_layers(spec):
             raise ValueError(f"use_mc2(batch_overlap=... or paired=True): {other} are not "
                              "TransformerLayer specs; batch overlap and the paired schedule "
                              "run a block of TransformerLayers")

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from mc2.engine.decide.config import MC2Config
 from mc2.integrations.megatron import (
-    ENV, config_from_env, holds_moe_layer, settings_from_env, use_mc2)
+    ENV, config_from_env, holds_moe_layer, other_layers, settings_from_env, use_mc2)
 
 __all__ = ["ENV", "config_from_env", "patch", "settings_from_env", "unpatch"]
 _NAME = "get_moe_module_spec_for_backend"
@@ -97,12 +97,9 @@ def _layers(spec: Any, config: MC2Config, overlap: bool | str) -> Any:
     MoE layers, unless batch overlap was asked for (then it is refused)."""
     if not holds_moe_layer(spec):
         return spec
-    try:
+    if overlap or not other_layers(spec):  # batch overlap refuses the others, naming them
         return use_mc2(spec, config=config, batch_overlap=overlap, paired=True)
-    except ValueError:
-        if overlap:
-            raise
-        return use_mc2(spec, config=config)
+    return use_mc2(spec, config=config)
 
 
 def _pipelined_refused(**kwargs: Any) -> Any:

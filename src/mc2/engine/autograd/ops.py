@@ -287,15 +287,14 @@ def fused_expert_module(
     x, named, routing_weights, shared = autocast_inputs(
         x, dict(zip(module.names, module.params)), routing_weights,
         (shared_up, shared_gate, shared_down, shared_scale))
-    module = module.bound(tuple(named.values()))
 
     def planned_and_run() -> Tensor:
-        call, _, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
-                                     problem=problem, shared=shared, packed=False, group=group,
-                                     num_experts=num_experts, timeline=timeline,
-                                     planner=planner, workspace=workspace, module=module,
-                                     timeout=resolve_timeout(cfg.timeout))
+        call, experts, combine = plan_call(
+            x, named, expert_ids, routing_weights, config=cfg, problem=problem, shared=shared,
+            packed=False, group=group, num_experts=num_experts, timeline=timeline,
+            planner=planner, workspace=workspace, module=module,
+            timeout=resolve_timeout(cfg.timeout))
         return FusedExpertFunction.apply(call, x, combine, *shared_inputs(x, shared),
-                                         *module.tensors())
+                                         *experts.tensors())
 
     return guarded(planned_and_run, cfg, x)

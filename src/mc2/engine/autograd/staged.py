@@ -272,8 +272,6 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
     # under autocast, in the autocast dtype, as the plain call (the pass itself runs with
     # autocast off: its GEMMs write into buffers of the call's dtype)
     x, named, routing_weights, full_shared = autocast_inputs(x, named, routing_weights, shared)
-    if module is not None:
-        module = module.bound(tuple(named.values()))
     timeline = active_timeline()
     if timeline is not None:
         timeline = timeline.labelled(_LABEL.get())
@@ -284,7 +282,7 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
                           module=module),
         config, x)
     s_up, s_gate, s_down, s_scale = shared_inputs(x, full_shared)
-    experts = module.tensors() if module is not None else weights.tensors()
+    experts = weights.tensors()
     state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
     shared_tensors = [getattr(state.inputs, name) for name in state.inputs.shared_names()]

@@ -420,8 +420,13 @@ def plan_call(
     so that every rank raises with it. ``shared``: the shared experts ``(up, gate, down)`` and
     their per-token ``scale``, each or all ``None``. ``needs_grad``: whether a backward follows
     (default: from autograd; a traced call says so itself). ``module``: the routed experts as a
-    module stage (``named_weights`` then holds its parameters).
+    module stage (``named_weights`` then holds its parameters, which it is bound to here: the
+    caller's autocast may have cast them). The weights returned are the routed experts either
+    way (:class:`ExpertWeights` or the bound module), so a caller hands ``weights.tensors()``
+    to autograd without asking which.
     """
+    if module is not None:
+        module = module.bound(tuple(named_weights.values()))
     timeline = timeline if timeline is not None else active_timeline()
     world = group_size(group)
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
