@@ -6,8 +6,11 @@ Face's ``MixtralExperts``, whose packed weights mc2 runs directly) sharded over 
 Gloo ranks; at each size (tokens per rank) and pass (a no-grad forward; a forward and backward)
 every implementation runs once per round, interleaved, the median round counting:
 
-- ``mc2``: :func:`mc2.fused_expert_packed` as today (K = 1: handshake, counts, dispatch,
-  combine);
+- ``mc2``: :func:`mc2.fused_expert_packed` as today (K = 1: handshake, dispatch, combine; a
+  call whose ids fit the handshake, every size here up to 16 tokens of top-2, counts its
+  routes from it, with no counts exchange, :data:`mc2.engine.decide.validation.FOLD_IDS`);
+- ``mc2 counts exchange``: the same call with that fold off (handshake, counts, dispatch,
+  combine), as every call ran before;
 - ``mc2 capacity``: the same call with ``MC2Config(capacity=N)``, ``N`` the most rows any rank
   sends any rank in this batch (the tightest capacity that drops nothing, agreed before
   timing): no host read, one dispatch and one combine (:mod:`mc2.engine.decide.capacity`);
@@ -39,7 +42,7 @@ import torch
 import mc2
 
 HIDDEN, FFN, EXPERTS, TOPK = 1024, 2048, 8, 2
-IMPLS = ("mc2", "mc2 capacity", "hf all_to_all", "hf all_reduce")
+IMPLS = ("mc2", "mc2 counts exchange", "mc2 capacity", "hf all_to_all", "hf all_reduce")
 
 
 def _experts(world: int, rank: int) -> Any:
@@ -74,12 +77,28 @@ def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _unfolded(fn: Callable[[torch.Tensor], torch.Tensor]
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` with the handshake's fold off: its counts exchanged, as before the fold."""
+    from mc2.engine.decide import call_plan
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        original, call_plan.may_fold = call_plan.may_fold, lambda *args: False
+        try:
+            return fn(h)
+        finally:
+            call_plan.may_fold = original
+    return run
+
+
 def _calls(experts: Any, ids: torch.Tensor, ids_shared: torch.Tensor, capacity: int, a2a: Any,
            reduce: Any) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w = torch.full(tuple(ids.shape), 0.5)
     gu, down = experts.gate_up_proj, experts.down_proj
     return {
         "mc2": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1),
+        "mc2 counts exchange": _unfolded(
+            lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1)),
         "mc2 capacity": lambda h: mc2.fused_expert_packed(h, gu, down, ids, w, micro_batches=1,
                                                            capacity=capacity),
         "hf all_to_all": lambda h: a2a(h, ids, w),
@@ -143,13 +162,13 @@ def main() -> int:
         res = mc2.run_local(_rank, world, args=(sizes, args.rounds), timeout_s=600,
                             deadline_s=3600)[0]
         out[str(world)] = res
-        print(f"{world} ranks        " + "".join(f"{n:>15}" for n in IMPLS)
-              + "   capacity / fastest other")
+        print(f"{world} ranks        " + "".join(f"{n:>22}" for n in IMPLS)
+              + "   mc2 / counts exchange   mc2 / hf all_to_all")
         for key, row in res.items():
-            others = min(v for n, v in row.items() if n != "mc2 capacity")
-            print(f"{key:<16}" + "".join(f"{row[n] * 1e3:12.2f} ms" if n in row else
-                                         f"{'-':>15}" for n in IMPLS)
-                  + f"   {row['mc2 capacity'] / others:.2f}x")
+            print(f"{key:<16}" + "".join(f"{row[n] * 1e3:19.2f} ms" if n in row else
+                                         f"{'-':>22}" for n in IMPLS)
+                  + f"   {row['mc2'] / row['mc2 counts exchange']:21.3f}"
+                  + f"   {row['mc2'] / row['hf all_to_all']:19.3f}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

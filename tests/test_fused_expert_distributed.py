@@ -37,12 +37,15 @@ class Case:
     dtype: torch.dtype = torch.float64
     gemm: str = "auto"
     layout: str = "split"  # "packed": mc2.fused_expert_packed with the nn.Linear layout
+    # tokens of rank 0 (each next rank 3 more): at 13, top-2 calls of 2 ranks (and top-1 calls
+    # of 4) carry their ids in the handshake (validation.FOLD_IDS); at 40 none does
+    tokens: int = 13
 
     @property
     def id(self) -> str:
         return (f"{self.routing}-top{self.topk}-K{self.micro_batches}-"
                 f"{'overlap' if self.overlap else 'serial'}-{str(self.dtype)[6:]}-{self.gemm}-"
-                f"{self.layout}")
+                f"{self.layout}" + (f"-{self.tokens}tokens" if self.tokens != 13 else ""))
 
 
 CASES = [Case(r, k, m, o) for r, k, m, o in itertools.product(
@@ -57,11 +60,14 @@ CASES += [Case(r, k, m, o, layout="packed") for r, k, m, o in itertools.product(
 CASES += [Case(r, 2, m, True, torch.float32, g, "packed") for r, m, g in itertools.product(
     ("uniform", "one_expert"), (1, 3), ("loop", "grouped"))]
 CASES += [Case("uniform", 2, 4, True, torch.bfloat16, "loop", "packed")]
+CASES += [Case(r, 2, m, o, tokens=40) for r, m, o in itertools.product(
+    ROUTINGS, (1, 3, "auto"), (True, False))]
 WORLDS = (2, 4)
 
 
 def problem_for(case: Case, world: int) -> Problem:
     return make_problem(world, case.routing, topk=case.topk, dtype=case.dtype,
+                        tokens=case.tokens,
                         seed=zlib.crc32(f"{case.routing}{case.topk}".encode()) % 1000)
 
 
@@ -129,7 +135,7 @@ def test_overlap_equals_serial(world_results, world: int) -> None:
         if case.overlap or case.dtype != torch.float64:
             continue
         twin = CASES.index(Case(case.routing, case.topk, case.micro_batches, True,
-                                layout=case.layout))
+                                layout=case.layout, tokens=case.tokens))
         for rank in range(world):
             a, b = world_results[world][rank][i], world_results[world][rank][twin]
             torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=1e-12)

@@ -87,11 +87,12 @@ def test_auto_agrees_across_ranks_with_different_token_counts() -> None:
 
 @pytest.mark.parametrize("hidden, ffn", [(512, 1024), (1024, 2048)])
 def test_auto_runs_no_split_of_a_decode_sized_batch(hidden: int, ffn: int) -> None:
-    # the article's trap: 4 tokens per rank; each extra micro-batch re-runs every expert's
+    # the article's trap: a decode-sized batch; each extra micro-batch re-runs every expert's
     # GEMMs and pays two more latencies a pass, and nothing is there to hide: the model rules
-    # every split out before any trial, so not one of 40 no-grad and 40 training calls splits
+    # every split out before any trial, so not one of 40 no-grad and 40 training calls splits.
+    # 24 tokens of top-2, above what the handshake carries (4 tokens: the next test)
     calls = 40
-    results = mc2.run_local(auto_decode, 2, args=(4, calls, hidden, ffn))
+    results = mc2.run_local(auto_decode, 2, args=(24, calls, hidden, ffn))
     for r in results:
         assert r["used"] == [1] * (2 * calls), r["used"]
         assert not any(m.startswith("auto trial") for marks in r["marks"] for m in marks)
@@ -102,6 +103,15 @@ def test_auto_runs_no_split_of_a_decode_sized_batch(hidden: int, ffn: int) -> No
     # the decision is said once, on the first call, where it was made
     assert [i for i, m in enumerate(results[0]["marks"]) if m] == [0]
     assert "locked without trials" in results[0]["marks"][0][0]
+
+
+def test_a_call_whose_ids_travel_in_the_handshake_runs_one_micro_batch_unplanned() -> None:
+    """4 tokens of top-2 per rank: every rank's ids fit its block of the handshake, so the
+    call counts its routes there and runs K = 1 without asking the planner (no trial, no
+    decision), equal to a fixed K = 1 call in every one of 10 no-grad and 10 training calls."""
+    for r in mc2.run_local(auto_decode, 2, args=(4, 10, 512, 1024, False)):
+        assert r["used"] == [1] * 20 and r["equal"], r
+        assert not any(r["marks"]) and r["decision"] is None
 
 
 def test_a_split_the_model_gives_a_chance_is_tried() -> None:

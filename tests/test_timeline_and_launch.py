@@ -13,7 +13,7 @@ from tests.workers import gradient_mode_differs, peer_leaves_early, raise_on_ran
 
 def test_timeline_has_every_micro_batch_step() -> None:
     k = 3
-    for rank, spans in enumerate(mc2.run_local(timeline_spans, 2, args=(k,))):
+    for rank, spans in enumerate(mc2.run_local(timeline_spans, 2, args=(k, 40))):
         assert all(end >= start for *_, start, end in spans), "negative duration"
         for phase in ("forward", "backward"):
             for i in range(k):
@@ -24,6 +24,10 @@ def test_timeline_has_every_micro_batch_step() -> None:
                     assert needed in names, f"rank {rank} {phase} micro-batch {i} lacks {needed}"
         whole = [s for s in spans if s[3] == -1]
         assert {s[1] for s in whole} >= {"handshake", "counts", "weighted_sum"}
+    # a call whose ids ride in the handshake (13 and 16 tokens of top-2) exchanges no counts
+    for spans in mc2.run_local(timeline_spans, 2, args=(k, 13)):
+        names = {s[1] for s in spans if s[3] == -1}
+        assert "handshake" in names and "counts" not in names, names
 
 
 def test_gradient_mode_must_agree() -> None:

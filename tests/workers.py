@@ -99,11 +99,11 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
     return {"error": error, "elapsed": elapsed, "good_rows": out.shape[0]}
 
 
-def timeline_spans(rank: int, world: int, micro_batches: int) -> list[tuple]:
+def timeline_spans(rank: int, world: int, micro_batches: int, tokens: int = 13) -> list[tuple]:
     """One overlapped forward+backward with a Timeline; returns the spans as tuples."""
     from tests.problems import make_problem
 
-    p = make_problem(world, "uniform")
+    p = make_problem(world, "uniform", tokens=tokens)
     tl = mc2.Timeline()
     x = p.xs[rank].clone().requires_grad_(True)
     out = mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], p.rws[rank],
@@ -182,10 +182,12 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
                           for k in (1, 2, 4, 8, 16)}}
 
 
-def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn: int) -> dict:
+def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn: int,
+                decided: bool = True) -> dict:
     """``"auto"`` over ``calls`` no-grad calls, then ``calls`` forward + backward calls, of a
     decode-sized batch: the K each call ran and its trial marks (from the timeline), the
-    planner's decision, and whether every output equals a fixed K = 1 call's."""
+    planner's decision (``decided``: it made one; else ``None`` where it made none), and
+    whether every output equals a fixed K = 1 call's."""
     g = torch.Generator().manual_seed(rank)
     local = 2
     x = torch.randn(tokens, hidden, generator=g)
@@ -207,7 +209,8 @@ def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn
         used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
         marks.append([s.name for s in tl.spans if s.name.startswith("auto")])
         equal = equal and torch.equal(out.detach(), expected)
-    (decision,) = planner.decisions().values()
+    decisions = list(planner.decisions().values())
+    decision = decisions[0] if decided else (decisions or None)
     return {"used": used, "marks": marks, "decision": decision, "equal": equal,
             "margin": planner.model_error(None).margin()}
 
@@ -516,10 +519,11 @@ def capacity_collectives(rank: int, world: int, problem: Problem) -> dict:
         finally:
             counter.close()
         mc2.fused_expert(*args, micro_batches=1)  # its control group made
-        plain = CollectiveCounter()
+        plain, plain_syncs = CollectiveCounter(), HostSyncCounter()
         try:
-            mc2.fused_expert(*args, micro_batches=1)
+            with plain_syncs:
+                mc2.fused_expert(*args, micro_batches=1)
         finally:
             plain.close()
     return {"collectives": counter.count, "reads": syncs.reads, "uploads": syncs.uploads,
-            "plain_collectives": plain.count}
+            "plain_collectives": plain.count, "plain_reads": plain_syncs.reads}

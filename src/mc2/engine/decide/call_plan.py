@@ -28,7 +28,7 @@ from mc2.observation.timeline import Timeline, maybe_span
 from mc2.observation.traffic import active_traffic
 from mc2.engine.transport.backend import CommStyle
 from mc2.engine.transport.comm import (
-    carries_host_memory, exchange_counts, gather_counts, group_size, style_of
+    carries_host_memory, exchange_counts, gather_counts, group_rank, group_size, style_of
 )
 from mc2.engine.decide.config import GEMMS, MC2Config
 from mc2.engine.transport.deadline import timeout_code
@@ -47,14 +47,14 @@ from mc2.engine.decide.dedup import (
 )
 from mc2.engine.decide.shared_facts import SharedFacts
 from mc2.engine.decide.routing import (
-    DispatchHandle, CountsExchange, build_handle, local_send_counts, micro_batch_bounds,
+    DispatchHandle, CountsExchange, build_handle, folded_counts, local_send_counts, micro_batch_bounds,
     micro_batch_fractions, read_counts
 )
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.topology import topology_for
 from mc2.engine.decide.validation import (
     DTYPE_CODES, HIERARCHY_CODES, Agreement, agree, agreement_issued, local_problem,
-    shared_problem
+    may_fold, shared_problem
 )
 from mc2.engine.transport.wire import PLAIN_PAIR, WirePair, wire_pair, wire_problem
 from mc2.engine.transport.workspace import Workspace, default_workspace
@@ -248,6 +248,11 @@ def _routes(x: Tensor, ids2d: Tensor, combine: Tensor, weights: Any, k: int, cap
     the slot tables are exchanged too, :mod:`mc2.engine.decide.dedup`)."""
     world, local_experts = group_size(group), weights.local_experts
     order, send_counts = local_send_counts(ids2d, world * local_experts, k)
+    if agreement.folded is not None:  # every rank's ids came with the handshake
+        host, received = folded_counts(agreement.folded, k, group_rank(group), local_experts,
+                                       x.device)
+        return build_handle(ids2d, order, host, received, world_size=world, group=group,
+                            workspace=workspace, style=style)
     send_totals = send_counts.view(k, world, local_experts).sum(-1)  # [K, world] rows to each
     sent = None
     if hit is not None:
@@ -456,6 +461,9 @@ def plan_call(
     if config.dedup and problem is None and world > 1:  # counted now, agreed in the handshake
         hit = destinations(expert_ids.reshape(-1, expert_ids.shape[-1]), weights.local_experts,
                            world)
+    # a small call of a flat exchange, a row per pair, counts its routes from the handshake
+    fold = problem is None and hit is None and config.hierarchy == "flat" and \
+        may_fold(expert_ids, world)
     with maybe_span(timeline, "comm", "handshake", "forward"):
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
@@ -464,11 +472,14 @@ def plan_call(
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite,
-                          rows=hit.sum() if hit is not None else None)
+                          rows=hit.sum() if hit is not None else None, fold=fold)
     assert weights is not None and problem is None
     strategy = resolve_strategy(config.gemm, weights)
-    k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group, strategy,
-                                      wire, timeline)
+    if agreement.folded is not None:  # every rank's call folded: one micro-batch for "auto"
+        k, on_pass_done = (1 if auto else int(config.micro_batches)), None
+    else:
+        k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group,
+                                          strategy, wire, timeline)
     pool = workspace or default_workspace()
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)

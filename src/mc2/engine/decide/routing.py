@@ -25,7 +25,7 @@ from torch import Tensor
 from mc2.engine.decide.dedup import SlotRoutes, WeightGradReturn, chunk_of_token
 from mc2.engine.transport.comm import FlatExchange
 from mc2.engine.transport.hierarchy import regroup_index
-from mc2.engine.transport.host import read
+from mc2.engine.transport.host import read, upload
 
 
 @dataclass(frozen=True)
@@ -283,6 +283,34 @@ def read_counts(exchange: CountsExchange, send_totals: Tensor, payload: Tensor,
         return [list(itertools.islice(flat, width)) for _ in range(k)]
 
     return HostCounts(rows(world), rows(world), rows(local), list(flat))
+
+
+def folded_counts(folded: list[list[list[int]]], k: int, rank: int, local_experts: int,
+                  device: torch.device) -> tuple[HostCounts, Tensor]:
+    """The split sizes :func:`read_counts` would read, counted from every rank's ids (carried
+    in the handshake, :attr:`~mc2.engine.decide.validation.Agreement.folded`) with no counts
+    exchange: what this rank sends, and what each rank sends it, per micro-batch, split as
+    each rank splits its own tokens (:func:`micro_batch_bounds`). Also the ``[world(src), K,
+    local_experts]`` received counts :func:`build_handle` groups by, uploaded (no read)."""
+    world = len(folded)
+    received = [[[0] * local_experts for _ in range(k)] for _ in range(world)]
+    send = [[0] * world for _ in range(k)]
+    for src, ids in enumerate(folded):
+        for i, (start, stop) in enumerate(micro_batch_bounds(len(ids), k)):
+            for expert in itertools.chain.from_iterable(ids[start:stop]):
+                if expert < 0:  # a dropped slot goes nowhere
+                    continue
+                dest, local = divmod(expert, local_experts)
+                if src == rank:
+                    send[i][dest] += 1
+                if dest == rank:
+                    received[src][i][local] += 1
+    recv = [[sum(received[src][i]) for src in range(world)] for i in range(k)]
+    experts = [[sum(received[src][i][e] for src in range(world)) for e in range(local_experts)]
+               for i in range(k)]
+    flat = [c for per_src in received for per_mb in per_src for c in per_mb]
+    return HostCounts(send, recv, experts, []), \
+        upload(flat, device).view(world, k, local_experts)
 
 
 def build_handle(

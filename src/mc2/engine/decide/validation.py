@@ -225,11 +225,33 @@ class Agreement:
     max_tokens: int
     max_topk: int
     max_rows: int | None = None  # rows once per destination: the most any rank sends
+    # every rank's expert ids (``[T_r][topk_r]``, by rank) where every rank's call was small
+    # enough to carry them in the handshake (:data:`FOLD_IDS`): its routes are counted here,
+    # with no counts exchange; ``None`` otherwise
+    folded: list[list[list[int]]] | None = None
 
 
 HIERARCHY_CODES = {h: i for i, h in enumerate(HIERARCHIES)}
 _DEVICE_CODES = {"cpu": 1, "cuda": 2, "xpu": 3, "npu": 4, "mps": 5, "hpu": 6}
 _ABSENT = -(2 ** 62)  # the neutral value of a maximum: this rank has nothing for the slot
+# A call whose ids fit here on every rank carries them in the handshake: every rank counts the
+# routes itself and the counts exchange is not made (a decode-sized call: three collectives,
+# not four). Each rank owns a block of the vector (its token count, top-k and ids) and leaves
+# the others absent, so the maximum is every rank's block. Not beyond FOLD_WORLD ranks: the
+# vector grows with the group, and every call, small or not, reduces it.
+FOLD_IDS = 32
+FOLD_WORLD = 16
+
+
+def fold_width(world: int) -> int:
+    """The handshake's per-rank blocks, in values (none beyond :data:`FOLD_WORLD` ranks)."""
+    return world * (2 + FOLD_IDS) if world <= FOLD_WORLD else 0
+
+
+def may_fold(expert_ids: Any, world: int) -> bool:
+    """Whether this rank's ids fit its block of the handshake."""
+    return 1 < world <= FOLD_WORLD and isinstance(expert_ids, Tensor) and \
+        expert_ids.dim() >= 1 and expert_ids.numel() <= FOLD_IDS
 
 
 def agree(problem: str | None, **kwargs: Any) -> Agreement:
@@ -250,6 +272,7 @@ def agreement_issued(
     rows: Tensor | None = None,
     on_host: bool = False,
     trusted: bool = False,
+    fold: bool = False,
 ) -> Callable[[], Agreement]:
     """One collective, issued now: the returned function waits for it, reads it and raises the
     same ``ValueError`` on every rank if any rank cannot proceed (work done before calling it
@@ -269,6 +292,9 @@ def agreement_issued(
             facts only, no data check and no error count, so nothing at all is read from a
             device; ranks whose configurations differ still raise here, on every rank
             (:func:`~mc2.engine.decide.call_plan.plan_call`).
+        fold: this rank's call may count its routes from every rank's ids (a flat exchange,
+            a row per pair, ids that fit :data:`FOLD_IDS`: :func:`may_fold`): its ids go in its
+            block, and where every rank's did, :attr:`Agreement.folded` holds them all.
 
     The vector reduced is named slot by slot (:class:`_Slots`): this rank's facts and their
     negations (one maximum gives both ends), then what only the data shows, computed on the
@@ -284,17 +310,20 @@ def agreement_issued(
         alike = {"device type": 0, **SharedFacts.unknown().described()}
         facts = {"failed": 1, "tokens": 0, "topk": 0, **alike}
         device = x.device if isinstance(x, Tensor) else torch.device("cpu")
-    slots = _Slots(list(facts))
+    world = group_size(group)
+    slots = _Slots(list(facts), fold_width(world))
     head = list(facts.values()) + [-v for v in facts.values()]
     if on_host:  # trusted, or a bad input: nothing of this rank's data to add (no read)
         data = _neutral_tail(slots) if trusted or problem is not None else \
-            read(_data_tail(x, expert_ids, routing_weights, check_finite, rows, group))
+            read(_data_tail(x, expert_ids, routing_weights, check_finite, rows, group)) + \
+            [_ABSENT] * slots.fold
         reduced = all_reduce_max_later(host_vector(head + data), group, "handshake")
         values = lambda: read_host_memory(reduced())  # noqa: E731
     else:  # the head uploaded (with the neutral tail, for a bad input), the data's appended
         vector = upload(head + _neutral_tail(slots), device) if problem is not None else \
             torch.cat([upload(head, device),
-                       _data_tail(x, expert_ids, routing_weights, check_finite, rows, group)])
+                       _data_tail(x, expert_ids, routing_weights, check_finite, rows, group),
+                       _fold_block(expert_ids if fold else None, slots, group, device)])
         reduced = all_reduce_max_later(vector, group, "handshake")
         values = lambda: read(reduced())  # noqa: E731
     return lambda: _agreement(slots.read(values()), problem, alike, x, expert_ids,
@@ -303,8 +332,22 @@ def agreement_issued(
 
 def _neutral_tail(slots: "_Slots") -> list[int]:
     """The data part of a vector with nothing of this rank's data in it: every check absent,
-    no error counted (a rank whose input is bad, or a trusted capacity call)."""
-    return [_ABSENT] * len(slots.data) + [0] * COUNTS
+    no error counted, no ids (a rank whose input is bad, or a trusted capacity call)."""
+    return [_ABSENT] * len(slots.data) + [0] * COUNTS + [_ABSENT] * slots.fold
+
+
+def _fold_block(expert_ids: Tensor | None, slots: "_Slots", group: Any,
+                device: torch.device) -> Tensor:
+    """The per-rank blocks with this rank's filled in (``[tokens, topk, ids...]``, on the
+    device, nothing read), or all absent where ``expert_ids`` is ``None``."""
+    block = torch.full((slots.fold,), _ABSENT, dtype=torch.int64, device=device)
+    if expert_ids is not None and slots.fold:
+        start = group_rank(group) * (2 + FOLD_IDS)
+        ids = expert_ids.reshape(-1, expert_ids.shape[-1])
+        block[start] = ids.shape[0]
+        block[start + 1] = ids.shape[1]
+        block[start + 2:start + 2 + ids.numel()] = ids.reshape(-1)
+    return block
 
 
 def _data_tail(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None,
@@ -350,7 +393,20 @@ def _agreement(reduced: "_Reduced", problem: str | None, alike: dict[str, int], 
         _raise_for(nonfinite_problem(x, routing_weights), group)
     return Agreement(max_tokens=int(reduced.highest["tokens"]),
                      max_topk=int(reduced.highest["topk"]),
-                     max_rows=int(reduced.data["rows sent"]) if rows is not None else None)
+                     max_rows=int(reduced.data["rows sent"]) if rows is not None else None,
+                     folded=_folded(reduced.blocks))
+
+
+def _folded(blocks: list[int]) -> list[list[list[int]]] | None:
+    """Every rank's ids from its block, or ``None`` where any rank left its block absent."""
+    width, out = 2 + FOLD_IDS, []
+    for start in range(0, len(blocks), width):
+        tokens, topk = blocks[start], blocks[start + 1]
+        if tokens == _ABSENT:
+            return None
+        ids = blocks[start + 2:start + 2 + tokens * topk]
+        out.append([ids[t * topk:(t + 1) * topk] for t in range(tokens)])
+    return out or None
 
 
 @dataclass(frozen=True)
@@ -361,6 +417,7 @@ class _Reduced:
     lowest: dict[str, int]  # ... and its smallest
     data: dict[str, int]  # "max id", "-min id", "non-finite", "rows sent"
     errors: list[int]  # capacity calls' error counts (:data:`~.overflow.COUNTS` of them)
+    blocks: list[int]  # every rank's block of ids (:func:`fold_width` values)
 
 
 @dataclass(frozen=True)
@@ -369,17 +426,20 @@ class _Slots:
     data checks, the error counts), so it is read back by name."""
 
     facts: list[str]
+    fold: int = 0  # the per-rank blocks' values
     data: tuple[str, ...] = ("max id", "-min id", "non-finite", "rows sent")
 
     def read(self, values: list[int]) -> _Reduced:
         n, d = len(self.facts), len(self.data)
-        if len(values) != 2 * n + d + COUNTS:
+        if len(values) != 2 * n + d + COUNTS + self.fold:
             raise AssertionError(f"handshake vector of {len(values)} values, expected "
-                                 f"{2 * n + d + COUNTS}")
+                                 f"{2 * n + d + COUNTS + self.fold}")
+        errors = 2 * n + d
         return _Reduced(dict(zip(self.facts, values[:n])),
                         dict(zip(self.facts, (-v for v in values[n:2 * n]))),
-                        dict(zip(self.data, values[2 * n:2 * n + d])),
-                        list(values[2 * n + d:]))
+                        dict(zip(self.data, values[2 * n:errors])),
+                        list(values[errors:errors + COUNTS]),
+                        list(values[errors + COUNTS:]))
 
 
 def _raise_for(problem: str | None, group: Any) -> None:
