@@ -45,12 +45,12 @@ HIDDEN, FFN, EXPERTS, TOPK = 1024, 2048, 8, 2
 IMPLS = ("mc2", "mc2 counts exchange", "mc2 capacity", "hf all_to_all", "hf all_reduce")
 
 
-def _experts(world: int, rank: int) -> Any:
+def _experts(world: int, rank: int, hidden: int, ffn: int) -> Any:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     local = EXPERTS // world
-    experts = MixtralExperts(MixtralConfig(hidden_size=HIDDEN, intermediate_size=FFN,
+    experts = MixtralExperts(MixtralConfig(hidden_size=hidden, intermediate_size=ffn,
                                            num_local_experts=local))
     g = torch.Generator().manual_seed(rank)
     with torch.no_grad():
@@ -106,12 +106,13 @@ def _calls(experts: Any, ids: torch.Tensor, ids_shared: torch.Tensor, capacity: 
     }
 
 
-def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, sizes: list[int], rounds: int, hidden: int = HIDDEN,
+          ffn: int = FFN) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.expert_parallel import AllReduceEP, AllToAllEP
 
     torch.set_num_threads(1)
-    experts = _experts(world, rank)
+    experts = _experts(world, rank, hidden, ffn)
     own = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
     shared = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     a2a = AllToAllEP(experts, own["ep"], own["tp"])
@@ -119,7 +120,7 @@ def _rank(rank: int, world: int, sizes: list[int], rounds: int) -> dict[str, Any
     results: dict[str, Any] = {}
     for tokens in sizes:
         g = torch.Generator().manual_seed(100 * tokens + rank)
-        x = torch.randn(tokens, HIDDEN, generator=g)
+        x = torch.randn(tokens, hidden, generator=g)
         ids = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, -1).indices
         xs, ids_s = _gathered(x, world), _gathered(ids, world)  # the shared batch
         calls = _calls(experts, ids, ids_s, _capacity(ids, world), a2a, reduce)
@@ -153,13 +154,17 @@ def main() -> int:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--sizes", default="1,4,16,64,256", help="tokens per rank")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--ffn", type=int, default=FFN, help="a small shape (--hidden 64 --ffn 128) "
+                   "leaves the collectives' latency, which the fold saves, to show")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     out: dict[str, Any] = {}
     for world in (int(w) for w in args.worlds.split(",")):
         print(f"== {world} ranks", file=sys.stderr, flush=True)
-        res = mc2.run_local(_rank, world, args=(sizes, args.rounds), timeout_s=600,
+        res = mc2.run_local(_rank, world, args=(sizes, args.rounds, args.hidden, args.ffn),
+                            timeout_s=600,
                             deadline_s=3600)[0]
         out[str(world)] = res
         print(f"{world} ranks        " + "".join(f"{n:>22}" for n in IMPLS)
