@@ -15,7 +15,10 @@ regime (each after one untimed step at every switch), median of the slowest rank
 - ``paired-k2`` (asked for by ``--modes``): the same, each layer's call also split in two
   micro-batches inside (MC2's in-layer pipeline under the pairing);
 - ``auto`` (asked for by ``--modes``): ``mc2.forward_backward(overlap="auto")``, decided in
-  its warm-up (both schedules measured, the faster kept), then timed as it runs.
+  its warm-up (both schedules measured, the faster kept), then timed as it runs;
+- ``paired-inlayer`` (asked for by ``--modes``): ``forward_backward(overlap=True)`` on a copy
+  built in-layer (``enable_mc2`` without batch overlap, same weights): no layer loop of mc2's,
+  the eager calls pair between their steps (K = 2 inside each, as the staged calls).
 
 The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
 loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped
@@ -46,7 +49,7 @@ from model_overlap import LATENCY, SHAPE, _model, _set_mode  # noqa: E402
 
 MODES = ("serial", "mc2", "batch", "paired")
 # paired, each call split in two micro-batches inside too; forward_backward's "auto"
-OPTIONAL_MODES = ("paired-k2", "auto")
+OPTIONAL_MODES = ("paired-k2", "auto", "paired-inlayer")
 
 
 def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +62,18 @@ def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
         return
     for ids in batches:
         _loss(model, ids).backward()
+
+
+def _in_layer_model(layers: int) -> Any:
+    """``_model``'s weights with mc2 inside each layer and no layer loop (no batch overlap)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from mc2.integrations.transformers import enable_mc2
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**(SHAPE | {"num_hidden_layers": layers})))
+    enable_mc2(model, micro_batches="auto")
+    return model.train()
 
 
 def _set(model: Any, mode: str) -> None:
@@ -79,27 +94,37 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
 
     model = _model(layers)
     model.train()
+    in_layer = _in_layer_model(layers) if "paired-inlayer" in modes else None
+
+    def run(mode: str, parts: list[torch.Tensor]) -> None:
+        if mode == "paired-inlayer":
+            _step(in_layer, "paired", parts)
+        else:
+            _set(model, mode)
+            _step(model, mode, parts)
+
+    def zero(mode: str) -> None:
+        (in_layer if mode == "paired-inlayer" else model).zero_grad(set_to_none=True)
+
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
                for _ in range(micro_batches)]
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
     for mode in modes:  # warm up every mode (and let the in-layer "auto" settle its K)
-        _set(model, mode)
-        _step(model, mode, batches)
-        until_auto_locked(lambda m=mode: _step(model, m, batches[:1]))
+        run(mode, batches)
+        until_auto_locked(lambda m=mode: run(m, batches[:1]))
     if "auto" in modes:  # forward_backward's "auto" decides on whole steps
         _set(model, "auto")
         decided = _decided(model, lambda: _step(model, "auto", batches))
     for _ in range(rounds):
         for mode in modes:
-            _set(model, mode)
-            _step(model, mode, batches)  # untimed at every switch (the workspace's sizes)
+            run(mode, batches)  # untimed at every switch (the workspace's sizes)
             for _ in range(steps):
-                model.zero_grad(set_to_none=True)
+                zero(mode)
                 torch.distributed.barrier()
                 start = clock.stamp()
-                _step(model, mode, batches)
+                run(mode, batches)
                 times[mode].append(clock.elapsed(start, clock.stamp()))
     return {"times": times, **({"auto_chose_pairing": decided} if "auto" in modes else {})}
 

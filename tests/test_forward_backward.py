@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import mc2
-from tests.workers_pairing import hf_paired, hf_refusal, refusals, stack_paired
+from tests.workers_pairing import (
+    hf_paired, hf_refusal, in_layer_paired, refusals, stack_paired)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -30,13 +31,25 @@ def test_paired_micro_batches_equal_the_sequential_loop_and_overlap() -> None:
         assert r[True]["under_backward"] >= 2 * 3 * (len(want["losses"]) - 1) // 2, r[True]
 
 
-@pytest.mark.parametrize("dtype,hostile,tol", [("float64", False, 1e-10),
-                                              ("float64", True, 1e-10),
-                                              ("float32", False, 1e-4)],
-                         ids=["float64", "one-expert", "float32"])
+def test_a_model_calling_mc2_inside_its_layers_pairs_its_eager_calls() -> None:
+    """No layer loop of mc2's: three ``MoELayer``s in a ``Sequential``. The eager calls hand
+    back and give way between their steps; gradients are the sequential loop's, and the
+    forward's exchanges travel across the backward's compute (none without pairing)."""
+    for r in mc2.run_local(in_layer_paired, 2, timeout_s=120):
+        for overlap in (False, True):
+            assert all(_close(g, w, 1e-10) for g, w in zip(r[overlap]["grads"], r["loop"]))
+        assert r[False]["under_backward"] == 0
+        assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
+
+
+@pytest.mark.parametrize("dtype,hostile,tol,batch_overlap", [
+    ("float64", False, 1e-10, True), ("float64", True, 1e-10, True),
+    ("float32", False, 1e-4, True), ("float64", True, 1e-10, False)],
+    ids=["float64", "one-expert", "float32", "in-layer-one-expert"])
 def test_a_hugging_face_model_trains_as_its_sequential_loop(dtype: str, hostile: bool,
-                                                            tol: float) -> None:
-    for r in mc2.run_local(hf_paired, 2, args=(dtype, hostile), timeout_s=180):
+                                                            tol: float,
+                                                            batch_overlap: bool) -> None:
+    for r in mc2.run_local(hf_paired, 2, args=(dtype, hostile, batch_overlap), timeout_s=180):
         assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
                                                              rel=tol)
         for name, (want, got) in r["grads"].items():
@@ -47,7 +60,7 @@ def test_a_hugging_face_model_trains_as_its_sequential_loop(dtype: str, hostile:
 
 def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
     for r in mc2.run_local(refusals, 2, timeout_s=60):
-        assert "layer loop" in r["no layer loop"], r
+        assert "nothing can be paired" in r["no mc2 call"], r
         assert "scalar" in r["not a scalar"], r
     # a forward whose layers cannot run in parts as they run whole: refused, never run so
     for raised in mc2.run_local(hf_refusal, 2, timeout_s=60):
@@ -75,3 +88,32 @@ def test_auto_measures_both_schedules_then_keeps_one_on_every_rank() -> None:
     assert a["chosen"] in (True, False) and a["paired"][12:] == [a["chosen"]] * 2
     assert [len(a["times"][side]) for side in ("on", "off")] == [3, 3]
     assert a["equal"] and b["equal"]
+
+
+def test_hugging_faces_own_expert_parallelism_pairs_through_ep_implementation_mc2() -> None:
+    """``DistributedConfig(tp_size=2, ep_size=2, ep_implementation="mc2")``: the experts call
+    mc2 eagerly inside Hugging Face's own decoder loop, and the paired schedule pairs those
+    calls; losses and every local gradient equal the sequential loop's (float32), and the
+    forward's exchanges travel across the backward's compute. Hugging Face's other layout
+    (``fsdp_size``) shards with FSDP2: refused on every rank with ``overlap=True``, the
+    sequential loop with ``"auto"``, equal again."""
+    from tests.workers_hf_ep import reference
+    from tests.workers_pairing import hf_ep_paired
+
+    path = reference("mixtral")["path"]
+    for r in mc2.run_local(hf_ep_paired, 2, args=(path, "tp"), timeout_s=180):
+        assert r["fsdp_units"] == 0 and r["refused"] is None, r["refused"]
+        assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
+                                                             rel=1e-5)
+        for name, (want, got) in r["grads"].items():
+            assert (want is None) == (got is None), name
+            if want is not None:
+                assert _close(got, want, 1e-4), name
+        assert r["under_backward"] > 0
+    for r in mc2.run_local(hf_ep_paired, 2, args=(path, "dp"), timeout_s=180):
+        assert r["fsdp_units"] > 0 and "FSDP2" in r["refused"], r["refused"]
+        assert r["under_backward"] == 0  # "auto": the sequential loop
+        assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
+                                                             rel=1e-5)
+        assert all(_close(got, want, 1e-4) for want, got in r["grads"].values()
+                   if want is not None)

@@ -64,10 +64,40 @@ def stack_paired(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool) -> dict[str, Any]:
+def _in_layer_stack(seed: int = 0) -> torch.nn.Module:
+    """Three ``mc2.MoELayer``s one after the other: each calls mc2 inside its forward, no
+    layer loop of mc2's (the paired schedule pairs their eager calls)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+                                 for _ in range(3)))
+
+
+def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
+    """:func:`stack_paired` for a stack that calls mc2 inside its layers (no layer loop)."""
+    batches = _micro_batches(rank)
+    model = _in_layer_stack()
+    for x in batches:
+        _stack_loss(model, x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    found: dict[str, Any] = {"loop": want}
+    for overlap in (False, True):
+        model = _in_layer_stack()
+        recorder = ScheduleRecorder()
+        with recorder.installed(), mc2.profile() as prof:
+            mc2.forward_backward(model, batches, _stack_loss, overlap=overlap)
+        found[overlap] = {
+            "grads": [p.grad.clone() for p in model.parameters()],
+            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
+                                                                prof.spans)}
+    return found
+
+
+def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool,
+              batch_overlap: bool = True) -> dict[str, Any]:
     """A 2-layer Mixtral under ``enable_mc2``: the sequential loop on the in-layer model
-    against ``forward_backward(overlap=True)`` on the batch-overlap model, same weights and
-    micro-batches (with padding masks, a router auxiliary loss); losses and gradients."""
+    against ``forward_backward(overlap=True)`` on the batch-overlap model (``batch_overlap``;
+    else on the in-layer model, whose eager calls pair), same weights and micro-batches (with
+    padding masks, a router auxiliary loss); losses and gradients."""
     from tests.workers_mesh import CONFIG
     from tests.workers_overlap import _model
 
@@ -90,7 +120,8 @@ def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool) -> dict[str
         loss = loss_fn(ref, batch)
         loss.backward()
         want.append(loss.detach())
-    got_model = _model(dtype, hostile, batch_overlap=True, min_tokens=1)
+    got_model = _model(dtype, hostile, batch_overlap=True, min_tokens=1) if batch_overlap \
+        else _model(dtype, hostile)
     got = mc2.forward_backward(got_model, batches, loss_fn, overlap=True)
     return {"want": want, "got": got,
             "grads": {n: (p.grad, q.grad) for (n, p), q in
@@ -98,13 +129,13 @@ def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool) -> dict[str
 
 
 def refusals(rank: int, world: int) -> dict[str, str | None]:
-    """What ``forward_backward`` raises for a model with no layer loop of mc2's and for a
-    loss that is no scalar (overlap=True), on each rank."""
+    """What ``forward_backward`` raises for a model that makes no mc2 call and for a loss
+    that is no scalar (overlap=True), on each rank."""
     found: dict[str, str | None] = {}
-    plain = torch.nn.Sequential(mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64))
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     for name, model, loss_fn in (
-            ("no layer loop", plain, lambda m, b: m(b).pow(2).mean()),
+            ("no mc2 call", plain, lambda m, b: m(b).pow(2).mean()),
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:
             mc2.forward_backward(model, [x, x], loss_fn, overlap=True)
@@ -153,3 +184,59 @@ def hf_refusal(rank: int, world: int) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any]:
+    """A Mixtral loaded with Hugging Face's own expert parallelism and
+    ``ep_implementation="mc2"`` (``layout`` as :func:`tests.workers_hf_ep._distributed_config`):
+    the sequential loop against ``forward_backward(overlap=True)`` on a second copy, 3
+    micro-batches; losses, each parameter's local gradient, whether pairing happened (the
+    forward's exchanges in flight across a backward's compute), and the FSDP2 units found."""
+    import os
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401 - registers "mc2"
+    from tests.workers_hf_ep import _distributed_config
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    g = torch.Generator().manual_seed(7 + (rank if layout == "dp" else 0))
+    batches = [torch.randint(3, 64, (2, 8), generator=g) for _ in range(3)]
+
+    def load() -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32,
+            distributed_config=_distributed_config(layout, world, "mc2"))
+        return model.eval()  # no dropout, no routing noise
+
+    def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels=ids).loss
+
+    def local(t: Any) -> Any:
+        return None if t is None else (t.to_local() if isinstance(t, DTensor) else t).clone()
+
+    ref = load()
+    want = []
+    for ids in batches:
+        loss = loss_fn(ref, ids)
+        loss.backward()
+        want.append(loss.detach())
+    model = load()
+    refused = None
+    try:
+        mc2.forward_backward(model, batches[:1], loss_fn, overlap=True)
+        model.zero_grad(set_to_none=True)
+    except ValueError as exc:  # FSDP2: before anything ran
+        refused = str(exc)
+    recorder = ScheduleRecorder()
+    with recorder.installed(), mc2.profile() as prof:
+        got = mc2.forward_backward(model, batches, loss_fn,
+                                   overlap=True if refused is None else "auto")
+    return {"want": want, "got": got, "refused": refused,
+            "grads": {n: (local(p.grad), local(q.grad)) for (n, p), q in
+                      zip(ref.named_parameters(), model.parameters())},
+            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
+                                                                prof.spans),
+            "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules())}

@@ -7,10 +7,15 @@ forward of micro-batch n+1 runs inside the backward of micro-batch n, layer by l
 first forward and the last backward alone): see :mod:`mc2.engine.autograd.pairing` for how,
 and ``docs/forward_backward.md`` for what it measured.
 
-The model's decoder layers must run through mc2's layer loop, which is what batch overlap
-builds (``enable_mc2(model, batch_overlap=True or "auto")``,
-:class:`~mc2.integrations.batch_overlap.BatchOverlapStack`): under this call each micro-batch
-runs whole (not split in two), its layers in stages.
+What pairs: the model's MoE calls. Where its decoder layers run through mc2's layer loop
+(batch overlap: ``enable_mc2(model, batch_overlap=True or "auto")``,
+:class:`~mc2.integrations.batch_overlap.BatchOverlapStack`, Megatron's and TorchTitan's
+overlap layers), each micro-batch runs whole (not split in two), its layers in stages. Where
+the model calls mc2 inside its layers (``enable_mc2`` in-layer, ``mc2.MoELayer``, Hugging
+Face's ``ep_implementation="mc2"``), each eager call hands back and gives way between its
+own steps (:mod:`mc2.engine.autograd.function`). FSDP2-sharded models are not paired: FSDP2
+gathers and frees a unit's parameters from its forward and backward hooks, and the paired
+forward's hooks would free what the backward beside it still reads.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from torch import Tensor, nn
 from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
-from mc2.engine.decide.batch_split import BatchOverlapDecision
+from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
+from mc2.parallel.layer_gather import fsdp_units
 
 __all__ = ["forward_backward"]
 
@@ -49,8 +55,9 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
 
     Raises:
         ValueError: a bad ``overlap``; a loss that is no scalar needing a gradient; with
-            ``overlap=True``, a model whose layers do not run through mc2's layer loop, or
-            whose layers FSDP2 shards (every rank alike: every rank runs the same model).
+            ``overlap=True``, a model that makes no mc2 call, or that FSDP2 shards (every
+            rank alike: every rank runs the same model). ``"auto"`` runs the sequential loop
+            for an FSDP2 model, and says so once.
     """
     if overlap not in (True, False, "auto"):
         raise ValueError(f"forward_backward: overlap must be True, False or 'auto', "
@@ -59,6 +66,14 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     if not torch.is_grad_enabled():
         raise ValueError("forward_backward: gradients are disabled (torch.no_grad); it runs "
                          "backwards")
+    if overlap is not False and fsdp_units(model):
+        why = ("the model is sharded by FSDP2, whose hooks gather and free a unit's "
+               "parameters in each forward and backward: the paired forward would free what "
+               "the backward beside it still reads")
+        if overlap is True:
+            raise ValueError(f"forward_backward(overlap=True): {why}; use overlap=False")
+        say_once(why, "pairing one micro-batch's forward with another's backward")
+        overlap = False
     return decided_schedule(model, overlap, group, len(batches),
                             paired=lambda: _paired(model, batches, loss_fn),
                             sequential=lambda: _sequential(model, batches, loss_fn))
@@ -124,7 +139,8 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
 
     return run_pairs(len(batches), forward, lambda loss: loss.backward(),
                      kept=lambda loss: loss.detach(),
-                     unpaired="forward_backward(overlap=True): the model's layers do not "
-                              "run through mc2's layer loop, so nothing can be paired; build "
-                              "it with batch overlap (enable_mc2(model, batch_overlap=True), "
-                              "BatchOverlapStack) or pass overlap=False")
+                     unpaired="forward_backward(overlap=True): the model's forward made no "
+                              "mc2 call (no layer loop of mc2's, no fused call inside a "
+                              "layer), so nothing can be paired; switch mc2 on in the model "
+                              "(enable_mc2, mc2.MoELayer, ep_implementation='mc2') or pass "
+                              "overlap=False")

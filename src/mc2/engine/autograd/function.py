@@ -6,6 +6,12 @@ as it used them, so the backward's peak holds one micro-batch's activations less
 step. Where a hook is active (activation offload, non-reentrant activation checkpointing), the
 state's tensors go through ``save_for_backward`` so that the hook sees every one of them; the
 backward then holds them until it returns, as autograd does for any saved tensor.
+
+Under ``mc2.forward_backward``'s paired schedule (:mod:`mc2.engine.autograd.pairing`) the
+pass's three steps are where the pairing happens, for a model that calls mc2 inside its layers
+(no layer loop of mc2's): a forward hands back to the backward it is paired with after each
+transfer it issued, and a backward gives way to the paired forward where its own transfers
+travel, as the staged calls of a layer loop do.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.decide.call_plan import CallPlan
 from mc2.engine.passes.run import CallInputs, ForwardState, run_backward, run_forward
 
@@ -32,7 +39,11 @@ class FusedExpertFunction(torch.autograd.Function):
     def forward(ctx: Any, call: CallPlan, *tensors: Tensor | None) -> Tensor:  # type: ignore[override]
         inputs = CallInputs.of(tensors)
         needs = CallInputs.of(ctx.needs_input_grad[1:])
-        out, state = run_forward(call, inputs, needs)
+        pairing = ctx.pairing = current_pairing()
+        if pairing is not None:
+            pairing.calls += 1
+        out, state = run_forward(call, inputs, needs,
+                                 pairing.hand_back if pairing is not None else None)
         ctx.needs = needs
         ctx.state = None
         if not call.keep_activations:
@@ -61,5 +72,7 @@ class FusedExpertFunction(torch.autograd.Function):
             state, saved = state.with_tensors(saved[n:]), saved[:n]
         inputs = CallInputs.of(saved)
         del saved
-        grads = run_backward(state, inputs, grad_out, ctx.needs)
+        pairing, ctx.pairing = ctx.pairing, None
+        grads = run_backward(state, inputs, grad_out, ctx.needs,
+                             pairing.give_way if pairing is not None else None)
         return (None, *grads.as_list())

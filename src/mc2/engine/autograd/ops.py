@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.function import FusedExpertFunction
+from mc2.engine.autograd.pairing import paired_config
 from mc2.engine.autograd.operator import fused_expert_capacity_op, fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
     EAGER_RUNTIME, autocast_inputs, guarded, resolve_config, shared_inputs
@@ -45,6 +46,7 @@ def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: 
     if torch.compiler.is_compiling():
         return _through_operator(x, named, expert_ids, routing_weights, shared, cfg, problem,
                                  **runtime)
+    cfg = paired_config(cfg)  # not traced: a paired schedule runs eager calls
     if selective_region():
         group, packed, num_experts = (runtime.pop(k) for k in ("group", "packed", "num_experts"))
         token = EAGER_RUNTIME.set(runtime)
@@ -284,6 +286,7 @@ def fused_expert_module(
         raise ValueError("fused_expert_module cannot run inside a selective activation "
                          "checkpointing region; checkpoint the whole layer instead")
     cfg, problem = resolve_config(config, dict(options))
+    cfg = paired_config(cfg)
     x, named, routing_weights, shared = autocast_inputs(
         x, dict(zip(module.names, module.params)), routing_weights,
         (shared_up, shared_gate, shared_down, shared_scale))

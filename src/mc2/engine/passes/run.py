@@ -172,9 +172,15 @@ class _Pass:
     def finish(self) -> Any:
         raise NotImplementedError
 
-    def run(self) -> Any:
+    def run(self, between: Callable[[], None] | None = None) -> Any:
+        """The three steps; ``between()`` after each of the first two, where this pass's
+        transfers travel (a paired schedule runs another micro-batch's work there)."""
         self.begin()
+        if between is not None:
+            between()
         self.experts()
+        if between is not None:
+            between()
         return self.end()
 
 
@@ -285,14 +291,15 @@ def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], Non
     return lambda: report(phase, Interval(clock, started, clock.stamp()))
 
 
-def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool]
-                ) -> tuple[Tensor, ForwardState]:
-    """The forward of one planned call: its output (``x``-shaped) and its state."""
+def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool],
+                between: Callable[[], None] | None = None) -> tuple[Tensor, ForwardState]:
+    """The forward of one planned call: its output (``x``-shaped) and its state.
+    ``between``: see :meth:`_Pass.run`."""
     done = _timed(call, "forward", inputs.x.device)
     shape = inputs.x.shape
     flat = inputs.x.reshape(-1, shape[-1])
     output = ForwardPass(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
-                         needs).run()
+                         needs).run(between)
     out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
     state = state_of(output, call, shape, needs)
     if not call.keep_activations:
@@ -302,9 +309,10 @@ def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bo
 
 
 def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tensor,
-                 needs: CallInputs[bool]) -> CallInputs[Tensor | None]:
+                 needs: CallInputs[bool], between: Callable[[], None] | None = None
+                 ) -> CallInputs[Tensor | None]:
     """The gradients of one call, by input (``None`` where not needed). Consumes ``state``'s
-    activations."""
+    activations. ``between``: see :meth:`_Pass.run`."""
     call = state.call
     # autograd runs this outside the call's context: its deadline, and no autocast (the
     # forward ran in one dtype; its GEMMs write into buffers of that dtype)
@@ -312,7 +320,7 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
         done = _timed(call, "backward", grad_out.device)
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state, grad_out, needs)
-        grads = BackwardPass(grad_out, inputs, state, needs).run()
+        grads = BackwardPass(grad_out, inputs, state, needs).run(between)
         call.workspace.tick()
         done()
     grads.x, grads.shared_scale = grads.x.view(state.x_shape), grad_scale
