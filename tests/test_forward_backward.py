@@ -61,6 +61,7 @@ def test_a_hugging_face_model_trains_as_its_sequential_loop(dtype: str, hostile:
 def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
     for r in mc2.run_local(refusals, 2, timeout_s=60):
         assert "nothing can be paired" in r["no mc2 call"], r
+        assert "DistributedDataParallel" in r["DDP"], r
         assert "scalar" in r["not a scalar"], r
     # a forward whose layers cannot run in parts as they run whole: refused, never run so
     for raised in mc2.run_local(hf_refusal, 2, timeout_s=60):

@@ -134,8 +134,10 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
+    ddp = torch.nn.parallel.DistributedDataParallel(_in_layer_stack())
     for name, model, loss_fn in (
             ("no mc2 call", plain, lambda m, b: m(b).pow(2).mean()),
+            ("DDP", ddp, lambda m, b: m(b).pow(2).mean()),
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:
             mc2.forward_backward(model, [x, x], loss_fn, overlap=True)

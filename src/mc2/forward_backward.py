@@ -55,9 +55,9 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
 
     Raises:
         ValueError: a bad ``overlap``; a loss that is no scalar needing a gradient; with
-            ``overlap=True``, a model that makes no mc2 call, or that FSDP2 shards (every
-            rank alike: every rank runs the same model). ``"auto"`` runs the sequential loop
-            for an FSDP2 model, and says so once.
+            ``overlap=True``, a model that makes no mc2 call, or that FSDP2 shards, or that
+            FSDP or DistributedDataParallel wraps (every rank alike: every rank runs the same
+            model). ``"auto"`` runs the sequential loop for those, and says so once.
     """
     if overlap not in (True, False, "auto"):
         raise ValueError(f"forward_backward: overlap must be True, False or 'auto', "
@@ -66,10 +66,7 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     if not torch.is_grad_enabled():
         raise ValueError("forward_backward: gradients are disabled (torch.no_grad); it runs "
                          "backwards")
-    if overlap is not False and fsdp_units(model):
-        why = ("the model is sharded by FSDP2, whose hooks gather and free a unit's "
-               "parameters in each forward and backward: the paired forward would free what "
-               "the backward beside it still reads")
+    if overlap is not False and (why := _unpairable(model)) is not None:
         if overlap is True:
             raise ValueError(f"forward_backward(overlap=True): {why}; use overlap=False")
         say_once(why, "pairing one micro-batch's forward with another's backward")
@@ -77,6 +74,25 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     return decided_schedule(model, overlap, group, len(batches),
                             paired=lambda: _paired(model, batches, loss_fn),
                             sequential=lambda: _sequential(model, batches, loss_fn))
+
+
+def _unpairable(model: nn.Module) -> str | None:
+    """Why ``model``'s wrappers cannot run one micro-batch's forward beside another's
+    backward, or ``None``: their hooks hold one pass's state at a time."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if fsdp_units(model):
+        return ("the model is sharded by FSDP2, whose hooks gather and free a unit's "
+                "parameters in each forward and backward: the paired forward would free what "
+                "the backward beside it still reads")
+    for kind, name in ((FullyShardedDataParallel, "FSDP (FullyShardedDataParallel)"),
+                       (DistributedDataParallel, "DistributedDataParallel")):
+        if any(isinstance(m, kind) for m in model.modules()):
+            return (f"the model is wrapped by {name}, whose hooks prepare each backward in "
+                    "the forward before it: the paired forward would run inside the other's "
+                    "backward")
+    return None
 
 
 def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: int, *,

@@ -26,8 +26,8 @@ own ``AllReduceEP`` (every rank runs its experts on the whole batch, one all-red
 outputs), as its ``"auto"`` does at inference, where the experts module can take the
 all-reduce's masked routes (Hugging Face's kernels can; an eager forward is tried once on a
 CPU and not trusted elsewhere: gpt-oss's eager forward cannot, and runs the pipeline). The
-all-reduce is one collective where the pipeline runs five (handshake, counts, dispatch, combine,
-the gather of the slices; four where the slice's ids ride in the handshake), and it moves
+all-reduce is one collective where the
+pipeline runs five (handshake, counts, dispatch, combine, the gather of the slices), and it moves
 ``2 (R-1)/R`` of the batch's rows against the pipeline's ``(R-1)/R (2k/R + 1)``: it is taken
 where it moves no more bytes (``R <= 2k``) or the batch is small (at most
 :data:`ALL_REDUCE_TOKENS` tokens per rank). :attr:`MC2ExpertParallel.last_choice` says what the
@@ -47,7 +47,7 @@ from mc2.engine.decide.config import MC2Config
 
 NAME = "mc2"
 # per-rank tokens of a no-grad call on a shared batch at or below which the all-reduce runs
-# whatever the group's size: four or five collectives' latency against one
+# whatever the group's size: five collectives' latency against one
 ALL_REDUCE_TOKENS = 64
 _log = logging.getLogger(__name__)
 

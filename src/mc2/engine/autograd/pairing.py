@@ -37,6 +37,10 @@ T = TypeVar("T")
 
 _ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
     "mc2_pairing", default=None)
+# How many pairings run in this process: the K of "auto" under a pairing must be the same in a
+# checkpoint's recompute, which on an accelerator runs in autograd's device thread, where the
+# context variable is not set
+_RUNNING = [0]
 
 # micro-batches inside each paired call whose config says "auto" (batch overlap's run K = 1,
 # the other half of the batch giving the overlap): a paired backward hides only part of a
@@ -75,9 +79,15 @@ class Partner:
     def start(self, fn: Callable[[], Any]) -> None:
         """The next function to run (the previous one must have finished)."""
         context, regions = contextvars.copy_context(), _autocast_regions()
+        # a new thread starts on device 0 and its default stream: the caller's, carried over
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        stream = torch.cuda.current_stream() if cuda else None
 
         def job() -> Any:
             with contextlib.ExitStack() as stack:
+                if stream is not None:
+                    stack.enter_context(torch.cuda.device(stream.device))
+                    stack.enter_context(torch.cuda.stream(stream))
                 for kind, dtype in regions:
                     stack.enter_context(torch.autocast(kind, dtype=dtype))
                 return context.run(fn)
@@ -169,7 +179,7 @@ def paired_config(config: Any) -> Any:
     """An eager call's config under a pairing: ``"auto"`` runs :data:`PAIRED_SPLITS`
     micro-batches, as the staged calls do (the planner's trials would time the paired
     forward's work with the call's own), the same on every rank (every rank pairs alike)."""
-    if config.micro_batches == "auto" and current_pairing() is not None:
+    if config.micro_batches == "auto" and (current_pairing() is not None or _RUNNING[0]):
         return config.replace(micro_batches=PAIRED_SPLITS)
     return config
 
@@ -177,9 +187,11 @@ def paired_config(config: Any) -> Any:
 @contextlib.contextmanager
 def pairing_active(pairing: Pairing) -> Iterator[None]:
     token = _ACTIVE.set(pairing)
+    _RUNNING[0] += 1
     try:
         yield
     finally:
+        _RUNNING[0] -= 1
         _ACTIVE.reset(token)
 
 

@@ -109,9 +109,9 @@ class _Begin(torch.autograd.Function):
             setattr(state.needs, name, needed)
         state.needs.experts = tuple(needs_weights[len(shared):])
         flat = x.reshape(-1, x.shape[-1])
-        state.forward = ForwardPass(flat, state.inputs.routed_weights(state.call),
-                                    state.inputs.shared_weights(), state.call, state.needs)
         with state.running():
+            state.forward = ForwardPass(flat, state.inputs.routed_weights(state.call),
+                                        state.inputs.shared_weights(), state.call, state.needs)
             state.forward.begin()
         return _token(x)
 
@@ -171,9 +171,9 @@ class _End(torch.autograd.Function):
         state: _State = ctx.state
         grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
         grad_scale = scale_grad(state.state, grad_out, state.needs)
-        state.backward = BackwardPass(grad_out, state.inputs, state.state, state.needs)
-        state.state = None
-        with state.running():
+        with state.running():  # the pass's setup computes too (the combine weights' gradient)
+            state.backward = BackwardPass(grad_out, state.inputs, state.state, state.needs)
+            state.state = None
             state.backward.begin()
         return _token(grad_out), None, grad_scale, None  # combine's: _Begin's
 

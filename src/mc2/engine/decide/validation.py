@@ -245,7 +245,7 @@ FOLD_WORLD = 16
 
 def fold_width(world: int) -> int:
     """The handshake's per-rank blocks, in values (none beyond :data:`FOLD_WORLD` ranks)."""
-    return world * (2 + FOLD_IDS) if world <= FOLD_WORLD else 0
+    return world * (2 + FOLD_IDS) if 1 < world <= FOLD_WORLD else 0
 
 
 def may_fold(expert_ids: Any, world: int) -> bool:
@@ -344,8 +344,10 @@ def _fold_block(expert_ids: Tensor | None, slots: "_Slots", group: Any,
     if expert_ids is not None and slots.fold:
         start = group_rank(group) * (2 + FOLD_IDS)
         ids = expert_ids.reshape(-1, expert_ids.shape[-1])
-        block[start] = ids.shape[0]
-        block[start + 1] = ids.shape[1]
+        # slices, not elements: a Python number written into one element of a device
+        # tensor is a blocking copy; into a slice it is a fill kernel, nothing waits
+        block[start:start + 1] = ids.shape[0]
+        block[start + 1:start + 2] = ids.shape[1]
         block[start + 2:start + 2 + ids.numel()] = ids.reshape(-1)
     return block
 
