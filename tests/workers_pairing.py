@@ -39,6 +39,26 @@ def _forward_transfers_under_backward(exchanges: list, spans: list) -> int:
         e.issued <= s.start and s.end <= e.waited for s in backward))
 
 
+def _sequential(model: torch.nn.Module, batches: list, loss_fn: Any) -> list[torch.Tensor]:
+    """The gradient-accumulation loop ``forward_backward`` must equal; its losses."""
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _recorded(model: torch.nn.Module, batches: list, loss_fn: Any,
+              overlap: bool | str) -> tuple[list[torch.Tensor], int]:
+    """``forward_backward``'s losses, and how many of its forward's exchanges travelled across
+    a backward's compute."""
+    recorder = ScheduleRecorder()
+    with recorder.installed(), mc2.profile() as prof:
+        losses = mc2.forward_backward(model, batches, loss_fn, overlap=overlap)
+    return losses, _forward_transfers_under_backward(recorder.exchanges(), prof.spans)
+
+
 def stack_paired(rank: int, world: int) -> dict[str, Any]:
     """The same 3-layer stack of MoE layers (float64) through the sequential loop and through
     ``forward_backward(overlap=True)`` (and ``False``), each recorded: losses, gradients, the
@@ -46,21 +66,13 @@ def stack_paired(rank: int, world: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     batches = _micro_batches(rank)
     model = _stack()
-    loop = []
-    for x in batches:
-        loss = _stack_loss(model, x)
-        loss.backward()
-        loop.append(loss.detach())
+    loop = _sequential(model, batches, _stack_loss)
     found["loop"] = {"losses": loop, "grads": [p.grad.clone() for p in model.parameters()]}
     for overlap in (False, True):
         model = _stack()
-        recorder = ScheduleRecorder()
-        with recorder.installed(), mc2.profile() as prof:
-            losses = mc2.forward_backward(model, batches, _stack_loss, overlap=overlap)
-        found[overlap] = {
-            "losses": losses, "grads": [p.grad.clone() for p in model.parameters()],
-            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
-                                                                prof.spans)}
+        losses, under = _recorded(model, batches, _stack_loss, overlap)
+        found[overlap] = {"losses": losses, "grads": [p.grad.clone() for p in model.parameters()],
+                          "under_backward": under}
     return found
 
 
@@ -76,19 +88,13 @@ def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
     """:func:`stack_paired` for a stack that calls mc2 inside its layers (no layer loop)."""
     batches = _micro_batches(rank)
     model = _in_layer_stack()
-    for x in batches:
-        _stack_loss(model, x).backward()
-    want = [p.grad.clone() for p in model.parameters()]
-    found: dict[str, Any] = {"loop": want}
+    _sequential(model, batches, _stack_loss)
+    found: dict[str, Any] = {"loop": [p.grad.clone() for p in model.parameters()]}
     for overlap in (False, True):
         model = _in_layer_stack()
-        recorder = ScheduleRecorder()
-        with recorder.installed(), mc2.profile() as prof:
-            mc2.forward_backward(model, batches, _stack_loss, overlap=overlap)
-        found[overlap] = {
-            "grads": [p.grad.clone() for p in model.parameters()],
-            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
-                                                                prof.spans)}
+        _, under = _recorded(model, batches, _stack_loss, overlap)
+        found[overlap] = {"grads": [p.grad.clone() for p in model.parameters()],
+                          "under_backward": under}
     return found
 
 
@@ -115,11 +121,7 @@ def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool,
         return model(ids, labels=ids, attention_mask=mask).loss
 
     ref = _model(dtype, hostile)
-    want = []
-    for batch in batches:
-        loss = loss_fn(ref, batch)
-        loss.backward()
-        want.append(loss.detach())
+    want = _sequential(ref, batches, loss_fn)
     got_model = _model(dtype, hostile, batch_overlap=True, min_tokens=1) if batch_overlap \
         else _model(dtype, hostile)
     got = mc2.forward_backward(got_model, batches, loss_fn, overlap=True)
@@ -220,11 +222,7 @@ def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any
         return None if t is None else (t.to_local() if isinstance(t, DTensor) else t).clone()
 
     ref = load()
-    want = []
-    for ids in batches:
-        loss = loss_fn(ref, ids)
-        loss.backward()
-        want.append(loss.detach())
+    want = _sequential(ref, batches, loss_fn)
     model = load()
     refused = None
     try:
@@ -232,13 +230,9 @@ def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any
         model.zero_grad(set_to_none=True)
     except ValueError as exc:  # FSDP2: before anything ran
         refused = str(exc)
-    recorder = ScheduleRecorder()
-    with recorder.installed(), mc2.profile() as prof:
-        got = mc2.forward_backward(model, batches, loss_fn,
-                                   overlap=True if refused is None else "auto")
+    got, under = _recorded(model, batches, loss_fn, True if refused is None else "auto")
     return {"want": want, "got": got, "refused": refused,
             "grads": {n: (local(p.grad), local(q.grad)) for (n, p), q in
                       zip(ref.named_parameters(), model.parameters())},
-            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
-                                                                prof.spans),
+            "under_backward": under,
             "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules())}
