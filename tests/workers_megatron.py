@@ -58,7 +58,6 @@ CASES: dict[str, dict[str, Any]] = {
 REFUSALS: dict[str, dict[str, Any]] = {
     "moe_pad_expert_input_to_capacity": dict(moe_expert_capacity_factor=1.0,
                                              moe_pad_expert_input_to_capacity=True),
-    "overlap_moe_expert_parallel_comm": dict(overlap_moe_expert_parallel_comm=True),
     "moe_token_dispatcher_type": dict(moe_token_dispatcher_type="flex"),
     "add_bias_linear": dict(add_bias_linear=True),
     "moe_apply_probs_on_input": dict(moe_apply_probs_on_input=True, moe_router_topk=1,

@@ -472,8 +472,9 @@ def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[s
     ``overlap_moe_expert_parallel_comm=True``, the model built from the patched GPT specs and
     trained through Megatron's ``get_forward_backward_func()``;
     against Megatron's model without the flag, unpatched specs, same weights, same function.
-    The losses per step, the paired schedule's calls, the layers, what ``use_mc2`` without
-    ``paired`` makes of the flag, and what Megatron's pipelined schedule does with it."""
+    The losses per step, the paired schedule's calls, the layers, the same for a model built
+    with ``use_mc2`` without ``paired`` (Megatron's ``TransformerLayer``: its ``MC2MoELayer``
+    calls pair inside the layers), and what Megatron's pipelined schedule does with the flag."""
     import mc2
     import mc2.integrations.megatron_patch as megatron_patch
     from megatron.core import parallel_state
@@ -492,18 +493,18 @@ def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[s
     flagged = transformer_config(world, **fields)
     flagged.overlap_moe_expert_parallel_comm = True
     megatron_patch.unpatch()
-    models = {"megatron": _gpt(config, _spec(config, kind))}
+    models = {"megatron": _gpt(config, _spec(config, kind)),
+              "mc2 in-layer": _gpt(flagged, use_mc2(_spec(flagged, kind)))}
     found: dict[str, Any] = {}
-    try:
-        _gpt(flagged, use_mc2(_spec(flagged, kind)))
-    except ValueError as exc:
-        found["refused"] = str(exc)
     megatron_patch.patch(mc2.MC2Config())
     try:
         models["mc2"] = _gpt(flagged, _spec(flagged, kind))
         _fill_model(models["megatron"], parallel_state.get_expert_model_parallel_rank())
-        models["mc2"].load_state_dict(models["megatron"].state_dict(), strict=True)
+        for name in ("mc2", "mc2 in-layer"):
+            models[name].load_state_dict(models["megatron"].state_dict(), strict=True)
         found["layers"] = [type(layer).__name__ for layer in models["mc2"].decoder.layers]
+        found["in-layer layers"] = [type(layer).__name__
+                                    for layer in models["mc2 in-layer"].decoder.layers]
         paired: list[int] = []
         run_pairs = megatron_schedule.run_pairs
         megatron_schedule.run_pairs = lambda count, *a, **k: paired.append(count) or \
@@ -517,8 +518,10 @@ def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[s
         forward_step = _forward_step(position, mask)
         for name, model in models.items():
             found[name] = _trained_by(schedules.get_forward_backward_func(),
-                                      flagged if name == "mc2" else config, model, steps,
+                                      config if name == "megatron" else flagged, model, steps,
                                       forward_step)
+            if name == "mc2 in-layer":
+                found["in-layer paired"], paired[:] = list(paired), []
         found["paired"] = paired
         try:  # with pipeline stages: refused, not Megatron's combined 1F1B on mc2's layers
             schedules.forward_backward_pipelining_without_interleaving(

@@ -73,8 +73,7 @@ DEFAULT_CONFIG = MC2Config()
 ENV = "MC2_MEGATRON_CONFIG"
 
 
-def megatron_problem(config: Any, pg_collection: Any, paired_layer: bool = False
-                     ) -> str | None:
+def megatron_problem(config: Any, pg_collection: Any) -> str | None:
     """Why :class:`MC2MoELayer` cannot honour this ``TransformerConfig`` (and process groups),
     or ``None``. Every reason names the field to change.
 
@@ -87,11 +86,6 @@ def megatron_problem(config: Any, pg_collection: Any, paired_layer: bool = False
     - ``moe_pad_expert_input_to_capacity``: Megatron then sends padding rows as tokens;
     - ``moe_token_dispatcher_type="flex"``: DeepEP/HybridEP dispatch, which the layer
       replaces;
-    - ``overlap_moe_expert_parallel_comm`` in a layer that is no
-      :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``paired_layer``
-      false): mc2 honours it with its own paired schedule, which runs the layers in stages
-      (:mod:`~mc2.integrations.megatron_schedule`); Megatron's combined 1F1B would call the
-      dispatcher's parts this layer does not run;
     - ``add_bias_linear``: Megatron adds the experts' output bias unscaled, mc2 scales the whole
       output by the probability;
     - ``moe_apply_probs_on_input``: the probability scales the input, not the output;
@@ -117,11 +111,6 @@ def megatron_problem(config: Any, pg_collection: Any, paired_layer: bool = False
         return ("moe_pad_expert_input_to_capacity is not supported by MC2MoELayer (rows are not "
                 "padded to the capacity; mc2's own capacity mode is MC2Config(capacity=N)); set "
                 "it to False")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not paired_layer:
-        return ("overlap_moe_expert_parallel_comm=True runs as mc2's paired schedule, whose "
-                "layers must be MC2TransformerLayer: import mc2.integrations.megatron_patch "
-                "before the specs are built, or build them with use_mc2(spec, paired=True); "
-                "or set it to False")
     dispatcher = getattr(config, "moe_token_dispatcher_type", "alltoall")
     if dispatcher not in ("alltoall", "allgather"):
         return (f"moe_token_dispatcher_type={dispatcher!r} is not supported by MC2MoELayer "
@@ -169,20 +158,16 @@ class MC2MoELayer(MoELayer):
         config, submodules, layer_number, pg_collection: as ``MoELayer``.
         mc2_config: how mc2's calls run (default :data:`DEFAULT_CONFIG`); every rank passes the
             same. :func:`use_mc2` puts it in the spec's ``params``.
-        paired_layer: the layer holding this one is an
-            :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (set by
-            :func:`use_mc2`), which ``overlap_moe_expert_parallel_comm`` needs.
 
     Raises:
         ValueError: naming the field, for a setting :func:`megatron_problem` refuses.
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
-                 pg_collection: Any = None, mc2_config: MC2Config | None = None,
-                 paired_layer: bool = False) -> None:
+                 pg_collection: Any = None, mc2_config: MC2Config | None = None) -> None:
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
-        if (problem := megatron_problem(config, pg_collection, paired_layer)) is not None:
+        if (problem := megatron_problem(config, pg_collection)) is not None:
             raise ValueError(problem)
         if mc2_config is not None and not isinstance(mc2_config, MC2Config):
             raise ValueError(f"mc2_config must be an mc2.MC2Config, got "
@@ -460,7 +445,6 @@ def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
         if layer is not None and obj.module in (TransformerLayer, MC2TransformerLayer):
             obj = dataclasses.replace(obj, module=MC2TransformerLayer,
                                       params={**obj.params, **layer})
-            extra = {**extra, "paired_layer": True}  # its MoE layer's
         if isinstance(obj.module, type) and issubclass(obj.module, MoELayer):
             raise ValueError(f"use_mc2: {where} is {obj.module.__name__}, a MoELayer subclass of "
                              "the model's own; use_mc2 replaces only MoELayer")

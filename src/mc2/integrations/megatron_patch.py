@@ -25,7 +25,8 @@ another config; :func:`unpatch` restores Megatron's functions.
 too, so that a spec holding a MoE layer builds its ``TransformerLayer`` specs as
 ``MC2TransformerLayer`` (``use_mc2(..., paired=True)``: Megatron's parameters and keys; it runs
 as ``TransformerLayer`` unless batch overlap or the paired schedule is on). A block spec with
-layers of other kinds keeps Megatron's layers (its MoE layers are still mc2's).
+layers of other kinds keeps Megatron's layers (its MoE layers are still mc2's, and pair inside
+the layers under the flag).
 
 **Batch overlap** across the layers (``docs/megatron.md``): ``"batch_overlap": true`` (or
 ``"auto"``) in the same JSON::

@@ -11,15 +11,18 @@ Megatron's own switch does the same: with ``overlap_moe_expert_parallel_comm=Tru
 model's config, :mod:`~mc2.integrations.megatron_patch` makes Megatron's
 ``forward_backward_no_pipelining`` (what ``get_forward_backward_func()`` returns without
 pipeline stages) this function, on every backend; the layers it builds are
-``MC2TransformerLayer`` layers, which this schedule runs in stages.
+``MC2TransformerLayer`` layers, which this schedule runs in stages (a block holding other
+kinds of layers keeps them, and its ``MC2MoELayer`` calls pair inside the layers).
 
 Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step`` (its
 ``forward_step_func``, loss scaling, token counts and ``forward_data_store``), every backward
 but the last under ``config.no_sync_func`` and ``config.finalize_model_grads_func`` at the end,
 as Megatron's schedule runs them; the forward of micro-batch n+1 runs beside the backward of
-micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). The model's layers must be
+micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). What pairs is the model's
+mc2 calls: in stages where its layers are
 :class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``use_mc2(spec,
-batch_overlap=True or "auto")``, or ``paired=True``); a forward-only call, one micro-batch
+batch_overlap=True or "auto")``, or ``paired=True``), else each ``MC2MoELayer``'s eager call
+between its own steps (``use_mc2(spec)``); a forward-only call, one micro-batch
 (without ``overlap_moe_expert_parallel_comm``), or a config with hybrid context parallelism
 runs Megatron's function as it is.
 """
@@ -119,9 +122,9 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
 
     def paired() -> None:
         run_pairs(count, forward, backward, around=no_sync,
-                  unpaired="forward_backward_paired: the model's layers are not batch-overlap "
-                           "layers (use_mc2(spec, batch_overlap=True)), so nothing can be "
-                           "paired; use Megatron's forward_backward_no_pipelining")
+                  unpaired="forward_backward_paired: the model made no mc2 call (no "
+                           "MC2MoELayer: use_mc2(spec)), so nothing can be paired; use "
+                           "Megatron's forward_backward_no_pipelining")
 
     def sequential() -> None:  # Megatron's loop: the last micro-batch outside no_sync
         with no_sync():
