@@ -17,8 +17,9 @@ regime (each after one untimed step at every switch), median of the slowest rank
 - ``auto`` (asked for by ``--modes``): ``mc2.forward_backward(overlap="auto")``, decided in
   its warm-up (both schedules measured, the faster kept), then timed as it runs;
 - ``paired-inlayer`` (asked for by ``--modes``): ``forward_backward(overlap=True)`` on a copy
-  built in-layer (``enable_mc2`` without batch overlap, same weights): no layer loop of mc2's,
-  the eager calls pair between their steps (K = 2 inside each, as the staged calls).
+  built in-layer (``enable_mc2`` without batch overlap, same weights). Both paired modes now
+  pair the eager calls (K = 2 inside each); until the staged pairing went, ``paired`` ran the
+  batch-overlap model's layers in stages, and this mode was its comparison.
 
 The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
 loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped

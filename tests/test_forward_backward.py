@@ -9,7 +9,7 @@ import torch
 
 import mc2
 from tests.workers_pairing import (
-    hf_paired, hf_refusal, in_layer_paired, refusals, stack_paired)
+    hf_hidden_states_paired, hf_paired, in_layer_paired, refusals, stack_paired)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -63,10 +63,17 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
         assert "nothing can be paired" in r["no mc2 call"], r
         assert "DistributedDataParallel" in r["DDP"], r
         assert "scalar" in r["not a scalar"], r
-    # a forward whose layers cannot run in parts as they run whole: refused, never run so
-    for raised in mc2.run_local(hf_refusal, 2, timeout_s=60):
-        assert raised is not None and "cannot run in stages" in raised, raised
-        assert "output_hidden_states" in raised, raised
+
+
+
+def test_a_forward_batch_overlap_cannot_split_pairs_with_its_layers_whole() -> None:
+    """``output_hidden_states`` (hooks on the decoder layers): batch overlap runs such a
+    forward unsplit; under the pairing every forward runs its layers whole, so it pairs,
+    equal to the sequential loop (float64, 1e-10)."""
+    for r in mc2.run_local(hf_hidden_states_paired, 2, timeout_s=120):
+        assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
+                                                             rel=1e-12)
+        assert r["equal"] and r["under_backward"] > 0, r
 
 
 def test_bad_arguments() -> None:

@@ -150,11 +150,10 @@ def test_one_import_patches_the_gpt_specs(source: str, tmp_path) -> None:
         assert found["patched"] == [("MC2MoELayer", want)] * 4
         assert found["built"] == ["MC2MoELayer", "MC2MoELayer"]
         assert found["unpatched"] == [("MoELayer", None)] * 4
-        # no batch overlap asked: the layers holding a MoE layer are MC2TransformerLayer all
-        # the same (they run as TransformerLayer; the paired schedule runs them in stages),
-        # a dense layer spec stays Megatron's
-        assert found["layers"] == ["MC2TransformerLayer"] * 3 + ["TransformerLayer"]
-        assert found["built layers"] == ["MC2TransformerLayer"] * 2
+        # no batch overlap asked: the layers stay Megatron's (their MoE layers are mc2's,
+        # whose calls a paired schedule pairs inside the layers)
+        assert found["layers"] == ["TransformerLayer"] * 4
+        assert found["built layers"] == ["TransformerLayer"] * 2
         assert found["unpatched layers"] == ["TransformerLayer"] * 4
         # Megatron's schedule honours overlap_moe_expert_parallel_comm, and is given back
         assert found["schedule"] == ["mc2's", "Megatron's"]
@@ -224,10 +223,10 @@ def test_distributed_optimizer_with_overlapped_parameter_gather(wait: bool,
             assert found["mc2"] != pytest.approx(megatron, rel=TOLERANCE), (rank, found)
 
 
-def test_a_block_with_other_layers_is_paired_nowhere_and_refused_under_batch_overlap() -> None:
-    """A block that holds a layer mc2's layer loop cannot run: use_mc2 refuses batch overlap
-    and pairing, naming the layer; the patch builds it with MC2MoELayer only (no
-    MC2TransformerLayer), as use_mc2 without them does."""
+def test_a_block_with_other_layers_is_refused_under_batch_overlap_only() -> None:
+    """A block that holds a layer mc2's layer loop cannot run: use_mc2 refuses batch overlap,
+    naming the layer; without it (and through the patch) the block is built with MC2MoELayer
+    in Megatron's TransformerLayer, whose calls a paired schedule pairs inside the layer."""
     import torch
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -241,12 +240,11 @@ def test_a_block_with_other_layers_is_paired_nowhere_and_refused_under_batch_ove
     block = TransformerBlockSubmodules(layer_specs=[moe, ModuleSpec(module=torch.nn.Identity)])
     assert other_layers(moe) == []
     assert other_layers(block) == ["layer_specs[1] (Identity)"]
-    for asked in ({"batch_overlap": True}, {"paired": True}):
-        with pytest.raises(ValueError, match=r"layer_specs\[1\] \(Identity\)"):
-            use_mc2(block, **asked)
-    built = _layers(block, mc2.MC2Config(), False)
-    assert [s.module.__name__ for s in built.layer_specs] == ["TransformerLayer", "Identity"]
-    assert built.layer_specs[0].submodules.mlp.module.__name__ == "MC2MoELayer"
-    assert _layers(moe, mc2.MC2Config(), False).module.__name__ == "MC2TransformerLayer"
+    with pytest.raises(ValueError, match=r"layer_specs\[1\] \(Identity\)"):
+        use_mc2(block, batch_overlap=True)
+    for built in (use_mc2(block), _layers(block, mc2.MC2Config(), False)):
+        assert [s.module.__name__ for s in built.layer_specs] == ["TransformerLayer", "Identity"]
+        assert built.layer_specs[0].submodules.mlp.module.__name__ == "MC2MoELayer"
+    assert _layers(moe, mc2.MC2Config(), True).module.__name__ == "MC2TransformerLayer"
     with pytest.raises(ValueError, match="Identity"):
         _layers(block, mc2.MC2Config(), True)

@@ -473,7 +473,7 @@ def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[s
     trained through Megatron's ``get_forward_backward_func()``;
     against Megatron's model without the flag, unpatched specs, same weights, same function.
     The losses per step, the paired schedule's calls, the layers, the same for a model built
-    with ``use_mc2`` without ``paired`` (Megatron's ``TransformerLayer``: its ``MC2MoELayer``
+    with ``use_mc2`` before the patch (Megatron's ``TransformerLayer``: its ``MC2MoELayer``
     calls pair inside the layers), and what Megatron's pipelined schedule does with the flag."""
     import mc2
     import mc2.integrations.megatron_patch as megatron_patch

@@ -174,20 +174,29 @@ def auto_decides(rank: int, world: int, calls: int) -> dict[str, Any]:
             "times": decision.report()["times"]}
 
 
-def hf_refusal(rank: int, world: int) -> str | None:
-    """What ``forward_backward(overlap=True)`` raises on a Mixtral whose forward asks for every
-    layer's hidden states (recorded by hooks on the decoder layers, which run in parts)."""
+def hf_hidden_states_paired(rank: int, world: int) -> dict[str, Any]:
+    """A batch-overlap Mixtral whose forward asks for every layer's hidden states (recorded by
+    hooks on the decoder layers, which a split forward would run in parts): under the
+    pairing its layers run whole, so it pairs; its losses and gradients against the
+    sequential loop on the same model."""
     from tests.workers_mesh import CONFIG
     from tests.workers_overlap import _model
 
     model = _model(torch.float64, False, batch_overlap=True, min_tokens=1)
-    ids = torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(0))
-    try:
-        mc2.forward_backward(model, [ids, ids], lambda m, b: m(
-            b, labels=b, output_hidden_states=True).loss, overlap=True)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, CONFIG["vocab_size"], (4, 12), generator=g) for _ in range(3)]
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        out = m(ids, labels=ids, output_hidden_states=True)
+        return out.loss + 1e-3 * out.hidden_states[1].pow(2).mean()
+
+    want = _sequential(model, batches, loss_fn)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got, under = _recorded(model, batches, loss_fn, True)
+    return {"want": want, "got": got, "under_backward": under,
+            "equal": all(float((p.grad - w).norm()) <= 1e-10 * float(w.norm())
+                         for p, w in zip(model.parameters(), grads))}
 
 
 def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any]:

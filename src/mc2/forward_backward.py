@@ -7,13 +7,11 @@ forward of micro-batch n+1 runs inside the backward of micro-batch n, layer by l
 first forward and the last backward alone): see :mod:`mc2.engine.autograd.pairing` for how,
 and ``docs/forward_backward.md`` for what it measured.
 
-What pairs: the model's MoE calls. Where its decoder layers run through mc2's layer loop
-(batch overlap: ``enable_mc2(model, batch_overlap=True or "auto")``,
-:class:`~mc2.integrations.batch_overlap.BatchOverlapStack`, Megatron's and TorchTitan's
-overlap layers), each micro-batch runs whole (not split in two), its layers in stages. Where
-the model calls mc2 inside its layers (``enable_mc2`` in-layer, ``mc2.MoELayer``, Hugging
-Face's ``ep_implementation="mc2"``), each eager call hands back and gives way between its
-own steps (:mod:`mc2.engine.autograd.function`). FSDP2-sharded models are not paired: FSDP2
+What pairs: the model's mc2 calls (``enable_mc2``, ``mc2.MoELayer``, Hugging Face's
+``ep_implementation="mc2"``, Megatron's ``MC2MoELayer``), each eager call handing back and
+giving way between its own steps (:mod:`mc2.engine.autograd.function`). A model built for
+batch overlap runs its layers whole under the pairing, as its framework runs them (each
+micro-batch unsplit). FSDP2-sharded models are not paired: FSDP2
 gathers and frees a unit's parameters from its forward and backward hooks, and the paired
 forward's hooks would free what the backward beside it still reads.
 """

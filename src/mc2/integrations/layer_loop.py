@@ -18,10 +18,9 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import Tensor
 
-from mc2.engine.autograd.layer_schedule import (
-    LayerGathers, LayerStages, run_overlapped, run_paired)
+from mc2.engine.autograd.layer_schedule import LayerGathers, LayerStages, run_overlapped
 from mc2.engine.autograd.pairing import current_pairing
-from mc2.engine.autograd.staged import current_label, micro_batch_label
+from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import SPLITS, BatchOverlapDecision, timed_forward
 
 StageLists = list[list[Callable[[Tensor], LayerStages]]]
@@ -64,21 +63,10 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
         joined: called after a split forward's outputs are joined (caches, records).
     """
     batch = x.shape[batch_dim]
-    pairing = current_pairing()
-    if pairing is not None:  # under forward_backward: whole, beside another's backward
-        if gathers:
-            raise ValueError("mc2.forward_backward: the layers are sharded by FSDP2, whose "
-                             "gathers and reduce-scatters would run from the paired forward "
-                             "and backward at once; use overlap=False")
-        if problem is not None:  # what the layers' parts would not run as the layers do
-            raise ValueError(f"mc2.forward_backward: this forward cannot run in stages "
-                             f"({problem}); use overlap=False")
-        outer = current_label()  # the micro-batch of the accumulation, for the trace
-        with label(0), micro_batch_label(outer):
-            out = run_paired(stages([batch])[0], x, pairing)
-        if joined is not None:
-            joined()
-        return out
+    if current_pairing() is not None:
+        # under forward_backward: the layers whole, as the framework runs them; their eager
+        # calls pair between their own steps (mc2.engine.autograd.function)
+        return plain()
     overlapped = decision.wanted(batch, x.numel() // x.shape[-1], problem)
 
     def split() -> Tensor:

@@ -466,8 +466,8 @@ def _rewrite(obj: Any, extra: dict[str, Any], found: list[str], where: str,
 
 def other_layers(spec: Any) -> list[str]:
     """The layers of a block spec that mc2's layer loop cannot run (any but
-    ``TransformerLayer``), by index and kind; none for a layer spec. Batch overlap and the
-    paired schedule run a block only where this is empty."""
+    ``TransformerLayer``), by index and kind; none for a layer spec. Batch overlap runs a
+    block only where this is empty."""
     if not isinstance(spec, TransformerBlockSubmodules):
         return []
     return [f"layer_specs[{i}] ({getattr(s.module, '__name__', s.module)})"
@@ -476,8 +476,7 @@ def other_layers(spec: Any) -> list[str]:
 
 
 def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = None,
-            batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS,
-            paired: bool = False) -> Any:
+            batch_overlap: bool | str = False, min_tokens: int = MIN_TOKENS) -> Any:
     r"""A copy of ``spec`` (a ``ModuleSpec`` of a layer or of a ``MoELayer``, or a decoder
     block's ``TransformerBlockSubmodules``) whose ``MoELayer`` specs build :class:`MC2MoELayer`
     with ``config``; their submodules (router, experts, shared experts) are kept, so the model's
@@ -494,12 +493,11 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     of the batch interleaved stage by stage across layers (``docs/megatron.md``);
     ``min_tokens``: tokens per rank below which a forward runs unsplit.
 
-    ``paired``: the ``TransformerLayer``\ s are built as ``MC2TransformerLayer`` even without
-    batch overlap (each forward unsplit), so that a paired schedule (one micro-batch's forward
-    beside another's backward: Megatron's ``overlap_moe_expert_parallel_comm=True`` under
-    :mod:`~mc2.integrations.megatron_patch`,
+    A paired schedule (one micro-batch's forward beside another's backward: Megatron's
+    ``overlap_moe_expert_parallel_comm=True`` under :mod:`~mc2.integrations.megatron_patch`,
     :func:`~mc2.integrations.megatron_schedule.forward_backward_paired`,
-    :func:`mc2.forward_backward`) can run them in stages.
+    :func:`mc2.forward_backward`) needs nothing more: the ``MC2MoELayer`` calls pair inside
+    the layers.
 
     Raises:
         ValueError: ``spec`` holds no ``MoELayer`` (``spec`` names the argument), or a subclass
@@ -516,7 +514,7 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     if batch_overlap not in (False, True, "auto"):
         raise ValueError(f"batch_overlap must be True, False or 'auto', got {batch_overlap!r}")
     layer = None
-    if batch_overlap or paired:
+    if batch_overlap:
         layer = {"batch_overlap": batch_overlap, "min_tokens": min_tokens}
         if isinstance(spec, TransformerBlockSubmodules):  # this stage's layers, as built
             layer["stage_layers"] = len(spec.layer_specs)
@@ -525,9 +523,9 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
         # every layer of the block must take part: a layer left as it was would run its own
         # forward between recorded ones (and the stack's last would never be reached)
         if other := other_layers(spec):
-            raise ValueError(f"use_mc2(batch_overlap=... or paired=True): {other} are not "
-                             "TransformerLayer specs; batch overlap and the paired schedule "
-                             "run a block of TransformerLayers")
+            raise ValueError(f"use_mc2(batch_overlap=...): {other} are not "
+                             "TransformerLayer specs; batch overlap runs a block of "
+                             "TransformerLayers")
     if not found:
         raise ValueError(f"use_mc2: spec ({type(spec).__name__}) holds no MoELayer spec")
     return out

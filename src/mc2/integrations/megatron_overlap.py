@@ -81,27 +81,26 @@ def batch_overlap_problem(config: Any) -> str | None:
 
 
 def stages_problem(config: Any) -> str | None:
-    """Why a ``TransformerConfig``'s layers cannot run in stages (batch overlap, the paired
-    schedule), or ``None``; the reason names the field to change."""
+    """Why a ``TransformerConfig``'s layers cannot run in stages (batch overlap), or ``None``;
+    the reason names the field to change."""
     if getattr(config, "recompute_granularity", None) == "full":
-        return ("recompute_granularity='full' checkpoints whole layers, which batch overlap and "
-                "the paired schedule run in parts: use 'selective' or None")
+        return ("recompute_granularity='full' checkpoints whole layers, which batch overlap "
+                "runs in parts: use 'selective' or None")
     parts = {"mlp", "layernorm"} & set(getattr(config, "recompute_modules", None) or ())
     if parts and getattr(config, "recompute_granularity", None) == "selective":
         # 'layernorm': the layer keeps its pre-MLP norm's checkpoint on itself from the norm
         # to the MLP's bias-dropout-add, and the other half's norm runs in between
-        return (f"recompute_modules must not hold {sorted(parts)} under batch overlap or the "
-                "paired schedule (they run a layer's MLP part for two micro-batches in turn)")
+        return (f"recompute_modules must not hold {sorted(parts)} under batch overlap (it "
+                "runs a layer's MLP part for two micro-batches in turn)")
     if getattr(config, "cpu_offloading", False) or getattr(
             config, "fine_grained_activation_offloading", False):
         return ("cpu_offloading and fine_grained_activation_offloading must be off under batch "
-                "overlap and the paired schedule")
+                "overlap")
     if getattr(config, "mtp_num_layers", None):
-        return ("mtp_num_layers must be None under batch overlap and the paired schedule (the "
-                "multi-token-prediction block calls its layers outside the decoder's loop)")
+        return ("mtp_num_layers must be None under batch overlap (the multi-token-prediction "
+                "block calls its layers outside the decoder's loop)")
     if (getattr(config, "context_parallel_size", 1) or 1) > 1:
-        return ("context_parallel_size must be 1 under batch overlap and the paired schedule "
-                "(not checked with them)")
+        return ("context_parallel_size must be 1 under batch overlap (not checked with it)")
     return None
 
 
@@ -169,23 +168,19 @@ class MC2TransformerLayer(TransformerLayer):
         config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage: as
             ``TransformerLayer``.
         batch_overlap: ``True`` or ``"auto"`` (measured, :mod:`mc2.engine.decide.batch_split`);
-            ``False``: every forward unsplit, the layers in stages only under a paired
-            schedule (``use_mc2(spec, paired=True)``).
+            ``False``: every forward unsplit.
         min_tokens: tokens per rank below which a forward runs unsplit.
         stage_layers: layers of this pipeline stage's block (default: Megatron's count).
 
     Raises:
-        ValueError: for a config :func:`batch_overlap_problem` refuses (every rank, at build),
-            or, without batch overlap but with ``overlap_moe_expert_parallel_comm``,
-            :func:`stages_problem`.
+        ValueError: for a config :func:`batch_overlap_problem` refuses (every rank, at build).
     """
 
     def __init__(self, config: Any, submodules: Any, layer_number: int = 1,
                  hidden_dropout: float | None = None, pg_collection: Any = None,
                  vp_stage: int | None = None, *, batch_overlap: bool | str = True,
                  min_tokens: int = MIN_TOKENS, stage_layers: int | None = None) -> None:
-        problem = batch_overlap_problem(config) if batch_overlap else stages_problem(config) \
-            if getattr(config, "overlap_moe_expert_parallel_comm", False) else None
+        problem = batch_overlap_problem(config) if batch_overlap else None
         if problem is not None:
             raise ValueError(problem)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,

@@ -22,11 +22,9 @@ another config; :func:`unpatch` restores Megatron's functions.
 
 **The layers.** The GPT layer and block spec functions (``get_gpt_layer_local_spec``,
 ``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``) are wrapped
-too, so that a spec holding a MoE layer builds its ``TransformerLayer`` specs as
-``MC2TransformerLayer`` (``use_mc2(..., paired=True)``: Megatron's parameters and keys; it runs
-as ``TransformerLayer`` unless batch overlap or the paired schedule is on). A block spec with
-layers of other kinds keeps Megatron's layers (its MoE layers are still mc2's, and pair inside
-the layers under the flag).
+too, so that a spec holding a MoE layer builds ``MC2MoELayer`` in place of ``MoELayer``
+(``use_mc2``), and, with batch overlap, its ``TransformerLayer`` specs as
+``MC2TransformerLayer`` (Megatron's parameters and keys).
 
 **Batch overlap** across the layers (``docs/megatron.md``): ``"batch_overlap": true`` (or
 ``"auto"``) in the same JSON::
@@ -53,7 +51,7 @@ from typing import Any, Callable
 
 from mc2.engine.decide.config import MC2Config
 from mc2.integrations.megatron import (
-    ENV, config_from_env, holds_moe_layer, other_layers, settings_from_env, use_mc2)
+    ENV, config_from_env, holds_moe_layer, settings_from_env, use_mc2)
 
 __all__ = ["ENV", "config_from_env", "patch", "settings_from_env", "unpatch"]
 _NAME = "get_moe_module_spec_for_backend"
@@ -93,14 +91,12 @@ def _wrapped(original: Callable[..., Any], rewrite: Callable[[Any], Any],
 
 
 def _layers(spec: Any, config: MC2Config, overlap: bool | str) -> Any:
-    """A layer or block spec holding a MoE layer, its layers ``MC2TransformerLayer``; a block
-    that also holds other kinds of layers (which no layer loop of mc2 runs) as it was, bar its
-    MoE layers, unless batch overlap was asked for (then it is refused)."""
+    """A layer or block spec holding a MoE layer, mc2's (:func:`use_mc2`, with ``overlap`` as
+    batch overlap: a block that also holds other kinds of layers is then refused, naming
+    them)."""
     if not holds_moe_layer(spec):
         return spec
-    if overlap or not other_layers(spec):  # batch overlap refuses the others, naming them
-        return use_mc2(spec, config=config, batch_overlap=overlap, paired=True)
-    return use_mc2(spec, config=config)
+    return use_mc2(spec, config=config, batch_overlap=overlap)
 
 
 def _pipelined_refused(**kwargs: Any) -> Any:

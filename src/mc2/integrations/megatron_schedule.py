@@ -10,19 +10,15 @@ backward: a ``forward_backward_func`` with the signature of Megatron's
 Megatron's own switch does the same: with ``overlap_moe_expert_parallel_comm=True`` in the
 model's config, :mod:`~mc2.integrations.megatron_patch` makes Megatron's
 ``forward_backward_no_pipelining`` (what ``get_forward_backward_func()`` returns without
-pipeline stages) this function, on every backend; the layers it builds are
-``MC2TransformerLayer`` layers, which this schedule runs in stages (a block holding other
-kinds of layers keeps them, and its ``MC2MoELayer`` calls pair inside the layers).
+pipeline stages) this function, on every backend.
 
 Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step`` (its
 ``forward_step_func``, loss scaling, token counts and ``forward_data_store``), every backward
 but the last under ``config.no_sync_func`` and ``config.finalize_model_grads_func`` at the end,
 as Megatron's schedule runs them; the forward of micro-batch n+1 runs beside the backward of
-micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). What pairs is the model's
-mc2 calls: in stages where its layers are
-:class:`~mc2.integrations.megatron_overlap.MC2TransformerLayer` (``use_mc2(spec,
-batch_overlap=True or "auto")``, or ``paired=True``), else each ``MC2MoELayer``'s eager call
-between its own steps (``use_mc2(spec)``); a forward-only call, one micro-batch
+micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). What pairs is each
+``MC2MoELayer``'s call (``use_mc2(spec)``), between its own steps, inside the layers (a
+batch-overlap layer runs whole under the pairing); a forward-only call, one micro-batch
 (without ``overlap_moe_expert_parallel_comm``), or a config with hybrid context parallelism
 runs Megatron's function as it is.
 """

@@ -109,25 +109,3 @@ def run_overlapped(layers: Sequence[Sequence[Callable[[Tensor], LayerStages]]],
     for i in range(count):
         finish(depth, i)
     return h
-
-
-def run_paired(layers: Sequence[Callable[[Tensor], LayerStages]], x: Tensor,
-               pairing: Any) -> Tensor:
-    """One micro-batch ``x`` through its layers in stages, paired with another micro-batch's
-    backward (:mod:`mc2.engine.autograd.pairing`): after each transfer it issues (a layer's
-    dispatch, then its combine) it hands back to that backward, and each of its calls gives
-    way to the next paired forward where its own backward waits."""
-    pairing.layer_loops += 1
-    h = x
-    for layer in layers:
-        stages = layer(h)
-        call, done = advance(stages)  # up to its MoE call (none: its output)
-        if call is None:
-            h = done
-            continue
-        call.give_way_to(pairing)
-        pairing.hand_back()  # its dispatch travels under the paired backward
-        call.experts()
-        pairing.hand_back()  # its combine travels
-        h = finish_stages(stages, call)
-    return h

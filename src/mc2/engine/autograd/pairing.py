@@ -8,20 +8,19 @@ overlap alone cannot do that: its backward begins after its forward ends, and a 
 carries more communication than compute while a backward carries more compute
 (``docs/batch_overlap.md``).
 
-How: n's backward is autograd's, running the staged calls of n's forward
-(:mod:`mc2.engine.autograd.staged`), or its eager calls where the model calls mc2 inside its
-layers (:mod:`mc2.engine.autograd.function`); each stops where it waits for a transfer it
-just issued (the output gradients' dispatch, the input gradients' combine), and there it
-*gives way* (:meth:`Pairing.give_way`). n+1's forward is the user's own ``loss_fn(model, micro_batch)``,
-which cannot be suspended half-way by a generator (the model's forward calls mc2's layer loop
-deep inside), so it runs in a helper thread used as a coroutine (:class:`Partner`): exactly
-one of the two threads runs at any time, handing over at fixed points. Given way to, the
-partner runs n+1's layers (:func:`~mc2.engine.autograd.layer_schedule.run_paired`, or the
-model's own forward, whose eager calls hand back between their steps) up to the next
-transfer it issues and hands back. Everything is issued in the same order on every rank,
-from one thread at a time, so the collectives of a group meet in one order. Results are those
-of the sequential loop: the same forwards on the same parameters, the same backwards, each
-``.grad`` accumulated in micro-batch order.
+How: n's backward is autograd's, running the eager calls of n's forward
+(:mod:`mc2.engine.autograd.function`: a model that runs its layers through mc2's layer loop
+runs them whole under a pairing, as its framework does); each call stops where it waits for
+a transfer it just issued (the output gradients' dispatch, the input gradients' combine), and
+there it *gives way* (:meth:`Pairing.give_way`). n+1's forward is the user's own
+``loss_fn(model, micro_batch)``, which cannot be suspended half-way by a generator (the
+model's forward calls mc2 deep inside), so it runs in a helper thread used as a coroutine
+(:class:`Partner`): exactly one of the two threads runs at any time, handing over at fixed
+points. Given way to, the partner runs n+1's forward, whose eager calls hand back between
+their steps, up to the next transfer it issues. Everything is issued in the same order on
+every rank, from one thread at a time, so the collectives of a group meet in one order.
+Results are those of the sequential loop: the same forwards on the same parameters, the same
+backwards, each ``.grad`` accumulated in micro-batch order.
 """
 
 from __future__ import annotations
@@ -146,13 +145,12 @@ class Partner:
 
 class Pairing:
     """The pairing of one ``forward_backward`` call: the partner forward that the running
-    backward gives way to, and how many layer loops and eager calls ran under it (none of
-    either: the model calls no mc2 pipeline, and nothing could be paired)."""
+    backward gives way to, and how many eager calls ran under it (none: the model calls no
+    mc2 pipeline, and nothing could be paired)."""
 
     def __init__(self) -> None:
         self.partner: Partner | None = None
-        self.layer_loops = 0
-        self.calls = 0  # eager calls made under it (a model calling mc2 inside its layers)
+        self.calls = 0  # eager calls made under it
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
@@ -170,15 +168,14 @@ class Pairing:
 
 
 def current_pairing() -> Pairing | None:
-    """The pairing a layer loop or a call runs under (set by ``forward_backward``), or
-    ``None``."""
+    """The pairing a call runs under (set by ``forward_backward``), or ``None``."""
     return _ACTIVE.get()
 
 
 def paired_config(config: Any) -> Any:
     """An eager call's config under a pairing: ``"auto"`` runs :data:`PAIRED_SPLITS`
-    micro-batches, as the staged calls do (the planner's trials would time the paired
-    forward's work with the call's own), the same on every rank (every rank pairs alike)."""
+    micro-batches (the planner's trials would time the paired forward's work with the call's
+    own), the same on every rank (every rank pairs alike)."""
     if config.micro_batches == "auto" and (current_pairing() is not None or _RUNNING[0]):
         return config.replace(micro_batches=PAIRED_SPLITS)
     return config
@@ -204,7 +201,7 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
     to where it waits), the last backward alone. ``around()``: the context every forward and
     every backward but the last run in (a framework's gradient-sync suspension: the last
     backward syncs). ``unpaired``: the ``ValueError`` raised after the first forward where
-    the model's layers ran no paired layer loop, so nothing can be paired (every rank alike:
+    the model made no eager mc2 call, so nothing can be paired (every rank alike:
     every rank runs the same model). Returns ``kept(result)`` of each forward, in order, taken
     right after its backward: a result kept whole would keep its autograd graph (and the
     staged calls' state) alive until the last micro-batch, which the sequential loop frees
@@ -215,7 +212,7 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
     with pairing_active(pairing):
         with around():
             out = forward(0)
-            if pairing.layer_loops == 0 and pairing.calls == 0:
+            if pairing.calls == 0:
                 raise ValueError(unpaired)
             partner = Partner()
             try:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -50,7 +50,6 @@ from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
-from mc2.engine.autograd.pairing import PAIRED_SPLITS, current_pairing
 from mc2.engine.passes.run import (
     BackwardPass, CallInputs, ForwardPass, ForwardState, scale_grad, state_of, weighted_sum
 )
@@ -74,13 +73,6 @@ class _State:
     forward: ForwardPass | None = None
     state: ForwardState | None = None
     backward: BackwardPass | None = None
-    # where this call's backward waits for a transfer it issued: another micro-batch's paired
-    # forward runs there (:mod:`mc2.engine.autograd.pairing`)
-    give_way: Callable[[], None] | None = None
-
-    def waiting(self) -> None:
-        if self.give_way is not None:
-            self.give_way()
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -118,7 +110,6 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
-        state.waiting()  # the input gradients' combine travels
         with state.running():
             grads: CallInputs[Tensor | None] = state.backward.end()
         state.backward = None
@@ -140,7 +131,6 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
-        state.waiting()  # the output gradients' dispatch travels
         with state.running():
             state.backward.experts()
         return _token(_), None
@@ -189,10 +179,6 @@ class StagedCall:
     def experts(self) -> None:
         """Wait for the dispatch, run the experts, issue the combine."""
         self._token = _Experts.apply(self._token, self._state)
-
-    def give_way_to(self, pairing: Any) -> None:
-        """Let ``pairing``'s next forward run where this call's backward waits."""
-        self._state.give_way = pairing.give_way
 
     def end(self) -> Tensor:
         """Wait for the combine; the output, shaped like the input."""
@@ -267,7 +253,7 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
                          "selective activation checkpointing region (batch overlap runs the "
                          "layers' parts eagerly)")
     if config.micro_batches == "auto":  # the other micro-batch of the batch gives the overlap
-        config = config.replace(micro_batches=1 if current_pairing() is None else PAIRED_SPLITS)
+        config = config.replace(micro_batches=1)
     seconds = resolve_timeout(config.timeout)
     # under autocast, in the autocast dtype, as the plain call (the pass itself runs with
     # autocast off: its GEMMs write into buffers of the call's dtype)
