@@ -188,11 +188,6 @@ class StagedCall:
 _LABEL: contextvars.ContextVar[int] = contextvars.ContextVar("mc2_staged_micro_batch", default=0)
 
 
-def current_label() -> int:
-    """The micro-batch label calls begun here file their spans under."""
-    return _LABEL.get()
-
-
 @contextmanager
 def micro_batch_label(label: int) -> Iterator[None]:
     """Calls begun inside file their spans under micro-batch ``label`` (batch overlap's two
