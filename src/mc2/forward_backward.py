@@ -154,7 +154,6 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
     return run_pairs(len(batches), forward, lambda loss: loss.backward(),
                      kept=lambda loss: loss.detach(),
                      unpaired="forward_backward(overlap=True): the model's forward made no "
-                              "mc2 call (no layer loop of mc2's, no fused call inside a "
-                              "layer), so nothing can be paired; switch mc2 on in the model "
+                              "mc2 call, so nothing can be paired; switch mc2 on in the model "
                               "(enable_mc2, mc2.MoELayer, ep_implementation='mc2') or pass "
                               "overlap=False")

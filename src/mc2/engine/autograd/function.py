@@ -11,7 +11,7 @@ Under ``mc2.forward_backward``'s paired schedule (:mod:`mc2.engine.autograd.pair
 pass's three steps are where the pairing happens, for a model that calls mc2 inside its layers
 (no layer loop of mc2's): a forward hands back to the backward it is paired with after each
 transfer it issued, and a backward gives way to the paired forward where its own transfers
-travel, as the staged calls of a layer loop do.
+travel.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def paired_config(config: Any) -> Any:
     """An eager call's config under a pairing: ``"auto"`` runs :data:`PAIRED_SPLITS`
     micro-batches (the planner's trials would time the paired forward's work with the call's
     own), the same on every rank (every rank pairs alike)."""
-    if config.micro_batches == "auto" and (current_pairing() is not None or _RUNNING[0]):
+    if config.micro_batches == "auto" and _RUNNING[0]:  # set wherever a pairing runs
         return config.replace(micro_batches=PAIRED_SPLITS)
     return config
 

@@ -74,6 +74,14 @@ class _State:
     state: ForwardState | None = None
     backward: BackwardPass | None = None
 
+    @staticmethod
+    def begun(step: Any) -> Any:
+        """A pass a stage continues: a stage run before the one it follows is a bug, raised
+        as such, never a silent loop or an attribute error."""
+        if step is None:
+            raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
+        return step
+
     @contextmanager
     def running(self) -> Iterator[None]:
         """A step of the call runs under its deadline, autocast off (its GEMMs write into
@@ -111,7 +119,7 @@ class _Begin(torch.autograd.Function):
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
         with state.running():
-            grads: CallInputs[Tensor | None] = state.backward.end()
+            grads: CallInputs[Tensor | None] = state.begun(state.backward).end()
         state.backward = None
         state.call.workspace.tick()
         ctx.state = None
@@ -125,14 +133,14 @@ class _Experts(torch.autograd.Function):
     def forward(ctx: Any, token: Tensor, state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
         with state.running():
-            state.forward.experts()  # the experts, up to the first combine's wait
+            state.begun(state.forward).experts()  # up to the first combine's wait
         return _token(token)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
         with state.running():
-            state.backward.experts()
+            state.begun(state.backward).experts()
         return _token(_), None
 
 
@@ -142,7 +150,7 @@ class _End(torch.autograd.Function):
                 state: _State) -> Tensor:  # type: ignore[override]
         ctx.state = state
         with state.running():
-            output = state.forward.end()
+            output = state.begun(state.forward).end()
         state.forward = None
         x = state.inputs.x
         out = weighted_sum(output, combine, state.call, x.reshape(-1, x.shape[-1]),

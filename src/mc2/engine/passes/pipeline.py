@@ -106,7 +106,7 @@ class PassSchedule:
     :meth:`end`. Between them the first transfers are in flight, and a caller may run other
     work there: batch overlap (:mod:`mc2.engine.autograd.staged`) computes the other
     micro-batch, a paired backward another micro-batch's forward; the in-layer call runs the
-    three back to back (:meth:`run`). The serial schedule runs whole in :meth:`begin`.
+    three back to back. The serial schedule runs whole in :meth:`begin`.
     Transfers in flight are released when a step raises. Inside a graph capture no span is
     recorded: it would time the capture, not the replays."""
 
@@ -133,11 +133,6 @@ class PassSchedule:
             with self._released():
                 self._pass.rest()
                 check_deadlines()
-
-    def run(self) -> None:
-        self.begin()
-        self.experts()
-        self.end()
 
     @contextmanager
     def _released(self) -> Iterator[None]:

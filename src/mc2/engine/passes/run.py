@@ -149,7 +149,7 @@ class ForwardState:
                             shared_out, kept)
 
 
-class _Pass:
+class _PassSteps:
     """One pass of a call as the three plain steps of its schedule
     (:class:`~mc2.engine.passes.pipeline.PassSchedule`): :meth:`begin` issues the first
     dispatch, :meth:`experts` runs up to the first combine's wait, :meth:`end` finishes and
@@ -184,7 +184,7 @@ class _Pass:
         return self.end()
 
 
-class ForwardPass(_Pass):
+class ForwardPass(_PassSteps):
     """Dispatch, experts and combine of every micro-batch (and the shared experts under the
     first dispatch); :meth:`end` returns the :class:`PassOutput`. How rows travel is the plan's
     (:data:`~mc2.engine.passes.travel.TRAVELS`), how experts compute ``weights``'. ``needs``:
@@ -223,7 +223,7 @@ def weighted_sum(forward: PassOutput, combine: Tensor, call: CallPlan, like: Ten
     return out
 
 
-class BackwardPass(_Pass):
+class BackwardPass(_PassSteps):
     """The output gradients out along the dispatch routes, the input gradients back along the
     combine routes; the weight gradients while those travel. The shared experts see the output
     gradient times their ``[T, 1]`` scale, if any. Each micro-batch's activations are dropped
@@ -294,7 +294,7 @@ def _timed(call: CallPlan, phase: str, device: torch.device) -> Callable[[], Non
 def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bool],
                 between: Callable[[], None] | None = None) -> tuple[Tensor, ForwardState]:
     """The forward of one planned call: its output (``x``-shaped) and its state.
-    ``between``: see :meth:`_Pass.run`."""
+    ``between``: see :meth:`_PassSteps.run`."""
     done = _timed(call, "forward", inputs.x.device)
     shape = inputs.x.shape
     flat = inputs.x.reshape(-1, shape[-1])
@@ -312,7 +312,7 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
                  needs: CallInputs[bool], between: Callable[[], None] | None = None
                  ) -> CallInputs[Tensor | None]:
     """The gradients of one call, by input (``None`` where not needed). Consumes ``state``'s
-    activations. ``between``: see :meth:`_Pass.run`."""
+    activations. ``between``: see :meth:`_PassSteps.run`."""
     call = state.call
     # autograd runs this outside the call's context: its deadline, and no autocast (the
     # forward ran in one dtype; its GEMMs write into buffers of that dtype)
