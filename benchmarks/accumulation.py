@@ -136,7 +136,7 @@ def _decided(model: Any, step: Any, most: int = 40) -> bool:
 
     for _ in range(most):
         step()
-        chosen = model.__dict__[_DECISION].chosen
+        chosen = model.__dict__[_DECISION]["auto"].chosen
         if chosen is not None:
             return chosen
     raise RuntimeError(f'forward_backward "auto" did not decide in {most} steps')

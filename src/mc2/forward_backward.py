@@ -112,15 +112,16 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
 
 
 def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlapDecision:
-    """The model's decision for ``overlap`` (kept on the model: ``"auto"`` measures across
-    calls)."""
-    kept = model.__dict__.get(_DECISION)
-    if kept is None or kept.mode != overlap:
-        kept = BatchOverlapDecision(
+    """The model's decision for ``overlap``, kept on the model per mode: ``"auto"`` measures
+    across calls, and a call with ``overlap=True`` between them (a script that pairs one
+    step by hand) must not restart its trials (it did: a Megatron benchmark that alternated
+    the two re-ran the paired trials every round)."""
+    kept = model.__dict__.setdefault(_DECISION, {})
+    if overlap not in kept:
+        kept[overlap] = BatchOverlapDecision(
             overlap, min_tokens=0, group=group, unit="step",
             what="pairing one micro-batch's forward with another's backward")
-        model.__dict__[_DECISION] = kept
-    return kept
+    return kept[overlap]
 
 
 def _device(model: nn.Module) -> torch.device:
