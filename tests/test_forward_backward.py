@@ -9,7 +9,7 @@ import torch
 
 import mc2
 from tests.workers_pairing import (
-    hf_hidden_states_paired, hf_paired, in_layer_paired, refusals, stack_paired)
+    fsdp2_paired, hf_hidden_states_paired, hf_paired, in_layer_paired, refusals, stack_paired)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -39,6 +39,23 @@ def test_a_model_calling_mc2_inside_its_layers_pairs_its_eager_calls() -> None:
         for overlap in (False, True):
             assert all(_close(g, w, 1e-10) for g, w in zip(r[overlap]["grads"], r["loop"]))
         assert r[False]["under_backward"] == 0
+        assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
+
+
+@pytest.mark.parametrize("units", ["layers", "root"])
+def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: str) -> None:
+    """FSDP2 over the world, each layer a unit under the root, or the root alone. The last
+    micro-batch's forward is shorter and ends inside the backward before it, where FSDP2
+    registers no hook for it: under the root alone, without mc2 queueing FSDP2's
+    end-of-backward callback, its gradients are never reduce-scattered and the parameters
+    stay gathered (checked: this test then fails). Every rank's
+    local gradient shards equal the sequential loop's under the same sharding (float64),
+    the forward's exchanges travel across the backward's compute, and every parameter is
+    sharded again after the step."""
+    for r in mc2.run_local(fsdp2_paired, 2, args=(units,), timeout_s=120):
+        assert r[True]["sharded"] and r[None]["sharded"]
+        assert all(_close(g, w, 1e-10) for g, w in zip(r[True]["grads"], r[None]["grads"],
+                                                        strict=True))
         assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
 
 
@@ -103,8 +120,8 @@ def test_hugging_faces_own_expert_parallelism_pairs_through_ep_implementation_mc
     mc2 eagerly inside Hugging Face's own decoder loop, and the paired schedule pairs those
     calls; losses and every local gradient equal the sequential loop's (float32), and the
     forward's exchanges travel across the backward's compute. Hugging Face's other layout
-    (``fsdp_size``) shards with FSDP2: refused on every rank with ``overlap=True``, the
-    sequential loop with ``"auto"``, equal again."""
+    (``fsdp_size``) shards with FSDP2: its units stay gathered for the step and pair too,
+    equal again."""
     from tests.workers_hf_ep import reference
     from tests.workers_pairing import hf_ep_paired
 
@@ -119,8 +136,8 @@ def test_hugging_faces_own_expert_parallelism_pairs_through_ep_implementation_mc
                 assert _close(got, want, 1e-4), name
         assert r["under_backward"] > 0
     for r in mc2.run_local(hf_ep_paired, 2, args=(path, "dp"), timeout_s=180):
-        assert r["fsdp_units"] > 0 and "FSDP2" in r["refused"], r["refused"]
-        assert r["under_backward"] == 0  # "auto": the sequential loop
+        assert r["fsdp_units"] > 0 and r["refused"] is None, r["refused"]
+        assert r["under_backward"] > 0  # FSDP2's units held gathered for the step
         assert [float(x) for x in r["got"]] == pytest.approx([float(x) for x in r["want"]],
                                                              rel=1e-5)
         assert all(_close(got, want, 1e-4) for want, got in r["grads"].values()

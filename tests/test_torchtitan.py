@@ -194,6 +194,31 @@ def test_qwen3_moe_model_trains_like_torchtitan_under_fsdp_and_ep() -> None:
         assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
 
 
+def test_torchtitans_accumulation_pairs_and_trains_as_its_own_loop() -> None:
+    """TorchTitan's gradient accumulation (3 micro-batches a step, as its ``train_step``
+    calls ``fwd_bwd_fn``) on its Qwen3 MoE under its own FSDP + EP (4 ranks): with
+    ``pair_accumulation`` each micro-batch's forward runs beside the previous one's
+    backward (the forward's exchanges travel across the backward's compute), FSDP2's units
+    held gathered for the step and sharded again after it; the global losses of 3 AdamW
+    steps equal TorchTitan's own loop's within bfloat16 rounding while they fall by far
+    more. A trainer with CUDA graphs or TorchTitan's chunked loss is refused, naming it."""
+    from tests import workers_torchtitan_model as m
+
+    results = mc2.run_local(m.accumulation_against_torchtitan, 4, args=(3, 3), deadline_s=300)
+    first = results[0]
+    for rank, r in enumerate(results):
+        assert (r["ref_losses"], r["losses"]) == (first["ref_losses"], first["losses"]), rank
+        assert r["under_backward"] > 0, rank
+        assert r["sharded"], rank
+        assert "disable_cuda_graphs" in r["refused"]["cuda graphs"]
+        assert "ChunkedLossWrapper" in r["refused"]["chunked loss"]
+    ref, got = first["ref_losses"], first["losses"]
+    worst = max(abs(b - a) / abs(a) for a, b in zip(ref, got, strict=True))
+    assert worst <= BF16, (worst, ref, got)
+    for losses in (ref, got):
+        assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
+
+
 def test_shared_expert_views_only_where_the_linears_read_as_their_weights() -> None:
     """TorchTitan's shared ``FeedForward`` enters the call as views of its weights only while
     each linear is TorchTitan's own, bias-free, in bfloat16, with no hook and no

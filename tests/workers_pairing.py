@@ -130,6 +130,56 @@ def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool,
                       zip(ref.named_parameters(), got_model.parameters())}}
 
 
+class _EarlyExit(torch.nn.Module):
+    """The in-layer stack, run to a depth each micro-batch names: a forward with fewer mc2
+    calls than the backward it is paired with ends inside that backward (where FSDP2 takes
+    it for a recompute and registers no backward hook for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = _in_layer_stack()
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        for layer in self.layers[:depth]:
+            x = layer(x)
+        return x
+
+
+def _depth_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, int]) -> torch.Tensor:
+    return model(*batch).pow(2).mean()
+
+
+def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
+    """:func:`in_layer_paired` for the stack sharded by FSDP2 over the world: ``units``
+    ``"layers"`` (each layer a unit, the stack the root) or ``"root"`` (one unit). The last
+    micro-batch runs one layer where the others run three, so its forward ends inside the
+    backward before it: under ``"root"`` it registers no FSDP2 hook at all. Each rank's
+    local shard of every gradient after the sequential loop and after
+    ``forward_backward(overlap=True)``; whether FSDP2 left every unit sharded after the
+    step, as its own loop does."""
+    from torch.distributed.fsdp import fully_shard
+
+    batches = [(x, 1 if i == MICRO_BATCHES - 1 else 3)
+               for i, x in enumerate(_micro_batches(rank))]
+    found: dict[str, Any] = {}
+    for overlap in (None, True):
+        model = _EarlyExit()
+        for layer in model.layers if units == "layers" else ():
+            fully_shard(layer)
+        fully_shard(model)
+        if overlap is None:
+            _sequential(model, batches, _depth_loss)
+            under = 0
+        else:
+            _, under = _recorded(model, batches, _depth_loss, overlap)
+        found[overlap] = {  # a parameter left gathered holds its gradient whole
+            "grads": [getattr(p.grad, "to_local", p.grad.detach)().clone()
+                      for p in model.parameters()],
+            "under_backward": under,
+            "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+    return found
+
+
 def refusals(rank: int, world: int) -> dict[str, str | None]:
     """What ``forward_backward`` raises for a model that makes no mc2 call and for a loss
     that is no scalar (overlap=True), on each rank."""

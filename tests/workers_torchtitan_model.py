@@ -270,6 +270,105 @@ class Trainer:
         return float(total)
 
 
+class AccumulatingTrainer(Trainer):
+    """:class:`Trainer` with gradient accumulation as TorchTitan's ``train_step`` runs it:
+    the global count of valid labels over all of a step's micro-batches, then
+    ``self.fwd_bwd_fn(inputs, labels, global_valid_tokens, extra_kwargs)`` once per
+    micro-batch (TorchTitan's ``_forward_backward_body`` unless replaced), the gradients read
+    only after the last (the optimizer step). Holds the attributes of TorchTitan's trainer
+    that ``mc2.integrations.torchtitan_schedule`` reads."""
+
+    def __init__(self, model: torch.nn.Module, dims: Any, micro_batches: int) -> None:
+        from types import SimpleNamespace
+        import contextlib
+
+        super().__init__(model, dims)
+        self.model_parts, self.parallel_dims = [model], dims
+        self.gradient_accumulation_steps = micro_batches
+        self.train_context = contextlib.nullcontext
+        self.config = SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True))
+        self.fwd_bwd_fn = self.forward_backward_body
+
+    def forward_backward_body(self, inputs: Tensor, labels: Tensor, valid: Tensor,
+                              extra_kwargs: dict) -> Tensor:
+        with self.train_context():
+            loss, _ = self.loss_fn(self.model(inputs, **extra_kwargs), labels, valid)
+            loss.backward()
+        return loss
+
+    def accumulate(self, micro_batches: list[tuple[Tensor, Tensor]]) -> float:
+        """One optimizer step over ``micro_batches``; the global loss (summed over the
+        micro-batches, all ranks)."""
+        self.optimizer.zero_grad()
+        group = self.dims.get_mesh("batch").get_group()
+        valid = torch.tensor(sum(labels.numel() for _, labels in micro_batches),
+                             dtype=torch.int64)
+        dist.all_reduce(valid, group=group)
+        total = torch.zeros([])
+        for tokens, labels in micro_batches:
+            total += self.fwd_bwd_fn(tokens, labels, valid, {}).detach()
+        self.optimizer.step()
+        dist.all_reduce(total, group=group)
+        return float(total)
+
+
+def accumulation_against_torchtitan(rank: int, world: int, steps: int,
+                                    micro_batches: int) -> dict:
+    """TorchTitan's Qwen3 MoE through its own accumulation loop, and the same model with mc2's
+    override through that loop with ``pair_accumulation``'s ``fwd_bwd_fn``, ``steps`` AdamW
+    steps of ``micro_batches`` micro-batches under FSDP + EP: the global losses per step of
+    both, how many of the paired forward's exchanges travelled across a backward's compute,
+    whether every parameter was sharded again after the steps, and what ``pair_accumulation``
+    refused of a trainer with CUDA graphs or TorchTitan's chunked loss."""
+    from types import SimpleNamespace
+
+    import mc2
+    from mc2.integrations.torchtitan_schedule import pair_accumulation
+    from tests.workers_pairing import _forward_transfers_under_backward
+    from tests.workers_schedule import ScheduleRecorder
+
+    dims = parallel_dims(world, "partial_dtensor")
+    ref = parallelize(build_model(world, "partial_dtensor", None), dims, world, "partial_dtensor")
+    got = parallelize(build_model(world, "partial_dtensor", {"micro_batches": 2}), dims, world,
+                      "partial_dtensor")
+    ref_trainer = AccumulatingTrainer(ref, dims, micro_batches)
+    got_trainer = AccumulatingTrainer(got, dims, micro_batches)
+    pair_accumulation(got_trainer)
+    data = batches(rank, steps * micro_batches)
+    steps_of = [data[i:i + micro_batches] for i in range(0, len(data), micro_batches)]
+    recorder = ScheduleRecorder()
+    ref_losses, losses = [], []
+    with recorder.installed(), mc2.profile() as prof:
+        for step in steps_of:
+            losses.append(got_trainer.accumulate(step))
+    for step in steps_of:
+        ref_losses.append(ref_trainer.accumulate(step))
+    refused = {}
+    for name, change in (("cuda graphs", lambda t: setattr(
+            t, "config", SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False)))),
+                         ("chunked loss", lambda t: setattr(t, "loss_fn", _chunked_loss()))):
+        trainer = AccumulatingTrainer(got, dims, micro_batches)
+        change(trainer)
+        try:
+            pair_accumulation(trainer)
+            refused[name] = None
+        except ValueError as exc:
+            refused[name] = str(exc)
+    return {"ref_losses": ref_losses, "losses": losses,
+            "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
+                                                                prof.spans),
+            "sharded": all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel()
+                           for p in got.parameters() if p.numel() >= world),
+            "refused": refused}
+
+
+def _chunked_loss() -> Any:
+    """TorchTitan's ``ChunkedLossWrapper`` object (not built: only its type is asked)."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    return ChunkedLossWrapper.__new__(ChunkedLossWrapper)
+
+
 def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
                              backend: str = "partial_dtensor", override: str = MC2,
                              shared: bool = False, until_decided: bool = False) -> dict:

@@ -11,9 +11,8 @@ What pairs: the model's mc2 calls (``enable_mc2``, ``mc2.MoELayer``, Hugging Fac
 ``ep_implementation="mc2"``, Megatron's ``MC2MoELayer``), each eager call handing back and
 giving way between its own steps (:mod:`mc2.engine.autograd.function`). A model built for
 batch overlap runs its layers whole under the pairing, as its framework runs them (each
-micro-batch unsplit). FSDP2-sharded models are not paired: FSDP2
-gathers and frees a unit's parameters from its forward and backward hooks, and the paired
-forward's hooks would free what the backward beside it still reads.
+micro-batch unsplit). An FSDP2-sharded model's units stay gathered from the first forward
+to the last backward, which alone reduce-scatters (:mod:`mc2.parallel.paired_fsdp`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
-from mc2.parallel.layer_gather import fsdp_units
+from mc2.parallel.paired_fsdp import PairedSharding
 
 __all__ = ["forward_backward"]
 
@@ -53,9 +52,9 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
 
     Raises:
         ValueError: a bad ``overlap``; a loss that is no scalar needing a gradient; with
-            ``overlap=True``, a model that makes no mc2 call, or that FSDP2 shards, or that
-            FSDP or DistributedDataParallel wraps (every rank alike: every rank runs the same
-            model). ``"auto"`` runs the sequential loop for those, and says so once.
+            ``overlap=True``, a model that makes no mc2 call, or that FSDP (the first one,
+            ``FullyShardedDataParallel``) or DistributedDataParallel wraps (every rank alike:
+            every rank runs the same model). ``"auto"`` runs the sequential loop for those, and says so once.
     """
     if overlap not in (True, False, "auto"):
         raise ValueError(f"forward_backward: overlap must be True, False or 'auto', "
@@ -80,10 +79,6 @@ def _unpairable(model: nn.Module) -> str | None:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if fsdp_units(model):
-        return ("the model is sharded by FSDP2, whose hooks gather and free a unit's "
-                "parameters in each forward and backward: the paired forward would free what "
-                "the backward beside it still reads")
     for kind, name in ((FullyShardedDataParallel, "FSDP (FullyShardedDataParallel)"),
                        (DistributedDataParallel, "DistributedDataParallel")):
         if any(isinstance(m, kind) for m in model.modules()):
@@ -148,11 +143,13 @@ def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tens
 
 def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
     """Micro-batch n+1's forward beside n's backward (:func:`run_pairs`)."""
+    sharding = PairedSharding(model)  # FSDP2's units: gathered for the step
+
     def forward(i: int) -> Tensor:
         with micro_batch_label(i):  # its calls' spans, under its micro-batch in a trace
-            return _loss(loss_fn, model, batches[i])
+            return sharding.finished(_loss(loss_fn, model, batches[i]))
 
-    return run_pairs(len(batches), forward, lambda loss: loss.backward(),
+    return run_pairs(len(batches), forward, lambda loss: loss.backward(), around=sharding.held,
                      kept=lambda loss: loss.detach(),
                      unpaired="forward_backward(overlap=True): the model's forward made no "
                               "mc2 call, so nothing can be paired; switch mc2 on in the model "

@@ -1,0 +1,96 @@
+"""TorchTitan's gradient accumulation with one micro-batch's forward beside another's backward.
+
+TorchTitan's ``Trainer.train_step`` calls ``self.fwd_bwd_fn(inputs, labels,
+global_valid_tokens, extra_kwargs)`` once per micro-batch (``training.local_batch_size``
+over ``training.global_batch_size``: ``gradient_accumulation_steps`` calls a step) and reads
+the gradients only after the last, to clip them and step the optimizer. :func:`pair_accumulation`
+makes that function a :class:`PairedFwdBwd`: each call runs its micro-batch's forward (the
+trainer's model, its ``loss_fn``, in its ``train_context``) beside the previous micro-batch's
+backward (:class:`mc2.engine.autograd.pairing.PairedLoop`), and the step's last call also runs
+its own backward alone, so the gradients are complete when ``train_step`` reads them::
+
+    trainer = Trainer(config)  # the trainer as TorchTitan builds it
+    mc2.integrations.torchtitan_schedule.pair_accumulation(trainer)
+    trainer.train()
+
+Each call returns its micro-batch's loss (detached: the trainer only logs it). What pairs are
+the model's mc2 calls (:mod:`mc2.integrations.torchtitan`'s routed experts, in-layer; a
+batch-overlap model runs its blocks whole under the pairing). FSDP2's units stay gathered from
+the first forward to the last backward, which alone reduce-scatters
+(:mod:`mc2.parallel.paired_fsdp`).
+
+**Refused** (``ValueError`` from :func:`pair_accumulation`, every rank alike): pipeline
+parallelism (its schedule owns the micro-batches), more than one model part, TorchTitan's
+CUDA-graph wrapping (``training.disable_cuda_graphs=False``: one graph per forward and
+backward), and ``ChunkedLossWrapper`` (it runs a backward inside the forward, per chunk, and
+reshards the output projection itself: not a forward that can run inside another's backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from mc2.engine.autograd.pairing import PairedLoop
+from mc2.parallel.paired_fsdp import PairedSharding
+
+
+class PairedFwdBwd:
+    """TorchTitan's ``fwd_bwd_fn`` for ``trainer``, each micro-batch's forward beside the
+    previous one's backward (module docstring). Built by :func:`pair_accumulation`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.model = trainer.model_parts[0]
+        self._sharding = PairedSharding(self.model)
+        self._position = 0  # of the next call in its step
+        self.loop = PairedLoop(self._backward, around=self._sharding.held,
+                               unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
+                                        "override on its routed experts), so nothing can be "
+                                        "paired")
+
+    def _backward(self, loss: Tensor) -> None:
+        with self.trainer.train_context():
+            loss.backward()
+
+    def __call__(self, inputs: Tensor, labels: Tensor, global_valid_tokens: Tensor,
+                 extra_kwargs: dict[str, Any]) -> Tensor:
+        if not self.loop.running:  # the step's first micro-batch (or the first after a failure)
+            self._position = 0
+        last = self._position == self.trainer.gradient_accumulation_steps - 1
+        self._position += 1
+
+        def forward() -> Tensor:  # TorchTitan's _forward_backward_body up to its backward
+            with self.trainer.train_context():
+                pred = self.model(inputs, **extra_kwargs)
+                loss_kwargs = ({"positions": extra_kwargs["positions"]}
+                               if "positions" in extra_kwargs else {})
+                loss, _ = self.trainer.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
+            return self._sharding.finished(loss)
+
+        return self.loop.add(forward, last=last).detach()
+
+
+def pair_accumulation(trainer: Any) -> PairedFwdBwd:
+    """Make ``trainer``'s (a built TorchTitan ``Trainer``) ``fwd_bwd_fn`` the paired one;
+    returns it.
+
+    Raises:
+        ValueError: pipeline parallelism, several model parts, CUDA graphs or
+            ``ChunkedLossWrapper`` (module docstring).
+    """
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    if trainer.parallel_dims.pp_enabled or len(trainer.model_parts) != 1:
+        raise ValueError("pair_accumulation: pipeline parallelism runs its own micro-batch "
+                         "schedule (parallelism.pipeline_parallel_degree must be 1)")
+    if not trainer.config.training.disable_cuda_graphs:
+        raise ValueError("pair_accumulation: training.disable_cuda_graphs must be True (a "
+                         "CUDA graph replays one whole forward and backward)")
+    if isinstance(trainer.loss_fn, ChunkedLossWrapper):
+        raise ValueError("pair_accumulation: the loss is ChunkedLossWrapper, which runs "
+                         "backwards inside the forward; use the plain cross-entropy loss")
+    paired = PairedFwdBwd(trainer)
+    trainer.fwd_bwd_fn = paired
+    return paired
