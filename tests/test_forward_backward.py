@@ -9,7 +9,8 @@ import torch
 
 import mc2
 from tests.workers_pairing import (
-    fsdp2_paired, hf_hidden_states_paired, hf_paired, in_layer_paired, refusals, stack_paired)
+    failed_step, fsdp2_paired, hf_hidden_states_paired, hf_paired, in_layer_paired, refusals,
+    stack_paired)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -42,6 +43,17 @@ def test_a_model_calling_mc2_inside_its_layers_pairs_its_eager_calls() -> None:
         assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
 
 
+def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> None:
+    """The first micro-batch's backward raises at its very end, while the second one's
+    forward is suspended in the partner thread: the error is raised on every rank, the
+    suspended forward unwinds (no thread is left behind), and the next paired step on the
+    same model and group equals the sequential loop."""
+    for r in mc2.run_local(failed_step, 2, timeout_s=120):
+        assert r["raised"] == "the backward failed on purpose", r["raised"]
+        assert r["threads"][1] == r["threads"][0], r["threads"]
+        assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
+
+
 @pytest.mark.parametrize("units", ["layers", "root"])
 def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: str) -> None:
     """FSDP2 over the world, each layer a unit under the root, or the root alone. The last
@@ -57,6 +69,9 @@ def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: 
         assert all(_close(g, w, 1e-10) for g, w in zip(r[True]["grads"], r[None]["grads"],
                                                         strict=True))
         assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
+        # held gathered: each parameter group gathered once, in the first forward (the
+        # sequential loop gathers again in every forward and backward)
+        assert r[True]["gathers"] == r[True]["groups"] < r[None]["gathers"], r
 
 
 @pytest.mark.parametrize("dtype,hostile,tol,batch_overlap", [

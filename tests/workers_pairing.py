@@ -159,25 +159,87 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     step, as its own loop does."""
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
     batches = [(x, 1 if i == MICRO_BATCHES - 1 else 3)
                for i, x in enumerate(_micro_batches(rank))]
     found: dict[str, Any] = {}
-    for overlap in (None, True):
-        model = _EarlyExit()
-        for layer in model.layers if units == "layers" else ():
-            fully_shard(layer)
-        fully_shard(model)
-        if overlap is None:
-            _sequential(model, batches, _depth_loss)
-            under = 0
-        else:
-            _, under = _recorded(model, batches, _depth_loss, overlap)
-        found[overlap] = {  # a parameter left gathered holds its gradient whole
-            "grads": [getattr(p.grad, "to_local", p.grad.detach)().clone()
-                      for p in model.parameters()],
-            "under_backward": under,
-            "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+    gathers = [0]
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers[0] += 1
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather = counted
+    try:
+        for overlap in (None, True):
+            model = _EarlyExit()
+            for layer in model.layers if units == "layers" else ():
+                fully_shard(layer)
+            fully_shard(model)
+            gathers[0] = 0
+            if overlap is None:
+                _sequential(model, batches, _depth_loss)
+                under = 0
+            else:
+                _, under = _recorded(model, batches, _depth_loss, overlap)
+            found[overlap] = {  # a parameter left gathered holds its gradient whole
+                "grads": [getattr(p.grad, "to_local", p.grad.detach)().clone()
+                          for p in model.parameters()],
+                "under_backward": under, "gathers": gathers[0],
+                "groups": sum(len(m._get_fsdp_state()._fsdp_param_groups)
+                              for m in model.modules() if hasattr(m, "_get_fsdp_state")),
+                "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+    finally:
+        _fsdp_param_group.foreach_all_gather = original
     return found
+
+
+class _FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises: at the model's input, it raises at the very end
+    of a backward, after every mc2 call of it gave way to the paired forward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("the backward failed on purpose")
+
+
+def failed_step(rank: int, world: int) -> dict[str, Any]:
+    """A paired step whose first backward raises while the second micro-batch's forward is
+    suspended in the partner thread: what ``forward_backward`` raised, the threads alive
+    before and after, and then a whole paired step on the same model, against the
+    sequential loop (the given-up forward must not leave the model or the group broken)."""
+    import threading
+
+    batches = _micro_batches(rank)
+    leaf = [x.clone().requires_grad_(True) for x in batches]
+
+    def failing(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x is leaf[0]:
+            x = _FailingBackward.apply(x)
+        return _stack_loss(model, x)
+
+    model = _in_layer_stack()
+    mc2.forward_backward(model, batches[:2], _stack_loss, overlap=True)  # partner made
+    threads = threading.active_count()
+    try:
+        mc2.forward_backward(model, leaf, failing, overlap=True)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    model.zero_grad(set_to_none=True)
+    mc2.forward_backward(model, batches, _stack_loss, overlap=True)
+    threads_after = threading.active_count()  # a forward left suspended keeps its thread
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    _sequential(model, batches, _stack_loss)
+    return {"raised": raised, "threads": (threads, threads_after), "got": got,
+            "want": [p.grad.clone() for p in model.parameters()]}
 
 
 def refusals(rank: int, world: int) -> dict[str, str | None]:

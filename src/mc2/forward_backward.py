@@ -11,8 +11,10 @@ What pairs: the model's mc2 calls (``enable_mc2``, ``mc2.MoELayer``, Hugging Fac
 ``ep_implementation="mc2"``, Megatron's ``MC2MoELayer``), each eager call handing back and
 giving way between its own steps (:mod:`mc2.engine.autograd.function`). A model built for
 batch overlap runs its layers whole under the pairing, as its framework runs them (each
-micro-batch unsplit). An FSDP2-sharded model's units stay gathered from the first forward
-to the last backward, which alone reduce-scatters (:mod:`mc2.parallel.paired_fsdp`).
+micro-batch unsplit). An FSDP2-sharded model pairs with ``overlap=True``: its units stay
+gathered from the first forward to the last backward, which alone reduce-scatters
+(:mod:`mc2.parallel.paired_fsdp`); ``"auto"`` runs it sequentially (said once), as holding
+every unit gathered is a memory cost the caller must ask for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
+from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
 
 __all__ = ["forward_backward"]
@@ -67,6 +70,12 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
         if overlap is True:
             raise ValueError(f"forward_backward(overlap=True): {why}; use overlap=False")
         say_once(why, "pairing one micro-batch's forward with another's backward")
+        overlap = False
+    if overlap == "auto" and fsdp_units(model):
+        say_once("the model is sharded by FSDP2: a paired step holds every unit gathered from "
+                 "its first forward to its last backward (mc2.parallel.paired_fsdp), which "
+                 "'auto' does not try on its own; pass overlap=True to pair",
+                 "pairing one micro-batch's forward with another's backward")
         overlap = False
     return decided_schedule(model, overlap, group, len(batches),
                             paired=lambda: _paired(model, batches, loss_fn),

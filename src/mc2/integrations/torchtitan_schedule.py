@@ -13,14 +13,17 @@ its own backward alone, so the gradients are complete when ``train_step`` reads 
     mc2.integrations.torchtitan_schedule.pair_accumulation(trainer)
     trainer.train()
 
-Each call returns its micro-batch's loss (detached: the trainer only logs it). What pairs are
+Each call returns its micro-batch's loss (detached: the trainer only logs it). A step of one
+micro-batch runs TorchTitan's own function. The backward runs in the trainer's
+``train_context`` without SPMD type checks, as TorchTitan's does. What pairs are
 the model's mc2 calls (:mod:`mc2.integrations.torchtitan`'s routed experts, in-layer; a
 batch-overlap model runs its blocks whole under the pairing). FSDP2's units stay gathered from
 the first forward to the last backward, which alone reduce-scatters
 (:mod:`mc2.parallel.paired_fsdp`).
 
 **Refused** (``ValueError`` from :func:`pair_accumulation`, every rank alike): pipeline
-parallelism (its schedule owns the micro-batches), more than one model part, TorchTitan's
+parallelism (its schedule owns the micro-batches), more than one model part, context
+parallelism (not tested), TorchTitan's
 CUDA-graph wrapping (``training.disable_cuda_graphs=False``: one graph per forward and
 backward), and ``ChunkedLossWrapper`` (it runs a backward inside the forward, per chunk, and
 reshards the output projection itself: not a forward that can run inside another's backward).
@@ -42,6 +45,7 @@ class PairedFwdBwd:
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
+        self.alone = trainer.fwd_bwd_fn  # TorchTitan's own, for a step of one micro-batch
         self.model = trainer.model_parts[0]
         self._sharding = PairedSharding(self.model)
         self._position = 0  # of the next call in its step
@@ -51,11 +55,16 @@ class PairedFwdBwd:
                                         "paired")
 
     def _backward(self, loss: Tensor) -> None:
-        with self.trainer.train_context():
+        import spmd_types
+
+        # as TorchTitan's own backward: type-checking the backward only conflicts
+        with self.trainer.train_context(), spmd_types.no_typecheck():
             loss.backward()
 
     def __call__(self, inputs: Tensor, labels: Tensor, global_valid_tokens: Tensor,
                  extra_kwargs: dict[str, Any]) -> Tensor:
+        if self.trainer.gradient_accumulation_steps == 1:  # nothing to pair
+            return self.alone(inputs, labels, global_valid_tokens, extra_kwargs)
         if not self.loop.running:  # the step's first micro-batch (or the first after a failure)
             self._position = 0
         last = self._position == self.trainer.gradient_accumulation_steps - 1
@@ -85,6 +94,9 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
     if trainer.parallel_dims.pp_enabled or len(trainer.model_parts) != 1:
         raise ValueError("pair_accumulation: pipeline parallelism runs its own micro-batch "
                          "schedule (parallelism.pipeline_parallel_degree must be 1)")
+    if trainer.parallel_dims.cp_enabled:
+        raise ValueError("pair_accumulation: context parallelism is not paired (untested: "
+                         "parallelism.context_parallel_degree must be 1)")
     if not trainer.config.training.disable_cuda_graphs:
         raise ValueError("pair_accumulation: training.disable_cuda_graphs must be True (a "
                          "CUDA graph replays one whole forward and backward)")

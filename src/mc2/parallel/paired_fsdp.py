@@ -13,21 +13,31 @@ from the first forward to the last backward; the reduce-scatter once, in the las
 - the reduce-scatter after each backward would reduce a gradient the paired forward's
   backward has not added to yet.
 
-So, between the first forward and the last backward (:meth:`PairedSharding.held`), no unit frees
-its parameters and none reduces its gradients (FSDP2's own switches,
-``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_requires_gradient_sync``,
-``set_is_last_backward``); each backward folds its gradients into the units' unsharded
-accumulation, as FSDP2 does under ``set_requires_gradient_sync(False)``; the last backward,
-run with the unit's own settings back, reduce-scatters the sum. A backward whose forward
-registered no FSDP2 hook (a one-unit model, every unit already in its backward) still gets
-FSDP2's end-of-backward callback (:meth:`PairedSharding.finished`), which runs the units'
-post-backward: without it, the last micro-batch's gradients would never be reduced.
+So, between the first forward and the last backward (:meth:`PairedSharding.held`), no unit
+frees its parameters and none reduces its gradients: each parameter group's ``reshard`` does
+nothing (a switch such as ``set_reshard_after_forward(False)`` is not enough: a post-forward
+that runs after the other pass's end-of-backward callback reset the unit's state reshards
+whatever the switch says, and the next backward gathers it again), FSDP2's
+``set_requires_gradient_sync(False)`` and ``is_last_backward`` off. Each backward folds its
+gradients into the units' unsharded accumulation, as FSDP2 does without gradient sync; the
+last backward, run with the units' settings back, reduce-scatters the sum and frees the
+parameters. A backward whose forward registered no FSDP2 hook (a one-unit model, every unit
+already in its backward) still gets FSDP2's end-of-backward callback
+(:meth:`PairedSharding.finished`), which runs the units' post-backward: without it, the last
+micro-batch's gradients would never be reduced. A unit whose forward ran inside the other's
+backward has no backward hook of its own: its post-backward (and, in the last backward, its
+reduce-scatter) runs in that callback, at the end of the backward, not under its compute.
 
 What this reads of FSDP2 beyond its public methods (this torch's ``_fully_shard``): a unit's
-state (``_get_fsdp_state``), its lazy initialisation, its parameter groups' settings (saved
-and put back as they were, the root's included), and its end-of-backward callback's
-registration. A unit stays gathered for the whole step: its parameters take their unsharded
-size until the last backward.
+state (``_get_fsdp_state``), its lazy initialisation (run here for the units no other unit
+contains, as their first forward would: a model handed in that is a submodule of the real root
+would make an inner unit the root), its parameter groups (``reshard``, ``reduce_grads``,
+``all_reduce_grads``, put back as they were), ``is_last_backward`` and its end-of-backward
+callback's registration. A unit stays gathered for the whole step: its parameters take their
+unsharded size until the last backward, and its gradients accumulate unsharded (in the reduce
+dtype where one is set); so ``mc2.forward_backward``'s ``"auto"`` does not try pairing on an
+FSDP2 model, only ``overlap=True`` pairs it. Untested: units that group modules from both ends
+of the model (tied embeddings).
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ from typing import Any, Iterator
 from torch import Tensor, nn
 
 from mc2.parallel.layer_gather import fsdp_units
+
+
+def _kept_gathered() -> None:
+    """A parameter group's ``reshard`` while the step holds it gathered."""
 
 
 def _roots(units: list[Any]) -> list[Any]:
@@ -70,27 +84,22 @@ class PairedSharding:
             yield
             return
         self._roots = _roots(units)
-        states = list({id(s): s for s in (u._get_fsdp_state() for u in units)}.values())
-        saved = [(state, state._auto_reshard_after_forward,
-                  [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads,
-                    g.all_reduce_grads) for g in state._fsdp_param_groups])
-                 for state in states]
+        groups = [g for state in {id(s): s for s in (u._get_fsdp_state() for u in units)}.values()
+                  for g in state._fsdp_param_groups]
+        saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
         last = [(state, state._state_ctx.is_last_backward) for state in self._roots]
         try:
             for unit in units:
-                unit.set_reshard_after_forward(False, recurse=False)
-                unit.set_reshard_after_backward(False, recurse=False)
                 unit.set_requires_gradient_sync(False, recurse=False)
+            for group in groups:  # no reshard at all, whichever pass's hook asks (docstring)
+                group.reshard = _kept_gathered
             for state in self._roots:
                 state._state_ctx.is_last_backward = False
             yield
         finally:
-            for state, auto, groups in saved:
-                state._auto_reshard_after_forward = auto
-                for group, mesh, after_backward, reduce, all_reduce in groups:
-                    group.post_forward_mesh_info = mesh
-                    group.reshard_after_backward = after_backward
-                    group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+            for group, reduce, all_reduce in saved:
+                group.__dict__.pop("reshard", None)
+                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
             for state, was in last:
                 state._state_ctx.is_last_backward = was
 

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
+
+from mc2.engine.transport.deadline import Abandoned
 
 T = TypeVar("T")
 
@@ -57,6 +60,8 @@ class _Process:
 
 
 _PROCESS = _Process()
+# a forked child has none of the parent's threads: its partners would wait forever
+os.register_at_fork(after_in_child=_PROCESS.idle.clear)
 
 # micro-batches inside each paired call whose config says "auto" (batch overlap's run K = 1,
 # the other half of the batch giving the overlap): a paired backward hides only part of a
@@ -92,6 +97,7 @@ class Partner:
         self._back = threading.Semaphore(0)  # the caller's turn
         self._thread: threading.Thread | None = None
         self._job: Callable[[], Any] | None = None
+        self._begun = self._cancelled = False
         self.done, self.result, self.error = True, None, None
 
     def start(self, fn: Callable[[], Any]) -> None:
@@ -111,6 +117,7 @@ class Partner:
                 return context.run(fn)
 
         self._job, self.done, self.result, self.error = job, False, None, None
+        self._begun = self._cancelled = False
 
     def _main(self) -> None:
         while True:
@@ -118,11 +125,13 @@ class Partner:
             job, self._job = self._job, None
             if job is None:  # closed
                 return
+            self._begun = True
             try:
                 self.result = job()
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by finish()
                 self.error = exc
             finally:
+                del job  # the micro-batch and its context: not kept until the next step
                 self.done = True
                 self._back.release()
 
@@ -141,17 +150,36 @@ class Partner:
         self._back.acquire()
 
     def pause(self) -> None:
-        """Hand back to the caller (called from the partner's own thread)."""
+        """Hand back to the caller (called from the partner's own thread); raises
+        :class:`Abandoned` there where the caller gave the function up (:meth:`cancel`)."""
         self._back.release()
         self._run.acquire()
+        if self._cancelled:
+            raise Abandoned("mc2 pairing: the step failed while this forward was paired")
 
     def finish(self) -> Any:
         """Run the current function to its end; its result (its exception raised here)."""
         while not self.done:
             self.resume()
-        if self.error is not None:
-            raise self.error
-        return self.result
+        result, error, self.result, self.error = self.result, self.error, None, None
+        if error is not None:
+            raise error
+        return result
+
+    def cancel(self) -> None:
+        """Give the current function up (the step failed while it was suspended): it
+        unwinds from its pause, leaving the transfers it issued in flight (its peers may never
+        complete them), and the thread is free for the next step. A function not yet begun
+        never runs."""
+        if self.done:
+            return
+        self._cancelled = True
+        if not self._begun:
+            self._job, self.done = None, True
+            return
+        while not self.done:
+            self.resume()
+        self.result = self.error = None
 
 
 class Pairing:
@@ -230,7 +258,7 @@ class PairedLoop:
                  kept: Callable[[Any], Any] = lambda out: None) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
         self._pairing = Pairing()
-        self._step: contextlib.ExitStack | None = None  # the pairing, from first to last
+        self._step: contextlib.ExitStack | None = None  # from the first call to the last
         self._scope: contextlib.ExitStack | None = None  # around(), up to the last backward
         self._pending: Any = None  # the forward whose backward is next
         self._partner: Partner | None = None
@@ -243,7 +271,8 @@ class PairedLoop:
 
     def add(self, forward: Callable[[], T], *, last: bool) -> T:
         try:
-            return self._add(forward, last)
+            with pairing_active(self._pairing):  # per call: nothing between calls is paired
+                return self._add(forward, last)
         except BaseException:
             self._end()
             raise
@@ -252,7 +281,6 @@ class PairedLoop:
         if self._step is None:  # the step's first micro-batch: its forward alone
             self.results = []
             self._step = contextlib.ExitStack()
-            self._step.enter_context(pairing_active(self._pairing))
             self._scope = self._step.enter_context(contextlib.ExitStack())
             self._scope.enter_context(self._around())
             out = forward()
@@ -282,9 +310,10 @@ class PairedLoop:
 
     def _end(self) -> None:
         """The step is over (or failed): the contexts closed, the partner kept for the next
-        step (a partner whose forward is still suspended goes with it)."""
+        step (a forward still suspended in it, given up)."""
         partner, self._partner, self._pending = self._partner, None, None
-        if partner is not None and partner.done:
+        if partner is not None:
+            partner.cancel()
             _PROCESS.idle.append(partner)
         step, self._step, self._scope = self._step, None, None
         if step is not None:

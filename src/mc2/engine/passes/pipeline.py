@@ -51,7 +51,7 @@ from torch import Tensor
 from mc2.device import streams
 from mc2.observation.timeline import SpanKind, Timeline, maybe_span
 from mc2.engine.transport.comm import PendingTransfer, abandon
-from mc2.engine.transport.deadline import CommTimeout
+from mc2.engine.transport.deadline import Abandoned, CommTimeout
 from mc2.engine.transport.watchdog import check as check_deadlines
 from mc2.engine.decide.routing import DispatchHandle
 from mc2.engine.transport.wire import WireFormat, WirePair
@@ -134,12 +134,18 @@ class PassSchedule:
                 self._pass.rest()
                 check_deadlines()
 
+    def between(self, work: Callable[[], None]) -> None:
+        """``work()`` between two steps, this pass's transfers released if it raises (a
+        paired forward given up there: :class:`~mc2.engine.transport.deadline.Abandoned`)."""
+        with self._released():
+            work()
+
     @contextmanager
     def _released(self) -> Iterator[None]:
         try:
             yield
         except BaseException as exc:
-            self._pass.release(wait=not isinstance(exc, CommTimeout))
+            self._pass.release(wait=not isinstance(exc, (CommTimeout, Abandoned)))
             raise
 
 

@@ -177,10 +177,10 @@ class _PassSteps:
         transfers travel (a paired schedule runs another micro-batch's work there)."""
         self.begin()
         if between is not None:
-            between()
+            self.schedule.between(between)
         self.experts()
         if between is not None:
-            between()
+            self.schedule.between(between)
         return self.end()
 
 

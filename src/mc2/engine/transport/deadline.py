@@ -57,6 +57,13 @@ RECOVERY = ("the process group is not usable after a timed-out collective (Gloo 
             "checkpoint (torchrun --max-restarts N with mc2.parallel.checkpoint / mc2 train --resume)")
 
 
+class Abandoned(BaseException):
+    """Raised into a pass that is given up half-way (a paired forward whose step failed
+    elsewhere): it unwinds without waiting for the transfers it left in flight, which are
+    kept alive for good (:func:`~mc2.engine.transport.comm.abandon`): its peers may never
+    complete them."""
+
+
 class CommTimeout(RuntimeError):
     """A wait of ``fused_expert`` passed its deadline: a peer is stalled or gone.
 
