@@ -29,6 +29,7 @@ loopback, ``T_comm`` its shaped step minus that::
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,17 +40,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import mc2  # noqa: E402
 from accumulation import measure_regimes, step_parser  # noqa: E402
 from model_overlap import SHAPE  # noqa: E402
 
 MODES = ("torchtitan", "mc2", "held", "paired")
 
 
-def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
-               rounds: int, modes: tuple[str, ...], layers: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from mc2.device.clock import clock_for
+def _trainers(rank: int, world: int, modes: tuple[str, ...], micro_batches: int, batch: int,
+              seq: int, layers: int) -> tuple[dict[str, Any], list[Any]]:
+    """Each mode's trainer (its model built, parallelized, its ``fwd_bwd_fn`` set), and this
+    rank's micro-batches."""
     from mc2.integrations.torchtitan_schedule import pair_accumulation
     from mc2.parallel.paired_fsdp import PairedSharding
     from tests import workers_torchtitan_model as w
@@ -74,6 +75,31 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
     for _ in range(micro_batches):
         tokens = torch.randint(0, 256, (batch, seq), generator=g)
         data.append((tokens, (tokens * 7 + 3) % 256))
+    return trainers, data
+
+
+def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int, seq: int,
+                layers: int) -> dict[str, float]:
+    """This process's peak resident memory over three steps of ``mode`` alone (a world of its
+    own: the peak is a high-water mark), less what it held once the model was built."""
+    import resource
+
+    trainers, data = _trainers(rank, world, (mode,), micro_batches, batch, seq, layers)
+    with open("/proc/self/statm") as f:
+        built = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    for _ in range(3):
+        trainers[mode].accumulate(data)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"built_mib": built, "peak_mib": peak, "above_mib": peak - built}
+
+
+def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
+               rounds: int, modes: tuple[str, ...], layers: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from mc2.device.clock import clock_for
+
+    trainers, data = _trainers(rank, world, modes, micro_batches, batch, seq, layers)
 
     def step(mode: str) -> None:
         trainers[mode].accumulate(data)
@@ -123,7 +149,23 @@ def _held(trainer: Any, sharding_class: Any) -> Any:
 
 def main() -> int:
     parser = step_parser(__doc__, "plain,200mbit", MODES)
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: each mode's peak resident memory above the built "
+                             "model, a world per mode (plain loopback)")
     args = parser.parse_args()
+    if args.memory:
+        memory = {}
+        for mode in args.modes.split(","):
+            ranks = mc2.run_local(rank_memory, 2, args=(
+                mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
+            memory[mode] = {k: max(r[k] for r in ranks) for k in ranks[0]}
+            print(f"{mode:>10}: peak {memory[mode]['peak_mib']:.0f} MiB, "
+                  f"{memory[mode]['above_mib']:.0f} MiB above the built model "
+                  f"({memory[mode]['built_mib']:.0f} MiB; the larger rank)", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                             "memory_mib": memory}, indent=1))
+        return 0
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="torchtitan")
     return 0
 
