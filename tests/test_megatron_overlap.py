@@ -195,19 +195,19 @@ def assert_the_same_losses(found: dict, count: int | None = None) -> None:
     assert got == pytest.approx(want, rel=TOLERANCE), (got, want)
 
 
-@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec"), (4, "block_spec")])
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec")])
 def test_paired_gradient_accumulation_trains_as_megatrons(world: int, kind: str) -> None:
     """``mc2.forward_backward(overlap=True)`` on the batch-overlap ``GPTModel`` under Megatron's
     DDP, 3 micro-batches per Adam step: every micro-batch's loss over 4 steps is Megatron's
-    own model's, trained by the sequential loop (with and without a shared expert, 2 and 4
-    ranks)."""
+    own model's, trained by the sequential loop (with and without a shared expert; 4 ranks:
+    the flag's test below, which pairs the same model through Megatron's function)."""
     from tests.workers_megatron_overlap import paired_accumulation
 
     for found in mc2.run_local(paired_accumulation, world, args=(kind,), deadline_s=600):
         assert_the_same_losses(found)
 
 
-@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (4, "block_spec")])
+@pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (2, "block_spec")])
 def test_the_paired_schedule_equals_megatrons_no_pipelining_schedule(world: int,
                                                                      kind: str) -> None:
     """``forward_backward_paired`` (Megatron's ``forward_backward_no_pipelining`` signature,
