@@ -52,7 +52,7 @@ class _Process:
     step to step keeps its allocator arena warm: a new thread per step gets an arena whose
     memory was handed back, and every paired forward's activations page-fault in again
     (measured on Megatron's model, plain loopback: 100-150 thousand page faults and 2 s of
-    system time a step, the step 8.5-9.1 s against 6.3-6.8 s with the thread kept)."""
+    system time a step, the step 8.1-9.2 s against 6.1-7.0 s with the thread kept)."""
 
     def __init__(self) -> None:
         self.running = 0
