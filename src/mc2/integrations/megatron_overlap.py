@@ -63,26 +63,6 @@ def batch_overlap_problem(config: Any) -> str | None:
                                               else [value or 0.0]))
 
     why = "batch overlap routes each half of the batch by itself, so"
-    if (problem := stages_problem(config)) is not None:
-        return problem
-    if nonzero(getattr(config, "moe_aux_loss_coeff", 0.0)):
-        return (f"{why} a load-balancing loss over the batch would be another loss: set "
-                "moe_aux_loss_coeff=0 (the aux-loss-free expert bias, "
-                "moe_router_enable_expert_bias, is per token and runs)")
-    if nonzero(getattr(config, "moe_z_loss_coeff", None)):
-        return f"{why} the z loss's batch mean would be another loss: set moe_z_loss_coeff=None"
-    if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        return (f"{why} a capacity over the batch would drop other tokens: set "
-                "moe_expert_capacity_factor=None")
-    if "sinkhorn" in str(getattr(config, "moe_router_load_balancing_type", "")):
-        return (f"{why} Sinkhorn's normalisation over the batch would route otherwise: use "
-                "another moe_router_load_balancing_type")
-    return None
-
-
-def stages_problem(config: Any) -> str | None:
-    """Why a ``TransformerConfig``'s layers cannot run in stages (batch overlap), or ``None``;
-    the reason names the field to change."""
     if getattr(config, "recompute_granularity", None) == "full":
         return ("recompute_granularity='full' checkpoints whole layers, which batch overlap "
                 "runs in parts: use 'selective' or None")
@@ -101,6 +81,18 @@ def stages_problem(config: Any) -> str | None:
                 "block calls its layers outside the decoder's loop)")
     if (getattr(config, "context_parallel_size", 1) or 1) > 1:
         return ("context_parallel_size must be 1 under batch overlap (not checked with it)")
+    if nonzero(getattr(config, "moe_aux_loss_coeff", 0.0)):
+        return (f"{why} a load-balancing loss over the batch would be another loss: set "
+                "moe_aux_loss_coeff=0 (the aux-loss-free expert bias, "
+                "moe_router_enable_expert_bias, is per token and runs)")
+    if nonzero(getattr(config, "moe_z_loss_coeff", None)):
+        return f"{why} the z loss's batch mean would be another loss: set moe_z_loss_coeff=None"
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        return (f"{why} a capacity over the batch would drop other tokens: set "
+                "moe_expert_capacity_factor=None")
+    if "sinkhorn" in str(getattr(config, "moe_router_load_balancing_type", "")):
+        return (f"{why} Sinkhorn's normalisation over the batch would route otherwise: use "
+                "another moe_router_load_balancing_type")
     return None
 
 

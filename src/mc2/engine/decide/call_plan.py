@@ -17,6 +17,7 @@ shape.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,6 +63,15 @@ from mc2.engine.transport.workspace import Workspace, default_workspace
 _OVERFLOW_CODES = {"raise": 1, "drop": 2}
 
 
+class Travel(str, enum.Enum):
+    """How a call's rows travel; :data:`mc2.engine.passes.travel.TRAVELS` holds each way's
+    steps (this floor names the way, the passes' floor runs it)."""
+
+    PAIRS = "pairs"  # one row per (token, expert)
+    ONCE = "once"  # once per (token, destination): ``handle``'s routes carry slot tables (dedup)
+    SLABS = "slabs"  # a capacity call: ``handle`` holds fixed-size slabs, nothing read to the host
+
+
 @dataclass(frozen=True)
 class CallPlan:
     """Everything decided before any row moves; shared by the forward and backward of one call.
@@ -87,11 +97,8 @@ class CallPlan:
         module: the routed experts as a module stage
             (:mod:`~mc2.engine.compute.module_experts`), or ``None``: mc2's SwiGLU on the
             call's weight tensors.
-        travel: how rows travel (:mod:`mc2.engine.passes.travel`): ``"pairs"`` (one row per
-            (token, expert)), ``"once"`` (once per destination: ``handle``'s routes carry slot
-            tables, :mod:`mc2.engine.decide.dedup`) or ``"slabs"`` (a capacity call,
-            :mod:`mc2.engine.decide.capacity`: ``handle`` holds fixed-size slabs, and nothing
-            was read to the host). Chosen here, when the call is planned, and nowhere else.
+        travel: how rows travel (:class:`Travel`). Chosen here, when the call is planned,
+            and nowhere else.
     """
 
     handle: DispatchHandle | CapacityHandle
@@ -104,7 +111,7 @@ class CallPlan:
     wire: WirePair = PLAIN_PAIR
     timeout: float | None = None
     module: ModuleExperts | None = None
-    travel: str = "pairs"
+    travel: Travel = Travel.PAIRS
 
     def routed_experts(self, tensors: tuple[Tensor, ...]) -> ExpertWeights | ModuleExperts:
         """The routed experts this call runs, on ``tensors`` (the autograd node's): the
@@ -395,7 +402,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     call = CallPlan(handle=handle, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline,
                     workspace=workspace or default_workspace(), timeout=timeout, module=module,
-                    travel="slabs", on_pass_done=on_pass_done)
+                    travel=Travel.SLABS, on_pass_done=on_pass_done)
     return call, weights, combine
 
 
@@ -490,5 +497,5 @@ def plan_call(
     call = CallPlan(handle=handle, overlap=config.overlap, strategy=strategy,
                     keep_activations=needs_grad, timeline=timeline, workspace=pool,
                     on_pass_done=on_pass_done, wire=wire, timeout=timeout, module=module,
-                    travel="once" if hit is not None else "pairs")
+                    travel=Travel.ONCE if hit is not None else Travel.PAIRS)
     return call, weights, combine

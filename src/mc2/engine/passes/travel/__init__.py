@@ -12,8 +12,9 @@ the scheduler's per-micro-batch steps (:class:`~mc2.engine.passes.pipeline.Pipel
   experts add theirs) and ``finish()`` → ``(grad_x, routed experts' gradients, combine weights'
   gradient)``.
 
-The plan names the way (:attr:`mc2.engine.decide.call_plan.CallPlan.travel`), chosen where the
-call is planned; :data:`TRAVELS` is the one place that maps the name to its classes.
+The plan names the way (:attr:`mc2.engine.decide.call_plan.CallPlan.travel`, a
+:class:`~mc2.engine.decide.call_plan.Travel`), chosen where the call is planned; :data:`TRAVELS`
+is the one place that maps it to its classes.
 
 How experts compute is the other strategy: :class:`~mc2.engine.compute.experts.ExpertWeights`
 (mc2's SwiGLU) and :class:`~mc2.engine.compute.module_experts.ModuleExperts` (a framework's
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from mc2.engine.decide.call_plan import Travel as Way
 from mc2.engine.passes.travel.once import OnceBackward, OnceForward
 from mc2.engine.passes.travel.pairs import PairsBackward, PairsForward
 from mc2.engine.passes.travel.slabs import SlabsBackward, SlabsForward
@@ -36,8 +38,8 @@ class Travel(NamedTuple):
     backward: type
 
 
-TRAVELS: dict[str, Travel] = {
-    "pairs": Travel(PairsForward, PairsBackward),  # one row per (token, expert)
-    "once": Travel(OnceForward, OnceBackward),  # once per (token, destination): dedup
-    "slabs": Travel(SlabsForward, SlabsBackward),  # fixed-size slabs: capacity
+TRAVELS: dict[Way, Travel] = {
+    Way.PAIRS: Travel(PairsForward, PairsBackward),
+    Way.ONCE: Travel(OnceForward, OnceBackward),
+    Way.SLABS: Travel(SlabsForward, SlabsBackward),
 }
