@@ -230,6 +230,24 @@ def step_parser(doc: str, regimes: str, modes: tuple[str, ...]) -> argparse.Argu
     return parser
 
 
+def measure_memory(rank_fn: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``rank_fn(rank, world, mode, micro_batches, batch, seq, layers)`` (a mode's peak
+    resident memory) in a 2-rank world of its own per mode of ``--modes``, the larger rank's,
+    printed and written to ``--json``."""
+    memory = {}
+    for mode in args.modes.split(","):
+        ranks = mc2.run_local(rank_fn, 2, args=(
+            mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
+        memory[mode] = {k: max(r[k] for r in ranks) for k in ranks[0]}
+        print(f"{mode:>10}: peak {memory[mode]['peak_mib']:.0f} MiB, "
+              f"{memory[mode]['above_mib']:.0f} MiB above the built model "
+              f"({memory[mode]['built_mib']:.0f} MiB; the larger rank)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "memory_mib": memory}, indent=1))
+    return memory
+
+
 def main() -> int:
     parser = step_parser(__doc__, "plain,200mbit,100mbit", MODES)
     parser.add_argument("--memory", action="store_true",
@@ -257,17 +275,7 @@ def main() -> int:
         print(f"wrote {args.gantt}")
         return 0
     if args.memory:
-        memory = {}
-        for mode in args.modes.split(","):
-            ranks = mc2.run_local(rank_memory, 2, args=(
-                mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
-            memory[mode] = {k: max(r[k] for r in ranks) for k in ranks[0]}
-            print(f"{mode:>7}: peak {memory[mode]['peak_mib']:.0f} MiB, "
-                  f"{memory[mode]['above_mib']:.0f} MiB above the built model "
-                  f"({memory[mode]['built_mib']:.0f} MiB; the larger rank)", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                             "memory_mib": memory}, indent=1))
+        measure_memory(rank_memory, args)
         return 0
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="serial")
     return 0

@@ -29,7 +29,6 @@ loopback, ``T_comm`` its shaped step minus that::
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import mc2  # noqa: E402
-from accumulation import measure_regimes, step_parser  # noqa: E402
+from accumulation import measure_memory, measure_regimes, step_parser  # noqa: E402
 from model_overlap import SHAPE  # noqa: E402
 
 MODES = ("torchtitan", "mc2", "held", "paired")
@@ -154,17 +152,7 @@ def main() -> int:
                              "model, a world per mode (plain loopback)")
     args = parser.parse_args()
     if args.memory:
-        memory = {}
-        for mode in args.modes.split(","):
-            ranks = mc2.run_local(rank_memory, 2, args=(
-                mode, args.micro_batches, args.batch, args.seq, args.layers), timeout_s=3600)
-            memory[mode] = {k: max(r[k] for r in ranks) for k in ranks[0]}
-            print(f"{mode:>10}: peak {memory[mode]['peak_mib']:.0f} MiB, "
-                  f"{memory[mode]['above_mib']:.0f} MiB above the built model "
-                  f"({memory[mode]['built_mib']:.0f} MiB; the larger rank)", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                             "memory_mib": memory}, indent=1))
+        measure_memory(rank_memory, args)
         return 0
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="torchtitan")
     return 0
