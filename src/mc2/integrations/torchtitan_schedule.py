@@ -48,7 +48,6 @@ class PairedFwdBwd:
         self.alone = trainer.fwd_bwd_fn  # TorchTitan's own, for a step of one micro-batch
         self.model = trainer.model_parts[0]
         self._sharding = PairedSharding(self.model)
-        self._position = 0  # of the next call in its step
         self.loop = PairedLoop(self._backward, around=self._sharding.held,
                                unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
                                         "override on its routed experts), so nothing can be "
@@ -65,10 +64,8 @@ class PairedFwdBwd:
                  extra_kwargs: dict[str, Any]) -> Tensor:
         if self.trainer.gradient_accumulation_steps == 1:  # nothing to pair
             return self.alone(inputs, labels, global_valid_tokens, extra_kwargs)
-        if not self.loop.running:  # the step's first micro-batch (or the first after a failure)
-            self._position = 0
-        last = self._position == self.trainer.gradient_accumulation_steps - 1
-        self._position += 1
+        # the step's micro-batches so far (a step that failed ended: this begins another)
+        last = self.loop.taken == self.trainer.gradient_accumulation_steps - 1
 
         def forward() -> Tensor:  # TorchTitan's _forward_backward_body up to its backward
             with self.trainer.train_context():

@@ -48,7 +48,7 @@ def fsdp_units(module: nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def _groups(unit: Any) -> list[Any]:
+def param_groups(unit: Any) -> list[Any]:
     """The unit's FSDP2 parameter groups (one, unless it mixes meshes)."""
     return list(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ()))
 
@@ -56,7 +56,7 @@ def _groups(unit: Any) -> list[Any]:
 def _frees_after_forward(unit: Any) -> bool:
     """Whether the unit was built with ``reshard_after_forward`` (FSDP2 keeps the setting on
     its parameter group; a unit without one holds nothing to free)."""
-    groups = _groups(unit)
+    groups = param_groups(unit)
     return bool(groups) and all(bool(getattr(g, "_reshard_after_forward", True))
                                 for g in groups)
 
@@ -133,6 +133,6 @@ class LayerGathers:
         the layer below's outputs are complete): FSDP2's post-backward of its units (outermost
         first, the same order on every rank), then the gather of the layer two below."""
         for unit in self.units[index]:
-            for group in reversed(_groups(unit)):  # as FSDP2's final callback
+            for group in reversed(param_groups(unit)):  # as FSDP2's final callback
                 group.post_backward()
         self._prefetch(index - 2)

@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 from torch import Tensor, nn
 
-from mc2.parallel.layer_gather import fsdp_units
+from mc2.parallel.layer_gather import fsdp_units, param_groups
 
 
 def _kept_gathered() -> None:
@@ -84,8 +84,8 @@ class PairedSharding:
             yield
             return
         self._roots = _roots(units)
-        groups = [g for state in {id(s): s for s in (u._get_fsdp_state() for u in units)}.values()
-                  for g in state._fsdp_param_groups]
+        # a group once, though several modules share it (fully_shard([a, b]))
+        groups = list({id(g): g for unit in units for g in param_groups(unit)}.values())
         saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
         last = [(state, state._state_ctx.is_last_backward) for state in self._roots]
         try:

@@ -258,16 +258,16 @@ class PairedLoop:
                  kept: Callable[[Any], Any] = lambda out: None) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
         self._pairing = Pairing()
-        self._step: contextlib.ExitStack | None = None  # from the first call to the last
-        self._scope: contextlib.ExitStack | None = None  # around(), up to the last backward
+        self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
         self._partner: Partner | None = None
         self.results: list[Any] = []
 
     @property
-    def running(self) -> bool:
-        """Whether a step has begun and not ended (a backward is pending)."""
-        return self._step is not None
+    def taken(self) -> int:
+        """How many micro-batches the running step has taken (0 between steps): each but the
+        last one's backward has run."""
+        return 0 if self._scope is None else len(self.results) + 1
 
     def add(self, forward: Callable[[], T], *, last: bool) -> T:
         try:
@@ -278,10 +278,9 @@ class PairedLoop:
             raise
 
     def _add(self, forward: Callable[[], T], last: bool) -> T:
-        if self._step is None:  # the step's first micro-batch: its forward alone
+        if self._scope is None:  # the step's first micro-batch: its forward alone
             self.results = []
-            self._step = contextlib.ExitStack()
-            self._scope = self._step.enter_context(contextlib.ExitStack())
+            self._scope = contextlib.ExitStack()
             self._scope.enter_context(self._around())
             out = forward()
             if self._pairing.calls == 0:
@@ -300,8 +299,7 @@ class PairedLoop:
             self.results.append(self._kept(self._pending))
         self._pending = out
         if last:
-            assert self._scope is not None
-            self._scope.close()
+            self._scope.close()  # the last backward runs outside around()
             self._pending = None
             self._backward(out)
             self.results.append(self._kept(out))
@@ -315,9 +313,9 @@ class PairedLoop:
         if partner is not None:
             partner.cancel()
             _PROCESS.idle.append(partner)
-        step, self._step, self._scope = self._step, None, None
-        if step is not None:
-            step.close()
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.close()  # nothing left to close after the last backward
 
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
