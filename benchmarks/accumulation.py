@@ -146,22 +146,29 @@ def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int
                 layers: int) -> dict[str, float]:
     """This process's peak resident memory over a few steps of ``mode`` alone (a world of
     its own: the peak is a high-water mark), less what it held once the model was built."""
-    import resource
-
-    def resident_mib() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
     model = _model(layers)
     model.train()
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
                for _ in range(micro_batches)]
     _set(model, mode)
-    built = resident_mib()
-    for _ in range(3):
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         _step(model, mode, batches)
+
+    return peak_above_built(step)
+
+
+def peak_above_built(step: Any, steps: int = 3) -> dict[str, float]:
+    """Resident memory now (what is built), then this process's peak over ``steps`` calls
+    of ``step()`` and how far above the built it is, in MiB."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        built = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    for _ in range(steps):
+        step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"built_mib": built, "peak_mib": peak, "above_mib": peak - built}
 
@@ -214,8 +221,10 @@ def bounds(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def step_parser(doc: str, regimes: str, modes: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The options of an accumulation benchmark's step (what :func:`measure_regimes` reads)."""
+def step_parser(doc: str, regimes: str, modes: tuple[str, ...], *,
+                memory: bool = False) -> argparse.ArgumentParser:
+    """The options of an accumulation benchmark's step (what :func:`measure_regimes` reads);
+    with ``memory``, ``--memory`` too (what :func:`measure_memory` runs instead)."""
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regimes", default=regimes)
@@ -227,6 +236,10 @@ def step_parser(doc: str, regimes: str, modes: tuple[str, ...]) -> argparse.Argu
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default=",".join(modes))
     parser.add_argument("--json", type=Path, default=None)
+    if memory:
+        parser.add_argument("--memory", action="store_true",
+                            help="instead: each mode's peak resident memory above the built "
+                                 "model, a world per mode (plain loopback)")
     return parser
 
 
@@ -249,10 +262,7 @@ def measure_memory(rank_fn: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = step_parser(__doc__, "plain,200mbit,100mbit", MODES)
-    parser.add_argument("--memory", action="store_true",
-                        help="instead: each mode's peak resident memory above the built "
-                             "model, a world per mode (plain loopback)")
+    parser = step_parser(__doc__, "plain,200mbit,100mbit", MODES, memory=True)
     parser.add_argument("--gantt", type=Path, default=None,
                         help="instead: a Gantt picture of one step of each mode, in the first "
                              "regime given (PNG)")

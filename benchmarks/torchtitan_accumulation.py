@@ -39,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from accumulation import measure_memory, measure_regimes, step_parser  # noqa: E402
+from accumulation import (  # noqa: E402
+    measure_memory, measure_regimes, peak_above_built, step_parser)
 from model_overlap import SHAPE  # noqa: E402
 
 MODES = ("torchtitan", "mc2", "held", "paired")
@@ -80,15 +81,8 @@ def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int
                 layers: int) -> dict[str, float]:
     """This process's peak resident memory over three steps of ``mode`` alone (a world of its
     own: the peak is a high-water mark), less what it held once the model was built."""
-    import resource
-
     trainers, data = _trainers(rank, world, (mode,), micro_batches, batch, seq, layers)
-    with open("/proc/self/statm") as f:
-        built = int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    for _ in range(3):
-        trainers[mode].accumulate(data)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"built_mib": built, "peak_mib": peak, "above_mib": peak - built}
+    return peak_above_built(lambda: trainers[mode].accumulate(data))
 
 
 def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
@@ -146,10 +140,7 @@ def _held(trainer: Any, sharding_class: Any) -> Any:
 
 
 def main() -> int:
-    parser = step_parser(__doc__, "plain,200mbit", MODES)
-    parser.add_argument("--memory", action="store_true",
-                        help="instead: each mode's peak resident memory above the built "
-                             "model, a world per mode (plain loopback)")
+    parser = step_parser(__doc__, "plain,200mbit", MODES, memory=True)
     args = parser.parse_args()
     if args.memory:
         measure_memory(rank_memory, args)
