@@ -25,9 +25,11 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/mc2 demo
 
-# the slowest tests are printed at the end of every run, so the next slow one is seen when it lands
+# the slowest tests are printed at the end of every run, so the next slow one is seen when it lands;
+# two workers (pytest-xdist): most tests wait on their worlds' processes, so two files run at once
+# in less time than one after the other (one sitting: 330 s alone, 253 s with two, 2 cores)
 test: venv
-	$(PY) -m pytest -q tests --durations=15
+	$(PY) -m pytest -q tests -n 2 --durations=15
 
 lint: venv
 	$(PY) -m pip install -q ruff
