@@ -99,13 +99,13 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     return out, token
 
 
-# The call reads split sizes to the host: Inductor must keep it out of CUDA graphs.
+# One operator for every call, tagged: a dropless call reads split sizes to the host, so
+# Inductor must keep it out of its CUDA graphs (``mode="reduce-overhead"``). A capacity call
+# (``MC2Config(capacity=N)``) reads nothing and can be captured eagerly with
+# ``torch.cuda.graph``; under ``torch.compile`` it stays outside Inductor's graphs too (a second,
+# untagged operator for it was removed: no capture of it was ever measured).
 fused_expert_op = torch.library.custom_op(
     "mc2::fused_expert", _fused_expert, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-# A capacity call (MC2Config(capacity=N)) reads nothing and allocates by shape only: the same
-# call, as an operator a CUDA graph may capture.
-fused_expert_capacity_op = torch.library.custom_op(
-    "mc2::fused_expert_capacity", _fused_expert, mutates_args=())
 
 
 def _fake(x, combine_weights, expert_ids, experts, shared_up, shared_gate, shared_down,
@@ -114,7 +114,6 @@ def _fake(x, combine_weights, expert_ids, experts, shared_up, shared_gate, share
 
 
 fused_expert_op.register_fake(_fake)
-fused_expert_capacity_op.register_fake(_fake)
 
 
 @torch.library.custom_op("mc2::fused_expert_backward", mutates_args=())
@@ -168,7 +167,5 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_token: Tensor) -> tuple:
 
 
 fused_expert_op.register_autograd(_backward, setup_context=_setup_context)
-fused_expert_capacity_op.register_autograd(_backward, setup_context=_setup_context)
 
 FUSED_EXPERT = torch.ops.mc2.fused_expert.default  # what checkpoint policies compare against
-FUSED_EXPERT_CAPACITY = torch.ops.mc2.fused_expert_capacity.default

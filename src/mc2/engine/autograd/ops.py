@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mc2.engine.autograd.function import FusedExpertFunction
 from mc2.engine.autograd.pairing import paired_config
-from mc2.engine.autograd.operator import fused_expert_capacity_op, fused_expert_op, group_name
+from mc2.engine.autograd.operator import fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
     EAGER_RUNTIME, autocast_inputs, guarded, resolve_config, shared_inputs
 )
@@ -84,12 +84,12 @@ def _through_operator(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
     grad = torch.is_grad_enabled()  # known while tracing; the traced graph runs without it
     needs = [grad and t is not None and t.requires_grad
              for t in (x, combine, *function_shared, *experts)]
-    op = fused_expert_op if config.capacity is None else fused_expert_capacity_op
     s_up, s_gate, s_down, s_scale = function_shared
-    out, _ = op(x=x.reshape(-1, hidden), combine_weights=combine, expert_ids=ids2d,
-                experts=experts, shared_up=s_up, shared_gate=s_gate, shared_down=s_down,
-                shared_scale=s_scale, packed=packed, group=group_name(group),
-                config=config.json, num_experts=num_experts, needs=needs)
+    out, _ = fused_expert_op(x=x.reshape(-1, hidden), combine_weights=combine, expert_ids=ids2d,
+                             experts=experts, shared_up=s_up, shared_gate=s_gate,
+                             shared_down=s_down, shared_scale=s_scale, packed=packed,
+                             group=group_name(group), config=config.json,
+                             num_experts=num_experts, needs=needs)
     return out.view(x.shape)
 
 

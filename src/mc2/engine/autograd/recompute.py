@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from mc2.engine.autograd.operator import FUSED_EXPERT, FUSED_EXPERT_CAPACITY
+from mc2.engine.autograd.operator import FUSED_EXPERT
 
 # what a selective-checkpointing policy saves to recompute an mc2 call without an exchange
 # (its own or a framework's: mc2.integrations.torchtitan.MC2SelectiveAC)
-SAVED_OPERATORS = (FUSED_EXPERT, FUSED_EXPERT_CAPACITY)
+SAVED_OPERATORS = (FUSED_EXPERT,)
 
 
 def checkpoint_policy(*also_save: Any) -> Callable[..., Any]:
