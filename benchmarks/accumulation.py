@@ -195,6 +195,98 @@ def rank_gantt(rank: int, world: int, modes: tuple[str, ...], micro_batches: int
     return spans
 
 
+def rank_phases(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
+                rounds: int, modes: tuple[str, ...], layers: int) -> dict[str, Any]:
+    """Where a step's time goes, phase by phase, in wall-clock seconds on this rank: the
+    paired step's first forward (alone), each pair (micro-batch n+1's forward beside n's
+    backward) and last backward (alone), timed around ``PairedLoop``'s own calls; and the
+    serial loop's forward and backward of each micro-batch. Against the serial loop's
+    phases on plain loopback (nothing exposed) each paired phase's excess is what it leaves
+    of the link uncovered, or what it costs more to compute. ``modes`` is ignored."""
+    import time
+
+    from mc2.engine.autograd import pairing
+
+    model = _model(layers)
+    model.train()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
+               for _ in range(micro_batches)]
+    marks: list[tuple[str, float]] = []
+    add = pairing.PairedLoop._add
+
+    def timed_add(self: Any, forward: Any, last: bool) -> Any:
+        backward = self._backward
+
+        def timed_backward(out: Any) -> None:
+            marks.append(("backward", time.perf_counter()))
+            backward(out)
+
+        self._backward = timed_backward
+        marks.append(("add", time.perf_counter()))
+        try:
+            return add(self, forward, last)
+        finally:
+            marks.append(("end", time.perf_counter()))
+            self._backward = backward
+
+    pairing.PairedLoop._add = timed_add
+
+    def paired() -> list[float]:
+        """[first forward, pair 1, ..., pair N-1, last backward]."""
+        marks.clear()
+        _step(model, "paired", batches)
+        adds = [i for i, (what, _) in enumerate(marks) if what == "add"]
+        ends = [t for what, t in marks if what == "end"]
+        phases = [ends[0] - marks[adds[0]][1]]
+        for n, i in enumerate(adds[1:], start=1):
+            begun = marks[i][1]
+            if n < len(adds) - 1:
+                phases.append(ends[n] - begun)
+            else:  # the last add: its pair, then the last backward alone
+                alone = [t for what, t in marks[i:] if what == "backward"][-1]
+                phases += [alone - begun, ends[n] - alone]
+        return phases
+
+    def serial() -> list[float]:
+        """[forward 1, backward 1, ..., forward N, backward N]."""
+        phases = []
+        for ids in batches:
+            start = time.perf_counter()
+            loss = _loss(model, ids)
+            mid = time.perf_counter()
+            loss.backward()
+            phases += [mid - start, time.perf_counter() - mid]
+        return phases
+
+    runs = {"paired": paired, "serial": serial}
+    for mode in runs:
+        _set(model, mode)
+        runs[mode]()
+        until_auto_locked(lambda m=mode: _step(model, m, batches[:1]))
+    out: dict[str, list[list[float]]] = {m: [] for m in runs}
+    for _ in range(rounds):
+        for mode, run in runs.items():
+            _set(model, mode)
+            run()  # untimed at every switch
+            for _ in range(steps):
+                model.zero_grad(set_to_none=True)
+                torch.distributed.barrier()
+                out[mode].append(run())
+    return {"phases": out}
+
+
+def print_phases(regime: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each phase's median over the steps, the slower rank's; printed, and returned."""
+    result = {}
+    for mode in ranks[0]["phases"]:
+        per_rank = [[statistics.median(p) for p in zip(*r["phases"][mode])] for r in ranks]
+        result[mode] = [max(v) for v in zip(*per_rank)]
+        print(f"{regime:>8} {mode:>7}: " + " ".join(f"{t:.2f}" for t in result[mode])
+              + f"  (sum {sum(result[mode]):.2f} s)", flush=True)
+    return result
+
+
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     steps = {}
     for mode in ranks[0]["times"]:
@@ -266,7 +358,14 @@ def main() -> int:
     parser.add_argument("--gantt", type=Path, default=None,
                         help="instead: a Gantt picture of one step of each mode, in the first "
                              "regime given (PNG)")
+    parser.add_argument("--phases", action="store_true",
+                        help="instead: where the paired step's time goes, phase by phase "
+                             "(its first forward, each pair, its last backward) against the "
+                             "serial loop's forward and backward of each micro-batch")
     args = parser.parse_args()
+    if args.phases:
+        measure_phases(args)
+        return 0
     if args.gantt:
         from mc2.observation.plot import plot_gantt
 
@@ -289,6 +388,28 @@ def main() -> int:
         return 0
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="serial")
     return 0
+
+
+def measure_phases(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`rank_phases` in each of ``--regimes``, printed and written to ``--json``."""
+    regimes = args.regimes.split(",")
+    if any(r != "plain" for r in regimes) and (why := can_shape()):
+        raise SystemExit(f"shaped regimes: {why}")
+    results = {}
+    for regime in regimes:
+        run = lambda: mc2.run_local(rank_phases, 2, args=(  # noqa: E731
+            args.micro_batches, args.batch, args.seq, args.steps, args.rounds, (),
+            args.layers), timeout_s=3600, deadline_s=6 * 3600)
+        if regime == "plain":
+            ranks = run()
+        else:
+            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
+                ranks = run()
+        results[regime] = print_phases(regime, ranks)
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                             "phases_s": results}, indent=1))
+    return results
 
 
 def measure_regimes(rank_fn: Any, args: argparse.Namespace, modes: tuple[str, ...],

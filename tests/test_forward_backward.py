@@ -54,13 +54,15 @@ def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> 
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
 
-@pytest.mark.parametrize("units", ["layers", "root"])
+@pytest.mark.parametrize("units", ["layers", "root", "tied"])
 def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: str) -> None:
     """FSDP2 over the world, each layer a unit under the root, or the root alone. The last
     micro-batch's forward is shorter and ends inside the backward before it, where FSDP2
     registers no hook for it: under the root alone, without mc2 queueing FSDP2's
     end-of-backward callback, its gradients are never reduce-scattered and the parameters
-    stay gathered (checked: this test then fails). Every rank's
+    stay gathered (checked: this test then fails). ``"tied"``: a tied input projection and
+    output head as one unit of two modules (a language model's tied embedding), its one
+    parameter group held once. Every rank's
     local gradient shards equal the sequential loop's under the same sharding (float64),
     the forward's exchanges travel across the backward's compute, and every parameter is
     sharded again after the step."""
@@ -70,8 +72,13 @@ def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: 
                                                         strict=True))
         assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
         # held gathered: each parameter group gathered once, in the first forward (the
-        # sequential loop gathers again in every forward and backward)
-        assert r[True]["gathers"] == r[True]["groups"] < r[None]["gathers"], r
+        # sequential loop gathers again in every forward and backward). The last backward
+        # runs as FSDP2's own: the tied unit's post-backward hook sits on the head's input,
+        # so it frees the unit after the head's part and gathers it again for the
+        # embedding's (as in every backward of the sequential loop), and the layer after it
+        # in FSDP2's order once more
+        again = 2 if units == "tied" else 0
+        assert r[True]["gathers"] == r[True]["groups"] + again < r[None]["gathers"] / 3, r
 
 
 @pytest.mark.parametrize("dtype,hostile,tol,batch_overlap", [

@@ -145,13 +145,31 @@ class _EarlyExit(torch.nn.Module):
         return x
 
 
+class _TiedEarlyExit(_EarlyExit):
+    """:class:`_EarlyExit` between an input projection and an output projection that share
+    one weight, as a language model ties its embedding and its output head: FSDP2 shards
+    such a pair as one unit of two modules (``fully_shard([embed, head])``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = torch.nn.Linear(16, 16, bias=False, dtype=torch.float64)
+        self.head = torch.nn.Linear(16, 16, bias=False, dtype=torch.float64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        return self.head(super().forward(self.embed(x), depth))
+
+
 def _depth_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, int]) -> torch.Tensor:
     return model(*batch).pow(2).mean()
 
 
 def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     """:func:`in_layer_paired` for the stack sharded by FSDP2 over the world: ``units``
-    ``"layers"`` (each layer a unit, the stack the root) or ``"root"`` (one unit). The last
+    ``"layers"`` (each layer a unit, the stack the root), ``"root"`` (one unit) or ``"tied"``
+    (each layer a unit, and a tied input projection and output head one unit of the two
+    modules, :class:`_TiedEarlyExit`). The last
     micro-batch runs one layer where the others run three, so its forward ends inside the
     backward before it: under ``"root"`` it registers no FSDP2 hook at all. Each rank's
     local shard of every gradient after the sequential loop and after
@@ -174,9 +192,11 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     _fsdp_param_group.foreach_all_gather = counted
     try:
         for overlap in (None, True):
-            model = _EarlyExit()
-            for layer in model.layers if units == "layers" else ():
+            model = _TiedEarlyExit() if units == "tied" else _EarlyExit()
+            for layer in model.layers if units != "root" else ():
                 fully_shard(layer)
+            if units == "tied":
+                fully_shard([model.embed, model.head])
             fully_shard(model)
             gathers[0] = 0
             if overlap is None:
@@ -188,8 +208,8 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
                 "grads": [getattr(p.grad, "to_local", p.grad.detach)().clone()
                           for p in model.parameters()],
                 "under_backward": under, "gathers": gathers[0],
-                "groups": sum(len(m._get_fsdp_state()._fsdp_param_groups)
-                              for m in model.modules() if hasattr(m, "_get_fsdp_state")),
+                "groups": len({id(g) for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                               for g in m._get_fsdp_state()._fsdp_param_groups}),
                 "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
     finally:
         _fsdp_param_group.foreach_all_gather = original

@@ -36,8 +36,10 @@ would make an inner unit the root), its parameter groups (``reshard``, ``reduce_
 callback's registration. A unit stays gathered for the whole step: its parameters take their
 unsharded size until the last backward, and its gradients accumulate unsharded (in the reduce
 dtype where one is set); so ``mc2.forward_backward``'s ``"auto"`` does not try pairing on an
-FSDP2 model, only ``overlap=True`` pairs it. Untested: units that group modules from both ends
-of the model (tied embeddings).
+FSDP2 model, only ``overlap=True`` pairs it. A unit that groups modules from both ends of the model
+(``fully_shard([embed, head])`` for tied embeddings) is held like any other (tested: gradients
+equal to the sequential loop's); in the last backward, run as FSDP2's own, it is freed after the
+head's part and gathered again for the embedding's, as in each of FSDP2's own backwards.
 """
 
 from __future__ import annotations
