@@ -12,8 +12,9 @@ regime (each after one untimed step at every switch), median of the slowest rank
 - ``batch``: the same loop, batch overlap (two halves of each micro-batch across the layers);
 - ``paired``: ``mc2.forward_backward(overlap=True)``: micro-batch n+1's forward beside n's
   backward, layer by layer;
-- ``paired-k2`` (asked for by ``--modes``): the same, each layer's call also split in two
-  micro-batches inside (MC2's in-layer pipeline under the pairing);
+- ``paired-k2``, ``paired-k4`` (asked for by ``--modes``): the same, each layer's call split in
+  two (four) micro-batches inside (MC2's in-layer pipeline under the pairing; ``paired``'s
+  ``"auto"`` calls run two);
 - ``auto`` (asked for by ``--modes``): ``mc2.forward_backward(overlap="auto")``, decided in
   its warm-up (both schedules measured, the faster kept), then timed as it runs;
 - ``paired-inlayer`` (asked for by ``--modes``): ``forward_backward(overlap=True)`` on a copy
@@ -50,7 +51,7 @@ from model_overlap import LATENCY, SHAPE, _model, _set_mode  # noqa: E402
 
 MODES = ("serial", "mc2", "batch", "paired")
 # paired, each call split in two micro-batches inside too; forward_backward's "auto"
-OPTIONAL_MODES = ("paired-k2", "auto", "paired-inlayer")
+OPTIONAL_MODES = ("paired-k2", "paired-k4", "auto", "paired-inlayer")
 
 
 def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -81,12 +82,12 @@ def _set(model: Any, mode: str) -> None:
     """``model_overlap``'s modes; paired runs each micro-batch whole (no split), its calls
     overlapped (the staged calls run K = 1: the other micro-batch gives the overlap)."""
     _set_mode(model, "mc2" if mode.startswith("paired") or mode == "auto" else mode)
-    if mode == "paired-k2":
+    if mode in ("paired-k2", "paired-k4"):
         from mc2.integrations.transformers import MC2SparseMoeBlock
 
         for block in model.modules():
             if isinstance(block, MC2SparseMoeBlock):
-                block.config = block.config.replace(micro_batches=2)
+                block.config = block.config.replace(micro_batches=int(mode[-1]))
 
 
 def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
