@@ -37,7 +37,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -393,24 +393,34 @@ def main() -> int:
 
 def measure_phases(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`rank_phases` in each of ``--regimes``, printed and written to ``--json``."""
-    regimes = args.regimes.split(",")
-    if any(r != "plain" for r in regimes) and (why := can_shape()):
-        raise SystemExit(f"shaped regimes: {why}")
     results = {}
-    for regime in regimes:
-        run = lambda: mc2.run_local(rank_phases, 2, args=(  # noqa: E731
-            args.micro_batches, args.batch, args.seq, args.steps, args.rounds, (),
-            args.layers), timeout_s=3600, deadline_s=6 * 3600)
-        if regime == "plain":
-            ranks = run()
-        else:
-            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
-                ranks = run()
+    for regime, ranks in in_regimes(rank_phases, args, ()):
         results[regime] = print_phases(regime, ranks)
         if args.json:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                              "phases_s": results}, indent=1))
     return results
+
+
+def in_regimes(rank_fn: Any, args: argparse.Namespace,
+               modes: tuple[str, ...]) -> Iterator[tuple[str, list[Any]]]:
+    """``(regime, ranks)``: ``rank_fn(rank, world, micro_batches, batch, seq, steps, rounds,
+    modes, layers)`` on 2 ranks in each of ``--regimes`` in turn (shaped ones with ``tc``,
+    always removed), each rank's result."""
+    regimes = args.regimes.split(",")
+    if any(r != "plain" for r in regimes) and (why := can_shape()):
+        raise SystemExit(f"shaped regimes: {why}")
+    for regime in regimes:
+        print(f"== {regime}", file=sys.stderr, flush=True)
+        run = lambda: mc2.run_local(rank_fn, 2, args=(  # noqa: E731
+            args.micro_batches, args.batch, args.seq, args.steps, args.rounds, modes,
+            args.layers), timeout_s=3600, deadline_s=6 * 3600)
+        if regime == "plain":
+            yield regime, run()
+        else:
+            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
+                ranks = run()
+            yield regime, ranks
 
 
 def measure_regimes(rank_fn: Any, args: argparse.Namespace, modes: tuple[str, ...],
@@ -419,9 +429,6 @@ def measure_regimes(rank_fn: Any, args: argparse.Namespace, modes: tuple[str, ..
     ranks in each of ``--regimes`` (shaped ones with ``tc``, always removed), printed, with
     the bounds taken from mode ``serial`` (the synchronous loop), and written to ``--json``
     after each regime."""
-    regimes = args.regimes.split(",")
-    if any(r != "plain" for r in regimes) and (why := can_shape()):
-        raise SystemExit(f"shaped regimes: {why}")
     results: dict[str, Any] = {}
 
     def bounds_now() -> dict[str, Any]:
@@ -429,16 +436,7 @@ def measure_regimes(rank_fn: Any, args: argparse.Namespace, modes: tuple[str, ..
                                      for m, s in res["steps"].items()}}
                        for r, res in results.items()})
 
-    for regime in regimes:
-        print(f"== {regime}", file=sys.stderr, flush=True)
-        run = lambda: mc2.run_local(rank_fn, 2, args=(  # noqa: E731
-            args.micro_batches, args.batch, args.seq, args.steps, args.rounds, modes,
-            args.layers), timeout_s=3600, deadline_s=6 * 3600)
-        if regime == "plain":
-            ranks = run()
-        else:
-            with ShapedLoopback(regime, latency=LATENCY.get(regime, "200ms")):
-                ranks = run()
+    for regime, ranks in in_regimes(rank_fn, args, modes):
         results[regime] = summarize(ranks)
         for mode, s in results[regime]["steps"].items():
             print(f"{regime:>8} {mode:>8}: {s['median_s']:.2f} s  "
