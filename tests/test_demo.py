@@ -90,6 +90,7 @@ def test_demo_without_root_prints_why_and_the_prediction(monkeypatch, capsys) ->
     assert "no Gantt picture (--no-gantt)" in out and "demo wall time" in out
 
 
+@pytest.mark.xdist_group("network_namespaces")  # beside the others that make them
 @pytest.mark.skipif(not CAN, reason="needs root and iproute2 (ip, tc)")
 def test_demo_as_root_runs_the_emulated_cluster(tmp_path, capsys) -> None:
     from mc2.tools.netns import leftover_namespaces

@@ -16,6 +16,9 @@ from tests.test_fused_expert_distributed import assert_close, reference
 from tests.workers import hierarchy_pair
 
 CAN = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+# the tests that make mc2-* namespaces run in one pytest-xdist worker (make test: --dist
+# loadgroup), so that no test's before/after count of them sees another test's
+pytestmark = pytest.mark.xdist_group("network_namespaces")
 needs_root = pytest.mark.skipif(not CAN, reason="network namespaces need root and iproute2 "
                                                 "(CI runs as root, so it runs there)")
 

@@ -65,9 +65,29 @@ def faulty_peer(rank: int, world: int, kind: str, where: str) -> dict[str, Any]:
         return {"raised": None, "after_s": time.monotonic() - start}
     except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
         after = time.monotonic() - start
-        if rank == 0 and kind == "stalled":  # what a launcher does with a stuck worker
-            os.kill(pids[-1], signal.SIGKILL)
+        if kind == "stalled":  # what a launcher does with a stuck worker, once all raised
+            _kill_when_all_raised(rank, world, pids)
         return {"raised": type(exc).__name__, "message": str(exc), "after_s": after}
+
+
+def _kill_when_all_raised(rank: int, world: int, pids: list[int]) -> None:
+    """Each survivor says it raised (a file named by rank 0's pid); rank 0 kills the stalled
+    last rank once every survivor has. Killed earlier, a survivor still inside its deadline
+    sees the culprit's sockets close (Gloo's read error) instead of its own deadline: a
+    loaded machine did that (rank 1 began its wait later than rank 0)."""
+    import tempfile
+    from pathlib import Path
+
+    flags = [Path(tempfile.gettempdir()) / f"mc2-faulty-{pids[0]}-{r}" for r in range(world - 1)]
+    flags[rank].touch()
+    if rank != 0:
+        return
+    give_up = time.monotonic() + 30.0  # a survivor that never raises fails the test anyway
+    while not all(f.exists() for f in flags) and time.monotonic() < give_up:
+        time.sleep(0.02)
+    os.kill(pids[-1], signal.SIGKILL)
+    for flag in flags:
+        flag.unlink(missing_ok=True)
 
 
 def nonfinite_token(rank: int, world: int, value: float, check: bool) -> dict[str, Any]:
