@@ -28,9 +28,9 @@ demo: venv
 # the slowest tests are printed at the end of every run, so the next slow one is seen when it lands;
 # two workers (pytest-xdist): most tests wait on their worlds' processes, so two files run at once
 # in less time than one after the other (one sitting: 330 s alone, 253 s with two, 2 cores);
-# --dist loadgroup keeps the tests that make network namespaces in one worker (xdist_group)
+# --dist loadfile keeps a file in one worker, so a module fixture's worlds run once
 test: venv
-	$(PY) -m pytest -q tests -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q tests -n 2 --dist loadfile --durations=15
 
 lint: venv
 	$(PY) -m pip install -q ruff

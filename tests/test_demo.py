@@ -90,17 +90,17 @@ def test_demo_without_root_prints_why_and_the_prediction(monkeypatch, capsys) ->
     assert "no Gantt picture (--no-gantt)" in out and "demo wall time" in out
 
 
-@pytest.mark.xdist_group("network_namespaces")  # beside the others that make them
 @pytest.mark.skipif(not CAN, reason="needs root and iproute2 (ip, tc)")
 def test_demo_as_root_runs_the_emulated_cluster(tmp_path, capsys) -> None:
     from mc2.tools.netns import leftover_namespaces
 
-    before = leftover_namespaces()
+    mine = f"mc2-{os.getpid()}-"  # the demo runs here; another xdist worker may make its own
+    before = leftover_namespaces(mine)
     plot = importlib.util.find_spec("matplotlib") is not None
     extra = ["--trace", str(tmp_path)] if plot else ["--no-gantt"]
     assert main([*TINY, "--rounds", "2", *extra]) == 0
     out = capsys.readouterr().out
-    assert leftover_namespaces() == before, "namespaces left behind"
+    assert leftover_namespaces(mine) == before, "namespaces left behind"
     assert "2. the article's regime: 2 emulated nodes x 1 rank(s)" in out
     assert "chosen for a serial comm share near 47%" in out
     assert "no fusion (serial)" in out and "MC2, default (auto, locked K=" in out

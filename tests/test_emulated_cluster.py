@@ -16,23 +16,23 @@ from tests.test_fused_expert_distributed import assert_close, reference
 from tests.workers import hierarchy_pair
 
 CAN = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
-# the tests that make mc2-* namespaces run in one pytest-xdist worker (make test: --dist
-# loadgroup), so that no test's before/after count of them sees another test's
-pytestmark = pytest.mark.xdist_group("network_namespaces")
+# this process's namespaces only (EmulatedCluster names them by its pid): another pytest-xdist
+# worker's tests may make theirs meanwhile (make test runs two)
+MINE = f"mc2-{os.getpid()}-"
 needs_root = pytest.mark.skipif(not CAN, reason="network namespaces need root and iproute2 "
                                                 "(CI runs as root, so it runs there)")
 
 
 @needs_root
 def test_flat_and_2d_agree_across_shaped_nodes() -> None:
-    before = leftover_namespaces()
+    before = leftover_namespaces(MINE)
     p = make_problem(4, "uneven", seed=5)
     with EmulatedCluster(2, 2, "1gbit") as cluster:
-        made = set(leftover_namespaces()) - set(before)
+        made = set(leftover_namespaces(MINE)) - set(before)
         assert made == {cluster.switch, cluster.node_ns(0), cluster.node_ns(1)}
         results = mc2.run_local(hierarchy_pair, 4, args=(p,), ranks_per_node=2,
                                 rank_env=cluster.rank_environment, deadline_s=120)
-    assert leftover_namespaces() == before, "namespaces left behind"
+    assert leftover_namespaces(MINE) == before, "namespaces left behind"
     ref = reference(p)
     for rank, r in enumerate(results):
         assert torch.equal(r["flat"][0], r["2d"][0]) and torch.equal(r["flat"][1], r["2d"][1])
@@ -42,11 +42,11 @@ def test_flat_and_2d_agree_across_shaped_nodes() -> None:
 
 @needs_root
 def test_teardown_on_failure() -> None:
-    before = leftover_namespaces()
+    before = leftover_namespaces(MINE)
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedCluster(2, 1, None):
             raise RuntimeError("boom")
-    assert leftover_namespaces() == before
+    assert leftover_namespaces(MINE) == before
 
 
 def test_rates_are_validated() -> None:
@@ -68,13 +68,13 @@ def test_torchrun_across_two_emulated_nodes(tmp_path) -> None:
 
     from mc2.tools.cli import main
 
-    before = leftover_namespaces()
+    before = leftover_namespaces(MINE)
     out = tmp_path / "run"
     code = main(["train", "--nodes", "2", "--ranks-per-node", "2", "--ep-size", "2",
                  "--inter-node-bandwidth", "1gbit", "--steps", "3", "--batch", "2", "--seq",
                  "32", "--out", str(out)])
     assert code == 0
-    assert leftover_namespaces() == before
+    assert leftover_namespaces(MINE) == before
     runs = json.loads((out / "losses.json").read_text())["runs"]
     losses = runs["MC2 K=2"]["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -278,7 +278,6 @@ def test_nodes_without_root_says_so(monkeypatch, capsys) -> None:
     assert "needs root" in capsys.readouterr().err
 
 
-@pytest.mark.xdist_group("network_namespaces")  # beside the others that make them
 @pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("tc"),
                     reason="emulated nodes need root and iproute2 (CI runs as root)")
 def test_ctrl_c_during_bench_across_nodes_leaves_nothing_behind() -> None:
