@@ -22,6 +22,10 @@ regime (each after one untimed step at every switch), median of the slowest rank
   pair the eager calls (K = 2 inside each); until the staged pairing went, ``paired`` ran the
   batch-overlap model's layers in stages, and this mode was its comparison.
 
+``--phases`` instead times each phase of the paired step (its first forward alone, each pair,
+its last backward alone) against the serial loop's forward and backward of each micro-batch:
+where the step's time over the bound goes (``docs/forward_backward.md``).
+
 The bound of the issue: ``max(T_comp, T_comm)`` with ``T_comp`` the serial step on plain
 loopback and ``T_comm`` the serial step shaped minus plain, so run ``plain`` with a shaped
 regime. Shaped regimes use ``tc tbf`` (root; always removed)::
