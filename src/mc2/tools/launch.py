@@ -22,7 +22,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -85,13 +84,6 @@ def _stop_server() -> None:
         pass
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
@@ -142,8 +134,28 @@ def use_device(device: str | None, local_rank: int) -> str:
     return f"{kind}:{index}"
 
 
+def _store(rank: int, world_size: int, ports: Any, timeout_s: float) -> Any:
+    """The world's ``TCPStore``. Rank 0 listens on a port the OS picks as it binds (port 0) and
+    hands it to the other ranks through ``ports``. A port picked by the parent and bound later
+    by rank 0 could be taken in between: two test workers making worlds at once did that
+    (``EADDRINUSE`` on rank 0, and rank 1 connecting to another world's store)."""
+    from torch.distributed import TCPStore
+
+    host, timeout = os.environ["MASTER_ADDR"], timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=False)
+        for _ in range(world_size - 1):
+            ports.put(store.port)
+    else:
+        store = TCPStore(host, ports.get(timeout=timeout_s), world_size, is_master=False,
+                         timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # as torchrun's ranks see it
+    return store
+
+
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, threads: int, timeout_s: float,
+    rank: int, world_size: int, ports: Any, backend: str, threads: int, timeout_s: float,
     steady: bool, per_node: int, extra_env: dict[str, str], fn: Callable[..., Any],
     args: bytes, results: Any, device: str | None = None,
     before_init: Callable[[], None] | None = None, environment: dict[str, str] | None = None,
@@ -151,7 +163,7 @@ def _worker(
     if environment is not None:  # the caller's environment now, not the fork server's
         os.environ.clear()
         os.environ.update(environment)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
                       LOCAL_WORLD_SIZE=str(per_node))
     os.environ.update(extra_env)
@@ -169,7 +181,8 @@ def _worker(
         use_device(device, rank % per_node)
         if before_init is not None:
             before_init()
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=_store(rank, world_size, ports, timeout_s),
+                                rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -228,14 +241,13 @@ def run_local(
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"ranks_per_node ({per_node}) must divide world_size ({world_size})")
     ctx = _context()
-    results = ctx.Queue()
-    port = free_port()
+    results, ports = ctx.Queue(), ctx.Queue()  # ports: rank 0's store port, to the others
     # pickled by value here: multiprocessing's own pickler would hand every tensor over as a
     # shared-memory file descriptor, and a fork server takes at most 256 of those per process
     payload = pickle.dumps(args)
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(r, world_size, port, backend, threads, timeout_s, steady_memory, per_node,
+                    args=(r, world_size, ports, backend, threads, timeout_s, steady_memory, per_node,
                           rank_env(r) if rank_env else {}, fn,
                           payload, results, device, before_init, dict(os.environ)))
         for r in range(world_size)
