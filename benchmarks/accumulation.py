@@ -70,6 +70,13 @@ def _step(model: Any, mode: str, batches: list[torch.Tensor]) -> None:
         _loss(model, ids).backward()
 
 
+def _micro_batches(rank: int, count: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """This rank's token ids, ``count`` micro-batches of ``batch`` x ``seq`` (seeded by rank)."""
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
+            for _ in range(count)]
+
+
 def _in_layer_model(layers: int) -> Any:
     """``_model``'s weights with mc2 inside each layer and no layer loop (no batch overlap)."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -112,9 +119,7 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
     def zero(mode: str) -> None:
         (in_layer if mode == "paired-inlayer" else model).zero_grad(set_to_none=True)
 
-    g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
-               for _ in range(micro_batches)]
+    batches = _micro_batches(rank, micro_batches, batch, seq)
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
     for mode in modes:  # warm up every mode (and let the in-layer "auto" settle its K)
@@ -153,9 +158,7 @@ def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int
     its own: the peak is a high-water mark), less what it held once the model was built."""
     model = _model(layers)
     model.train()
-    g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
-               for _ in range(micro_batches)]
+    batches = _micro_batches(rank, micro_batches, batch, seq)
     _set(model, mode)
 
     def step() -> None:
@@ -183,9 +186,7 @@ def rank_gantt(rank: int, world: int, modes: tuple[str, ...], micro_batches: int
     """One profiled step of each mode (after its warm-up): its spans, on this rank."""
     model = _model(layers)
     model.train()
-    g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
-               for _ in range(micro_batches)]
+    batches = _micro_batches(rank, micro_batches, batch, seq)
     spans = {}
     for mode in modes:
         _set(model, mode)
@@ -214,44 +215,33 @@ def rank_phases(rank: int, world: int, micro_batches: int, batch: int, seq: int,
 
     model = _model(layers)
     model.train()
-    g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, SHAPE["vocab_size"], (batch, seq), generator=g)
-               for _ in range(micro_batches)]
-    marks: list[tuple[str, float]] = []
+    batches = _micro_batches(rank, micro_batches, batch, seq)
+    adds: list[tuple[float, float, float]] = []  # each add's start, last backward's, end
     add = pairing.PairedLoop._add
 
     def timed_add(self: Any, forward: Any, last: bool) -> Any:
-        backward = self._backward
+        backward, begun = self._backward, [0.0]
 
-        def timed_backward(out: Any) -> None:
-            marks.append(("backward", time.perf_counter()))
+        def timed_backward(out: Any) -> None:  # the last one an add runs: alone if `last`
+            begun[0] = time.perf_counter()
             backward(out)
 
         self._backward = timed_backward
-        marks.append(("add", time.perf_counter()))
+        start = time.perf_counter()
         try:
             return add(self, forward, last)
         finally:
-            marks.append(("end", time.perf_counter()))
+            adds.append((start, begun[0], time.perf_counter()))
             self._backward = backward
 
     pairing.PairedLoop._add = timed_add
 
     def paired() -> list[float]:
         """[first forward, pair 1, ..., pair N-1, last backward]."""
-        marks.clear()
+        adds.clear()
         _step(model, "paired", batches)
-        adds = [i for i, (what, _) in enumerate(marks) if what == "add"]
-        ends = [t for what, t in marks if what == "end"]
-        phases = [ends[0] - marks[adds[0]][1]]
-        for n, i in enumerate(adds[1:], start=1):
-            begun = marks[i][1]
-            if n < len(adds) - 1:
-                phases.append(ends[n] - begun)
-            else:  # the last add: its pair, then the last backward alone
-                alone = [t for what, t in marks[i:] if what == "backward"][-1]
-                phases += [alone - begun, ends[n] - alone]
-        return phases
+        *whole, (start, alone, end) = adds
+        return [e - s for s, _, e in whole] + [alone - start, end - alone]
 
     def serial() -> list[float]:
         """[forward 1, backward 1, ..., forward N, backward N]."""
