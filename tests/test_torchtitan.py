@@ -138,6 +138,57 @@ def test_the_command_line_form_switches_the_node() -> None:
     assert cfg.to_dict()["routed_experts"]["mc2"] == {"micro_batches": "auto"}
 
 
+def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager() -> None:
+    """``mc2_paired_accumulation`` replaces the checkpoint node by TorchTitan's DCP manager
+    extended, every field carried over; its ``load`` (where ``train()`` begins) pairs the
+    trainer it was built with, once, and a trainer it cannot pair raises there, naming why.
+    Another manager's config is refused by the factory, naming it."""
+    from types import SimpleNamespace
+
+    import torch
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.config import OverrideConfig, apply_overrides
+    from torchtitan.config.override import parse_cli_imports
+
+    from mc2.integrations.torchtitan_schedule import (
+        PairedCheckpointManager, PairedFwdBwd, mc2_paired_accumulation
+    )
+
+    from tests import workers_torchtitan_model as m
+
+    tree = m.checkpoint_tree()
+    tree.checkpoint.interval = 7
+    applied = apply_overrides(OverrideConfig(imports=parse_cli_imports([m.PAIRED])), tree)
+    assert len(applied) == 1 and "PairedCheckpointManager" in applied[0]
+    assert isinstance(tree.checkpoint, PairedCheckpointManager.Config)
+    assert tree.checkpoint.interval == 7  # carried over by derive
+
+    paired: list[object] = []
+    trainer = SimpleNamespace(
+        model_parts=[torch.nn.Linear(2, 2)], fwd_bwd_fn=None,
+        parallel_dims=SimpleNamespace(pp_enabled=False, cp_enabled=False),
+        config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True)))
+    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
+                                    optimizers=None, lr_schedulers=None,
+                                    states={"train_state": trainer}, sd_adapter=None)
+    assert trainer.fwd_bwd_fn is None  # nothing before train() begins
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mc2.integrations.torchtitan_schedule.pair_accumulation", paired.append)
+        assert manager.load(step=-1) is False  # checkpointing off: nothing loaded
+        manager.load(step=-1)
+    assert paired == [trainer]  # once
+
+    trainer.config.training.disable_cuda_graphs = False
+    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
+                                    optimizers=None, lr_schedulers=None,
+                                    states={"train_state": trainer}, sd_adapter=None)
+    with pytest.raises(ValueError, match="disable_cuda_graphs"):
+        manager.load(step=-1)
+    assert not isinstance(trainer.fwd_bwd_fn, PairedFwdBwd)
+    with pytest.raises(ValueError, match="BaseCheckpointManager.Config"):
+        mc2_paired_accumulation(BaseCheckpointManager.Config())
+
+
 def test_selective_ac_with_the_mc2_override_recomputes_without_an_exchange() -> None:
     """TorchTitan's own ``SelectiveAC`` over the block: as it is, its recompute runs mc2's
     call again (more collectives in the backward, the same gradients); with the
@@ -208,6 +259,7 @@ def test_torchtitans_accumulation_pairs_and_trains_as_its_own_loop() -> None:
     first = results[0]
     for rank, r in enumerate(results):
         assert (r["ref_losses"], r["losses"]) == (first["ref_losses"], first["losses"]), rank
+        assert r["paired_by_override"], rank
         assert r["under_backward"] > 0, rank
         assert r["sharded"], rank
         assert "disable_cuda_graphs" in r["refused"]["cuda graphs"]

@@ -312,6 +312,41 @@ class AccumulatingTrainer(Trainer):
         return float(total)
 
 
+PAIRED = "mc2.integrations.torchtitan_schedule.mc2_paired_accumulation"
+
+
+def checkpoint_tree() -> Any:
+    """A config tree with TorchTitan's checkpoint node as its ``Trainer.Config`` has one (a
+    ``BaseCheckpointManager.Config`` field holding the DCP manager's config)."""
+    from dataclasses import dataclass, field
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+    from torchtitan.config import Configurable
+
+    @dataclass(kw_only=True, slots=True)
+    class Root(Configurable.Config):
+        checkpoint: BaseCheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+
+    return Root()
+
+
+def through_override(trainer: Any) -> Any:
+    """What TorchTitan's ``Trainer`` does with ``--override.imports`` naming :data:`PAIRED`:
+    the override applied to the config tree by TorchTitan's ``apply_overrides``, the checkpoint
+    manager built with the arguments the trainer passes it, and its ``load`` as ``train()``
+    begins. The manager."""
+    from torchtitan.config import OverrideConfig, apply_overrides
+
+    tree = checkpoint_tree()
+    apply_overrides(OverrideConfig(imports=[PAIRED]), tree)
+    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
+                                    optimizers=None, lr_schedulers=None,
+                                    states={"train_state": trainer}, sd_adapter=None,
+                                    base_folder="")
+    manager.load(step=-1)
+    return manager
+
+
 def accumulation_against_torchtitan(rank: int, world: int, steps: int,
                                     micro_batches: int) -> dict:
     """TorchTitan's Qwen3 MoE through its own accumulation loop, and the same model with mc2's
@@ -333,7 +368,9 @@ def accumulation_against_torchtitan(rank: int, world: int, steps: int,
                       "partial_dtensor")
     ref_trainer = AccumulatingTrainer(ref, dims, micro_batches)
     got_trainer = AccumulatingTrainer(got, dims, micro_batches)
-    pair_accumulation(got_trainer)
+    own = got_trainer.fwd_bwd_fn
+    through_override(got_trainer)  # as TorchTitan's Trainer runs the documented override
+    paired_by_override = got_trainer.fwd_bwd_fn is not own
     data = batches(rank, steps * micro_batches)
     steps_of = [data[i:i + micro_batches] for i in range(0, len(data), micro_batches)]
     recorder = ScheduleRecorder()
@@ -354,7 +391,7 @@ def accumulation_against_torchtitan(rank: int, world: int, steps: int,
             refused[name] = None
         except ValueError as exc:
             refused[name] = str(exc)
-    return {"ref_losses": ref_losses, "losses": losses,
+    return {"ref_losses": ref_losses, "losses": losses, "paired_by_override": paired_by_override,
             "under_backward": _forward_transfers_under_backward(recorder.exchanges(),
                                                                 prof.spans),
             "sharded": all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel()

@@ -7,7 +7,20 @@ the gradients only after the last, to clip them and step the optimizer. :func:`p
 makes that function a :class:`PairedFwdBwd`: each call runs its micro-batch's forward (the
 trainer's model, its ``loss_fn``, in its ``train_context``) beside the previous micro-batch's
 backward (:class:`mc2.engine.autograd.pairing.PairedLoop`), and the step's last call also runs
-its own backward alone, so the gradients are complete when ``train_step`` reads them::
+its own backward alone, so the gradients are complete when ``train_step`` reads them.
+
+Switched on by TorchTitan's configuration overrides, beside the experts' override::
+
+    --override.imports mc2.integrations.torchtitan.mc2_routed_experts,\
+mc2.integrations.torchtitan_schedule.mc2_paired_accumulation
+
+TorchTitan hands its trainer to one configured component, the checkpoint manager
+(``states={"train_state": trainer}``), and its ``train()`` begins with that manager's
+``load``. So the override makes the checkpoint manager :class:`PairedCheckpointManager`:
+TorchTitan's own DCP manager, every field and behaviour kept, whose ``load`` first makes the
+trainer's ``fwd_bwd_fn`` the paired one (once; its refusals raise there, on every rank, before
+the first step). A script that builds its own trainer can call :func:`pair_accumulation`
+instead::
 
     trainer = Trainer(config)  # the trainer as TorchTitan builds it
     mc2.integrations.torchtitan_schedule.pair_accumulation(trainer)
@@ -31,9 +44,12 @@ reshards the output projection itself: not a forward that can run inside another
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
+from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+from torchtitan.config import derive, override
 
 from mc2.engine.autograd.pairing import PairedLoop
 from mc2.parallel.paired_fsdp import PairedSharding
@@ -103,3 +119,42 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
     paired = PairedFwdBwd(trainer)
     trainer.fwd_bwd_fn = paired
     return paired
+
+
+class PairedCheckpointManager(CheckpointManager):
+    """TorchTitan's DCP checkpoint manager, unchanged, that also pairs its trainer's gradient
+    accumulation: it keeps the trainer TorchTitan hands it (``states["train_state"]``, the
+    only way a configured component reaches the trainer) and, at the first :meth:`load`
+    (where ``Trainer.train`` begins, after ``fwd_bwd_fn`` is set), calls
+    :func:`pair_accumulation` on it."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, *, states: dict[str, Any], **kwargs: Any) -> None:
+        self.trainer_to_pair = states.get("train_state")
+        if self.trainer_to_pair is None:
+            raise ValueError("mc2_paired_accumulation: the checkpoint manager was built without "
+                             "the trainer (states['train_state']), as TorchTitan's Trainer "
+                             "builds it; call pair_accumulation(trainer) instead")
+        super().__init__(config, states=states, **kwargs)
+
+    def load(self, step: int = -1) -> bool:
+        trainer, self.trainer_to_pair = self.trainer_to_pair, None
+        if trainer is not None:
+            pair_accumulation(trainer)
+        return super().load(step)
+
+
+@override(target=BaseCheckpointManager.Config,
+          description="mc2: each micro-batch's forward beside the previous one's backward")
+def mc2_paired_accumulation(cfg: BaseCheckpointManager.Config) -> PairedCheckpointManager.Config:
+    """TorchTitan override factory: the checkpoint manager becomes
+    :class:`PairedCheckpointManager`, its fields carried over by ``derive``. Another manager
+    than TorchTitan's DCP one is refused (its behaviour would be lost), naming it."""
+    if type(cfg) is not CheckpointManager.Config:
+        raise ValueError(f"mc2_paired_accumulation: the checkpoint manager's config is "
+                         f"{type(cfg).__qualname__}, not TorchTitan's CheckpointManager.Config "
+                         f"this override extends; call pair_accumulation(trainer) instead")
+    return derive(cfg, PairedCheckpointManager.Config)
