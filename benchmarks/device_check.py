@@ -21,7 +21,13 @@ one device can show, this script runs, in under five minutes:
     compared with eager calls; inside the capture mc2 must watch, poll, fork an observer and
     read a host clock not once (counted).
 
-``--dry-run`` runs the same four parts on CPU in seconds (Gloo worlds with CPU tensors, a Gloo
+(e) **``mc2.forward_backward`` on the device**: in an NCCL world of one with the distributed
+    path forced, a stack of three ``mc2.MoELayer`` (float32), 4 micro-batches, run under a
+    side stream made current (the partner thread must carry it over: a forward enqueued on
+    another stream would race the backward beside it): the gradients of the paired step
+    against the sequential loop's, and how many forwards the partner thread ran.
+
+``--dry-run`` runs the same five parts on CPU in seconds (Gloo worlds with CPU tensors, a Gloo
 world of one with the host-sync counter instead of CUDA's sync debug mode, tiny GEMMs; for (d)
 the capture is emulated: mc2 is told the stream captures, and the call runs eagerly), so CI
 keeps the script working without a GPU.
@@ -287,6 +293,62 @@ def check_graph(dry_run: bool, device: str) -> bool:
     return good
 
 
+def pairing_rank(rank: int, world: int, dry_run: bool, device: str) -> dict[str, Any]:
+    """(e) the paired step against the sequential loop on the device, under a side stream
+    (world of one, distributed path forced)."""
+    from mc2.engine.autograd import pairing
+
+    resumed = []
+    real_resume = pairing.Partner.resume
+
+    def counted(self: Any) -> None:
+        resumed.append(1)
+        real_resume(self)
+
+    def stack() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(mc2.MoELayer(64, 96, 4, topk=2, dtype=torch.float32)
+                                     for _ in range(3))).to(device)
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randn(2, 64, 64, generator=g).to(device) for _ in range(4)]
+    report: dict[str, Any] = {"error": None, "worst": float("inf"), "partner_runs": 0}
+    side = torch.cuda.Stream() if device != "cpu" else None
+    try:
+        with torch.cuda.stream(side):  # no-op where side is None (CPU)
+            loop = stack()
+            for x in batches:
+                loss_fn(loop, x).backward()
+            paired = stack()
+            pairing.Partner.resume = counted
+            try:
+                mc2.forward_backward(paired, batches, loss_fn, overlap=True)
+            finally:
+                pairing.Partner.resume = real_resume
+        if side is not None:
+            torch.cuda.synchronize()
+        report["worst"] = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+                              for a, b in zip(paired.parameters(), loop.parameters()))
+        report["partner_runs"] = len(resumed)
+    except RuntimeError as exc:
+        report["error"] = str(exc).splitlines()[0]
+    return report
+
+
+def check_pairing(dry_run: bool, device: str) -> bool:
+    backend, r = _world_of_one(pairing_rank, dry_run, device)
+    good = r["error"] is None and r["worst"] <= 1e-4 and r["partner_runs"] > 0
+    print(f"  {backend} world of one, 3 MoELayers, 4 micro-batches, under a side stream: "
+          f"gradients within {r['worst']:.1e} of the sequential loop's (bound 1e-4 of each "
+          f"tensor's scale), {r['partner_runs']} partner runs"
+          + (f"; raised: {r['error']}" if r["error"] else "") + (" ok" if good else " FAIL"),
+          flush=True)
+    return good
+
+
 def _time(fn: Any, device: str, repeats: int = 5) -> float:
     from mc2.device.clock import clock_for
 
@@ -389,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ok &= check_syncs(args.dry_run, device)
     print("(d) a capacity call (MC2Config(capacity=N)) in a CUDA graph:", flush=True)
     ok &= check_graph(args.dry_run, device)
+    print("(e) mc2.forward_backward, each forward beside the previous backward:", flush=True)
+    ok &= check_pairing(args.dry_run, device)
     print("(c) expert GEMMs at the simulator's shapes:", flush=True)
     measured = time_gemms(args.dry_run, device)
     text = preset(measured, device)
