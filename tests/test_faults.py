@@ -53,10 +53,14 @@ def test_a_stalled_peer_becomes_comm_timeout_on_every_survivor(where: str) -> No
 
 @pytest.mark.parametrize("where", ["forward", "backward", "calibration"])
 def test_a_dead_peer_is_an_error_on_every_survivor(where: str) -> None:
+    """The survivors learn it from their closed connections, before their deadlines, as
+    mc2's ``CommTimeout`` naming where (not Gloo's bare read error), or, where a survivor
+    was not reading from the dead peer, at its deadline."""
     survivors = _survivors("dead", where)
     assert sorted(survivors) == [0, 1], survivors
     for rank, r in survivors.items():
-        assert r["raised"] is not None, (rank, r)  # Gloo's reset, or our deadline
+        assert r["raised"] == "CommTimeout", (rank, r)
+        assert "torchrun --max-restarts" in r["message"], (rank, r["message"])
         assert r["after_s"] <= TIMEOUT_S + SLACK_S, (rank, r["after_s"])
 
 
@@ -305,3 +309,32 @@ def test_ctrl_c_during_bench_across_nodes_leaves_nothing_behind() -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_closed_connection_in_a_wait_is_a_comm_timeout_naming_it() -> None:
+    """A host backend's wait that fails because a peer's connection closed (Gloo's read
+    error: a peer that passed its deadline first, died, or was killed) raises mc2's
+    ``CommTimeout`` with the backend's words, not the backend's bare error; any other error
+    of the wait is left as it was."""
+    from mc2.engine.transport.deadline import CommTimeout, wait_work
+
+    class Broken:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def wait(self, timeout: object = None) -> bool:
+            raise RuntimeError(self.text)
+
+    closed = ("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:41234: "
+              "Connection reset by peer\nmore")
+    for seconds in (None, 30.0):
+        with pytest.raises(CommTimeout) as caught:
+            wait_work(Broken(closed), "dispatch", seconds)
+        assert caught.value.lost == closed.splitlines()[0]
+        told = caught.value.at(micro_batch=1, phase="forward")
+        assert told.lost == caught.value.lost
+        assert "dispatch of micro-batch 1 in the forward lost its connection" in str(told)
+        assert "torchrun --max-restarts" in str(told)
+        with pytest.raises(RuntimeError, match="size mismatch") as other:
+            wait_work(Broken("size mismatch"), "dispatch", seconds)
+        assert not isinstance(other.value, CommTimeout)

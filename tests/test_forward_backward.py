@@ -34,13 +34,19 @@ def test_paired_micro_batches_equal_the_sequential_loop_and_overlap() -> None:
 
 def test_a_model_calling_mc2_inside_its_layers_pairs_its_eager_calls() -> None:
     """No layer loop of mc2's: three ``MoELayer``s in a ``Sequential``. The eager calls hand
-    back and give way between their steps; gradients are the sequential loop's, and the
-    forward's exchanges travel across the backward's compute (none without pairing)."""
+    back and give way between their steps and at the waits inside them; gradients are the
+    sequential loop's, and the forward's exchanges travel across the backward's compute (none
+    without pairing), its second dispatch of each call too (each call runs two micro-batches
+    under a pairing: that dispatch is waited for inside a step, so it travels across the
+    backward's compute only where the pass hands over at that wait: checked, this fails
+    without it)."""
     for r in mc2.run_local(in_layer_paired, 2, timeout_s=120):
         for overlap in (False, True):
             assert all(_close(g, w, 1e-10) for g, w in zip(r[overlap]["grads"], r["loop"]))
         assert r[False]["under_backward"] == 0
         assert r[True]["under_backward"] >= 2 * 3 * 3 // 2, r[True]
+        assert r[False]["later_under_backward"] == 0
+        assert r[True]["later_under_backward"] >= 3 * 3 // 2, r[True]
 
 
 def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> None:

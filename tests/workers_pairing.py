@@ -39,6 +39,14 @@ def _forward_transfers_under_backward(exchanges: list, spans: list) -> int:
         e.issued <= s.start and s.end <= e.waited for s in backward))
 
 
+def _later_dispatches_under_backward(exchanges: list, spans: list) -> int:
+    """:func:`_forward_transfers_under_backward` for the forward's dispatches past a call's
+    first (micro-batch ``i > 0`` of its split): waited for inside a pass step, so in flight
+    across a backward's compute only where the pass hands over at that wait too."""
+    later = [e for e in exchanges if e.name == "dispatch" and e.micro_batch > 0]
+    return _forward_transfers_under_backward(later, spans)
+
+
 def _sequential(model: torch.nn.Module, batches: list, loss_fn: Any) -> list[torch.Tensor]:
     """The gradient-accumulation loop ``forward_backward`` must equal; its losses."""
     losses = []
@@ -50,12 +58,15 @@ def _sequential(model: torch.nn.Module, batches: list, loss_fn: Any) -> list[tor
 
 
 def _recorded(model: torch.nn.Module, batches: list, loss_fn: Any,
-              overlap: bool | str) -> tuple[list[torch.Tensor], int]:
+              overlap: bool | str, later: list | None = None) -> tuple[list[torch.Tensor], int]:
     """``forward_backward``'s losses, and how many of its forward's exchanges travelled across
-    a backward's compute."""
+    a backward's compute (appended to ``later``: how many of them were later dispatches,
+    :func:`_later_dispatches_under_backward`)."""
     recorder = ScheduleRecorder()
     with recorder.installed(), mc2.profile() as prof:
         losses = mc2.forward_backward(model, batches, loss_fn, overlap=overlap)
+    if later is not None:
+        later.append(_later_dispatches_under_backward(recorder.exchanges(), prof.spans))
     return losses, _forward_transfers_under_backward(recorder.exchanges(), prof.spans)
 
 
@@ -92,9 +103,10 @@ def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
     found: dict[str, Any] = {"loop": [p.grad.clone() for p in model.parameters()]}
     for overlap in (False, True):
         model = _in_layer_stack()
-        _, under = _recorded(model, batches, _stack_loss, overlap)
+        later: list[int] = []
+        _, under = _recorded(model, batches, _stack_loss, overlap, later)
         found[overlap] = {"grads": [p.grad.clone() for p in model.parameters()],
-                          "under_backward": under}
+                          "under_backward": under, "later_under_backward": later[0]}
     return found
 
 

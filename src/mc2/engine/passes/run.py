@@ -173,8 +173,11 @@ class _PassSteps:
         raise NotImplementedError
 
     def run(self, between: Callable[[], None] | None = None) -> Any:
-        """The three steps; ``between()`` after each of the first two, where this pass's
-        transfers travel (a paired schedule runs another micro-batch's work there)."""
+        """The three steps; ``between()`` after each of the first two and before each later
+        wait inside them, where this pass's transfers travel (a paired schedule runs another
+        micro-batch's work there)."""
+        if between is not None:
+            self.schedule.between_waits(between)
         self.begin()
         if between is not None:
             self.schedule.between(between)

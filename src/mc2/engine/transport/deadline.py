@@ -67,6 +67,11 @@ class Abandoned(BaseException):
 class CommTimeout(RuntimeError):
     """A wait of ``fused_expert`` passed its deadline: a peer is stalled or gone.
 
+    Also raised where a host backend's wait fails because a peer's connection closed (Gloo's
+    read or write error): a peer that passed its own deadline first, died or was killed. Its
+    waiting peers learn it so, before their own deadlines; the backend's words are in
+    ``lost``, and the group is refused from then on, as after a timeout.
+
     Attributes:
         operation: what was waited for (``"dispatch"``, ``"combine"``, ``"handshake"``, ...).
         micro_batch: the micro-batch, or ``None`` for per-call operations.
@@ -74,14 +79,19 @@ class CommTimeout(RuntimeError):
         waited_s: how long it waited (0 for a refused operation).
         first: for an operation refused because its group had already timed out, that
             first timeout; ``None`` for the first one itself.
+        lost: the backend's error where a peer's connection closed, else ``None``.
     """
 
     def __init__(self, operation: str, waited_s: float, *, micro_batch: int | None = None,
-                 phase: str | None = None, first: "CommTimeout | None" = None) -> None:
+                 phase: str | None = None, first: "CommTimeout | None" = None,
+                 lost: str | None = None) -> None:
         self.operation, self.waited_s = operation, waited_s
-        self.micro_batch, self.phase, self.first = micro_batch, phase, first
+        self.micro_batch, self.phase, self.first, self.lost = micro_batch, phase, first, lost
         where = _where(operation, micro_batch, phase)
-        if first is None:
+        if first is None and lost is not None:
+            message = (f"mc2: the {where} lost its connection to a peer after {waited_s:.1f}s "
+                       f"(that peer timed out, died or was stopped; the backend said: {lost})")
+        elif first is None:
             message = (f"mc2: the {where} waited {waited_s:.1f}s for a peer and passed its "
                        f"deadline (timeout=, MC2_TIMEOUT, else the process group's timeout)")
         else:
@@ -96,7 +106,8 @@ class CommTimeout(RuntimeError):
         is then known by these words too: later refusals name where it happened)."""
         told = CommTimeout(operation or self.operation, self.waited_s,
                            micro_batch=self.micro_batch if micro_batch is None else micro_batch,
-                           phase=self.phase if phase is None else phase, first=self.first)
+                           phase=self.phase if phase is None else phase, first=self.first,
+                           lost=self.lost)
         for state in live_states():
             if state.failure is self:
                 state.failure = told
@@ -214,20 +225,39 @@ def current() -> float | None:
 
 def wait_work(work: Any, operation: str, seconds: float | None) -> None:
     """``work.wait()`` with the deadline ``seconds`` (``None``: none of mc2's own); a
-    :class:`CommTimeout` on expiry."""
-    if seconds is None:
-        work.wait()
-        return
-    start = time.monotonic()
+    :class:`CommTimeout` on expiry, and where a peer's connection closed
+    (:func:`lost_connection`); the wait's other errors as they are."""
+    if seconds is None:  # no clock read: this wait may be inside a graph capture
+        start = None
+    else:
+        start = time.monotonic()
     try:
-        completed = work.wait(timeout=timedelta(seconds=seconds))
+        completed = work.wait() if seconds is None else \
+            work.wait(timeout=timedelta(seconds=seconds))
     except RuntimeError as exc:  # Gloo: "Operation timed out!"; a dead peer raises otherwise
-        waited = time.monotonic() - start
-        if waited >= seconds * 0.99 or "timed out" in str(exc).lower():
+        waited = 0.0 if start is None else time.monotonic() - start
+        if seconds is not None and (waited >= seconds * 0.99 or "timed out" in str(exc).lower()):
             raise CommTimeout(operation, waited) from exc
+        if (lost := lost_connection(exc)) is not None:
+            raise CommTimeout(operation, waited, lost=lost) from exc
         raise
-    if completed is False:  # backends that report expiry instead of raising
+    if completed is False and start is not None:  # backends that report expiry, not raise
         raise CommTimeout(operation, time.monotonic() - start)
+
+
+# how Gloo's TCP transport words a peer's connection gone (its pair's read or write failed)
+_LOST_CONNECTION = ("Connection closed", "Connection reset", "Read error", "Write error",
+                    "Broken pipe")
+
+
+def lost_connection(exc: BaseException) -> str | None:
+    """The backend's first line where ``exc`` says a peer's connection closed, else ``None``:
+    on Gloo a peer whose wait passed its deadline first (or that died, or was killed) closes
+    its sockets, and a peer still waiting reads that, not a timeout of its own."""
+    text = str(exc)
+    if not any(words in text for words in _LOST_CONNECTION):
+        return None
+    return text.splitlines()[0][:300] if text else None
 
 
 def wait_future(future: Any, operation: str) -> Any:
