@@ -108,6 +108,8 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
         assert "nothing can be paired" in r["no mc2 call"], r
         assert "DistributedDataParallel" in r["DDP"], r
         assert "scalar" in r["not a scalar"], r
+        # its calls ran, as the operator: said so, not "the model made no mc2 call"
+        assert "ran as the operator" in r["selective"] and "selective" in r["selective"], r
 
 
 
@@ -170,3 +172,71 @@ def test_hugging_faces_own_expert_parallelism_pairs_through_ep_implementation_mc
                                                              rel=1e-5)
         assert all(_close(got, want, 1e-4) for want, got in r["grads"].values()
                    if want is not None)
+
+
+def test_the_callers_saved_tensor_hooks_reach_the_paired_forwards() -> None:
+    """A saved-tensor hook around the step (activation offload's, a checkpoint's) is
+    thread-local: the forwards that run in the partner thread (micro-batches 1-3) pack
+    through it too, three times what micro-batch 0's forward packs in the caller's thread
+    (without carrying it, they would pack none and keep their activations where the hook
+    would not), with the gradients of the sequential loop under the same hook."""
+    from tests.workers_pairing import hooks_carried
+
+    for r in mc2.run_local(hooks_carried, 2, timeout_s=120):
+        assert r[True]["partner"] == 3 * r[True]["caller"] > 0, r[True]
+        assert r[None]["packed"] > 0 and r[None]["partner"] == 0
+        assert all(_close(g, w, 1e-10) for g, w in zip(r[True]["grads"], r[None]["grads"],
+                                                        strict=True))
+
+
+def test_a_backward_without_the_context_variable_finds_the_running_pairing() -> None:
+    """On an accelerator autograd runs a backward (and a reentrant checkpoint's recompute in
+    it) in a device thread of its own, where the pairing's context variable is not set: a
+    backward during a paired step still finds the pairing (emulated here by reading it in an
+    empty context inside the backward; without the process's record of its pairing this
+    finds none), and nothing finds one outside a step."""
+    import contextvars
+
+    from mc2.engine.autograd.pairing import current_pairing, run_pairs
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            seen.append((current_pairing(), contextvars.Context().run(current_pairing)))
+            return grad
+
+    def forward(i: int) -> torch.Tensor:
+        current_pairing().calls += 1  # as an mc2 call under it would count itself
+        return Probe.apply(torch.ones(2, requires_grad=True)).sum()
+
+    run_pairs(3, forward, lambda loss: loss.backward())
+    assert len(seen) == 3 and all(mine is not None and other is mine for mine, other in seen)
+    assert contextvars.Context().run(current_pairing) is None
+
+
+def test_an_interrupted_step_drops_its_partner_and_the_next_step_pairs() -> None:
+    """Ctrl-C (a ``BaseException`` that is no ``Exception``) in a paired step: the partner
+    thread, whose turns are then unknown, is not kept for the next step (a stale turn would
+    let that step's forward run beside its backward); the next step pairs with a fresh one."""
+    from mc2.engine.autograd import pairing
+
+    def forward(i: int) -> torch.Tensor:
+        pairing.current_pairing().calls += 1  # as an mc2 call under it would count itself
+        return (torch.ones(2, requires_grad=True) * (i + 1)).sum()
+
+    def interrupted(loss: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    idle = len(pairing._PROCESS.idle)
+    with pytest.raises(KeyboardInterrupt):
+        pairing.run_pairs(3, forward, interrupted)
+    assert len(pairing._PROCESS.idle) == max(idle - 1, 0)
+    done = []
+    pairing.run_pairs(3, forward, lambda loss: done.append(loss.backward()))
+    assert len(done) == 3 and len(pairing._PROCESS.idle) == max(idle - 1, 0) + 1

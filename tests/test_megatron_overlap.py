@@ -246,3 +246,25 @@ def test_megatrons_own_overlap_flag_runs_the_paired_schedule_through_the_patch(
         assert_the_same_losses({"megatron": found["megatron"], "mc2": found["mc2 in-layer"]}, 12)
         assert "overlap_moe_expert_parallel_comm=True with pipeline parallelism" in \
             found["pipelined"]
+
+
+@pytest.mark.parametrize("wrapper", ["TorchFullyShardedDataParallel", "FullyShardedDataParallel"])
+def test_the_paired_schedule_refuses_megatrons_fsdp_wrappers(wrapper: str) -> None:
+    """A model under Megatron's FSDP (``use_torch_fsdp2``, ``use_megatron_fsdp``) is refused
+    by ``forward_backward_paired`` before anything runs, naming why (its units keep one
+    pass's state at a time); a forward-only call still runs Megatron's own function."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mc2.integrations import megatron_schedule
+
+    config = SimpleNamespace(overlap_moe_expert_parallel_comm=False,
+                             hybrid_context_parallel=False)
+    sharded = type(wrapper, (torch.nn.Module,), {})()
+    sharded.config = config
+    with pytest.raises(ValueError, match="sharded by FSDP"):
+        megatron_schedule.forward_backward_paired(
+            forward_step_func=None, data_iterator=iter(()), model=[sharded],
+            num_microbatches=2, seq_length=4, micro_batch_size=1)
+    assert megatron_schedule.unpaired_sharding(torch.nn.Linear(2, 2)) is None

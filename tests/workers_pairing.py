@@ -274,6 +274,23 @@ def failed_step(rank: int, world: int) -> dict[str, Any]:
             "want": [p.grad.clone() for p in model.parameters()]}
 
 
+class _SelectivelyCheckpointed(torch.nn.Module):
+    """``inner`` under selective activation checkpointing with mc2's policy: its mc2 call
+    runs as the operator, whole."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        context = partial(create_selective_checkpoint_contexts, mc2.checkpoint_policy())
+        return checkpoint(self.inner, x, use_reentrant=False, context_fn=context)
+
+
 def refusals(rank: int, world: int) -> dict[str, str | None]:
     """What ``forward_backward`` raises for a model that makes no mc2 call and for a loss
     that is no scalar (overlap=True), on each rank."""
@@ -281,9 +298,12 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
     plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     ddp = torch.nn.parallel.DistributedDataParallel(_in_layer_stack())
+    selective = torch.nn.Sequential(*(_SelectivelyCheckpointed(layer)
+                                      for layer in _in_layer_stack()))
     for name, model, loss_fn in (
             ("no mc2 call", plain, lambda m, b: m(b).pow(2).mean()),
             ("DDP", ddp, lambda m, b: m(b).pow(2).mean()),
+            ("selective", selective, lambda m, b: m(b).pow(2).mean()),
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:
             mc2.forward_backward(model, [x, x], loss_fn, overlap=True)
@@ -389,3 +409,34 @@ def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any
                       zip(ref.named_parameters(), model.parameters())},
             "under_backward": under,
             "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules())}
+
+
+def hooks_carried(rank: int, world: int) -> dict[str, Any]:
+    """The in-layer stack's sequential loop and paired step, each under one saved-tensor hook
+    (as activation offload installs one) that counts what it packs, by thread: how many
+    tensors each packed, how many of the paired step's the partner thread packed, and
+    whether the gradients agree."""
+    import collections
+    import threading
+
+    batches = _micro_batches(rank)
+    packed: collections.Counter = collections.Counter()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed[threading.current_thread().name] += 1
+        return t
+
+    found: dict[str, Any] = {}
+    for overlap in (None, True):
+        model = _in_layer_stack()
+        packed.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if overlap is None:
+                _sequential(model, batches, _stack_loss)
+            else:
+                mc2.forward_backward(model, batches, _stack_loss, overlap=True)
+        found[overlap] = {"packed": sum(packed.values()),
+                          "partner": packed["mc2-paired-forward"],
+                          "caller": packed[threading.current_thread().name],
+                          "grads": [p.grad.clone() for p in model.parameters()]}
+    return found

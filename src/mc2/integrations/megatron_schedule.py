@@ -32,7 +32,9 @@ import torch
 
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
+from mc2.engine.decide.batch_split import say_once
 from mc2.forward_backward import decided_schedule
+from mc2.parallel.layer_gather import fsdp_units
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
@@ -66,8 +68,10 @@ def forward_backward_paired(**kwargs: Any) -> list[Any]:
     previous one's backward (module docstring).
 
     Raises:
-        ValueError: the model's layers are not batch-overlap layers, so nothing was paired
-            (every rank alike, after the first micro-batch's forward).
+        ValueError: the model makes no mc2 call, so nothing was paired (every rank alike,
+            after the first micro-batch's forward); the model is sharded by Megatron's FSDP
+            wrappers or FSDP2 (before anything runs; ``overlap_moe_expert_parallel_comm``
+            runs Megatron's loop for those, and says so once).
     """
     return _forward_backward(kwargs, True)
 
@@ -78,6 +82,21 @@ def forward_backward_decided(**kwargs: Any) -> list[Any]:
     as ``mc2.forward_backward(overlap="auto")`` does, and the faster one is kept. What
     Megatron's ``overlap_moe_expert_parallel_comm=True`` runs under the patch import."""
     return _forward_backward(kwargs, "auto")
+
+
+# Megatron's FSDP wrappers (use_torch_fsdp2, use_megatron_fsdp), by class name: their hooks
+# hold one pass's state per unit, which a paired step would mix (mc2.parallel.paired_fsdp)
+_FSDP_WRAPPERS = ("TorchFullyShardedDataParallel", "FullyShardedDataParallel")
+
+
+def unpaired_sharding(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s sharding keeps this schedule from pairing it, or ``None``."""
+    if type(model).__name__ in _FSDP_WRAPPERS or fsdp_units(model):
+        return ("the model is sharded by FSDP (use_torch_fsdp2 or use_megatron_fsdp), whose "
+                "units keep one pass's state at a time: a paired step must hold them gathered "
+                "from its first forward to its last backward, which this schedule does not "
+                "do (mc2.forward_backward does, for FSDP2 of its own)")
+    return None
 
 
 def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
@@ -93,6 +112,12 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
     if kwargs.get("forward_only") or getattr(config, "hybrid_context_parallel", False) or (
             count < 2 and not config.overlap_moe_expert_parallel_comm):
         return megatrons(**kwargs)
+    if overlap is not False and (why := unpaired_sharding(model)) is not None:
+        if overlap is True:  # every rank alike: every rank runs the same model
+            raise ValueError(f"forward_backward_paired: {why}; use Megatron's "
+                             "forward_backward_no_pipelining")
+        say_once(why, "pairing one micro-batch's forward with another's backward")
+        overlap = False
     pg_collection = kwargs.get("pg_collection")
     cp_size = pg_collection.cp.size() if pg_collection is not None else \
         parallel_state.get_context_parallel_world_size()

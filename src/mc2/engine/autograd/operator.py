@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.autograd.prepare import EAGER_RUNTIME, guarded
 from mc2.engine.compute.experts import PACKED_ORDER, SPLIT_ORDER
 from mc2.engine.decide.call_plan import plan_call
@@ -77,6 +78,8 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     backward differentiates, decided by the caller (a compiled forward runs without
     autograd)."""
     cfg = MC2Config.from_dict(json.loads(config))
+    if (pairing := current_pairing()) is not None:  # a call that runs whole: it cannot pair
+        pairing.traced += 1
     need = CallInputs.of(needs)
     names = ["weights_" + n for n in (PACKED_ORDER if packed else SPLIT_ORDER)]
 

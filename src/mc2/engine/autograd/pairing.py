@@ -44,9 +44,10 @@ _ACTIVE: contextvars.ContextVar["Pairing | None"] = contextvars.ContextVar(
 class _Process:
     """What the pairings of this process share.
 
-    ``running``: how many pairings run. The K of "auto" under a pairing must be the same in a
-    checkpoint's recompute, which on an accelerator runs in autograd's device thread, where
-    the context variable is not set.
+    ``active``: the pairings that run. On an accelerator a checkpoint's recompute runs in
+    autograd's device thread, where the context variable is not set, and it must still run
+    the K of "auto" under a pairing and give way where its backward waits
+    (:func:`current_pairing`).
 
     ``idle``: partners whose thread waits for the next step's forwards. A thread kept from
     step to step keeps its allocator arena warm: a new thread per step gets an arena whose
@@ -55,7 +56,7 @@ class _Process:
     system time a step, the step 8.1-9.2 s against 6.1-7.0 s with the thread kept)."""
 
     def __init__(self) -> None:
-        self.running = 0
+        self.active: list[Pairing] = []
         self.idle: list[Partner] = []
 
 
@@ -80,12 +81,27 @@ def _autocast_regions() -> list[tuple[str, torch.dtype]]:
             if torch.is_autocast_enabled(kind)]
 
 
+def _caller_stream() -> Any:
+    """The calling thread's current accelerator stream (CUDA, or any other accelerator torch
+    knows: an NPU's, an XPU's), or ``None`` on a CPU or where the accelerator was never
+    initialised here (nothing to carry, and asking would initialise it)."""
+    if not torch.accelerator.is_available():
+        return None
+    backend = getattr(torch, torch.accelerator.current_accelerator().type, None)
+    initialised = getattr(backend, "is_initialized", None)
+    if initialised is not None and not initialised():
+        return None
+    return torch.accelerator.current_stream()
+
+
 class Partner:
     """Functions run one after another in one helper thread, each as a coroutine of the
     caller: :meth:`start` hands it the next, :meth:`resume` runs it until it calls
     :meth:`pause` (from inside, in its thread) or ends; the caller waits meanwhile, so the two
-    never run at once. Each function takes the caller's context variables and autocast
-    regions as they were at :meth:`start` (a forward in the caller's autocast stays in it).
+    never run at once. Each function takes the caller's context variables, autocast regions,
+    accelerator device and stream, saved-tensor hooks and default device as they were at
+    :meth:`start` (a forward in the caller's autocast stays in it, one under activation
+    offload offloads). Not carried: ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks.
 
     One thread for all the functions of a step, not one each (a thread's first parallel
     kernel makes it a team of intra-op threads, and a new team per micro-batch costs), kept
@@ -104,14 +120,21 @@ class Partner:
         """The next function to run (the previous one must have finished)."""
         context, regions = contextvars.copy_context(), _autocast_regions()
         # a new thread starts on device 0 and its default stream: the caller's, carried over
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        stream = torch.cuda.current_stream() if cuda else None
+        stream = _caller_stream()
+        # thread-local too: activation offload's (or a checkpoint's) saved-tensor hooks, and
+        # where factory functions put tensors (torch.set_default_device)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        default_device = torch.get_default_device()
 
         def job() -> Any:
             with contextlib.ExitStack() as stack:
-                if stream is not None:
-                    stack.enter_context(torch.cuda.device(stream.device))
-                    stack.enter_context(torch.cuda.stream(stream))
+                if stream is not None:  # the thread's own: each job sets it anew
+                    torch.accelerator.set_device_index(stream.device.index)
+                    torch.accelerator.set_stream(stream)
+                if torch.get_default_device() != default_device:
+                    torch.set_default_device(default_device)
+                if hooks is not None:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
                 for kind, dtype in regions:
                     stack.enter_context(torch.autocast(kind, dtype=dtype))
                 return context.run(fn)
@@ -171,7 +194,8 @@ class Partner:
         unwinds from its pause, leaving the transfers it issued in flight (its peers may never
         complete them), and the thread is free for the next step. A function not yet begun
         never runs."""
-        if self.done:
+        if self.done:  # ended (perhaps with an error, whose frames it would keep)
+            self.result = self.error = None
             return
         self._cancelled = True
         if not self._begun:
@@ -190,6 +214,7 @@ class Pairing:
     def __init__(self) -> None:
         self.partner: Partner | None = None
         self.calls = 0  # eager calls made under it
+        self.traced = 0  # calls run as the operator (compiled, or in a selective region)
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
@@ -206,16 +231,32 @@ class Pairing:
             partner.pause()
 
 
+TRACED = ("the model's mc2 calls ran as the operator torch.ops.mc2.fused_expert (under "
+          "torch.compile, or in a selective activation checkpointing region), which runs each "
+          "call whole: none can hand over to another micro-batch, so nothing can be paired; "
+          "pair an eagerly run model (full or no activation checkpointing), or run the "
+          "sequential loop")
+
+
 def current_pairing() -> Pairing | None:
-    """The pairing a call runs under (set by ``forward_backward``), or ``None``."""
-    return _ACTIVE.get()
+    """The pairing a call runs under (set by ``forward_backward``), or ``None``.
+
+    Inside a backward where the context variable is not set (on an accelerator autograd runs
+    the backward, and a reentrant checkpoint's recompute in it, in a device thread of its
+    own), the one pairing this process runs: without it a recomputed call's backward would
+    never give way, and the paired forward would run after it, unpaired."""
+    pairing = _ACTIVE.get()
+    if pairing is None and len(_PROCESS.active) == 1 and \
+            torch._C._current_graph_task_id() != -1:
+        return _PROCESS.active[0]
+    return pairing
 
 
 def paired_config(config: Any) -> Any:
     """An eager call's config under a pairing: ``"auto"`` runs :data:`PAIRED_SPLITS`
     micro-batches (the planner's trials would time the paired forward's work with the call's
     own), the same on every rank (every rank pairs alike)."""
-    if config.micro_batches == "auto" and _PROCESS.running:  # set wherever a pairing runs
+    if config.micro_batches == "auto" and _PROCESS.active:  # set wherever a pairing runs
         return config.replace(micro_batches=PAIRED_SPLITS)
     return config
 
@@ -223,11 +264,11 @@ def paired_config(config: Any) -> Any:
 @contextlib.contextmanager
 def pairing_active(pairing: Pairing) -> Iterator[None]:
     token = _ACTIVE.set(pairing)
-    _PROCESS.running += 1
+    _PROCESS.active.append(pairing)
     try:
         yield
     finally:
-        _PROCESS.running -= 1
+        _PROCESS.active.remove(pairing)
         _ACTIVE.reset(token)
 
 
@@ -273,8 +314,11 @@ class PairedLoop:
         try:
             with pairing_active(self._pairing):  # per call: nothing between calls is paired
                 return self._add(forward, last)
-        except BaseException:
+        except Exception:
             self._end()
+            raise
+        except BaseException:  # Ctrl-C mid hand-over: the partner's turns are no longer known
+            self._end(keep_partner=False)
             raise
 
     def _add(self, forward: Callable[[], T], last: bool) -> T:
@@ -284,7 +328,7 @@ class PairedLoop:
             self._scope.enter_context(self._around())
             out = forward()
             if self._pairing.calls == 0:
-                raise ValueError(self._unpaired)
+                raise ValueError(self._unpaired if not self._pairing.traced else TRACED)
         else:
             if self._partner is None:
                 self._partner = _PROCESS.idle.pop() if _PROCESS.idle else Partner()
@@ -306,11 +350,14 @@ class PairedLoop:
             self._end()
         return out
 
-    def _end(self) -> None:
+    def _end(self, keep_partner: bool = True) -> None:
         """The step is over (or failed): the contexts closed, the partner kept for the next
-        step (a forward still suspended in it, given up)."""
+        step (a forward still suspended in it, given up). A partner interrupted while it may
+        hold the turn (``KeyboardInterrupt`` in a hand-over) is dropped instead: resumed to
+        be given up, it could run beside the caller, and a stale turn would let the next
+        step's forward run beside its backward."""
         partner, self._partner, self._pending = self._partner, None, None
-        if partner is not None:
+        if partner is not None and keep_partner:
             partner.cancel()
             _PROCESS.idle.append(partner)
         scope, self._scope = self._scope, None
