@@ -335,6 +335,8 @@ def test_a_closed_connection_in_a_wait_is_a_comm_timeout_naming_it() -> None:
         assert told.lost == caught.value.lost
         assert "dispatch of micro-batch 1 in the forward lost its connection" in str(told)
         assert "torchrun --max-restarts" in str(told)
+        assert "lost a peer before (the dispatch of micro-batch 1 in the forward lost its " \
+            "connection" in str(told.refused("combine"))
         with pytest.raises(RuntimeError, match="size mismatch") as other:
             wait_work(Broken("size mismatch"), "dispatch", seconds)
         assert not isinstance(other.value, CommTimeout)

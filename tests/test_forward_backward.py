@@ -220,23 +220,52 @@ def test_a_backward_without_the_context_variable_finds_the_running_pairing() -> 
     assert contextvars.Context().run(current_pairing) is None
 
 
-def test_an_interrupted_step_drops_its_partner_and_the_next_step_pairs() -> None:
-    """Ctrl-C (a ``BaseException`` that is no ``Exception``) in a paired step: the partner
-    thread, whose turns are then unknown, is not kept for the next step (a stale turn would
-    let that step's forward run beside its backward); the next step pairs with a fresh one."""
+def test_an_interrupted_step_gives_its_partner_up_and_the_next_step_pairs() -> None:
+    """Ctrl-C (a ``BaseException`` that is no ``Exception``) in a paired step, in the
+    caller's own work and in a hand-over (the turn given to the partner, not handed back):
+    either way the partner is given up as after an error (in a hand-over, once it paused at
+    its next transfer) and kept, and the next step pairs with it."""
     from mc2.engine.autograd import pairing
 
     def forward(i: int) -> torch.Tensor:
-        pairing.current_pairing().calls += 1  # as an mc2 call under it would count itself
+        here = pairing.current_pairing()
+        here.calls += 1  # as an mc2 call under it would count itself
+        here.hand_back()  # as a call that issued a transfer
         return (torch.ones(2, requires_grad=True) * (i + 1)).sum()
 
     def interrupted(loss: torch.Tensor) -> None:
         raise KeyboardInterrupt
 
-    idle = len(pairing._PROCESS.idle)
+    def giving_way(loss: torch.Tensor) -> None:
+        pairing.current_pairing().give_way()
+        loss.backward()
+
+    real_resume = pairing.Partner.resume
+
+    def interrupted_in_hand_over(self: pairing.Partner) -> None:
+        import threading
+
+        pairing.Partner.resume = real_resume  # once
+        if self._thread is None:  # as resume starts it
+            self._thread = threading.Thread(target=self._main, daemon=True)
+            self._thread.start()
+        self._turn = True
+        self._run.release()  # the partner's turn, then the interrupt before it hands back
+        raise KeyboardInterrupt
+
+    kept = max(len(pairing._PROCESS.idle), 1)
     with pytest.raises(KeyboardInterrupt):
         pairing.run_pairs(3, forward, interrupted)
-    assert len(pairing._PROCESS.idle) == max(idle - 1, 0)
+    assert len(pairing._PROCESS.idle) == kept
+    pairing.Partner.resume = interrupted_in_hand_over
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pairing.run_pairs(3, forward, giving_way)
+    finally:
+        pairing.Partner.resume = real_resume
+    assert len(pairing._PROCESS.idle) == kept
+    partner = pairing._PROCESS.idle[-1]
+    assert partner.done and not partner._turn
     done = []
-    pairing.run_pairs(3, forward, lambda loss: done.append(loss.backward()))
-    assert len(done) == 3 and len(pairing._PROCESS.idle) == max(idle - 1, 0) + 1
+    pairing.run_pairs(3, forward, lambda loss: done.append(giving_way(loss)))
+    assert len(done) == 3 and len(pairing._PROCESS.idle) == kept

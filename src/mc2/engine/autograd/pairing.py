@@ -71,6 +71,9 @@ os.register_at_fork(after_in_child=_PROCESS.idle.clear)
 # two sittings, K = 1 0.959 and 1.011.
 PAIRED_SPLITS = 2
 
+# how long an interrupted step waits for its partner to hand the turn back before dropping it
+SETTLE_S = 5.0
+
 
 def _autocast_regions() -> list[tuple[str, torch.dtype]]:
     """The autocast regions enabled in this thread (thread-local state a forward depends
@@ -114,6 +117,7 @@ class Partner:
         self._thread: threading.Thread | None = None
         self._job: Callable[[], Any] | None = None
         self._begun = self._cancelled = False
+        self._turn = False  # the partner's turn, not yet handed back (see settle)
         self.done, self.result, self.error = True, None, None
 
     def start(self, fn: Callable[[], Any]) -> None:
@@ -169,8 +173,22 @@ class Partner:
             self._thread = threading.Thread(target=self._main, name="mc2-paired-forward",
                                             daemon=True)
             self._thread.start()
+        self._turn = True
         self._run.release()
         self._back.acquire()
+        self._turn = False
+
+    def settle(self, seconds: float) -> bool:
+        """After the caller was interrupted (Ctrl-C) in :meth:`resume`, the partner may still
+        hold the turn: wait up to ``seconds`` for it to hand back (its next pause, or its
+        end). Whether the turns are known again (the partner can then be cancelled and
+        kept)."""
+        if not self._turn:
+            return True
+        if not self._back.acquire(timeout=seconds):
+            return False
+        self._turn = False
+        return True
 
     def pause(self) -> None:
         """Hand back to the caller (called from the partner's own thread); raises
@@ -314,11 +332,17 @@ class PairedLoop:
         try:
             with pairing_active(self._pairing):  # per call: nothing between calls is paired
                 return self._add(forward, last)
-        except Exception:
-            self._end()
-            raise
-        except BaseException:  # Ctrl-C mid hand-over: the partner's turns are no longer known
-            self._end(keep_partner=False)
+        except BaseException:
+            # Ctrl-C in a hand-over leaves the partner's turn open: it pauses at its next
+            # transfer (the pairing pointed at it again) and is given up as after an error
+            partner = self._partner
+            if partner is not None and partner._turn:
+                self._pairing.partner = partner
+                settled = partner.settle(SETTLE_S)
+                self._pairing.partner = None
+            else:
+                settled = True
+            self._end(keep_partner=settled)
             raise
 
     def _add(self, forward: Callable[[], T], last: bool) -> T:
@@ -352,10 +376,11 @@ class PairedLoop:
 
     def _end(self, keep_partner: bool = True) -> None:
         """The step is over (or failed): the contexts closed, the partner kept for the next
-        step (a forward still suspended in it, given up). A partner interrupted while it may
-        hold the turn (``KeyboardInterrupt`` in a hand-over) is dropped instead: resumed to
-        be given up, it could run beside the caller, and a stale turn would let the next
-        step's forward run beside its backward."""
+        step (a forward still suspended in it, given up). A partner that still held the turn
+        :data:`SETTLE_S` after an interrupt (its forward blocked, say in a transfer its peers
+        will not complete) is dropped instead: cancelled, it would run beside the caller, and
+        a stale turn would let the next step's forward run beside its backward. Its daemon
+        thread, and what its forward holds, stay until the process ends."""
         partner, self._partner, self._pending = self._partner, None, None
         if partner is not None and keep_partner:
             partner.cancel()

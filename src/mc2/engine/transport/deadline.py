@@ -89,8 +89,13 @@ class CommTimeout(RuntimeError):
         self.micro_batch, self.phase, self.first, self.lost = micro_batch, phase, first, lost
         where = _where(operation, micro_batch, phase)
         if first is None and lost is not None:
-            message = (f"mc2: the {where} lost its connection to a peer after {waited_s:.1f}s "
-                       f"(that peer timed out, died or was stopped; the backend said: {lost})")
+            after = f" after {waited_s:.1f}s" if waited_s else ""
+            message = (f"mc2: the {where} lost its connection to a peer{after} (that peer "
+                       f"timed out, died or was stopped; the backend said: {lost})")
+        elif first is not None and first.lost is not None:
+            message = (f"mc2: the {where} was not started: its process group lost a peer "
+                       f"before (the {_where(first.operation, first.micro_batch, first.phase)}"
+                       f" lost its connection to it)")
         elif first is None:
             message = (f"mc2: the {where} waited {waited_s:.1f}s for a peer and passed its "
                        f"deadline (timeout=, MC2_TIMEOUT, else the process group's timeout)")
