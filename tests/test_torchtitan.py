@@ -168,9 +168,7 @@ def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager
         model_parts=[torch.nn.Linear(2, 2)], fwd_bwd_fn=None,
         parallel_dims=SimpleNamespace(pp_enabled=False, cp_enabled=False),
         config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True)))
-    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
-                                    optimizers=None, lr_schedulers=None,
-                                    states={"train_state": trainer}, sd_adapter=None)
+    manager = m.checkpoint_manager(tree, trainer)
     assert trainer.fwd_bwd_fn is None  # nothing before train() begins
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("mc2.integrations.torchtitan_schedule.pair_accumulation", paired.append)
@@ -179,9 +177,7 @@ def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager
     assert paired == [trainer]  # once
 
     trainer.config.training.disable_cuda_graphs = False
-    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
-                                    optimizers=None, lr_schedulers=None,
-                                    states={"train_state": trainer}, sd_adapter=None)
+    manager = m.checkpoint_manager(tree, trainer)
     with pytest.raises(ValueError, match="disable_cuda_graphs"):
         manager.load(step=-1)
     assert not isinstance(trainer.fwd_bwd_fn, PairedFwdBwd)

@@ -339,12 +339,18 @@ def through_override(trainer: Any) -> Any:
 
     tree = checkpoint_tree()
     apply_overrides(OverrideConfig(imports=[PAIRED]), tree)
-    manager = tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
-                                    optimizers=None, lr_schedulers=None,
-                                    states={"train_state": trainer}, sd_adapter=None,
-                                    base_folder="")
+    manager = checkpoint_manager(tree, trainer)
     manager.load(step=-1)
     return manager
+
+
+def checkpoint_manager(tree: Any, trainer: Any) -> Any:
+    """``tree``'s checkpoint manager, built with the arguments TorchTitan's ``Trainer`` passes
+    it (no optimizer, scheduler or data loader here: checkpointing is off)."""
+    return tree.checkpoint.build(dataloader=None, model_parts=trainer.model_parts,
+                                 optimizers=None, lr_schedulers=None,
+                                 states={"train_state": trainer}, sd_adapter=None,
+                                 base_folder="")
 
 
 def accumulation_against_torchtitan(rank: int, world: int, steps: int,

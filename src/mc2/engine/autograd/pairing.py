@@ -335,13 +335,11 @@ class PairedLoop:
         except BaseException:
             # Ctrl-C in a hand-over leaves the partner's turn open: it pauses at its next
             # transfer (the pairing pointed at it again) and is given up as after an error
-            partner = self._partner
-            if partner is not None and partner._turn:
+            partner, settled = self._partner, True
+            if partner is not None:
                 self._pairing.partner = partner
                 settled = partner.settle(SETTLE_S)
                 self._pairing.partner = None
-            else:
-                settled = True
             self._end(keep_partner=settled)
             raise
 

@@ -232,10 +232,8 @@ def wait_work(work: Any, operation: str, seconds: float | None) -> None:
     """``work.wait()`` with the deadline ``seconds`` (``None``: none of mc2's own); a
     :class:`CommTimeout` on expiry, and where a peer's connection closed
     (:func:`lost_connection`); the wait's other errors as they are."""
-    if seconds is None:  # no clock read: this wait may be inside a graph capture
-        start = None
-    else:
-        start = time.monotonic()
+    # no clock read without a deadline: this wait may be inside a graph capture
+    start = None if seconds is None else time.monotonic()
     try:
         completed = work.wait() if seconds is None else \
             work.wait(timeout=timedelta(seconds=seconds))
@@ -262,7 +260,7 @@ def lost_connection(exc: BaseException) -> str | None:
     text = str(exc)
     if not any(words in text for words in _LOST_CONNECTION):
         return None
-    return text.splitlines()[0][:300] if text else None
+    return text.splitlines()[0][:300]
 
 
 def wait_future(future: Any, operation: str) -> Any:
