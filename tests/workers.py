@@ -182,12 +182,26 @@ def auto_choice(rank: int, world: int, tokens: list[int], hidden: int, ffn: int)
                           for k in (1, 2, 4, 8, 16)}}
 
 
+class CalibratedPlanner(mc2.Planner):
+    """A planner whose calibrations are given, not measured: a test of what the planner
+    decides from its cost model stays deterministic on a loaded machine, where a measured
+    calibration can land on either side of the model's margin."""
+
+    def __init__(self, calibration: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.given = calibration
+
+    def _measure(self, *args: Any, **kwargs: Any) -> Any:
+        return self.given
+
+
 def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn: int,
-                decided: bool = True) -> dict:
+                decided: bool = True, calibration: Any = None) -> dict:
     """``"auto"`` over ``calls`` no-grad calls, then ``calls`` forward + backward calls, of a
     decode-sized batch: the K each call ran and its trial marks (from the timeline), the
     planner's decision (``decided``: it made one; else ``None`` where it made none), and
-    whether every output equals a fixed K = 1 call's."""
+    whether every output equals a fixed K = 1 call's. ``calibration``: given to the planner
+    instead of measured (:class:`CalibratedPlanner`)."""
     g = torch.Generator().manual_seed(rank)
     local = 2
     x = torch.randn(tokens, hidden, generator=g)
@@ -195,7 +209,7 @@ def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn
     ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, hidden, ffn, generator=g) * 0.05,
           torch.randn(local, ffn, hidden, generator=g) * 0.05]
-    planner = mc2.Planner()
+    planner = mc2.Planner() if calibration is None else CalibratedPlanner(calibration)
     used, marks, equal = [], [], True
     expected = mc2.fused_expert(x, *ws, ids, micro_batches=1)
     for n in range(2 * calls):
