@@ -189,6 +189,24 @@ def test_the_callers_saved_tensor_hooks_reach_the_paired_forwards() -> None:
                                                         strict=True))
 
 
+@pytest.mark.parametrize("kind", ["function", "dispatch"])
+def test_the_callers_modes_reach_the_paired_forwards(kind: str) -> None:
+    """A ``TorchFunctionMode`` or ``TorchDispatchMode`` around the step (a quantiser, a
+    FLOP counter, a tracer) is thread-local: one that doubles the loss's mean doubles it in
+    the forwards that run in the partner thread too (micro-batches 1-3, three times micro-batch
+    0's in the caller's thread), so losses and gradients equal the sequential loop's under the
+    same mode; without carrying the mode, three of the four losses would be half as large."""
+    from tests.workers_pairing import modes_carried
+
+    for r in mc2.run_local(modes_carried, 2, args=(kind,), timeout_s=120):
+        assert r[True]["partner"] == 3 * r[True]["caller"] == 3, r[True]
+        assert r[None]["caller"] == 4 and r[None]["partner"] == 0
+        assert r[True]["losses"] == pytest.approx(r[None]["losses"], rel=1e-12)
+        assert r[None]["losses"] == pytest.approx([2 * x for x in r["plain_losses"]])
+        assert all(_close(g, w, 1e-10) for g, w in zip(r[True]["grads"], r[None]["grads"],
+                                                        strict=True))
+
+
 def test_a_backward_without_the_context_variable_finds_the_running_pairing() -> None:
     """On an accelerator autograd runs a backward (and a reentrant checkpoint's recompute in
     it) in a device thread of its own, where the pairing's context variable is not set: a
@@ -269,3 +287,14 @@ def test_an_interrupted_step_gives_its_partner_up_and_the_next_step_pairs() -> N
     done = []
     pairing.run_pairs(3, forward, lambda loss: done.append(giving_way(loss)))
     assert len(done) == 3 and len(pairing._PROCESS.idle) == kept
+
+
+def test_a_step_under_a_tracing_mode_is_not_paired() -> None:
+    """Fake tensors (and ``make_fx``'s, functionalization's modes) keep their state for the
+    thread that entered them, so no forward can run beside them in another thread:
+    ``overlap=True`` is refused before anything runs, naming the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Linear(4, 4)
+    with FakeTensorMode(), pytest.raises(ValueError, match="FakeTensorMode, a tracing mode"):
+        mc2.forward_backward(model, [1, 2], lambda m, b: m.weight.sum(), overlap=True)

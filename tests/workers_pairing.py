@@ -411,6 +411,70 @@ def hf_ep_paired(rank: int, world: int, path: str, layout: str) -> dict[str, Any
             "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules())}
 
 
+def _doubling_modes() -> tuple[Any, Any]:
+    """A ``TorchFunctionMode`` and a ``TorchDispatchMode`` that each double every
+    ``mean`` (the loss's last step, which no backward calls) and count those means by
+    thread: what a mode does to a forward, a paired forward must do too."""
+    import collections
+    import threading
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DoublingFunctions(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.means: collections.Counter = collections.Counter()
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.mean:
+                self.means[threading.current_thread().name] += 1
+                out = out * 2
+            return out
+
+    class DoublingDispatch(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.means: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mean.default:
+                self.means[threading.current_thread().name] += 1
+                out = out * 2
+            return out
+
+    return DoublingFunctions, DoublingDispatch
+
+
+def modes_carried(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """The in-layer stack's sequential loop and paired step, each under one mode of
+    ``kind`` (``"function"`` or ``"dispatch"``: :func:`_doubling_modes`): the means each
+    thread ran under it, the losses, and the gradients."""
+    import threading
+
+    batches = _micro_batches(rank)
+    make = dict(zip(("function", "dispatch"), _doubling_modes()))[kind]
+    found: dict[str, Any] = {}
+    for overlap in (None, True):
+        model = _in_layer_stack()
+        with make() as mode:
+            if overlap is None:
+                losses = _sequential(model, batches, _stack_loss)
+            else:
+                losses = mc2.forward_backward(model, batches, _stack_loss, overlap=True)
+        found[overlap] = {"partner": mode.means["mc2-paired-forward"],
+                          "caller": mode.means[threading.current_thread().name],
+                          "losses": [float(x) for x in losses],
+                          "grads": [p.grad.clone() for p in model.parameters()]}
+    model = _in_layer_stack()
+    found["plain_losses"] = [float(x) for x in _sequential(model, batches, _stack_loss)]
+    return found
+
+
 def hooks_carried(rank: int, world: int) -> dict[str, Any]:
     """The in-layer stack's sequential loop and paired step, each under one saved-tensor hook
     (as activation offload installs one) that counts what it packs, by thread: how many

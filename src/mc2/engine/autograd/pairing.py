@@ -97,6 +97,47 @@ def _caller_stream() -> Any:
     return torch.accelerator.current_stream()
 
 
+def _mode_stacks() -> tuple[list[Any], list[Any]]:
+    """The calling thread's ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks, bottom
+    first. The tracing modes (fake tensors, ``make_fx``, functionalization) are kept apart
+    from these by torch and are not carried: :func:`tracing_mode` refuses a pairing under
+    them."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_function_mode_stack(), _get_current_dispatch_mode_stack()
+
+
+def tracing_mode() -> str | None:
+    """The name of the tracing dispatch mode that runs, or ``None``: its state belongs to the
+    thread that entered it, so a forward cannot run beside it in another thread."""
+    for key in torch._C._TorchDispatchModeKey.__members__.values():
+        mode = torch._C._get_dispatch_mode(key)
+        if mode is not None:
+            return type(mode).__name__
+    return None
+
+
+@contextlib.contextmanager
+def _modes_entered(functions: list[Any], dispatches: list[Any]) -> Iterator[None]:
+    """``functions`` and ``dispatches`` pushed onto this thread's (empty) mode stacks, in
+    order, and popped at the end."""
+    from torch.overrides import _pop_mode as pop_function, _push_mode as push_function
+    from torch.utils._python_dispatch import _pop_mode as pop_dispatch, _push_mode as push_dispatch
+
+    for mode in functions:
+        push_function(mode)
+    for mode in dispatches:
+        push_dispatch(mode)
+    try:
+        yield
+    finally:
+        for _ in dispatches:
+            pop_dispatch()
+        for _ in functions:
+            pop_function()
+
+
 class Partner:
     """Functions run one after another in one helper thread, each as a coroutine of the
     caller: :meth:`start` hands it the next, :meth:`resume` runs it until it calls
@@ -104,7 +145,9 @@ class Partner:
     never run at once. Each function takes the caller's context variables, autocast regions,
     accelerator device and stream, saved-tensor hooks and default device as they were at
     :meth:`start` (a forward in the caller's autocast stays in it, one under activation
-    offload offloads). Not carried: ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks.
+    offload offloads), and its ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks (the
+    same mode objects, pushed without entering them again: a mode's ``__enter__`` may reset
+    what it counts).
 
     One thread for all the functions of a step, not one each (a thread's first parallel
     kernel makes it a team of intra-op threads, and a new team per micro-batch costs), kept
@@ -126,17 +169,16 @@ class Partner:
         # a new thread starts on device 0 and its default stream: the caller's, carried over
         stream = _caller_stream()
         # thread-local too: activation offload's (or a checkpoint's) saved-tensor hooks, and
-        # where factory functions put tensors (torch.set_default_device)
+        # the modes (a quantiser's, a counter's; torch.set_default_device's is one)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        default_device = torch.get_default_device()
+        modes = _mode_stacks()
 
         def job() -> Any:
             with contextlib.ExitStack() as stack:
                 if stream is not None:  # the thread's own: each job sets it anew
                     torch.accelerator.set_device_index(stream.device.index)
                     torch.accelerator.set_stream(stream)
-                if torch.get_default_device() != default_device:
-                    torch.set_default_device(default_device)
+                stack.enter_context(_modes_entered(*modes))
                 if hooks is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
                 for kind, dtype in regions:
