@@ -207,6 +207,22 @@ def test_the_callers_modes_reach_the_paired_forwards(kind: str) -> None:
                                                         strict=True))
 
 
+def test_a_paired_step_reads_the_device_as_often_as_the_sequential_loop() -> None:
+    """Counted with the host-sync counter (a ``TorchFunctionMode``, now carried into the
+    paired forwards): the paired step of 4 micro-batches through 3 layers makes the
+    sequential loop's device reads (one per forward call, 12) and uploads, plus one
+    agreement of host numbers (the pairing's decision, ``host_max``: a CPU tensor on a Gloo
+    group, no device in the way)."""
+    from tests.workers_pairing import host_syncs_paired
+
+    for r in mc2.run_local(host_syncs_paired, 2, timeout_s=120):
+        sequential, paired = r[None], r[True]
+        assert paired["reads"] == sequential["reads"] == 12, r
+        extra = paired["where"] - sequential["where"]
+        assert sum(extra.values()) == 1 and "host_max" in next(iter(extra)), extra
+        assert not sequential["where"] - paired["where"]
+
+
 def test_a_backward_without_the_context_variable_finds_the_running_pairing() -> None:
     """On an accelerator autograd runs a backward (and a reentrant checkpoint's recompute in
     it) in a device thread of its own, where the pairing's context variable is not set: a

@@ -475,6 +475,29 @@ def modes_carried(rank: int, world: int, kind: str) -> dict[str, Any]:
     return found
 
 
+def host_syncs_paired(rank: int, world: int) -> dict[str, Any]:
+    """The host synchronisations (:class:`~mc2.observation.host_syncs.HostSyncCounter`, a
+    ``TorchFunctionMode`` the pairing carries into the paired forwards) of the in-layer
+    stack's sequential loop and paired step, each the second of its kind (the first ones
+    warm the planner): counts by operation and where."""
+    import collections
+
+    from mc2.observation.host_syncs import HostSyncCounter
+
+    batches = _micro_batches(rank)
+    found: dict[str, Any] = {}
+    for overlap in (None, True, None, True):
+        model = _in_layer_stack()
+        with HostSyncCounter() as counter:
+            if overlap is None:
+                _sequential(model, batches, _stack_loss)
+            else:
+                mc2.forward_backward(model, batches, _stack_loss, overlap=True)
+        found[overlap] = {"reads": counter.reads, "uploads": counter.uploads,
+                          "where": collections.Counter(counter.where)}
+    return found
+
+
 def hooks_carried(rank: int, world: int) -> dict[str, Any]:
     """The in-layer stack's sequential loop and paired step, each under one saved-tensor hook
     (as activation offload installs one) that counts what it packs, by thread: how many
