@@ -228,6 +228,47 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     return found
 
 
+def fsdp2_failed_step(rank: int, world: int) -> dict[str, Any]:
+    """An FSDP2-sharded stack (each layer a unit) whose paired step fails in the third
+    micro-batch's forward, after the first backward accumulated its gradients unsharded;
+    then ``zero_grad`` and a whole paired step, against the sequential loop on a twin model.
+    Each rank's local gradient shards, and whether every unit was left sharded after the
+    failure and after the step."""
+    from torch.distributed.fsdp import fully_shard
+
+    batches = [(x, 3) for x in _micro_batches(rank)]
+
+    def sharded() -> torch.nn.Module:
+        model = _EarlyExit()
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+
+    def failing(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if batch is batches[2]:
+            raise RuntimeError("the forward failed on purpose")
+        return _depth_loss(model, batch)
+
+    def left_sharded(model: torch.nn.Module) -> bool:
+        return all(type(p).__name__ == "DTensor" for p in model.parameters())
+
+    model = sharded()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # holds the sharded parameters
+    try:
+        mc2.forward_backward(model, batches, failing, overlap=True)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    after_failure = left_sharded(model)
+    optimizer.zero_grad(set_to_none=True)  # as a training loop clears them: the shards'
+    mc2.forward_backward(model, batches, _depth_loss, overlap=True)
+    twin = sharded()
+    _sequential(twin, batches, _depth_loss)
+    return {"raised": raised, "after_failure": after_failure, "after_step": left_sharded(model),
+            "got": [p.grad.to_local().clone() for p in model.parameters()],
+            "want": [p.grad.to_local().clone() for p in twin.parameters()]}
+
+
 class _FailingBackward(torch.autograd.Function):
     """The identity, whose backward raises: at the model's input, it raises at the very end
     of a backward, after every mc2 call of it gave way to the paired forward."""

@@ -32,8 +32,10 @@ What this reads of FSDP2 beyond its public methods (this torch's ``_fully_shard`
 state (``_get_fsdp_state``), its lazy initialisation (run here for the units no other unit
 contains, as their first forward would: a model handed in that is a submodule of the real root
 would make an inner unit the root), its parameter groups (``reshard``, ``reduce_grads``,
-``all_reduce_grads``, put back as they were), ``is_last_backward`` and its end-of-backward
-callback's registration. A unit stays gathered for the whole step: its parameters take their
+``all_reduce_grads``, put back as they were), ``is_last_backward``, its end-of-backward
+callback's registration, and after a failed step its recovery (``_reset_iter_state``, what
+``reset_iter_state`` runs) and each parameter's unsharded gradients (dropped). A unit stays
+gathered for the whole step: its parameters take their
 unsharded size until the last backward, and its gradients accumulate unsharded (in the reduce
 dtype where one is set); so ``mc2.forward_backward``'s ``"auto"`` does not try pairing on an
 FSDP2 model, only ``overlap=True`` pairs it. A unit that groups modules from both ends of the model
@@ -67,6 +69,21 @@ def _roots(units: list[Any]) -> list[Any]:
     return roots
 
 
+def _discard_step(roots: list[Any], groups: list[Any]) -> None:
+    """After a failed step: FSDP2's own recovery (its roots' ``reset_iter_state``: every
+    group resharded, its per-step state cleared), and the gradients the step accumulated
+    unsharded dropped, which that recovery keeps. Kept, they would join the next step's
+    reduce-scatter, silently: a training loop clears the sharded gradients its optimizer
+    holds, never these (measured: the next step's gradients off by their whole size)."""
+    for state in roots:
+        state._reset_iter_state()
+    for group in groups:
+        for param in group.fsdp_params:
+            param.unsharded_accumulated_grad = None
+            if hasattr(param, "_unsharded_param"):
+                param._unsharded_param.grad = None
+
+
 class PairedSharding:
     """FSDP2 for one model's paired steps: :meth:`held` around the step (every unit gathered,
     none reducing, from the first forward to the last backward), :meth:`finished` on each
@@ -98,12 +115,20 @@ class PairedSharding:
             for state in self._roots:
                 state._state_ctx.is_last_backward = False
             yield
-        finally:
-            for group, reduce, all_reduce in saved:
-                group.__dict__.pop("reshard", None)
-                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
-            for state, was in last:
-                state._state_ctx.is_last_backward = was
+        except BaseException:
+            self._restore(saved, last)
+            _discard_step(self._roots, groups)
+            raise
+        self._restore(saved, last)
+
+    @staticmethod
+    def _restore(saved: list, last: list) -> None:
+        """Each parameter group's and root's settings as they were before the step."""
+        for group, reduce, all_reduce in saved:
+            group.__dict__.pop("reshard", None)
+            group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+        for state, was in last:
+            state._state_ctx.is_last_backward = was
 
     def finished(self, loss: Tensor) -> Tensor:
         """``loss``, whose backward runs FSDP2's end-of-backward callback of each root

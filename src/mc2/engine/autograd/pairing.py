@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 import threading
 from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
@@ -382,7 +383,7 @@ class PairedLoop:
                 self._pairing.partner = partner
                 settled = partner.settle(SETTLE_S)
                 self._pairing.partner = None
-            self._end(keep_partner=settled)
+            self._end(keep_partner=settled, failure=sys.exc_info())
             raise
 
     def _add(self, forward: Callable[[], T], last: bool) -> T:
@@ -414,9 +415,11 @@ class PairedLoop:
             self._end()
         return out
 
-    def _end(self, keep_partner: bool = True) -> None:
-        """The step is over (or failed): the contexts closed, the partner kept for the next
-        step (a forward still suspended in it, given up). A partner that still held the turn
+    def _end(self, keep_partner: bool = True, failure: Any = (None, None, None)) -> None:
+        """The step is over (or failed: ``failure``, the exception's ``sys.exc_info()``, which
+        ``around()`` sees, so that it can discard the step's state): the contexts closed, the
+        partner kept for the next step (a forward still suspended in it, given up). A
+        partner that still held the turn
         :data:`SETTLE_S` after an interrupt (its forward blocked, say in a transfer its peers
         will not complete) is dropped instead: cancelled, it would run beside the caller, and
         a stale turn would let the next step's forward run beside its backward. Its daemon
@@ -426,8 +429,8 @@ class PairedLoop:
             partner.cancel()
             _PROCESS.idle.append(partner)
         scope, self._scope = self._scope, None
-        if scope is not None:
-            scope.close()  # nothing left to close after the last backward
+        if scope is not None:  # nothing left to close after the last backward
+            scope.__exit__(*failure)
 
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
