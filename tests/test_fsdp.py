@@ -108,12 +108,19 @@ def test_bf16_parameters_with_fp32_reduction(fsdp_run) -> None:
 
 def test_a_stack_of_moe_layers(fsdp_run) -> None:
     x = torch.randn(4 * 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
-    out, gate_grad = stack_reference(x)
+    out, gate_grad, expert_grads = stack_reference(x)
     results = fsdp_run["results"]
+    # tolerances scaled to the values: the stack's output is ~1e-10 and its router's gradient
+    # ~1e-21 (two small-weighted SwiGLU layers), so a fixed atol of 1e-12 passed anything
     torch.testing.assert_close(torch.cat([r["stack_out"] for r in results]), out, rtol=1e-10,
-                               atol=1e-12)
+                               atol=1e-10 * float(out.abs().max()))
     for r in results:
-        torch.testing.assert_close(r["stack_gate_grad"], gate_grad, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(r["stack_gate_grad"], gate_grad, rtol=1e-9,
+                                   atol=1e-9 * float(gate_grad.abs().max()))
+        assert set(r["stack_expert_grads"]) == set(expert_grads)
+        for name, (got, experts) in r["stack_expert_grads"].items():
+            want = expert_grads[name][experts]
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
 
 
 def test_fully_shard_needs_a_dp_ep_mesh() -> None:

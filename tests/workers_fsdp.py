@@ -105,12 +105,20 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
                     generator=torch.Generator().manual_seed(11))
     mine = x[rank * 6:(rank + 1) * 6]
     out = stack(mine)
-    (out.pow(2).sum() / x.numel()).backward()  # this rank's share of the mean over all ranks
+    # this rank's mean: FSDP2 averages the gradients over the 4 ranks, which makes them the
+    # mean's over all ranks (a sum over x's rows here, as its comment once said, is a
+    # quarter of the reference's: a fixed atol hid it, the gradients being ~1e-21)
+    out.pow(2).mean().backward()
     return {"losses": losses, "norms": norms, "held": held, "all_dtensors": all_dtensors,
             "mixed": mixed_result, "manual_losses": manual, "ep_only_norm": ep_only,
             "overlapped": overlapped,
             "stack_out": out.detach(),
-            "stack_gate_grad": stack[0].gate.weight.grad.full_tensor()}
+            "stack_gate_grad": stack[0].gate.weight.grad.full_tensor(),
+            "stack_expert_grads": {  # this rank's experts, whole, and which they are
+                f"{i}.{name}": (p.grad.full_tensor(),
+                                list(layer.layout.experts_of_this_rank(layer.num_experts)))
+                for i, layer in enumerate(stack) for name, p in layer.named_parameters()
+                if name.startswith("experts.")}}
 
 
 def _first_norm(mesh: Any, ids: torch.Tensor) -> float:
@@ -195,8 +203,9 @@ def stack_states(seed: int = 5) -> list[dict[str, torch.Tensor]]:
             for _ in range(2)]
 
 
-def stack_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stack of :func:`fsdp_world` in one process: output and router gradient."""
+def stack_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The stack of :func:`fsdp_world` in one process: output, router gradient, and every
+    routed expert parameter's gradient (all experts) by name."""
     import mc2
 
     states = stack_states()
@@ -206,7 +215,9 @@ def stack_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer.load_state_dict(state)
     out = stack(x)
     out.pow(2).mean().backward()
-    return out.detach(), stack[0].gate.weight.grad
+    return out.detach(), stack[0].gate.weight.grad, {
+        f"{i}.{name}": p.grad for i, layer in enumerate(stack)
+        for name, p in layer.named_parameters() if name.startswith("experts.")}
 
 
 def fsdp_data() -> torch.Tensor:
