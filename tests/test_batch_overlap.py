@@ -22,8 +22,11 @@ def _same(plain: dict, got: dict, rtol: float, atol: float) -> None:
     for mine, theirs in zip(got["router_logits"], plain["router_logits"]):
         torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol)
     assert got["grads"].keys() == plain["grads"].keys()
-    for name, grad in plain["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
+    for name, grad in plain["grads"].items():  # atol of each gradient's own scale: some are
+        # ~1e-6 in float32, where a fixed 1e-6 passed a third of their size
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol * scale,
+                                   msg=name)
 
 
 def _weight_grads_wait_for_the_other(order: list[tuple[str, int]], micro_batches: int) -> None:
