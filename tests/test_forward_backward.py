@@ -60,17 +60,20 @@ def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> 
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
 
-def test_a_failed_fsdp2_step_leaves_no_gradient_for_the_next() -> None:
+@pytest.mark.parametrize("where", ["forward", "last backward"])
+def test_a_failed_fsdp2_step_leaves_no_gradient_for_the_next(where: str) -> None:
     """A paired FSDP2 step that fails in its third forward has accumulated the first
     micro-batch's gradients unsharded, which no optimizer's ``zero_grad`` clears (it holds
     the shards): the failure runs FSDP2's recovery and drops them, so the next step's
     gradients equal the sequential loop's on a twin model (before: off by their whole size,
     the stale gradients reduced with the new ones), and every unit is sharded again right
-    after the failure (before: all held gathered)."""
+    after the failure (before: all held gathered). The same where the last backward fails,
+    which runs outside the step's held units (a review found the discard skipped there)."""
     from tests.workers_pairing import fsdp2_failed_step
 
-    for r in mc2.run_local(fsdp2_failed_step, 2, timeout_s=120):
-        assert r["raised"] == "the forward failed on purpose"
+    for r in mc2.run_local(fsdp2_failed_step, 2, args=(where,), timeout_s=120):
+        assert r["raised"] == ("the forward failed on purpose" if where == "forward"
+                               else "the backward failed on purpose")
         assert r["after_failure"] and r["after_step"]
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
@@ -222,6 +225,17 @@ def test_the_callers_modes_reach_the_paired_forwards(kind: str) -> None:
                                                         strict=True))
 
 
+def test_modes_a_paired_forward_leaves_behind_do_not_reach_the_next_step() -> None:
+    """The partner thread serves every step: a mode its forward entered and never exited,
+    and the default device it set (a mode below the carried ones), are gone when the next
+    step's forwards run there (before: the next forwards ran under them)."""
+    from tests.workers_pairing import modes_left_behind
+
+    for r in mc2.run_local(modes_left_behind, 2, timeout_s=120):
+        assert any(name == "mc2-paired-forward" for name, _ in r["depths"]), r
+        assert all(depth == 0 for _, depth in r["depths"]), r
+
+
 def test_a_paired_step_reads_the_device_as_often_as_the_sequential_loop() -> None:
     """Counted with the host-sync counter (a ``TorchFunctionMode``, now carried into the
     paired forwards): the paired step of 4 micro-batches through 3 layers makes the
@@ -329,3 +343,18 @@ def test_a_step_under_a_tracing_mode_is_not_paired() -> None:
     model = torch.nn.Linear(4, 4)
     with FakeTensorMode(), pytest.raises(ValueError, match="FakeTensorMode, a tracing mode"):
         mc2.forward_backward(model, [1, 2], lambda m, b: m.weight.sum(), overlap=True)
+
+
+def test_every_paired_loop_refuses_a_tracing_mode() -> None:
+    """Megatron's and TorchTitan's paired loops do not go through ``forward_backward``'s
+    check: the loop itself refuses a step under a tracing mode, at its first micro-batch,
+    before any forward runs, and takes the next step afresh."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mc2.engine.autograd.pairing import PairedLoop
+
+    ran: list[int] = []
+    loop = PairedLoop(lambda out: None)
+    with FakeTensorMode(), pytest.raises(ValueError, match="FakeTensorMode, a tracing mode"):
+        loop.add(lambda: ran.append(0), last=False)
+    assert ran == [] and loop.taken == 0

@@ -240,12 +240,13 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     return found
 
 
-def fsdp2_failed_step(rank: int, world: int) -> dict[str, Any]:
+def fsdp2_failed_step(rank: int, world: int, where: str = "forward") -> dict[str, Any]:
     """An FSDP2-sharded stack (each layer a unit) whose paired step fails in the third
-    micro-batch's forward, after the first backward accumulated its gradients unsharded;
-    then ``zero_grad`` and a whole paired step, against the sequential loop on a twin model.
-    Each rank's local gradient shards, and whether every unit was left sharded after the
-    failure and after the step."""
+    micro-batch's forward (``where="forward"``: after the first backward accumulated its
+    gradients unsharded) or at the end of the last backward (``"last backward"``, which runs
+    outside the step's held units); then ``zero_grad`` and a whole paired step, against the
+    sequential loop on a twin model. Each rank's local gradient shards, and whether every
+    unit was left sharded after the failure and after the step."""
     from torch.distributed.fsdp import fully_shard
 
     batches = [(x, 3) for x in _micro_batches(rank)]
@@ -257,8 +258,11 @@ def fsdp2_failed_step(rank: int, world: int) -> dict[str, Any]:
         return fully_shard(model)
 
     def failing(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        if batch is batches[2]:
+        if batch is batches[2] and where == "forward":
             raise RuntimeError("the forward failed on purpose")
+        if batch is batches[-1] and where == "last backward":
+            x = _FailingBackward.apply(batch[0].clone().requires_grad_(True))
+            return _depth_loss(model, (x, batch[1]))
         return _depth_loss(model, batch)
 
     def left_sharded(model: torch.nn.Module) -> bool:
@@ -549,6 +553,40 @@ def host_syncs_paired(rank: int, world: int) -> dict[str, Any]:
         found[overlap] = {"reads": counter.reads, "uploads": counter.uploads,
                           "where": collections.Counter(counter.where)}
     return found
+
+
+def modes_left_behind(rank: int, world: int) -> dict[str, Any]:
+    """A paired step whose second forward (in the partner thread) enters a mode it never
+    exits and sets the default device; then a second paired step that records, in each
+    forward, the mode stack's depth and the thread (the partner thread is kept between
+    steps: nothing of the first step's forward may reach the second's)."""
+    import threading
+
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    batches = _micro_batches(rank)
+    model = _in_layer_stack()
+
+    def untidy(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x is batches[1]:
+            PassThrough().__enter__()  # never exited
+            torch.set_default_device("cpu")
+        return _stack_loss(model, x)
+
+    depths: list[tuple[str, int]] = []
+
+    def recorded(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        depths.append((threading.current_thread().name, len(_get_current_function_mode_stack())))
+        return _stack_loss(model, x)
+
+    mc2.forward_backward(model, batches, untidy, overlap=True)
+    mc2.forward_backward(model, batches, recorded, overlap=True)
+    return {"depths": depths}
 
 
 def hooks_carried(rank: int, world: int) -> dict[str, Any]:

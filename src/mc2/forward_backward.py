@@ -162,7 +162,7 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tensor]:
             return sharding.finished(_loss(loss_fn, model, batches[i]))
 
     return run_pairs(len(batches), forward, lambda loss: loss.backward(), around=sharding.held,
-                     kept=lambda loss: loss.detach(),
+                     kept=lambda loss: loss.detach(), failed=sharding.discard,
                      unpaired="forward_backward(overlap=True): the model's forward made no "
                               "mc2 call, so nothing can be paired; switch mc2 on in the model "
                               "(enable_mc2, mc2.MoELayer, ep_implementation='mc2') or pass "

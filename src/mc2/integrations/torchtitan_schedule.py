@@ -65,6 +65,7 @@ class PairedFwdBwd:
         self.model = trainer.model_parts[0]
         self._sharding = PairedSharding(self.model)
         self.loop = PairedLoop(self._backward, around=self._sharding.held,
+                               failed=self._sharding.discard,
                                unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
                                         "override on its routed experts), so nothing can be "
                                         "paired")

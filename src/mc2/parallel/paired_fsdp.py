@@ -51,6 +51,7 @@ from typing import Any, Iterator
 
 from torch import Tensor, nn
 
+from mc2.engine.transport.deadline import CommTimeout
 from mc2.parallel.layer_gather import fsdp_units, param_groups
 
 
@@ -71,12 +72,18 @@ def _roots(units: list[Any]) -> list[Any]:
 
 def _discard_step(roots: list[Any], groups: list[Any]) -> None:
     """After a failed step: FSDP2's own recovery (its roots' ``reset_iter_state``: every
-    group resharded, its per-step state cleared), and the gradients the step accumulated
-    unsharded dropped, which that recovery keeps. Kept, they would join the next step's
-    reduce-scatter, silently: a training loop clears the sharded gradients its optimizer
-    holds, never these (measured: the next step's gradients off by their whole size)."""
-    for state in roots:
-        state._reset_iter_state()
+    group resharded, its per-step state cleared; each group's part of it where a unit here
+    is not FSDP2's root, the model handed in being inside the real one), and the gradients
+    the step accumulated unsharded dropped, which that recovery keeps. Kept, they would join
+    the next step's reduce-scatter, silently: a training loop clears the sharded gradients
+    its optimizer holds, never these (measured: the next step's gradients off by their
+    whole size)."""
+    if all(state._is_root for state in roots):
+        for state in roots:
+            state._reset_iter_state()
+    else:
+        for group in groups:
+            group._reset_iter_state()
     for group in groups:
         for param in group.fsdp_params:
             param.unsharded_accumulated_grad = None
@@ -115,20 +122,22 @@ class PairedSharding:
             for state in self._roots:
                 state._state_ctx.is_last_backward = False
             yield
-        except BaseException:
-            self._restore(saved, last)
-            _discard_step(self._roots, groups)
-            raise
-        self._restore(saved, last)
+        finally:
+            for group, reduce, all_reduce in saved:
+                group.__dict__.pop("reshard", None)
+                group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+            for state, was in last:
+                state._state_ctx.is_last_backward = was
 
-    @staticmethod
-    def _restore(saved: list, last: list) -> None:
-        """Each parameter group's and root's settings as they were before the step."""
-        for group, reduce, all_reduce in saved:
-            group.__dict__.pop("reshard", None)
-            group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
-        for state, was in last:
-            state._state_ctx.is_last_backward = was
+    def discard(self, failure: BaseException) -> None:
+        """After a failed step (wherever it failed, the last backward included): what it
+        left (:func:`_discard_step`). A step whose group timed out or lost a peer is left
+        as it is: FSDP2's recovery would wait for a gather that peer never joins."""
+        units = fsdp_units(self.model)
+        if not units or isinstance(failure, CommTimeout):
+            return
+        groups = list({id(g): g for unit in units for g in param_groups(unit)}.values())
+        _discard_step(self._roots, groups)
 
     def finished(self, loss: Tensor) -> Tensor:
         """``loss``, whose backward runs FSDP2's end-of-backward callback of each root

@@ -100,9 +100,8 @@ def _caller_stream() -> Any:
 
 def _mode_stacks() -> tuple[list[Any], list[Any]]:
     """The calling thread's ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks, bottom
-    first. The tracing modes (fake tensors, ``make_fx``, functionalization) are kept apart
-    from these by torch and are not carried: :func:`tracing_mode` refuses a pairing under
-    them."""
+    first (a tracing mode would be among the dispatch modes: :func:`tracing_mode` refuses a
+    pairing under one before any forward is carried)."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -110,19 +109,26 @@ def _mode_stacks() -> tuple[list[Any], list[Any]]:
 
 
 def tracing_mode() -> str | None:
-    """The name of the tracing dispatch mode that runs, or ``None``: its state belongs to the
-    thread that entered it, so a forward cannot run beside it in another thread."""
+    """The name of the tracing mode that runs (fake tensors, ``make_fx``'s proxies,
+    functionalization, or any pre-dispatch mode), or ``None``: its state belongs to the thread
+    that entered it, so no forward can run beside it in another thread."""
     for key in torch._C._TorchDispatchModeKey.__members__.values():
         mode = torch._C._get_dispatch_mode(key)
         if mode is not None:
             return type(mode).__name__
+    if torch._ops._len_torch_dispatch_stack_pre_dispatch() > 0:
+        return "a pre-dispatch mode (make_fx(pre_dispatch=True), export)"
     return None
 
 
 @contextlib.contextmanager
 def _modes_entered(functions: list[Any], dispatches: list[Any]) -> Iterator[None]:
-    """``functions`` and ``dispatches`` pushed onto this thread's (empty) mode stacks, in
-    order, and popped at the end."""
+    """``functions`` and ``dispatches`` pushed onto this thread's mode stacks, in order (not
+    entered again: a mode's ``__enter__`` may reset what it counts), and at the end every
+    mode popped, whatever the job pushed or popped itself, and the thread's default device
+    forgotten: the thread serves the next steps, and a mode left on it (a ``DeviceContext``
+    that ``torch.set_default_device`` in a forward pushed below the carried ones) would run
+    in their forwards."""
     from torch.overrides import _pop_mode as pop_function, _push_mode as push_function
     from torch.utils._python_dispatch import _pop_mode as pop_dispatch, _push_mode as push_dispatch
 
@@ -133,10 +139,16 @@ def _modes_entered(functions: list[Any], dispatches: list[Any]) -> Iterator[None
     try:
         yield
     finally:
-        for _ in dispatches:
-            pop_dispatch()
-        for _ in functions:
-            pop_function()
+        for depth, pop in ((torch._C._len_torch_dispatch_stack, pop_dispatch),
+                           (torch._C._len_torch_function_stack, pop_function)):
+            while depth() > 0:
+                try:
+                    pop()
+                except RuntimeError:  # nothing it can pop (an infra slot): leave it
+                    break
+        device = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+        if device is not None and getattr(device, "device_context", None) is not None:
+            device.device_context = None
 
 
 class Partner:
@@ -348,7 +360,9 @@ class PairedLoop:
     forward is in :attr:`results`, in order, taken right after its backward: a result kept
     whole would keep its autograd graph alive until the last micro-batch, which the
     sequential loop frees at once (measured: 8 micro-batches ran 17-19% slower than the
-    in-layer loop on plain loopback so, against 3-4% with 4).
+    in-layer loop on plain loopback so, against 3-4% with 4). ``failed(exception)``: after a
+    step failed anywhere (the last backward too, which runs outside ``around()``), what the
+    step left to discard (FSDP2's units gathered, their gradients accumulated unsharded).
 
     A micro-batch's backward runs one :meth:`add` later than the sequential loop runs it:
     nothing between two calls may read the gradients (a framework's loop reads them after
@@ -357,8 +371,10 @@ class PairedLoop:
     def __init__(self, backward: Callable[[Any], None], *,
                  around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  unpaired: str = "the model made no mc2 call, so nothing can be paired",
-                 kept: Callable[[Any], Any] = lambda out: None) -> None:
+                 kept: Callable[[Any], Any] = lambda out: None,
+                 failed: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
+        self._failed = failed
         self._pairing = Pairing()
         self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
@@ -386,8 +402,25 @@ class PairedLoop:
             self._end(keep_partner=settled, failure=sys.exc_info())
             raise
 
+    def _cleaned_up(self, failure: Any, settled: bool) -> None:
+        """After a failed step (its contexts exited): ``failed(exception)``, the caller's
+        discard of what the step left (FSDP2's units and gradients), unless the partner
+        never handed back (it may still use what a discard would free). A cleanup that fails
+        in turn is noted on the step's exception, which stays the one raised."""
+        exc = failure[1]
+        if exc is None or not settled:
+            return
+        try:
+            self._failed(exc)
+        except Exception as cleanup:  # noqa: BLE001 - the step's own exception is raised
+            exc.add_note(f"mc2: discarding the failed step's state failed too: {cleanup!r}")
+
     def _add(self, forward: Callable[[], T], last: bool) -> T:
         if self._scope is None:  # the step's first micro-batch: its forward alone
+            if (mode := tracing_mode()) is not None:
+                raise ValueError(f"mc2 pairing: the step runs under {mode}, a tracing mode "
+                                 "whose state belongs to this thread, and a paired forward "
+                                 "runs in another; run the sequential loop")
             self.results = []
             self._scope = contextlib.ExitStack()
             self._scope.enter_context(self._around())
@@ -430,17 +463,24 @@ class PairedLoop:
             _PROCESS.idle.append(partner)
         scope, self._scope = self._scope, None
         if scope is not None:  # nothing left to close after the last backward
-            scope.__exit__(*failure)
+            try:
+                scope.__exit__(*failure)
+            except Exception as cleanup:  # noqa: BLE001 - the step's own exception is raised
+                if failure[1] is None:
+                    raise
+                failure[1].add_note(f"mc2: closing the step's contexts failed too: {cleanup!r}")
+        self._cleaned_up(failure, keep_partner)
 
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
               unpaired: str = "the model made no mc2 call, so nothing can be paired",
-              kept: Callable[[T], Any] = lambda out: None) -> list[Any]:
+              kept: Callable[[T], Any] = lambda out: None,
+              failed: Callable[[BaseException], None] = lambda exc: None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned,
     each forward after the first beside the previous micro-batch's backward
     (:class:`PairedLoop`); ``kept(result)`` of each, in order."""
-    loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept)
+    loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept, failed=failed)
     for i in range(count):
         loop.add(lambda i=i: forward(i), last=i == count - 1)
     return loop.results
