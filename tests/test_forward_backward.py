@@ -236,6 +236,27 @@ def test_modes_a_paired_forward_leaves_behind_do_not_reach_the_next_step() -> No
         assert all(depth == 0 for _, depth in r["depths"]), r
 
 
+def test_a_forward_that_runs_autograd_is_not_paired_where_it_would_hang() -> None:
+    """On an accelerator autograd runs the paired backward in its device thread, which stops
+    there for the forward beside it: a forward that runs autograd itself (a chunked loss)
+    would wait for that thread forever. The step's first forward is watched (emulated here:
+    the CPU taken for a device with an autograd thread of its own): ``overlap=True`` is
+    refused on every rank, naming the call; ``"auto"`` runs such steps unpaired (no forward
+    in the partner thread), says so once, and leaves the sequential loop's gradients."""
+    from tests.workers_pairing import autograd_in_the_forward
+
+    for r in mc2.run_local(autograd_in_the_forward, 2, timeout_s=120):
+        assert "torch.autograd.grad on cpu" in r["refused"], r["refused"]
+        assert "overlap=False" in r["refused"]
+        for step in r["steps"]:
+            assert "mc2-paired-forward" not in step["threads"], step["threads"]
+            assert step["losses"] == pytest.approx(step["want_losses"], rel=1e-12)
+            assert all(_close(g, w, 1e-10) for g, w in zip(step["got"], step["want"],
+                                                            strict=True))
+        said = [w for w in r["warnings"] if "runs autograd itself" in w]
+        assert len(said) == 1, r["warnings"]
+
+
 def test_a_paired_step_reads_the_device_as_often_as_the_sequential_loop() -> None:
     """Counted with the host-sync counter (a ``TorchFunctionMode``, now carried into the
     paired forwards): the paired step of 4 micro-batches through 3 layers makes the

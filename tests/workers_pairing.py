@@ -589,6 +589,54 @@ def modes_left_behind(rank: int, world: int) -> dict[str, Any]:
     return {"depths": depths}
 
 
+def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
+    """A loss that runs ``torch.autograd.grad`` itself, on a machine emulated as one whose
+    autograd runs CPU backwards in a device thread (where a paired forward running autograd
+    would hang the step): what ``overlap=True`` raises, and with ``"auto"`` over three steps,
+    the threads the forwards ran in, the warnings, and each step's gradients against the
+    sequential loop's."""
+    import threading
+    import warnings
+
+    import mc2.engine.autograd.autograd_watch as watch_module
+    import mc2.engine.autograd.pairing as pairing_module
+    from mc2.observation.once import forget
+
+    watch_module.in_a_device_thread = lambda device: True
+    pairing_module.watched = lambda: True
+    forget()
+    batches = _micro_batches(rank)
+    threads: list[str] = []
+
+    def chunked(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        scale = torch.ones(2, dtype=x.dtype, requires_grad=True)
+        (g,) = torch.autograd.grad((scale * 3).sum(), scale)  # autograd inside the forward
+        return _stack_loss(model, x) * g[0] / 3
+
+    model = _in_layer_stack()
+    try:
+        mc2.forward_backward(model, batches, chunked, overlap=True)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model = _in_layer_stack()
+            threads.clear()
+            losses = mc2.forward_backward(model, batches, chunked, overlap="auto")
+            got = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            want_losses = _sequential(model, batches, chunked)
+            steps.append({"threads": list(threads), "losses": [float(x) for x in losses],
+                          "want_losses": [float(x) for x in want_losses], "got": got,
+                          "want": [p.grad.clone() for p in model.parameters()]})
+    return {"refused": refused, "steps": steps,
+            "warnings": [str(w.message) for w in caught]}
+
+
 def hooks_carried(rank: int, world: int) -> dict[str, Any]:
     """The in-layer stack's sequential loop and paired step, each under one saved-tensor hook
     (as activation offload installs one) that counts what it packs, by thread: how many

@@ -34,7 +34,9 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
+from mc2.engine.autograd.autograd_watch import AutogradWatch, watched
 from mc2.engine.transport.deadline import Abandoned
+from mc2.observation.once import warn_once
 
 T = TypeVar("T")
 
@@ -363,6 +365,8 @@ class PairedLoop:
     in-layer loop on plain loopback so, against 3-4% with 4). ``failed(exception)``: after a
     step failed anywhere (the last backward too, which runs outside ``around()``), what the
     step left to discard (FSDP2's units gathered, their gradients accumulated unsharded).
+    ``strict``: a forward that runs autograd itself on an accelerator (:meth:`_first`) is
+    refused; else its step runs unpaired.
 
     A micro-batch's backward runs one :meth:`add` later than the sequential loop runs it:
     nothing between two calls may read the gradients (a framework's loop reads them after
@@ -372,9 +376,11 @@ class PairedLoop:
                  around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  unpaired: str = "the model made no mc2 call, so nothing can be paired",
                  kept: Callable[[Any], Any] = lambda out: None,
-                 failed: Callable[[BaseException], None] = lambda exc: None) -> None:
+                 failed: Callable[[BaseException], None] = lambda exc: None,
+                 strict: bool = True) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
-        self._failed = failed
+        self._failed, self._strict = failed, strict
+        self._alone = False  # this step runs unpaired (its forward runs autograd: _first)
         self._pairing = Pairing()
         self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
@@ -424,9 +430,13 @@ class PairedLoop:
             self.results = []
             self._scope = contextlib.ExitStack()
             self._scope.enter_context(self._around())
-            out = forward()
+            out = self._first(forward)
             if self._pairing.calls == 0:
                 raise ValueError(self._unpaired if not self._pairing.traced else TRACED)
+        elif self._alone:  # the sequential loop's order: the backward, then the forward
+            self._backward(self._pending)
+            self.results.append(self._kept(self._pending))
+            out = forward()
         else:
             if self._partner is None:
                 self._partner = _PROCESS.idle.pop() if _PROCESS.idle else Partner()
@@ -448,6 +458,27 @@ class PairedLoop:
             self._end()
         return out
 
+    def _first(self, forward: Callable[[], T]) -> T:
+        """The step's first forward, alone, watched where an accelerator is present for
+        autograd run inside it (:mod:`mc2.engine.autograd.autograd_watch`: paired, such a
+        forward would hang the step). Seen: ``strict`` refuses (every rank alike), else the
+        step runs unpaired, said once."""
+        if not watched():
+            return forward()
+        with AutogradWatch() as watch:
+            out = forward()
+        if watch.seen is not None:
+            why = (f"the forward runs autograd itself ({watch.seen}); on an accelerator the "
+                   "paired backward runs in autograd's device thread, which a forward beside "
+                   "it would wait for forever")
+            if self._strict:
+                raise ValueError(f"mc2 pairing: {why}; run the sequential loop "
+                                 "(forward_backward's overlap=False)")
+            warn_once(f"mc2 pairing one micro-batch's forward with another's backward is "
+                      f"off: {why}", UserWarning)
+            self._alone = True
+        return out
+
     def _end(self, keep_partner: bool = True, failure: Any = (None, None, None)) -> None:
         """The step is over (or failed: ``failure``, the exception's ``sys.exc_info()``, which
         ``around()`` sees, so that it can discard the step's state): the contexts closed, the
@@ -458,6 +489,7 @@ class PairedLoop:
         a stale turn would let the next step's forward run beside its backward. Its daemon
         thread, and what its forward holds, stay until the process ends."""
         partner, self._partner, self._pending = self._partner, None, None
+        self._alone = False
         if partner is not None and keep_partner:
             partner.cancel()
             _PROCESS.idle.append(partner)
@@ -476,11 +508,13 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
               unpaired: str = "the model made no mc2 call, so nothing can be paired",
               kept: Callable[[T], Any] = lambda out: None,
-              failed: Callable[[BaseException], None] = lambda exc: None) -> list[Any]:
+              failed: Callable[[BaseException], None] = lambda exc: None,
+              strict: bool = True) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned,
     each forward after the first beside the previous micro-batch's backward
     (:class:`PairedLoop`); ``kept(result)`` of each, in order."""
-    loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept, failed=failed)
+    loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept, failed=failed,
+                      strict=strict)
     for i in range(count):
         loop.add(lambda i=i: forward(i), last=i == count - 1)
     return loop.results
