@@ -598,12 +598,10 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     import threading
     import warnings
 
-    import mc2.engine.autograd.autograd_watch as watch_module
     import mc2.engine.autograd.pairing as pairing_module
     from mc2.observation.once import forget
 
-    watch_module.in_a_device_thread = lambda device: True
-    pairing_module.watched = lambda: True
+    pairing_module.watched = lambda: True  # as where an accelerator is present
     forget()
     batches = _micro_batches(rank)
     threads: list[str] = []
@@ -633,7 +631,27 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
             steps.append({"threads": list(threads), "losses": [float(x) for x in losses],
                           "want_losses": [float(x) for x in want_losses], "got": got,
                           "want": [p.grad.clone() for p in model.parameters()]})
-    return {"refused": refused, "steps": steps,
+    # a forward that runs autograd only in a later micro-batch: the first is clean, so the
+    # step pairs, and the paired forward's call is refused where the backward beside it runs
+    # in a thread of its own (emulated), instead of waiting for that thread forever
+    pairing_module._backward_elsewhere = lambda pairing, caller: True
+
+    def later(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return chunked(model, x) if x is batches[2] else _stack_loss(model, x)
+
+    model = _in_layer_stack()
+    try:
+        mc2.forward_backward(model, batches, later, overlap=True)
+        refused_later = None
+    except ValueError as exc:
+        refused_later = str(exc)
+    model.zero_grad(set_to_none=True)
+    mc2.forward_backward(model, batches, _stack_loss, overlap=True)  # the next step pairs
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    _sequential(model, batches, _stack_loss)
+    return {"refused": refused, "steps": steps, "refused_later": refused_later,
+            "after": (got, [p.grad.clone() for p in model.parameters()]),
             "warnings": [str(w.message) for w in caught]}
 
 

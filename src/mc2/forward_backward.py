@@ -78,7 +78,8 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
                  "pairing one micro-batch's forward with another's backward")
         overlap = False
     return decided_schedule(model, overlap, group, len(batches),
-                            paired=lambda: _paired(model, batches, loss_fn, strict=overlap is True),
+                            paired=lambda: _paired(model, batches, loss_fn, strict=overlap is True,
+                                                   group=group),
                             sequential=lambda: _sequential(model, batches, loss_fn))
 
 
@@ -153,10 +154,10 @@ def _sequential(model: nn.Module, batches: list[Any], loss_fn: Any) -> list[Tens
     return losses
 
 
-def _paired(model: nn.Module, batches: list[Any], loss_fn: Any, *,
-            strict: bool) -> list[Tensor]:
+def _paired(model: nn.Module, batches: list[Any], loss_fn: Any, *, strict: bool,
+            group: Any) -> list[Tensor]:
     """Micro-batch n+1's forward beside n's backward (:func:`run_pairs`; ``strict``: a
-    forward that cannot be paired is refused, not run unpaired)."""
+    forward that cannot be paired is refused, not run unpaired, agreed on ``group``)."""
     sharding = PairedSharding(model)  # FSDP2's units: gathered for the step
 
     def forward(i: int) -> Tensor:
@@ -165,6 +166,7 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any, *,
 
     return run_pairs(len(batches), forward, lambda loss: loss.backward(), around=sharding.held,
                      kept=lambda loss: loss.detach(), failed=sharding.discard, strict=strict,
+                     group=group,
                      unpaired="forward_backward(overlap=True): the model's forward made no "
                               "mc2 call, so nothing can be paired; switch mc2 on in the model "
                               "(enable_mc2, mc2.MoELayer, ep_implementation='mc2') or pass "

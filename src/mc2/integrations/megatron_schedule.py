@@ -142,7 +142,7 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
         schedules.backward_step(None, output, None, model_type, config)
 
     def paired() -> None:
-        run_pairs(count, forward, backward, around=no_sync,
+        run_pairs(count, forward, backward, around=no_sync, strict=overlap is True,
                   unpaired="forward_backward_paired: the model made no mc2 call (no "
                            "MC2MoELayer: use_mc2(spec)), so nothing can be paired; use "
                            "Megatron's forward_backward_no_pipelining")

@@ -3,56 +3,68 @@
 On an accelerator autograd runs a backward in a device thread of its own (one per device).
 Under a pairing that thread runs micro-batch n's backward, and it stops, inside the backward,
 each time it gives way to micro-batch n+1's forward in the partner thread. A forward that
-runs autograd itself (``torch.autograd.grad`` for a chunked loss, ``.backward()`` of a part)
-hands its accelerator work to that same device thread, which is stopped until the forward
-hands back: neither moves again, and the step hangs. On a CPU autograd runs in the calling
-thread, and nothing waits.
+runs autograd itself (``torch.autograd.grad`` for a chunked loss, ``.backward()`` of a part,
+``torch.func.grad``) hands its accelerator work to that same device thread, which is stopped
+until the forward hands back: neither moves again, and the step hangs. On a CPU autograd
+runs in the calling thread, and nothing waits.
 
-So the step's first forward, which runs alone in the caller's thread, is watched for such a
-call (:class:`AutogradWatch`, a ``TorchFunctionMode``, installed only where an accelerator
-is present, so a CPU run pays nothing): every micro-batch's forward is the same ``loss_fn``,
-so a call in the first is a call in the others, and the step can refuse (or run unpaired)
-before any forward runs beside a backward.
+Every such call enters autograd's engine through one Python function,
+``torch.autograd.graph._engine_run_backward`` (``Tensor.backward``, ``torch.autograd.backward``
+and ``.grad``, and what calls them: ``torch.func``, ``torch.autograd.functional``). While a
+paired step runs where an accelerator is present, :class:`EngineWatch` wraps it (as torch's
+own ``torch.compiler`` does for its tracing), so that the step can see such a call: in its
+first forward, which runs alone in the caller's thread, to run the step unpaired (or refuse)
+before any forward runs beside a backward; and in a paired forward, to raise a clear error
+instead of hanging. Nothing is wrapped on a CPU-only machine, and no tensor operation pays
+anything (a ``TorchFunctionMode`` would: a Python call per operation, and a second
+compilation of every compiled region, whose guards check the mode stack).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
-
-_ENTRIES = {torch.Tensor.backward: "Tensor.backward", torch.autograd.backward:
-            "torch.autograd.backward", torch.autograd.grad: "torch.autograd.grad"}
-
-
-def in_a_device_thread(device: torch.device) -> bool:
-    """Whether autograd runs the backward of tensors on ``device`` in a device thread of its
-    own (every device but the CPU's; meta tensors run no backward)."""
-    return device.type not in ("cpu", "meta")
-
 
 def watched() -> bool:
-    """Whether a first forward is watched at all: only where an accelerator is present."""
+    """Whether a paired step watches autograd at all: only where an accelerator is present
+    (on a CPU autograd runs in the calling thread, and a paired forward may run it)."""
     return torch.accelerator.is_available()
 
 
-class AutogradWatch(TorchFunctionMode):
-    """Notes the first autograd call (``Tensor.backward``, ``torch.autograd.backward`` or
-    ``.grad``) made on tensors autograd would hand to a device thread: :attr:`seen`, as
-    ``"torch.autograd.grad on cuda:0"``; ``None`` while there was none."""
+class EngineWatch:
+    """The process's wrap of autograd's engine entry: one per process (the entry is the
+    process's), held by the pairings' process record, wrapped while any step watches."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.seen: str | None = None
+        self._lock = threading.Lock()
+        self._checks: list[Callable[[], None]] = []  # the running steps', newest last
+        self._original: Any = None
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.seen is None and func in _ENTRIES:
-            for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor) and in_a_device_thread(leaf.device):
-                    self.seen = f"{_ENTRIES[func]} on {leaf.device}"
-                    break
-        return func(*args, **kwargs)
+    def _entry(self, *args: Any, **kwargs: Any) -> Any:
+        for check in list(self._checks):
+            check()
+        return self._original(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def watching(self, check: Callable[[], None]) -> Iterator[None]:
+        """``check()`` called at every entry into autograd's engine, from any thread, while
+        the block runs (it may raise, refusing the call). Blocks of several steps nest."""
+        import torch.autograd.graph as graph
+
+        with self._lock:
+            if not self._checks:
+                self._original = graph._engine_run_backward
+                graph._engine_run_backward = torch.autograd._engine_run_backward = self._entry
+            self._checks.append(check)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._checks.remove(check)
+                if not self._checks:
+                    graph._engine_run_backward = self._original
+                    torch.autograd._engine_run_backward = self._original
+                    self._original = None

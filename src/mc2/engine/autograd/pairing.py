@@ -34,7 +34,8 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
-from mc2.engine.autograd.autograd_watch import AutogradWatch, watched
+from mc2.engine.autograd.autograd_watch import EngineWatch, watched
+from mc2.engine.transport.comm import host_max
 from mc2.engine.transport.deadline import Abandoned
 from mc2.observation.once import warn_once
 
@@ -56,11 +57,15 @@ class _Process:
     step to step keeps its allocator arena warm: a new thread per step gets an arena whose
     memory was handed back, and every paired forward's activations page-fault in again
     (measured on Megatron's model, plain loopback: 100-150 thousand page faults and 2 s of
-    system time a step, the step 8.1-9.2 s against 6.1-7.0 s with the thread kept)."""
+    system time a step, the step 8.1-9.2 s against 6.1-7.0 s with the thread kept).
+
+    ``engine``: autograd's engine entry, wrapped while a step watches it where an
+    accelerator is present (:mod:`mc2.engine.autograd.autograd_watch`)."""
 
     def __init__(self) -> None:
         self.active: list[Pairing] = []
         self.idle: list[Partner] = []
+        self.engine = EngineWatch()
 
 
 _PROCESS = _Process()
@@ -290,12 +295,14 @@ class Pairing:
         self.partner: Partner | None = None
         self.calls = 0  # eager calls made under it
         self.traced = 0  # calls run as the operator (compiled, or in a selective region)
+        self.resumed_by: int | None = None  # the thread that last gave way (its backward's)
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
         its next transfer (nothing where no forward is paired with this backward)."""
         partner = self.partner
         if partner is not None and not partner.running_here():
+            self.resumed_by = threading.get_ident()
             partner.resume()
 
     def hand_back(self) -> None:
@@ -365,8 +372,8 @@ class PairedLoop:
     in-layer loop on plain loopback so, against 3-4% with 4). ``failed(exception)``: after a
     step failed anywhere (the last backward too, which runs outside ``around()``), what the
     step left to discard (FSDP2's units gathered, their gradients accumulated unsharded).
-    ``strict``: a forward that runs autograd itself on an accelerator (:meth:`_first`) is
-    refused; else its step runs unpaired.
+    ``strict``: a first forward that runs autograd itself on an accelerator (:meth:`_first`,
+    agreed on ``group``) is refused; else its step runs unpaired.
 
     A micro-batch's backward runs one :meth:`add` later than the sequential loop runs it:
     nothing between two calls may read the gradients (a framework's loop reads them after
@@ -377,10 +384,12 @@ class PairedLoop:
                  unpaired: str = "the model made no mc2 call, so nothing can be paired",
                  kept: Callable[[Any], Any] = lambda out: None,
                  failed: Callable[[BaseException], None] = lambda exc: None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, group: Any = None) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
-        self._failed, self._strict = failed, strict
+        self._failed, self._strict, self._group = failed, strict, group
         self._alone = False  # this step runs unpaired (its forward runs autograd: _first)
+        self._caller: int | None = None  # the thread that runs the step (its first forward)
+        self._first_ran_autograd = False
         self._pairing = Pairing()
         self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
@@ -395,7 +404,8 @@ class PairedLoop:
 
     def add(self, forward: Callable[[], T], *, last: bool) -> T:
         try:
-            with pairing_active(self._pairing):  # per call: nothing between calls is paired
+            # per call: nothing between calls is paired; nothing in a step that runs unpaired
+            with pairing_active(self._pairing) if not self._alone else contextlib.nullcontext():
                 return self._add(forward, last)
         except BaseException:
             # Ctrl-C in a hand-over leaves the partner's turn open: it pauses at its next
@@ -430,6 +440,8 @@ class PairedLoop:
             self.results = []
             self._scope = contextlib.ExitStack()
             self._scope.enter_context(self._around())
+            if watched():  # autograd in a forward: seen in the first, refused in the others
+                self._scope.enter_context(_PROCESS.engine.watching(self._engine_entered))
             out = self._first(forward)
             if self._pairing.calls == 0:
                 raise ValueError(self._unpaired if not self._pairing.traced else TRACED)
@@ -459,18 +471,19 @@ class PairedLoop:
         return out
 
     def _first(self, forward: Callable[[], T]) -> T:
-        """The step's first forward, alone, watched where an accelerator is present for
-        autograd run inside it (:mod:`mc2.engine.autograd.autograd_watch`: paired, such a
-        forward would hang the step). Seen: ``strict`` refuses (every rank alike), else the
-        step runs unpaired, said once."""
+        """The step's first forward, alone. Where an accelerator is present autograd is
+        watched (:mod:`mc2.engine.autograd.autograd_watch`): a first forward that ran it,
+        on any rank (agreed), would hang the step paired, so ``strict`` refuses on every
+        rank, else the step runs unpaired, said once."""
+        self._caller, self._first_ran_autograd = threading.get_ident(), False
+        out = forward()
         if not watched():
-            return forward()
-        with AutogradWatch() as watch:
-            out = forward()
-        if watch.seen is not None:
-            why = (f"the forward runs autograd itself ({watch.seen}); on an accelerator the "
-                   "paired backward runs in autograd's device thread, which a forward beside "
-                   "it would wait for forever")
+            return out
+        (seen,) = host_max([float(self._first_ran_autograd)], self._group, "pairing")
+        if seen:
+            why = ("the forward runs autograd itself (torch.autograd.grad or .backward() "
+                   "inside it); on an accelerator the paired backward runs in autograd's "
+                   "device thread, which a forward beside it would wait for forever")
             if self._strict:
                 raise ValueError(f"mc2 pairing: {why}; run the sequential loop "
                                  "(forward_backward's overlap=False)")
@@ -478,6 +491,25 @@ class PairedLoop:
                       f"off: {why}", UserWarning)
             self._alone = True
         return out
+
+    def _engine_entered(self) -> None:
+        """At every entry into autograd's engine during the step: the first forward's is
+        noted; a paired forward's, where the backward beside it runs in a device thread of
+        its own (:func:`_backward_elsewhere`), is refused: it would wait for that thread,
+        which waits for it."""
+        partner = self._partner
+        if partner is not None and partner.running_here():
+            if _backward_elsewhere(self._pairing, self._caller):
+                raise ValueError("mc2 pairing: a paired forward runs autograd itself "
+                                 "(torch.autograd.grad or .backward() inside it), which on an "
+                                 "accelerator waits for the device thread running the "
+                                 "backward beside it, while that thread waits for the "
+                                 "forward; run the sequential loop (forward_backward's "
+                                 "overlap=False)")
+        elif threading.get_ident() == self._caller and not self.results and \
+                self._pending is None:
+            self._first_ran_autograd = True
+
 
     def _end(self, keep_partner: bool = True, failure: Any = (None, None, None)) -> None:
         """The step is over (or failed: ``failure``, the exception's ``sys.exc_info()``, which
@@ -489,7 +521,7 @@ class PairedLoop:
         a stale turn would let the next step's forward run beside its backward. Its daemon
         thread, and what its forward holds, stay until the process ends."""
         partner, self._partner, self._pending = self._partner, None, None
-        self._alone = False
+        self._alone, self._caller = False, None
         if partner is not None and keep_partner:
             partner.cancel()
             _PROCESS.idle.append(partner)
@@ -504,17 +536,23 @@ class PairedLoop:
         self._cleaned_up(failure, keep_partner)
 
 
+def _backward_elsewhere(pairing: Pairing, caller: int | None) -> bool:
+    """Whether the backward a paired forward runs beside runs in another thread than the
+    step's (autograd's device thread, on an accelerator)."""
+    return pairing.resumed_by is not None and pairing.resumed_by != caller
+
+
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
               around: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
               unpaired: str = "the model made no mc2 call, so nothing can be paired",
               kept: Callable[[T], Any] = lambda out: None,
               failed: Callable[[BaseException], None] = lambda exc: None,
-              strict: bool = True) -> list[Any]:
+              strict: bool = True, group: Any = None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned,
     each forward after the first beside the previous micro-batch's backward
     (:class:`PairedLoop`); ``kept(result)`` of each, in order."""
     loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept, failed=failed,
-                      strict=strict)
+                      strict=strict, group=group)
     for i in range(count):
         loop.add(lambda i=i: forward(i), last=i == count - 1)
     return loop.results
