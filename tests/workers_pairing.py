@@ -478,31 +478,33 @@ def _doubling_modes() -> tuple[Any, Any]:
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class DoublingFunctions(TorchFunctionMode):
+    class Doubling:
+        target: Any = None
+
         def __init__(self) -> None:
             super().__init__()
             self.means: collections.Counter = collections.Counter()
+
+        def doubled(self, func: Any, args: Any, kwargs: Any) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func is type(self).target:  # a class attribute: not bound to self
+                self.means[threading.current_thread().name] += 1
+                out = out * 2
+            return out
+
+    class DoublingFunctions(Doubling, TorchFunctionMode):
+        target = torch.Tensor.mean
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if func is torch.Tensor.mean:
-                self.means[threading.current_thread().name] += 1
-                out = out * 2
-            return out
+            return self.doubled(func, args, kwargs)
 
-    class DoublingDispatch(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.means: collections.Counter = collections.Counter()
+    class DoublingDispatch(Doubling, TorchDispatchMode):
+        target = torch.ops.aten.mean.default
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten.mean.default:
-                self.means[threading.current_thread().name] += 1
-                out = out * 2
-            return out
+            return self.doubled(func, args, kwargs)
 
     return DoublingFunctions, DoublingDispatch
 
@@ -589,6 +591,15 @@ def modes_left_behind(rank: int, world: int) -> dict[str, Any]:
     return {"depths": depths}
 
 
+def _refusal(step: Any) -> str | None:
+    """What ``step()`` raised as a ``ValueError`` (its message), or ``None``."""
+    try:
+        step()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     """A loss that runs ``torch.autograd.grad`` itself, on a machine emulated as one whose
     autograd runs CPU backwards in a device thread (where a paired forward running autograd
@@ -612,12 +623,8 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
         (g,) = torch.autograd.grad((scale * 3).sum(), scale)  # autograd inside the forward
         return _stack_loss(model, x) * g[0] / 3
 
-    model = _in_layer_stack()
-    try:
-        mc2.forward_backward(model, batches, chunked, overlap=True)
-        refused = None
-    except ValueError as exc:
-        refused = str(exc)
+    refused = _refusal(lambda: mc2.forward_backward(_in_layer_stack(), batches, chunked,
+                                                    overlap=True))
     steps = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -640,11 +647,7 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
         return chunked(model, x) if x is batches[2] else _stack_loss(model, x)
 
     model = _in_layer_stack()
-    try:
-        mc2.forward_backward(model, batches, later, overlap=True)
-        refused_later = None
-    except ValueError as exc:
-        refused_later = str(exc)
+    refused_later = _refusal(lambda: mc2.forward_backward(model, batches, later, overlap=True))
     model.zero_grad(set_to_none=True)
     mc2.forward_backward(model, batches, _stack_loss, overlap=True)  # the next step pairs
     got = [p.grad.clone() for p in model.parameters()]
