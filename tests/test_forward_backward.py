@@ -385,3 +385,80 @@ def test_every_paired_loop_refuses_a_tracing_mode() -> None:
     with FakeTensorMode(), pytest.raises(ValueError, match="FakeTensorMode, a tracing mode"):
         loop.add(lambda: ran.append(0), last=False)
     assert ran == [] and loop.taken == 0
+
+
+def test_the_engine_watch_lives_beside_another_wrap_of_the_engine_entry() -> None:
+    """Autograd's engine entry is wrapped by others too (``torch.compiler``'s tracing saves
+    it, wraps it and puts back what it saved). Whatever the order in which such a wrap and
+    mc2's watches begin and end, every backward still runs, and a later watch sees the
+    calls (a review found a restore of ours could leave a wrap calling nothing, or recurse)."""
+    import contextlib
+
+    import torch.autograd.graph as graph
+
+    from mc2.engine.autograd.autograd_watch import EngineWatch
+
+    @contextlib.contextmanager
+    def other_wrap():  # as torch.compiler._patch_engine_backward does
+        saved = graph._engine_run_backward
+
+        def wrapped(*args, **kwargs):
+            return saved(*args, **kwargs)
+
+        graph._engine_run_backward = torch.autograd._engine_run_backward = wrapped
+        try:
+            yield
+        finally:
+            graph._engine_run_backward = torch.autograd._engine_run_backward = saved
+
+    def backward_runs() -> bool:
+        w = torch.ones(2, requires_grad=True)
+        (w * 3).sum().backward()
+        return bool(torch.equal(w.grad, torch.full((2,), 3.0)))
+
+    watch, seen = EngineWatch(), []
+    original = graph._engine_run_backward
+    try:
+        for order in ("ours first", "theirs first"):
+            with contextlib.ExitStack() as outer:
+                first, second = (watch.watching(seen.append), other_wrap()) \
+                    if order == "ours first" else (other_wrap(), watch.watching(seen.append))
+                outer.enter_context(first)
+                inner = contextlib.ExitStack()
+                inner.enter_context(second)
+                outer.close()  # the first one begun ends first
+                assert backward_runs(), order
+                inner.close()
+            assert backward_runs(), order
+            seen.clear()
+            with watch.watching(seen.append):
+                assert backward_runs()
+            assert len(seen) == 1, (order, seen)
+    finally:
+        graph._engine_run_backward = torch.autograd._engine_run_backward = original
+
+
+def test_a_compilers_own_differentiation_is_not_the_forwards_autograd(monkeypatch) -> None:
+    """AOTAutograd differentiates the graph it traces by calling ``torch.autograd.grad``
+    while it compiles a forward: that is no autograd of the forward's own, and a first
+    forward that compiles does not make the step refuse (with an accelerator emulated); one
+    that calls ``torch.autograd.grad`` itself does."""
+    import mc2.engine.autograd.autograd_watch as watch_module
+    import mc2.engine.autograd.pairing as pairing_module
+    from mc2.engine.autograd.pairing import PairedLoop
+
+    monkeypatch.setattr(pairing_module, "watched", lambda: True)
+    monkeypatch.setattr(watch_module, "in_a_device_thread", lambda device: True)
+    linear = torch.nn.Linear(4, 4)
+    compiled = torch.compile(lambda x: linear(x).pow(2).mean(), backend="aot_eager")
+
+    def own_autograd() -> torch.Tensor:
+        w = torch.ones(2, requires_grad=True)
+        torch.autograd.grad(w.sum(), w)
+        return linear(torch.randn(3, 4)).sum()
+
+    # no mc2 call in either: a forward the watch passes ends in the "no mc2 call" refusal
+    for forward, refusal in ((lambda: compiled(torch.randn(3, 4)), "made no mc2 call"),
+                             (own_autograd, "runs autograd itself")):
+        with pytest.raises(ValueError, match=refusal):
+            PairedLoop(lambda out: out.backward()).add(forward, last=False)

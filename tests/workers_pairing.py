@@ -609,10 +609,12 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     import threading
     import warnings
 
+    import mc2.engine.autograd.autograd_watch as watch_module
     import mc2.engine.autograd.pairing as pairing_module
     from mc2.observation.once import forget
 
-    pairing_module.watched = lambda: True  # as where an accelerator is present
+    pairing_module.watched = lambda: True  # as where an accelerator is present, and the
+    watch_module.in_a_device_thread = lambda device: True  # CPU taken for it
     forget()
     batches = _micro_batches(rank)
     threads: list[str] = []
@@ -641,7 +643,7 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     # a forward that runs autograd only in a later micro-batch: the first is clean, so the
     # step pairs, and the paired forward's call is refused where the backward beside it runs
     # in a thread of its own (emulated), instead of waiting for that thread forever
-    pairing_module._backward_elsewhere = lambda pairing, caller: True
+    pairing_module._backward_elsewhere = lambda partner, caller: True
 
     def later(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return chunked(model, x) if x is batches[2] else _stack_loss(model, x)

@@ -23,6 +23,7 @@ compilation of every compiled region, whose guards check the mode stack).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -34,37 +35,69 @@ def watched() -> bool:
     return torch.accelerator.is_available()
 
 
+def in_a_device_thread(device: torch.device) -> bool:
+    """Whether autograd runs the backward of tensors on ``device`` in a device thread of its
+    own (every device but the CPU)."""
+    return device.type != "cpu"
+
+
+def on_a_device(outputs: Any) -> bool:
+    """Whether an engine call on ``outputs`` (a tensor, a ``GradientEdge``, or a sequence of
+    them) would run work in a device thread: a tensor on such a device, or an edge (whose
+    device the call does not say: counted)."""
+    items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return any(not isinstance(t, torch.Tensor) or in_a_device_thread(t.device) for t in items)
+
+
 class EngineWatch:
     """The process's wrap of autograd's engine entry: one per process (the entry is the
-    process's), held by the pairings' process record, wrapped while any step watches."""
+    process's), held by the pairings' process record. Installed at the first step that
+    watches and never taken off (with no step watching it only forwards), so that another
+    wrap of the same entry (``torch.compiler``'s, for its tracing) is never overwritten by a
+    restore of ours, nor ours by theirs: a step finding the entry not ours wraps again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._checks: list[Callable[[], None]] = []  # the running steps', newest last
-        self._original: Any = None
+        self._checks: list[Callable[[Any], None]] = []  # the running steps', newest last
+        self._inside = threading.local()  # a check running in this thread (wraps nest)
 
-    def _entry(self, *args: Any, **kwargs: Any) -> Any:
-        for check in list(self._checks):
-            check()
-        return self._original(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def watching(self, check: Callable[[], None]) -> Iterator[None]:
-        """``check()`` called at every entry into autograd's engine, from any thread, while
-        the block runs (it may raise, refusing the call). Blocks of several steps nest."""
+    def _install(self) -> None:
+        """Our wrap at the entry: kept where it is there (under another's or not), else
+        wrapped around whatever is there now. Ours inside another wrap inside ours checks
+        once: the inner one sees the outer one's check running in its thread."""
         import torch.autograd.graph as graph
 
+        current = graph._engine_run_backward
+        if getattr(current, "_mc2_watch", None) is self:
+            torch.autograd._engine_run_backward = current
+            return
+        checks, inside = self._checks, self._inside
+
+        @functools.wraps(current)
+        def entry(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "checking", False):
+                return current(outputs, *args, **kwargs)
+            inside.checking = True
+            try:
+                for check in list(checks):
+                    check(outputs)
+                return current(outputs, *args, **kwargs)
+            finally:
+                inside.checking = False
+
+        entry._mc2_watch = self  # type: ignore[attr-defined]
+        graph._engine_run_backward = torch.autograd._engine_run_backward = entry
+
+    @contextlib.contextmanager
+    def watching(self, check: Callable[[Any], None]) -> Iterator[None]:
+        """``check(outputs)`` called at every entry into autograd's engine, from any thread,
+        while the block runs (it may raise, refusing the call). Blocks of several steps
+        nest."""
         with self._lock:
-            if not self._checks:
-                self._original = graph._engine_run_backward
-                graph._engine_run_backward = torch.autograd._engine_run_backward = self._entry
+            self._install()
             self._checks.append(check)
         try:
             yield
         finally:
             with self._lock:
                 self._checks.remove(check)
-                if not self._checks:
-                    graph._engine_run_backward = self._original
-                    torch.autograd._engine_run_backward = self._original
-                    self._original = None

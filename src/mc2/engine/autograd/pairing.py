@@ -34,7 +34,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
-from mc2.engine.autograd.autograd_watch import EngineWatch, watched
+from mc2.engine.autograd.autograd_watch import EngineWatch, on_a_device, watched
 from mc2.engine.transport.comm import host_max
 from mc2.engine.transport.deadline import Abandoned
 from mc2.observation.once import warn_once
@@ -181,6 +181,7 @@ class Partner:
         self._job: Callable[[], Any] | None = None
         self._begun = self._cancelled = False
         self._turn = False  # the partner's turn, not yet handed back (see settle)
+        self.resumed_by: int | None = None  # the thread that last handed it the turn
         self.done, self.result, self.error = True, None, None
 
     def start(self, fn: Callable[[], Any]) -> None:
@@ -236,6 +237,7 @@ class Partner:
                                             daemon=True)
             self._thread.start()
         self._turn = True
+        self.resumed_by = threading.get_ident()
         self._run.release()
         self._back.acquire()
         self._turn = False
@@ -295,14 +297,12 @@ class Pairing:
         self.partner: Partner | None = None
         self.calls = 0  # eager calls made under it
         self.traced = 0  # calls run as the operator (compiled, or in a selective region)
-        self.resumed_by: int | None = None  # the thread that last gave way (its backward's)
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
         its next transfer (nothing where no forward is paired with this backward)."""
         partner = self.partner
         if partner is not None and not partner.running_here():
-            self.resumed_by = threading.get_ident()
             partner.resume()
 
     def hand_back(self) -> None:
@@ -492,14 +492,20 @@ class PairedLoop:
             self._alone = True
         return out
 
-    def _engine_entered(self) -> None:
-        """At every entry into autograd's engine during the step: the first forward's is
-        noted; a paired forward's, where the backward beside it runs in a device thread of
-        its own (:func:`_backward_elsewhere`), is refused: it would wait for that thread,
-        which waits for it."""
+    def _engine_entered(self, outputs: Any) -> None:
+        """At every entry into autograd's engine during the step on tensors whose backward
+        runs in a device thread (:func:`~mc2.engine.autograd.autograd_watch.on_a_device`):
+        the first forward's is noted (not a compiler's, which differentiates a graph it
+        traces and is no autograd of the forward's own); a paired forward's, where the
+        thread that handed it the turn is not the step's (autograd's device thread, running
+        the backward beside it: :func:`_backward_elsewhere`), is refused: it would wait for
+        that thread, which waits for it. Per rank: a call that only some ranks make fails
+        their step, and their peers' waits end in their deadline."""
+        if not on_a_device(outputs):
+            return
         partner = self._partner
         if partner is not None and partner.running_here():
-            if _backward_elsewhere(self._pairing, self._caller):
+            if _backward_elsewhere(partner, self._caller):
                 raise ValueError("mc2 pairing: a paired forward runs autograd itself "
                                  "(torch.autograd.grad or .backward() inside it), which on an "
                                  "accelerator waits for the device thread running the "
@@ -507,7 +513,8 @@ class PairedLoop:
                                  "forward; run the sequential loop (forward_backward's "
                                  "overlap=False)")
         elif threading.get_ident() == self._caller and not self.results and \
-                self._pending is None:
+                self._pending is None and not torch.compiler.is_compiling() and \
+                tracing_mode() is None:
             self._first_ran_autograd = True
 
 
@@ -536,10 +543,11 @@ class PairedLoop:
         self._cleaned_up(failure, keep_partner)
 
 
-def _backward_elsewhere(pairing: Pairing, caller: int | None) -> bool:
-    """Whether the backward a paired forward runs beside runs in another thread than the
-    step's (autograd's device thread, on an accelerator)."""
-    return pairing.resumed_by is not None and pairing.resumed_by != caller
+def _backward_elsewhere(partner: Partner, caller: int | None) -> bool:
+    """Whether the thread that handed the paired forward its turn is another than the
+    step's: autograd's device thread, running the backward beside it on an accelerator (the
+    step's own thread resumes it once the backward is over, and nothing then waits)."""
+    return partner.resumed_by is not None and partner.resumed_by != caller
 
 
 def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], None], *,
