@@ -660,6 +660,37 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught]}
 
 
+def torchtitan_step_left_unfinished(rank: int, world: int) -> dict[str, Any]:
+    """``PairedFwdBwd`` (TorchTitan's paired ``fwd_bwd_fn``) on a trainer as TorchTitan's
+    ``train_step`` uses it, 3 micro-batches a step: step 1 stops after 2 of them (its loop
+    raised between two calls, and the caller went on), then step 2 runs whole. Step 2's
+    gradients against the sequential loop's over its own micro-batches."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from mc2.integrations.torchtitan_schedule import PairedFwdBwd
+
+    batches = _micro_batches(rank)
+    model = _in_layer_stack()
+    trainer = SimpleNamespace(
+        model_parts=[model], fwd_bwd_fn=None, gradient_accumulation_steps=3, step=1,
+        train_context=contextlib.nullcontext, model=model,
+        loss_fn=lambda pred, labels, valid: (pred.pow(2).mean(), None))
+    paired = PairedFwdBwd(trainer)
+    for x in batches[:2]:  # step 1, left after two micro-batches
+        paired(x, None, None, {})
+    model.zero_grad(set_to_none=True)  # TorchTitan's next step clears the gradients
+    trainer.step = 2
+    step_two = [batches[3], batches[2], batches[1]]
+    for x in step_two:
+        paired(x, None, None, {})
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    _sequential(model, step_two, _stack_loss)
+    return {"got": got, "want": [p.grad.clone() for p in model.parameters()],
+            "taken": paired.loop.taken}
+
+
 def hooks_carried(rank: int, world: int) -> dict[str, Any]:
     """The in-layer stack's sequential loop and paired step, each under one saved-tensor hook
     (as activation offload installs one) that counts what it packs, by thread: how many

@@ -418,6 +418,16 @@ class PairedLoop:
             self._end(keep_partner=settled, failure=sys.exc_info())
             raise
 
+    def abandon(self, why: str) -> None:
+        """End a step its caller left unfinished (its loop raised between two :meth:`add`
+        calls, and the next call belongs to another step): as after a failure, the forward
+        whose backward never ran is dropped, the contexts see an :class:`Abandoned` and the
+        step's state is discarded (``failed``). Nothing where no step is open."""
+        if self._scope is None:
+            return
+        exc = Abandoned(f"mc2 pairing: {why}")
+        self._end(failure=(Abandoned, exc, None))
+
     def _cleaned_up(self, failure: Any, settled: bool) -> None:
         """After a failed step (its contexts exited): ``failed(exception)``, the caller's
         discard of what the step left (FSDP2's units and gradients), unless the partner
