@@ -257,6 +257,7 @@ def test_a_forward_that_runs_autograd_is_not_paired_where_it_would_hang() -> Non
                                                             strict=True))
         said = [w for w in r["warnings"] if "runs autograd itself" in w]
         assert len(said) == 1, r["warnings"]
+        assert r["kept_unpairable"]  # later steps run the sequential loop from the start
         # only a later micro-batch's forward runs autograd: paired, refused, not hung
         assert "a paired forward runs autograd itself" in r["refused_later"], r["refused_later"]
         got, want = r["after"]

@@ -628,10 +628,11 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     refused = _refusal(lambda: mc2.forward_backward(_in_layer_stack(), batches, chunked,
                                                     overlap=True))
     steps = []
+    model = _in_layer_stack()  # one model: "auto"'s decision, and why it ran unpaired, stay
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            model = _in_layer_stack()
+            model.zero_grad(set_to_none=True)
             threads.clear()
             losses = mc2.forward_backward(model, batches, chunked, overlap="auto")
             got = [p.grad.clone() for p in model.parameters()]
@@ -640,6 +641,7 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
             steps.append({"threads": list(threads), "losses": [float(x) for x in losses],
                           "want_losses": [float(x) for x in want_losses], "got": got,
                           "want": [p.grad.clone() for p in model.parameters()]})
+    kept_unpairable = "_mc2_unpairable" in model.__dict__
     # a forward that runs autograd only in a later micro-batch: the first is clean, so the
     # step pairs, and the paired forward's call is refused where the backward beside it runs
     # in a thread of its own (emulated), instead of waiting for that thread forever
@@ -656,6 +658,7 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     _sequential(model, batches, _stack_loss)
     return {"refused": refused, "steps": steps, "refused_later": refused_later,
+            "kept_unpairable": kept_unpairable,
             "after": (got, [p.grad.clone() for p in model.parameters()]),
             "warnings": [str(w.message) for w in caught]}
 

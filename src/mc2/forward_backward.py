@@ -34,6 +34,7 @@ from mc2.parallel.paired_fsdp import PairedSharding
 __all__ = ["forward_backward"]
 
 _DECISION = "_mc2_forward_backward"  # the model's "auto" decision, kept on the model
+_UNPAIRABLE = "_mc2_unpairable"  # why a step of this model ran unpaired, kept on the model
 T = TypeVar("T")
 
 
@@ -84,14 +85,18 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
 
 
 def _unpairable(model: nn.Module) -> str | None:
-    """Why ``model``'s wrappers cannot run one micro-batch's forward beside another's
-    backward, or ``None``: their hooks hold one pass's state at a time."""
+    """Why ``model`` cannot run one micro-batch's forward beside another's backward, or
+    ``None``: wrappers whose hooks hold one pass's state at a time, a tracing mode, or a
+    forward an earlier step found running autograd itself (kept on the model: its later
+    steps run the sequential loop from the start)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     if (mode := tracing_mode()) is not None:
         return (f"the step runs under {mode}, a tracing mode whose state belongs to this "
                 "thread: a paired forward runs in another")
+    if (why := model.__dict__.get(_UNPAIRABLE)) is not None:  # seen in an earlier step
+        return why
     for kind, name in ((FullyShardedDataParallel, "FSDP (FullyShardedDataParallel)"),
                        (DistributedDataParallel, "DistributedDataParallel")):
         if any(isinstance(m, kind) for m in model.modules()):
@@ -166,7 +171,7 @@ def _paired(model: nn.Module, batches: list[Any], loss_fn: Any, *, strict: bool,
 
     return run_pairs(len(batches), forward, lambda loss: loss.backward(), around=sharding.held,
                      kept=lambda loss: loss.detach(), failed=sharding.discard, strict=strict,
-                     group=group,
+                     group=group, alone=lambda why: model.__dict__.__setitem__(_UNPAIRABLE, why),
                      unpaired="forward_backward(overlap=True): the model's forward made no "
                               "mc2 call, so nothing can be paired; switch mc2 on in the model "
                               "(enable_mc2, mc2.MoELayer, ep_implementation='mc2') or pass "

@@ -36,9 +36,9 @@ import torch
 
 from mc2.engine.autograd.autograd_watch import EngineWatch, on_a_device, watched
 from mc2.engine.autograd.partner import Partner, tracing_mode
+from mc2.engine.decide.batch_split import say_once
 from mc2.engine.transport.comm import host_max
 from mc2.engine.transport.deadline import Abandoned
-from mc2.observation.once import warn_once
 
 T = TypeVar("T")
 
@@ -169,7 +169,8 @@ class PairedLoop:
     step failed anywhere (the last backward too, which runs outside ``around()``), what the
     step left to discard (FSDP2's units gathered, their gradients accumulated unsharded).
     ``strict``: a first forward that runs autograd itself on an accelerator (:meth:`_first`,
-    agreed on ``group``) is refused; else its step runs unpaired.
+    agreed on ``group``) is refused; else its step runs unpaired, and ``alone(why)`` is told
+    (the caller's decision can then run its later steps sequentially from the start).
 
     A micro-batch's backward runs one :meth:`add` later than the sequential loop runs it:
     nothing between two calls may read the gradients (a framework's loop reads them after
@@ -180,9 +181,10 @@ class PairedLoop:
                  unpaired: str = "the model made no mc2 call, so nothing can be paired",
                  kept: Callable[[Any], Any] = lambda out: None,
                  failed: Callable[[BaseException], None] = lambda exc: None,
-                 strict: bool = True, group: Any = None) -> None:
+                 strict: bool = True, group: Any = None,
+                 alone: Callable[[str], None] = lambda why: None) -> None:
         self._backward, self._around, self._unpaired, self._kept = backward, around, unpaired, kept
-        self._failed, self._strict, self._group = failed, strict, group
+        self._failed, self._strict, self._group, self._said_alone = failed, strict, group, alone
         self._alone = False  # this step runs unpaired (its forward runs autograd: _first)
         self._caller: int | None = None  # the thread that runs the step (its first forward)
         self._first_ran_autograd = False
@@ -293,9 +295,9 @@ class PairedLoop:
             if self._strict:
                 raise ValueError(f"mc2 pairing: {why}; run the sequential loop "
                                  "(forward_backward's overlap=False)")
-            warn_once(f"mc2 pairing one micro-batch's forward with another's backward is "
-                      f"off: {why}", UserWarning)
+            say_once(why, "pairing one micro-batch's forward with another's backward")
             self._alone = True
+            self._said_alone(why)
         return out
 
     def _engine_entered(self, outputs: Any) -> None:
@@ -361,12 +363,13 @@ def run_pairs(count: int, forward: Callable[[int], T], backward: Callable[[T], N
               unpaired: str = "the model made no mc2 call, so nothing can be paired",
               kept: Callable[[T], Any] = lambda out: None,
               failed: Callable[[BaseException], None] = lambda exc: None,
-              strict: bool = True, group: Any = None) -> list[Any]:
+              strict: bool = True, group: Any = None,
+              alone: Callable[[str], None] = lambda why: None) -> list[Any]:
     """``forward(i)`` for each of ``count`` micro-batches and ``backward`` of what it returned,
     each forward after the first beside the previous micro-batch's backward
     (:class:`PairedLoop`); ``kept(result)`` of each, in order."""
     loop = PairedLoop(backward, around=around, unpaired=unpaired, kept=kept, failed=failed,
-                      strict=strict, group=group)
+                      strict=strict, group=group, alone=alone)
     for i in range(count):
         loop.add(lambda i=i: forward(i), last=i == count - 1)
     return loop.results
