@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from mc2.device.clock import clock_for
-from mc2.engine.autograd.pairing import run_pairs, tracing_mode
+from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
 from mc2.parallel.layer_gather import fsdp_units
@@ -92,9 +92,8 @@ def _unpairable(model: nn.Module) -> str | None:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if (mode := tracing_mode()) is not None:
-        return (f"the step runs under {mode}, a tracing mode whose state belongs to this "
-                "thread: a paired forward runs in another")
+    if (why := traced_step()) is not None:
+        return why
     if (why := model.__dict__.get(_UNPAIRABLE)) is not None:  # seen in an earlier step
         return why
     for kind, name in ((FullyShardedDataParallel, "FSDP (FullyShardedDataParallel)"),

@@ -70,6 +70,12 @@ def _roots(units: list[Any]) -> list[Any]:
     return roots
 
 
+def _groups(units: list[Any]) -> list[Any]:
+    """The units' parameter groups, each once, though several modules share it
+    (``fully_shard([a, b])``)."""
+    return list({id(g): g for unit in units for g in param_groups(unit)}.values())
+
+
 def _discard_step(roots: list[Any], groups: list[Any]) -> None:
     """After a failed step: FSDP2's own recovery (its roots' ``reset_iter_state``: every
     group resharded, its per-step state cleared; each group's part of it where a unit here
@@ -110,8 +116,7 @@ class PairedSharding:
             yield
             return
         self._roots = _roots(units)
-        # a group once, though several modules share it (fully_shard([a, b]))
-        groups = list({id(g): g for unit in units for g in param_groups(unit)}.values())
+        groups = _groups(units)
         saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
         last = [(state, state._state_ctx.is_last_backward) for state in self._roots]
         try:
@@ -136,8 +141,7 @@ class PairedSharding:
         units = fsdp_units(self.model)
         if not units or isinstance(failure, CommTimeout):
             return
-        groups = list({id(g): g for unit in units for g in param_groups(unit)}.values())
-        _discard_step(self._roots, groups)
+        _discard_step(self._roots, _groups(units))
 
     def finished(self, loss: Tensor) -> Tensor:
         """``loss``, whose backward runs FSDP2's end-of-backward callback of each root

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+
 def watched() -> bool:
     """Whether a paired step watches autograd at all: only where an accelerator is present
     (on a CPU autograd runs in the calling thread, and a paired forward may run it)."""

@@ -35,7 +35,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 
 from mc2.engine.autograd.autograd_watch import EngineWatch, on_a_device, watched
-from mc2.engine.autograd.partner import Partner, tracing_mode
+from mc2.engine.autograd.partner import Partner, traced_step, tracing_mode
 from mc2.engine.decide.batch_split import say_once
 from mc2.engine.transport.comm import host_max
 from mc2.engine.transport.deadline import Abandoned
@@ -241,10 +241,8 @@ class PairedLoop:
 
     def _add(self, forward: Callable[[], T], last: bool) -> T:
         if self._scope is None:  # the step's first micro-batch: its forward alone
-            if (mode := tracing_mode()) is not None:
-                raise ValueError(f"mc2 pairing: the step runs under {mode}, a tracing mode "
-                                 "whose state belongs to this thread, and a paired forward "
-                                 "runs in another; run the sequential loop")
+            if (why := traced_step()) is not None:
+                raise ValueError(f"mc2 pairing: {why}; run the sequential loop")
             self.results = []
             self._scope = contextlib.ExitStack()
             self._scope.enter_context(self._around())
@@ -324,7 +322,6 @@ class PairedLoop:
                 self._pending is None and not torch.compiler.is_compiling() and \
                 tracing_mode() is None:
             self._first_ran_autograd = True
-
 
     def _end(self, keep_partner: bool = True, failure: Any = (None, None, None)) -> None:
         """The step is over (or failed: ``failure``, the exception's ``sys.exc_info()``, which

@@ -64,6 +64,14 @@ def tracing_mode() -> str | None:
     return None
 
 
+def traced_step() -> str | None:
+    """Why a step cannot be paired here because of :func:`tracing_mode`, or ``None``."""
+    if (mode := tracing_mode()) is None:
+        return None
+    return (f"the step runs under {mode}, a tracing mode whose state belongs to this "
+            "thread, and a paired forward runs in another")
+
+
 @contextlib.contextmanager
 def _modes_entered(functions: list[Any], dispatches: list[Any]) -> Iterator[None]:
     """``functions`` and ``dispatches`` pushed onto this thread's mode stacks, in order (not
