@@ -264,6 +264,37 @@ def test_a_forward_that_runs_autograd_is_not_paired_where_it_would_hang() -> Non
         assert all(_close(g, w, 1e-10) for g, w in zip(got, want, strict=True))
 
 
+def test_the_callers_autograd_switches_reach_the_paired_forwards() -> None:
+    """Anomaly detection and autograd's device threads are thread-local switches: a caller
+    that turned them (on, and off as TorchTitan's trainer does) has every forward see them
+    as it set them, the three paired forwards in the partner thread
+    too (before, they saw a new thread's defaults), with the sequential loop's gradients."""
+    from tests.workers_pairing import autograd_state_carried
+
+    for r in mc2.run_local(autograd_state_carried, 2, timeout_s=120):
+        sequential, paired = r[None], r[True]
+        assert [threads for threads, *_ in paired["seen"]].count("mc2-paired-forward") == 3
+        assert {tuple(s[1:]) for s in sequential["seen"]} == {(True, False)}
+        assert [s[1:] for s in paired["seen"]] == [s[1:] for s in sequential["seen"]], paired
+        assert all(_close(g, w, 1e-10) for g, w in zip(paired["grads"], sequential["grads"],
+                                                        strict=True))
+
+
+def test_a_forward_that_runs_autograd_pairs_where_autograd_has_no_device_threads() -> None:
+    """Where the caller turned autograd's device threads off (TorchTitan's trainer does), the
+    paired backward runs in the caller's thread and cannot stop a device thread a forward
+    would wait for: a forward that runs autograd itself is paired (emulated as where an
+    accelerator is present; with the threads on it is watched, and ``overlap=True`` would
+    refuse it), with the sequential loop's losses and gradients."""
+    from tests.workers_pairing import autograd_in_the_forward_without_autograd_threads as run
+
+    for r in mc2.run_local(run, 2, timeout_s=120):
+        assert r["watched_with_threads"] and not r["watched"], r
+        assert r["threads"].count("mc2-paired-forward") == 3, r["threads"]
+        assert r["losses"] == pytest.approx(r["want_losses"], rel=1e-12)
+        assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
+
+
 def test_a_paired_step_reads_the_device_as_often_as_the_sequential_loop() -> None:
     """Counted with the host-sync counter (a ``TorchFunctionMode``, now carried into the
     paired forwards): the paired step of 4 micro-batches through 3 layers makes the

@@ -663,6 +663,68 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught]}
 
 
+def autograd_state_carried(rank: int, world: int) -> dict[str, Any]:
+    """A step whose caller turned anomaly detection on and autograd's device threads off (as
+    TorchTitan's trainer does), with a loss that records, by thread, what each forward sees
+    of them: the sequential loop's and the paired step's records, and their gradients."""
+    import threading
+
+    batches = _micro_batches(rank)
+    found: dict[str, Any] = {}
+    for overlap in (None, True):
+        model = _in_layer_stack()
+        seen: list[tuple[str, bool, bool]] = []
+
+        def recording(model: torch.nn.Module, x: torch.Tensor,
+                      seen: list = seen) -> torch.Tensor:
+            seen.append((threading.current_thread().name, torch.is_anomaly_enabled(),
+                         torch.autograd.is_multithreading_enabled()))
+            return _stack_loss(model, x)
+
+        with torch.autograd.set_detect_anomaly(True), \
+                torch.autograd.set_multithreading_enabled(False):
+            if overlap is None:
+                _sequential(model, batches, recording)
+            else:
+                mc2.forward_backward(model, batches, recording, overlap=True)
+        found[overlap] = {"seen": seen, "grads": [p.grad.clone() for p in model.parameters()]}
+    return found
+
+
+def autograd_in_the_forward_without_autograd_threads(rank: int, world: int) -> dict[str, Any]:
+    """:func:`autograd_in_the_forward`'s loss (``torch.autograd.grad`` in every forward),
+    emulated as where an accelerator is present, but with autograd's device threads turned
+    off by the caller (``set_multithreading_enabled(False)``, as TorchTitan's trainer does):
+    the backward then runs in the caller's thread, so ``overlap=True`` pairs the step. The
+    threads the forwards ran in, the losses and gradients against the sequential loop's."""
+    import threading
+
+    import mc2.engine.autograd.autograd_watch as watch_module
+
+    watch_module.accelerator_present = lambda: True  # as where an accelerator is present,
+    watch_module.in_a_device_thread = lambda device: True  # and the CPU taken for it
+    batches = _micro_batches(rank)
+    threads: list[str] = []
+
+    def chunked(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        scale = torch.ones(2, dtype=x.dtype, requires_grad=True)
+        (g,) = torch.autograd.grad((scale * 3).sum(), scale)
+        return _stack_loss(model, x) * g[0] / 3
+
+    model = _in_layer_stack()
+    with torch.autograd.set_multithreading_enabled(False):
+        watched = watch_module.watched()
+        losses = mc2.forward_backward(model, batches, chunked, overlap=True)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    want = _sequential(model, batches, chunked)
+    return {"watched": watched, "watched_with_threads": watch_module.watched(),
+            "threads": threads, "losses": [float(x) for x in losses],
+            "want_losses": [float(x) for x in want], "got": got,
+            "want": [p.grad.clone() for p in model.parameters()]}
+
+
 def torchtitan_step_left_unfinished(rank: int, world: int) -> dict[str, Any]:
     """``PairedFwdBwd`` (TorchTitan's paired ``fwd_bwd_fn``) on a trainer as TorchTitan's
     ``train_step`` uses it, 3 micro-batches a step: step 1 stops after 2 of them (its loop

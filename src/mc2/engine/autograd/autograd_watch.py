@@ -6,7 +6,9 @@ each time it gives way to micro-batch n+1's forward in the partner thread. A for
 runs autograd itself (``torch.autograd.grad`` for a chunked loss, ``.backward()`` of a part,
 ``torch.func.grad``) hands its accelerator work to that same device thread, which is stopped
 until the forward hands back: neither moves again, and the step hangs. On a CPU autograd
-runs in the calling thread, and nothing waits.
+runs in the calling thread, and nothing waits; so it does on an accelerator where the caller
+turned autograd's threads off (``torch.autograd.set_multithreading_enabled(False)``, as
+TorchTitan's trainer does), and then nothing is watched.
 
 Every such call enters autograd's engine through one Python function,
 ``torch.autograd.graph._engine_run_backward`` (``Tensor.backward``, ``torch.autograd.backward``
@@ -30,10 +32,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 
-def watched() -> bool:
-    """Whether a paired step watches autograd at all: only where an accelerator is present
-    (on a CPU autograd runs in the calling thread, and a paired forward may run it)."""
+def accelerator_present() -> bool:
     return torch.accelerator.is_available()
+
+
+def watched() -> bool:
+    """Whether a paired step, asked in its caller's thread, watches autograd at all: only
+    where an accelerator is present (on a CPU autograd runs in the calling thread, and a
+    paired forward may run it) and autograd runs a backward in device threads there. Not
+    under ``torch.autograd.set_multithreading_enabled(False)`` (thread-local; TorchTitan's
+    trainer sets it): the paired backward then runs in the caller's thread, and a forward's
+    own autograd (the partner carries the switch) in the forward's."""
+    return accelerator_present() and torch.autograd.is_multithreading_enabled()
 
 
 def in_a_device_thread(device: torch.device) -> bool:

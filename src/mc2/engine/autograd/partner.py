@@ -4,7 +4,10 @@
 calls mc2 deep inside the model and cannot be suspended half-way by a generator) in such a
 thread, handing over at fixed points (:mod:`mc2.engine.autograd.pairing`). What a forward
 depends on that is thread-local goes with it: context variables, autocast regions, the
-accelerator's device and stream, saved-tensor hooks, function and dispatch modes.
+accelerator's device and stream, saved-tensor hooks, function and dispatch modes, and autograd's
+own switches (anomaly detection, and whether autograd runs a backward in device
+threads: TorchTitan's trainer turns that off in its thread, so that what autograd runs can
+reach the thread's device meshes).
 """
 
 from __future__ import annotations
@@ -109,9 +112,9 @@ class Partner:
     never run at once. Each function takes the caller's context variables, autocast regions,
     accelerator device and stream, saved-tensor hooks and default device as they were at
     :meth:`start` (a forward in the caller's autocast stays in it, one under activation
-    offload offloads), and its ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks (the
-    same mode objects, pushed without entering them again: a mode's ``__enter__`` may reset
-    what it counts).
+    offload offloads), its anomaly detection and autograd threading, and its
+    ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks (the same mode objects, pushed
+    without entering them again: a mode's ``__enter__`` may reset what it counts).
 
     One thread for all the functions of a step, not one each (a thread's first parallel
     kernel makes it a team of intra-op threads, and a new team per micro-batch costs), kept
@@ -137,6 +140,8 @@ class Partner:
         # the modes (a quantiser's, a counter's; torch.set_default_device's is one)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         modes = _mode_stacks()
+        threads = torch.autograd.is_multithreading_enabled()
+        anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
 
         def job() -> Any:
             with contextlib.ExitStack() as stack:
@@ -144,6 +149,8 @@ class Partner:
                     torch.accelerator.set_device_index(stream.device.index)
                     torch.accelerator.set_stream(stream)
                 stack.enter_context(_modes_entered(*modes))
+                stack.enter_context(torch.autograd.set_detect_anomaly(*anomaly))
+                stack.enter_context(torch.autograd.set_multithreading_enabled(threads))
                 if hooks is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
                 for kind, dtype in regions:
