@@ -9,7 +9,8 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test bench lint clean
 
-$(VENV)/.installed: pyproject.toml requirements-megatron.txt requirements-torchtitan.txt
+$(VENV)/.installed: pyproject.toml requirements-megatron.txt requirements-torchtitan.txt \
+                   requirements-torchtitan-trainer.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
@@ -18,6 +19,8 @@ $(VENV)/.installed: pyproject.toml requirements-megatron.txt requirements-torcht
 	$(PY) -m pip install -q --no-deps -r requirements-megatron.txt
 # TorchTitan (tests/test_torchtitan.py): --no-deps for the same reason
 	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt
+# TorchTitan's Trainer (tests/test_torchtitan_trainer.py): what torchtitan.trainer imports
+	$(PY) -m pip install -q --no-deps -r requirements-torchtitan-trainer.txt
 	touch $@
 
 venv: $(VENV)/.installed

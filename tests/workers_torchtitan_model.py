@@ -21,10 +21,10 @@ Shims, in this file only, each where the trainer needs an accelerator:
   their inner attention config is then swapped for TorchTitan's own
   ``ScaledDotProductAttention.Config`` (causal, no mask): the rest of each layer, and its
   sharding configs, stay TorchTitan's.
-- **update_from_config**: it imports ``torchtitan.trainer``, which needs ``torchdata`` (not
-  installed: TorchTitan comes ``--no-deps``). For this parallelism (no TP, CP, PP, no DeepEP
-  dispatcher) all it does is ``set_qwen3_sharding_config(enable_sp=False, enable_ep=True)``,
-  called here directly.
+- **update_from_config** takes the trainer's whole config. For this parallelism (no TP, CP,
+  PP, no DeepEP dispatcher) all it does is ``set_qwen3_sharding_config(enable_sp=False,
+  enable_ep=True)``, called here directly (tests/test_torchtitan_trainer.py runs TorchTitan's
+  ``Trainer`` itself, which calls it).
 - **Weights**: built and initialised on the CPU (``init_weights`` with a fixed seed) before
   ``parallelize_qwen3``, not on the meta device and after it as the trainer does, so that both
   models start from the same weights (checked) without a checkpoint.
@@ -386,10 +386,24 @@ def accumulation_against_torchtitan(rank: int, world: int, steps: int,
             losses.append(got_trainer.accumulate(step))
     for step in steps_of:
         ref_losses.append(ref_trainer.accumulate(step))
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from mc2.integrations.torchtitan import MC2SelectiveAC
+
+    def config(**fields: Any) -> Any:
+        return SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True), **fields)
+
     refused = {}
     for name, change in (("cuda graphs", lambda t: setattr(
             t, "config", SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False)))),
-                         ("chunked loss", lambda t: setattr(t, "loss_fn", _chunked_loss()))):
+                         ("chunked loss", lambda t: setattr(t, "loss_fn", _chunked_loss())),
+                         ("selective ac", lambda t: setattr(t, "config", config(
+                             activation_checkpoint=SelectiveAC.Config()))),
+                         ("mc2 selective ac", lambda t: setattr(t, "config", config(
+                             activation_checkpoint=MC2SelectiveAC.Config()))),
+                         ("compiled", lambda t: setattr(t, "config", config(
+                             compile=CompileConfig(enable=True, components=["model"]))))):
         trainer = AccumulatingTrainer(got, dims, micro_batches)
         change(trainer)
         try:

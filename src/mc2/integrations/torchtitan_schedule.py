@@ -38,7 +38,9 @@ the first forward to the last backward, which alone reduce-scatters
 parallelism (its schedule owns the micro-batches), more than one model part, context
 parallelism (not tested), TorchTitan's
 CUDA-graph wrapping (``training.disable_cuda_graphs=False``: one graph per forward and
-backward), and ``ChunkedLossWrapper`` (it runs a backward inside the forward, per chunk, and
+backward), selective or memory-budget activation checkpointing (TorchTitan's default is
+selective) and a compiled model (each runs mc2's calls whole, as one operator), and
+``ChunkedLossWrapper`` (it runs a backward inside the forward, per chunk, and
 reshards the output projection itself: not a forward that can run inside another's backward).
 """
 
@@ -110,7 +112,8 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
     returns it.
 
     Raises:
-        ValueError: pipeline parallelism, several model parts, CUDA graphs or
+        ValueError: pipeline parallelism, several model parts, CUDA graphs, selective or
+            memory-budget activation checkpointing, a compiled model, or
             ``ChunkedLossWrapper`` (module docstring).
     """
     from torchtitan.components.loss import ChunkedLossWrapper
@@ -124,12 +127,35 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
     if not trainer.config.training.disable_cuda_graphs:
         raise ValueError("pair_accumulation: training.disable_cuda_graphs must be True (a "
                          "CUDA graph replays one whole forward and backward)")
+    if (why := _runs_calls_whole(trainer.config)) is not None:
+        raise ValueError(f"pair_accumulation: {why}, where each of mc2's calls runs whole as "
+                         "one operator and cannot give way to another micro-batch: nothing "
+                         "could be paired")
     if isinstance(trainer.loss_fn, ChunkedLossWrapper):
         raise ValueError("pair_accumulation: the loss is ChunkedLossWrapper, which runs "
                          "backwards inside the forward; use the plain cross-entropy loss")
     paired = PairedFwdBwd(trainer)
     trainer.fwd_bwd_fn = paired
     return paired
+
+
+def _runs_calls_whole(config: Any) -> str | None:
+    """Which field of a TorchTitan trainer's ``config`` makes the model's mc2 calls run as
+    the operator (:mod:`mc2.engine.autograd.operator`): selective activation checkpointing
+    (TorchTitan's default, and mc2's ``MC2SelectiveAC``) and the memory-budget policy run
+    each block in a region whose policy sees whole operators, a compiled model traces
+    them; ``None`` where the calls run eagerly."""
+    from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, SelectiveAC
+
+    ac = getattr(config, "activation_checkpoint", None)
+    if isinstance(ac, (SelectiveAC.Config, MemoryBudgetAC.Config)):
+        return (f"activation_checkpoint is {type(ac).__qualname__} (set 'full' or 'none': "
+                "full checkpointing pairs, its recompute giving way as the backward does)")
+    compile_config = getattr(config, "compile", None)
+    if compile_config is not None and compile_config.enable and \
+            "model" in compile_config.components:
+        return "compile.enable compiles the model (leave 'model' out of compile.components)"
+    return None
 
 
 class PairedCheckpointManager(CheckpointManager):
