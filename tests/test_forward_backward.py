@@ -126,8 +126,28 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
         assert "nothing can be paired" in r["no mc2 call"], r
         assert "DistributedDataParallel" in r["DDP"], r
         assert "scalar" in r["not a scalar"], r
-        # its calls ran, as the operator: said so, not "the model made no mc2 call"
-        assert "ran as the operator" in r["selective"] and "selective" in r["selective"], r
+        # its calls ran, as the operator in a compiled graph: said so, not "the model made
+        # no mc2 call"
+        assert "ran as the operator" in r["compiled"] and "compiled" in r["compiled"], r
+
+
+def test_a_model_under_selective_checkpointing_pairs_as_its_sequential_loop() -> None:
+    """Under selective activation checkpointing the model's mc2 calls run as the operator
+    ``torch.ops.mc2.fused_expert`` (so that the policy sees one call), eagerly: they give
+    way between their steps as the eager calls do, with mc2's policy (the call's output
+    saved) and with one that recomputes everything (the call runs again in the backward,
+    exchanges included, as under TorchTitan's own policy). Paired, the forward's exchanges
+    travel across the backward's compute, with the sequential loop's losses and gradients
+    (before, such a model was refused: its calls ran whole)."""
+    from tests.workers_pairing import selective_paired
+
+    for r in mc2.run_local(selective_paired, 2, timeout_s=120):
+        for policy in (True, False):
+            got = r[policy]
+            assert got["under_backward"] > 0, (policy, got["under_backward"])
+            assert got["losses"] == pytest.approx(got["want"], rel=1e-12), policy
+            assert all(_close(g, w, 1e-10) for g, w in zip(got["grads"], got["want_grads"],
+                                                            strict=True)), policy
 
 
 

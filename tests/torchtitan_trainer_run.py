@@ -1,10 +1,11 @@
 """TorchTitan's own ``Trainer``, built and trained several times one after another in one
 ``torchrun`` world (``--runs``): as TorchTitan builds it; with mc2's routed experts named in
 ``override.imports``, as its command line would name them; with the paired gradient
-accumulation too; and paired under TorchTitan's default (selective) activation
-checkpointing, which is refused. Writes each run's per-step global losses and gradient norms,
-and what the paired run did (or what a trainer refused), to ``--out``, a file per rank. Run
-by tests/test_torchtitan_trainer.py::
+accumulation too; and paired with mc2's selective-checkpointing policy. Activation
+checkpointing is TorchTitan's default, selective, unless ``--activation-checkpoint`` says.
+Writes each run's per-step global losses and gradient norms, and what the paired run did (or
+what a trainer refused), to ``--out``, a file per rank. Run by
+tests/test_torchtitan_trainer.py::
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 \\
         tests/torchtitan_trainer_run.py --out result --param-dtype float32
@@ -23,7 +24,8 @@ each through the extension point TorchTitan gives it:
   choice for the CPU).
 - **torch 2.13**: TorchTitan 0.3.0 calls ``torch.distributed.set_timeout`` after the first
   step, which torch 2.13 has as ``distributed_c10d._set_pg_timeout``.
-- **The model spec**: TorchTitan's Qwen3 MoE (:func:`tests.workers_torchtitan_model.qwen3_moe_config`,
+- **The model spec**: TorchTitan's Qwen3 MoE
+(:func:`tests.workers_torchtitan_model.qwen3_moe_config`,
   its inner attention SDPA, as that module says why) with TorchTitan's ``parallelize_qwen3``,
   then FSDP's reductions as plain sums (Gloo has no ``PREMUL_SUM``; the same sums).
 - **The data**: a data loader and a tokenizer of the test's (TorchTitan's read datasets or
@@ -96,6 +98,7 @@ from tests import workers_torchtitan_model as m  # noqa: E402
 STEPS, MICRO_BATCHES = 3, 3
 ROUTED = "mc2.integrations.torchtitan.mc2_routed_experts"
 PAIRED = "mc2.integrations.torchtitan_schedule.mc2_paired_accumulation"
+MC2_POLICY = "mc2.integrations.torchtitan.mc2_selective_ac"
 
 
 class Tokens(BaseDataLoader):
@@ -204,16 +207,20 @@ def config(overrides: list[str], param_dtype: str, checkpointing: str) -> Any:
 
 
 def train(overrides: list[str], checkpointing: str, param_dtype: str) -> dict[str, Any]:
-    """One trainer's run; a ``ValueError`` it raised (a refusal) and the step it reached,
-    instead, where it raised one."""
+    """One trainer's run (a ``ValueError`` it raised, a refusal, and the step it reached,
+    instead, where it raised one)."""
     from torchtitan.trainer import Trainer
 
     trainer = Trainer(config(overrides, param_dtype, checkpointing))
     own = trainer.fwd_bwd_fn
-    threads: list[str] = []  # where each MoE forward ran (the paired ones: the partner's)
+    from mc2.engine.autograd.recompute import selective_region
+
+    # where each MoE forward ran (the paired ones: the partner's), and whether inside a
+    # selective-checkpointing region (where mc2's calls run as the operator)
+    threads: list[tuple[str, bool]] = []
     for layer in trainer.model_parts[0].layers.values():
         layer.moe.register_forward_pre_hook(
-            lambda *_: threads.append(threading.current_thread().name))
+            lambda *_: threads.append((threading.current_thread().name, selective_region())))
     try:
         trainer.train()
     except ValueError as exc:
@@ -224,7 +231,8 @@ def train(overrides: list[str], checkpointing: str, param_dtype: str) -> dict[st
             "fwd_bwd_fn": type(trainer.fwd_bwd_fn).__name__ if trainer.fwd_bwd_fn is not own
             else "TorchTitan's own",
             "multithreading": torch.autograd.is_multithreading_enabled(),
-            "paired_forwards": threads.count("mc2-paired-forward"),
+            "paired_forwards": [name for name, _ in threads].count("mc2-paired-forward"),
+            "in_selective_regions": sum(selective for _, selective in threads),
             "nodes": sorted({type(layer.moe.routed_experts).__name__
                              for layer in trainer.model_parts[0].layers.values()})}
 
@@ -233,17 +241,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="a JSON file per rank: OUT.rank<N>")
     parser.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--activation-checkpoint", default="full",
+    parser.add_argument("--activation-checkpoint", default="selective",
                         choices=("full", "selective", "none"))
-    parser.add_argument("--runs", default="own,in_layer,paired,paired_selective",
+    parser.add_argument("--runs", default="own,in_layer,paired,paired_mc2_policy",
                         help="trainers, one after another: TorchTitan's own, with mc2's "
-                             "experts, paired too, and paired with TorchTitan's default "
-                             "(selective) activation checkpointing")
+                             "experts, paired too, and paired with mc2's selective "
+                             "checkpointing policy (which saves mc2's call)")
     args = parser.parse_args()
     runs = {"own": ([], args.activation_checkpoint),
             "in_layer": ([ROUTED], args.activation_checkpoint),
             "paired": ([ROUTED, PAIRED], args.activation_checkpoint),
-            "paired_selective": ([ROUTED, PAIRED], "selective")}
+            "paired_mc2_policy": ([ROUTED, MC2_POLICY, PAIRED], "selective")}
     result = {run: train(*runs[run], args.param_dtype) for run in args.runs.split(",")}
     with open(f"{args.out}.rank{torch.distributed.get_rank()}", "w") as f:
         json.dump(result, f)

@@ -332,20 +332,44 @@ def failed_step(rank: int, world: int) -> dict[str, Any]:
 
 
 class _SelectivelyCheckpointed(torch.nn.Module):
-    """``inner`` under selective activation checkpointing with mc2's policy: its mc2 call
-    runs as the operator, whole."""
+    """``inner`` under selective activation checkpointing: its mc2 call runs as the operator
+    (eagerly). ``policy``: mc2's (the call's output saved, its recompute runs no exchange),
+    else one that recomputes everything (the call runs again in the backward, exchanges
+    included, as under TorchTitan's own policy, whose save list does not name it)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, policy: bool = True) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.policy = inner, policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from functools import partial
 
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+        from torch.utils.checkpoint import (
+            CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts)
 
-        context = partial(create_selective_checkpoint_contexts, mc2.checkpoint_policy())
+        policy = mc2.checkpoint_policy() if self.policy else \
+            (lambda ctx, func, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)
+        context = partial(create_selective_checkpoint_contexts, policy)
         return checkpoint(self.inner, x, use_reentrant=False, context_fn=context)
+
+
+def selective_paired(rank: int, world: int) -> dict[str, Any]:
+    """The in-layer stack, each layer under selective checkpointing (with mc2's policy, and
+    with one that recomputes everything), through the sequential loop and paired: losses,
+    gradients, and the forward exchanges in flight across a backward's compute."""
+    batches = _micro_batches(rank)
+    found: dict[str, Any] = {}
+    for policy in (True, False):
+        model = _Residual(*(_SelectivelyCheckpointed(layer, policy)
+                            for layer in _in_layer_stack()))
+        want = _sequential(model, batches, _stack_loss)
+        want_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        losses, under = _recorded(model, batches, _stack_loss, True)
+        found[policy] = {"want": [float(x) for x in want], "losses": [float(x) for x in losses],
+                         "under_backward": under, "want_grads": want_grads,
+                         "grads": [p.grad.clone() for p in model.parameters()]}
+    return found
 
 
 def refusals(rank: int, world: int) -> dict[str, str | None]:
@@ -355,12 +379,11 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
     plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     ddp = torch.nn.parallel.DistributedDataParallel(_in_layer_stack())
-    selective = torch.nn.Sequential(*(_SelectivelyCheckpointed(layer)
-                                      for layer in _in_layer_stack()))
+    compiled = torch.compile(_in_layer_stack(), backend="aot_eager")
     for name, model, loss_fn in (
             ("no mc2 call", plain, lambda m, b: m(b).pow(2).mean()),
             ("DDP", ddp, lambda m, b: m(b).pow(2).mean()),
-            ("selective", selective, lambda m, b: m(b).pow(2).mean()),
+            ("compiled", compiled, lambda m, b: m(b).pow(2).mean()),
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:
             mc2.forward_backward(model, [x, x], loss_fn, overlap=True)

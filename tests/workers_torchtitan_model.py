@@ -387,9 +387,7 @@ def accumulation_against_torchtitan(rank: int, world: int, steps: int,
     for step in steps_of:
         ref_losses.append(ref_trainer.accumulate(step))
     from torchtitan.config import CompileConfig
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-    from mc2.integrations.torchtitan import MC2SelectiveAC
+    from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC
 
     def config(**fields: Any) -> Any:
         return SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=True), **fields)
@@ -398,10 +396,8 @@ def accumulation_against_torchtitan(rank: int, world: int, steps: int,
     for name, change in (("cuda graphs", lambda t: setattr(
             t, "config", SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False)))),
                          ("chunked loss", lambda t: setattr(t, "loss_fn", _chunked_loss())),
-                         ("selective ac", lambda t: setattr(t, "config", config(
-                             activation_checkpoint=SelectiveAC.Config()))),
-                         ("mc2 selective ac", lambda t: setattr(t, "config", config(
-                             activation_checkpoint=MC2SelectiveAC.Config()))),
+                         ("memory budget", lambda t: setattr(t, "config", config(
+                             activation_checkpoint=MemoryBudgetAC.Config()))),
                          ("compiled", lambda t: setattr(t, "config", config(
                              compile=CompileConfig(enable=True, components=["model"]))))):
         trainer = AccumulatingTrainer(got, dims, micro_batches)

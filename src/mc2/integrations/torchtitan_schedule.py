@@ -36,12 +36,13 @@ the first forward to the last backward, which alone reduce-scatters
 
 **Refused** (``ValueError`` from :func:`pair_accumulation`, every rank alike): pipeline
 parallelism (its schedule owns the micro-batches), more than one model part, context
-parallelism (not tested), TorchTitan's
-CUDA-graph wrapping (``training.disable_cuda_graphs=False``: one graph per forward and
-backward), selective or memory-budget activation checkpointing (TorchTitan's default is
-selective) and a compiled model (each runs mc2's calls whole, as one operator), and
-``ChunkedLossWrapper`` (it runs a backward inside the forward, per chunk, and
-reshards the output projection itself: not a forward that can run inside another's backward).
+parallelism (not tested), TorchTitan's CUDA-graph wrapping
+(``training.disable_cuda_graphs=False``: one graph per forward and backward), a compiled
+model and memory-budget activation checkpointing (which compiles: a compiled graph runs
+mc2's calls whole, as one operator), and ``ChunkedLossWrapper`` (it runs a backward inside
+the forward, per chunk, and reshards the output projection itself: not a forward that can
+run inside another's backward). Selective checkpointing, TorchTitan's default, pairs: its
+regions run mc2's calls as the operator, eagerly, and they give way between their steps.
 """
 
 from __future__ import annotations
@@ -112,9 +113,9 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
     returns it.
 
     Raises:
-        ValueError: pipeline parallelism, several model parts, CUDA graphs, selective or
-            memory-budget activation checkpointing, a compiled model, or
-            ``ChunkedLossWrapper`` (module docstring).
+        ValueError: pipeline parallelism, several model parts, CUDA graphs, a compiled
+            model, memory-budget activation checkpointing, or ``ChunkedLossWrapper`` (module
+            docstring).
     """
     from torchtitan.components.loss import ChunkedLossWrapper
 
@@ -140,17 +141,17 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
 
 
 def _runs_calls_whole(config: Any) -> str | None:
-    """Which field of a TorchTitan trainer's ``config`` makes the model's mc2 calls run as
-    the operator (:mod:`mc2.engine.autograd.operator`): selective activation checkpointing
-    (TorchTitan's default, and mc2's ``MC2SelectiveAC``) and the memory-budget policy run
-    each block in a region whose policy sees whole operators, a compiled model traces
-    them; ``None`` where the calls run eagerly."""
-    from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC, SelectiveAC
+    """Which field of a TorchTitan trainer's ``config`` makes the model's mc2 calls run whole,
+    as the operator inside a compiled graph (:mod:`mc2.engine.autograd.operator`): a
+    compiled model, or the memory-budget checkpointing policy (which compiles); ``None``
+    where the calls run eagerly (selective checkpointing, TorchTitan's default, runs them
+    as the operator too, but eagerly: they pair)."""
+    from torchtitan.distributed.activation_checkpoint import MemoryBudgetAC
 
     ac = getattr(config, "activation_checkpoint", None)
-    if isinstance(ac, (SelectiveAC.Config, MemoryBudgetAC.Config)):
-        return (f"activation_checkpoint is {type(ac).__qualname__} (set 'full' or 'none': "
-                "full checkpointing pairs, its recompute giving way as the backward does)")
+    if isinstance(ac, MemoryBudgetAC.Config):
+        return ("activation_checkpoint is MemoryBudgetAC.Config, which compiles the model "
+                "(set 'selective', 'full' or 'none')")
     compile_config = getattr(config, "compile", None)
     if compile_config is not None and compile_config.enable and \
             "model" in compile_config.components:

@@ -13,6 +13,9 @@ Eager calls go through it too while selective activation checkpointing runs
 (:mod:`.recompute`): to PyTorch's caching dispatch mode the call is then one operator, which
 a policy saves or recomputes whole, and the operators the call runs inside stay invisible to
 the policy (counted op by op, they would shift the cache of the region's own operators).
+Such a call still runs eagerly inside the operator, so under ``mc2.forward_backward``'s
+pairing it gives way between its steps as the eager adapter's does (:mod:`.function`); a
+traced call (compiled) runs whole.
 
 What crosses from the forward to the backward: the operator returns, beside the output, a
 one-element CPU token that names the forward's :class:`~mc2.engine.passes.run.ForwardState`
@@ -34,6 +37,7 @@ import inspect
 import itertools
 import json
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +51,18 @@ from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.run import CallInputs, ForwardState, run_backward, run_forward
 from mc2.engine.transport.deadline import resolve_timeout
 
-_STATES: dict[int, ForwardState] = {}
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A forward's state until its backward; ``eager``: the forward ran eagerly (in a
+    selective-checkpointing region), so its backward gives way to a paired forward too."""
+
+    state: ForwardState
+    eager: bool
+
+
+_STATES: dict[int, _Kept] = {}
 _KEYS = itertools.count()
 NO_STATE = -1
 
@@ -78,8 +93,16 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     backward differentiates, decided by the caller (a compiled forward runs without
     autograd)."""
     cfg = MC2Config.from_dict(json.loads(config))
-    if (pairing := current_pairing()) is not None:  # a call that runs whole: it cannot pair
-        pairing.traced += 1
+    # an eager call routed here (a selective-checkpointing region's) pairs as the eager
+    # adapter's does, between its steps; a traced one runs inside a compiled graph, whole
+    eager = EAGER_RUNTIME.get() is not None
+    pairing = current_pairing()
+    if pairing is not None:
+        if eager:
+            pairing.calls += 1
+        else:
+            pairing.traced += 1
+    between = pairing.hand_back if pairing is not None and eager else None
     need = CallInputs.of(needs)
     names = ["weights_" + n for n in (PACKED_ORDER if packed else SPLIT_ORDER)]
 
@@ -90,13 +113,14 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
             group=_group_of(group), num_experts=num_experts,
             needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout), **(EAGER_RUNTIME.get() or {}))
         return run_forward(call, CallInputs(x, combine_weights, shared_up, shared_gate,
-                                            shared_down, shared_scale, weights.tensors()), need)
+                                            shared_down, shared_scale, weights.tensors()), need,
+                           between)
 
     out, state = guarded(run, cfg, x)
     if not state.call.keep_activations:
         return out, torch.tensor([NO_STATE])
     key = next(_KEYS)
-    _STATES[key] = state
+    _STATES[key] = _Kept(state, eager)
     token = torch.tensor([key])
     weakref.finalize(token.untyped_storage(), _STATES.pop, key, None)
     return out, token
@@ -124,11 +148,13 @@ def fused_expert_backward_op(grad_out: Tensor, token: Tensor, inputs: list[Tenso
                              needed: list[bool]) -> list[Tensor]:
     """The gradients of a :func:`fused_expert_op` call w.r.t. ``inputs`` (its tensor inputs
     but the ids, in order); an empty tensor where ``needed`` is false."""
-    state = _STATES.pop(int(token.item()), None)  # a CPU tensor: no device synchronisation
-    if state is None:
+    kept = _STATES.pop(int(token.item()), None)  # a CPU tensor: no device synchronisation
+    if kept is None:
         raise RuntimeError("mc2.fused_expert: the forward state of this backward is gone (a "
                            "second backward through one graph is not supported)")
-    grads = run_backward(state, CallInputs.of(inputs), grad_out, CallInputs.of(needed))
+    pairing = current_pairing() if kept.eager else None
+    grads = run_backward(kept.state, CallInputs.of(inputs), grad_out, CallInputs.of(needed),
+                         pairing.give_way if pairing is not None else None)
     # exactly what the fake says: a gradient where needed, an empty tensor elsewhere
     return [g if g is not None and need else _empty_like(t)
             for g, t, need in zip(grads.as_list(), inputs, needed)]

@@ -92,7 +92,7 @@ class Pairing:
     def __init__(self) -> None:
         self.partner: Partner | None = None
         self.calls = 0  # eager calls made under it
-        self.traced = 0  # calls run as the operator (compiled, or in a selective region)
+        self.traced = 0  # calls run as the operator inside a compiled graph (whole)
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
@@ -109,11 +109,10 @@ class Pairing:
             partner.pause()
 
 
-TRACED = ("the model's mc2 calls ran as the operator torch.ops.mc2.fused_expert (under "
-          "torch.compile, or in a selective activation checkpointing region), which runs each "
-          "call whole: none can hand over to another micro-batch, so nothing can be paired; "
-          "pair an eagerly run model (full or no activation checkpointing), or run the "
-          "sequential loop")
+TRACED = ("the model's mc2 calls ran as the operator torch.ops.mc2.fused_expert inside a "
+          "compiled graph (torch.compile), which runs each call whole: none can hand over to "
+          "another micro-batch, so nothing can be paired; pair an eagerly run model, or run "
+          "the sequential loop")
 
 
 def current_pairing() -> Pairing | None:
