@@ -113,6 +113,64 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
     return {"times": times, "losses": losses}
 
 
+TRAINER_MODES = ("torchtitan", "mc2", "paired")
+
+
+def rank_trainer_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int,
+                       steps: int, rounds: int, modes: tuple[str, ...], layers: int
+                       ) -> dict[str, Any]:
+    """``--trainer``: :func:`rank_steps` with TorchTitan's own ``Trainer`` per mode (built as
+    tests/torchtitan_trainer_run.py builds it, with its CPU shims; bfloat16 parameters, its
+    default selective activation checkpointing), each step its ``train_step`` (the
+    micro-batches' ``fwd_bwd_fn``, gradient clipping, the AdamW step): ``torchtitan`` as
+    TorchTitan builds it, ``mc2`` with ``mc2_routed_experts``, ``paired`` with
+    ``mc2_paired_accumulation`` too (paired at the checkpoint manager's ``load``, as
+    ``train()`` begins)."""
+    # TorchTitan's own distributed init turns autograd's device threads off; the world here
+    # exists already (mc2.run_local's), so it skips that init: turned off as it would be
+    torch.autograd.set_multithreading_enabled(False)
+    import torch.distributed as dist
+
+    from tests import torchtitan_trainer_run as run  # its CPU shims, before TorchTitan
+    from torchtitan.trainer import Trainer
+
+    from mc2.device.clock import clock_for
+
+    heads = SHAPE["num_attention_heads"]
+    shape = dict(dim=SHAPE["hidden_size"], layers=layers, heads=heads, kv_heads=heads,
+                 head_dim=SHAPE["hidden_size"] // heads, experts=8, top_k=2,
+                 moe_hidden=SHAPE["intermediate_size"], seq=seq, vocab=256)
+    overrides = {"torchtitan": [], "mc2": [run.ROUTED], "paired": [run.ROUTED, run.PAIRED]}
+    trainers, data = {}, {}
+    for mode in modes:
+        trainer = Trainer(run.config(overrides[mode], "bfloat16", "selective", shape=shape,
+                                     batch=batch, micro_batches=micro_batches, steps=10**6))
+        trainer.checkpointer.load(step=-1)  # as train() begins
+        trainers[mode], data[mode] = trainer, trainer.batch_generator(trainer.dataloader)
+
+    def step(mode: str) -> float:
+        trainer = trainers[mode]
+        trainer.step += 1
+        trainer.train_step(data[mode])
+        return trainer.metrics_processor.kept[-1][0]
+
+    clock = clock_for(torch.device("cpu"))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    losses = {}
+    for mode in modes:  # warm up every mode
+        for _ in range(2):
+            step(mode)
+    for _ in range(rounds):
+        for mode in modes:
+            step(mode)  # untimed at every switch
+            for _ in range(steps):
+                dist.barrier()
+                start = clock.stamp()
+                losses[mode] = step(mode)
+                times[mode].append(clock.elapsed(start, clock.stamp()))
+    return {"times": times, "losses": losses}
+
+
 def _held(trainer: Any, sharding_class: Any) -> Any:
     """``trainer``'s own ``fwd_bwd_fn`` with FSDP2's units held gathered from the step's first
     forward to its last backward (each backward still right after its forward)."""
@@ -141,9 +199,18 @@ def _held(trainer: Any, sharding_class: Any) -> Any:
 
 def main() -> int:
     parser = step_parser(__doc__, "plain,200mbit", MODES, memory=True)
+    parser.add_argument("--trainer", action="store_true",
+                        help="TorchTitan's own Trainer and train_step per mode (modes "
+                             + ",".join(TRAINER_MODES) + "), not the stand-in loop")
     args = parser.parse_args()
     if args.memory:
         measure_memory(rank_memory, args)
+        return 0
+    if args.trainer:
+        if args.modes == ",".join(MODES):
+            args.modes = ",".join(TRAINER_MODES)
+        measure_regimes(rank_trainer_steps, args, tuple(args.modes.split(",")),
+                        serial="torchtitan")
         return 0
     measure_regimes(rank_steps, args, tuple(args.modes.split(",")), serial="torchtitan")
     return 0

@@ -102,18 +102,23 @@ MC2_POLICY = "mc2.integrations.torchtitan.mc2_selective_ac"
 
 
 class Tokens(BaseDataLoader):
-    """This rank's bigram micro-batches, each as TorchTitan's loaders yield one."""
+    """This rank's bigram micro-batches without end (those of
+    ``workers_torchtitan_model.batches`` at its shape), each as TorchTitan's loaders yield
+    one."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
-        pass
+        vocab: int = m.VOCAB
 
-    def __init__(self, config: Config, *, dp_rank: int, **_: Any) -> None:
-        self.data = m.batches(dp_rank, STEPS * MICRO_BATCHES)
+    def __init__(self, config: Config, *, dp_rank: int, local_batch_size: int, seq_len: int,
+                 **_: Any) -> None:
+        self.vocab, self.shape = config.vocab, (local_batch_size, seq_len)
+        self.generator = torch.Generator().manual_seed(1000 + dp_rank)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        for tokens, labels in self.data:
-            yield {"input": tokens}, labels
+        while True:
+            tokens = torch.randint(0, self.vocab, self.shape, generator=self.generator)
+            yield {"input": tokens}, (tokens * 7 + 3) % self.vocab
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -168,7 +173,11 @@ def parallelize_for_gloo(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Modu
     return model
 
 
-def config(overrides: list[str], param_dtype: str, checkpointing: str) -> Any:
+def config(overrides: list[str], param_dtype: str, checkpointing: str, *,
+           shape: dict[str, int] | None = None, batch: int = m.BATCH,
+           micro_batches: int = MICRO_BATCHES, steps: int = STEPS) -> Any:
+    """The trainer's config: the model of ``workers_torchtitan_model.qwen3_moe_config(shape)``,
+    ``micro_batches`` of ``batch`` sequences (of its ``seq``) per rank and step."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -180,7 +189,9 @@ def config(overrides: list[str], param_dtype: str, checkpointing: str) -> Any:
     from torchtitan.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
-    spec = ModelSpec(name="qwen3", flavor="mc2-test", model=m.qwen3_moe_config(),
+    model = m.qwen3_moe_config(shape)
+    seq = (shape or {}).get("seq", m.SEQ)
+    spec = ModelSpec(name="qwen3", flavor="mc2-test", model=model,
                      parallelize_fn=parallelize_for_gloo, pipelining_fn=None,
                      post_optimizer_build_fn=register_moe_load_balancing_hook,
                      state_dict_adapter=None)
@@ -188,12 +199,12 @@ def config(overrides: list[str], param_dtype: str, checkpointing: str) -> Any:
         model_spec=spec,
         loss=CrossEntropyLoss.Config(),
         tokenizer=Vocabulary.Config(),
-        dataloader=Tokens.Config(),
+        dataloader=Tokens.Config(vocab=model.vocab_size),
         metrics=KeptMetrics.Config(log_freq=1),
         optimizer=default_adamw(lr=m.LR),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1),
-        training=TrainingConfig(local_batch_size=m.BATCH, seq_len=m.SEQ, steps=STEPS,
-                                global_batch_size=m.BATCH * world * MICRO_BATCHES,
+        training=TrainingConfig(local_batch_size=batch, seq_len=seq, steps=steps,
+                                global_batch_size=batch * world * micro_batches,
                                 disable_cuda_graphs=True, mixed_precision_param=param_dtype),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1,
                                       expert_parallel_degree=m.EP,
