@@ -87,28 +87,32 @@ def rank_memory(rank: int, world: int, mode: str, micro_batches: int, batch: int
 
 def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, steps: int,
                rounds: int, modes: tuple[str, ...], layers: int) -> dict[str, Any]:
+    trainers, data = _trainers(rank, world, modes, micro_batches, batch, seq, layers)
+    return _interleaved(lambda mode: trainers[mode].accumulate(data), modes, steps, rounds)
+
+
+def _interleaved(step: Any, modes: tuple[str, ...], steps: int, rounds: int
+                 ) -> dict[str, Any]:
+    """``step(mode)`` (one step; its global loss) of every mode, warmed up twice (and
+    ``"auto"`` settled: 4 calls a step), then ``rounds`` rounds of ``steps`` timed steps per
+    mode, one untimed at every switch: each mode's times and last loss."""
     import torch.distributed as dist
 
     from mc2.device.clock import clock_for
 
-    trainers, data = _trainers(rank, world, modes, micro_batches, batch, seq, layers)
-
-    def step(mode: str) -> None:
-        trainers[mode].accumulate(data)
-
     clock = clock_for(torch.device("cpu"))
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses = {}
-    for mode in modes:  # warm up every mode (and let "auto" settle its K: 4 calls a step)
+    for mode in modes:
         for _ in range(2):
             step(mode)
     for _ in range(rounds):
         for mode in modes:
-            step(mode)  # untimed at every switch
+            step(mode)
             for _ in range(steps):
                 dist.barrier()
                 start = clock.stamp()
-                losses[mode] = trainers[mode].accumulate(data)
+                losses[mode] = step(mode)
                 times[mode].append(clock.elapsed(start, clock.stamp()))
     return {"times": times, "losses": losses}
 
@@ -129,12 +133,8 @@ def rank_trainer_steps(rank: int, world: int, micro_batches: int, batch: int, se
     # TorchTitan's own distributed init turns autograd's device threads off; the world here
     # exists already (mc2.run_local's), so it skips that init: turned off as it would be
     torch.autograd.set_multithreading_enabled(False)
-    import torch.distributed as dist
-
     from tests import torchtitan_trainer_run as run  # its CPU shims, before TorchTitan
     from torchtitan.trainer import Trainer
-
-    from mc2.device.clock import clock_for
 
     heads = SHAPE["num_attention_heads"]
     shape = dict(dim=SHAPE["hidden_size"], layers=layers, heads=heads, kv_heads=heads,
@@ -154,21 +154,7 @@ def rank_trainer_steps(rank: int, world: int, micro_batches: int, batch: int, se
         trainer.train_step(data[mode])
         return trainer.metrics_processor.kept[-1][0]
 
-    clock = clock_for(torch.device("cpu"))
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    losses = {}
-    for mode in modes:  # warm up every mode
-        for _ in range(2):
-            step(mode)
-    for _ in range(rounds):
-        for mode in modes:
-            step(mode)  # untimed at every switch
-            for _ in range(steps):
-                dist.barrier()
-                start = clock.stamp()
-                losses[mode] = step(mode)
-                times[mode].append(clock.elapsed(start, clock.stamp()))
-    return {"times": times, "losses": losses}
+    return _interleaved(step, modes, steps, rounds)
 
 
 def _held(trainer: Any, sharding_class: Any) -> Any:
