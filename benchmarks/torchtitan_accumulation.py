@@ -127,9 +127,11 @@ def rank_trainer_steps(rank: int, world: int, micro_batches: int, batch: int, se
     tests/torchtitan_trainer_run.py builds it, with its CPU shims; bfloat16 parameters, its
     default selective activation checkpointing), each step its ``train_step`` (the
     micro-batches' ``fwd_bwd_fn``, gradient clipping, the AdamW step): ``torchtitan`` as
-    TorchTitan builds it, ``mc2`` with ``mc2_routed_experts``, ``paired`` with
-    ``mc2_paired_accumulation`` too (paired at the checkpoint manager's ``load``, as
-    ``train()`` begins)."""
+    TorchTitan builds it, ``mc2`` with ``mc2_routed_experts`` and ``mc2_selective_ac``,
+    ``paired`` with ``mc2_paired_accumulation`` too (paired at the checkpoint manager's
+    ``load``, as ``train()`` begins); ``mc2-titan-policy`` and ``paired-titan-policy``
+    without ``mc2_selective_ac`` (TorchTitan's policy recomputes mc2's call, exchanges
+    included)."""
     # TorchTitan's own distributed init turns autograd's device threads off; the world here
     # exists already (mc2.run_local's), so it skips that init: turned off as it would be
     torch.autograd.set_multithreading_enabled(False)
@@ -140,7 +142,12 @@ def rank_trainer_steps(rank: int, world: int, micro_batches: int, batch: int, se
     shape = dict(dim=SHAPE["hidden_size"], layers=layers, heads=heads, kv_heads=heads,
                  head_dim=SHAPE["hidden_size"] // heads, experts=8, top_k=2,
                  moe_hidden=SHAPE["intermediate_size"], seq=seq, vocab=256)
-    overrides = {"torchtitan": [], "mc2": [run.ROUTED], "paired": [run.ROUTED, run.PAIRED]}
+    # mc2's with its selective-checkpointing policy, which saves its call (TorchTitan's own
+    # does not: its recompute would run the call's exchanges again)
+    overrides = {"torchtitan": [], "mc2": [run.ROUTED, run.MC2_POLICY],
+                 "paired": [run.ROUTED, run.MC2_POLICY, run.PAIRED],
+                 "mc2-titan-policy": [run.ROUTED],
+                 "paired-titan-policy": [run.ROUTED, run.PAIRED]}
     trainers, data = {}, {}
     for mode in modes:
         trainer = Trainer(run.config(overrides[mode], "bfloat16", "selective", shape=shape,

@@ -686,26 +686,25 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught]}
 
 
-def autograd_state_carried(rank: int, world: int) -> dict[str, Any]:
-    """A step whose caller turned anomaly detection on and autograd's device threads off (as
-    TorchTitan's trainer does), with a loss that records, by thread, what each forward sees
-    of them: the sequential loop's and the paired step's records, and their gradients."""
+def autograd_threads_carried(rank: int, world: int) -> dict[str, Any]:
+    """A step whose caller turned autograd's device threads off (as TorchTitan's trainer
+    does; a thread-local switch), with a loss that records, by thread, what each forward
+    sees of it: the sequential loop's and the paired step's records, and their gradients."""
     import threading
 
     batches = _micro_batches(rank)
     found: dict[str, Any] = {}
     for overlap in (None, True):
         model = _in_layer_stack()
-        seen: list[tuple[str, bool, bool]] = []
+        seen: list[tuple[str, bool]] = []
 
         def recording(model: torch.nn.Module, x: torch.Tensor,
                       seen: list = seen) -> torch.Tensor:
-            seen.append((threading.current_thread().name, torch.is_anomaly_enabled(),
+            seen.append((threading.current_thread().name,
                          torch.autograd.is_multithreading_enabled()))
             return _stack_loss(model, x)
 
-        with torch.autograd.set_detect_anomaly(True), \
-                torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False):
             if overlap is None:
                 _sequential(model, batches, recording)
             else:

@@ -43,6 +43,9 @@ mc2's calls whole, as one operator), and ``ChunkedLossWrapper`` (it runs a backw
 the forward, per chunk, and reshards the output projection itself: not a forward that can
 run inside another's backward). Selective checkpointing, TorchTitan's default, pairs: its
 regions run mc2's calls as the operator, eagerly, and they give way between their steps.
+Add ``mc2.integrations.torchtitan.mc2_selective_ac`` to the overrides there: TorchTitan's own
+policy does not save mc2's call, so its recompute runs the call's exchanges again in the
+backward.
 """
 
 from __future__ import annotations

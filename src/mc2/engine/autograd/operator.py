@@ -52,14 +52,15 @@ from mc2.engine.passes.run import CallInputs, ForwardState, run_backward, run_fo
 from mc2.engine.transport.deadline import resolve_timeout
 
 
-
 @dataclass(frozen=True)
 class _Kept:
-    """A forward's state until its backward; ``eager``: the forward ran eagerly (in a
-    selective-checkpointing region), so its backward gives way to a paired forward too."""
+    """A forward's state until its backward; ``pairing``: the pairing an eager forward (a
+    selective-checkpointing region's) ran under, which its backward gives way in, as the
+    eager adapter's does (taken at the forward: autograd's device thread, where the backward
+    may run, does not see the pairing's context variable)."""
 
     state: ForwardState
-    eager: bool
+    pairing: Any
 
 
 _STATES: dict[int, _Kept] = {}
@@ -120,7 +121,7 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
     if not state.call.keep_activations:
         return out, torch.tensor([NO_STATE])
     key = next(_KEYS)
-    _STATES[key] = _Kept(state, eager)
+    _STATES[key] = _Kept(state, pairing if eager else None)
     token = torch.tensor([key])
     weakref.finalize(token.untyped_storage(), _STATES.pop, key, None)
     return out, token
@@ -152,7 +153,7 @@ def fused_expert_backward_op(grad_out: Tensor, token: Tensor, inputs: list[Tenso
     if kept is None:
         raise RuntimeError("mc2.fused_expert: the forward state of this backward is gone (a "
                            "second backward through one graph is not supported)")
-    pairing = current_pairing() if kept.eager else None
+    pairing = kept.pairing
     grads = run_backward(kept.state, CallInputs.of(inputs), grad_out, CallInputs.of(needed),
                          pairing.give_way if pairing is not None else None)
     # exactly what the fake says: a gradient where needed, an empty tensor elsewhere

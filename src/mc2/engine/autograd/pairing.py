@@ -110,9 +110,9 @@ class Pairing:
 
 
 TRACED = ("the model's mc2 calls ran as the operator torch.ops.mc2.fused_expert inside a "
-          "compiled graph (torch.compile), which runs each call whole: none can hand over to "
-          "another micro-batch, so nothing can be paired; pair an eagerly run model, or run "
-          "the sequential loop")
+          "compiled graph or an exported program (not through mc2.fused_expert), which runs "
+          "each call whole: none can hand over to another micro-batch, so nothing can be "
+          "paired; pair an eagerly run model, or run the sequential loop")
 
 
 def current_pairing() -> Pairing | None:
@@ -187,6 +187,7 @@ class PairedLoop:
         self._alone = False  # this step runs unpaired (its forward runs autograd: _first)
         self._caller: int | None = None  # the thread that runs the step (its first forward)
         self._first_ran_autograd = False
+        self._in_first = False  # the step's first forward runs (in the caller's thread)
         self._pairing = Pairing()
         self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
@@ -281,7 +282,11 @@ class PairedLoop:
         on any rank (agreed), would hang the step paired, so ``strict`` refuses on every
         rank, else the step runs unpaired, said once."""
         self._caller, self._first_ran_autograd = threading.get_ident(), False
-        out = forward()
+        self._in_first = True
+        try:
+            out = forward()
+        finally:
+            self._in_first = False
         if not watched():
             return out
         (seen,) = host_max([float(self._first_ran_autograd)], self._group, "pairing")
@@ -317,9 +322,8 @@ class PairedLoop:
                                  "backward beside it, while that thread waits for the "
                                  "forward; run the sequential loop (forward_backward's "
                                  "overlap=False)")
-        elif threading.get_ident() == self._caller and not self.results and \
-                self._pending is None and not torch.compiler.is_compiling() and \
-                tracing_mode() is None:
+        elif self._in_first and threading.get_ident() == self._caller and \
+                not torch.compiler.is_compiling() and tracing_mode() is None:
             self._first_ran_autograd = True
 
     def _end(self, keep_partner: bool = True, failure: Any = (None, None, None)) -> None:

@@ -5,9 +5,8 @@ calls mc2 deep inside the model and cannot be suspended half-way by a generator)
 thread, handing over at fixed points (:mod:`mc2.engine.autograd.pairing`). What a forward
 depends on that is thread-local goes with it: context variables, autocast regions, the
 accelerator's device and stream, saved-tensor hooks, function and dispatch modes, and autograd's
-own switches (anomaly detection, and whether autograd runs a backward in device
-threads: TorchTitan's trainer turns that off in its thread, so that what autograd runs can
-reach the thread's device meshes).
+own switch of whether it runs a backward in device threads (TorchTitan's trainer turns that
+off in its thread, so that what autograd runs can reach the thread's device meshes).
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ class Partner:
     never run at once. Each function takes the caller's context variables, autocast regions,
     accelerator device and stream, saved-tensor hooks and default device as they were at
     :meth:`start` (a forward in the caller's autocast stays in it, one under activation
-    offload offloads), its anomaly detection and autograd threading, and its
+    offload offloads), its autograd threading switch, and its
     ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks (the same mode objects, pushed
     without entering them again: a mode's ``__enter__`` may reset what it counts).
 
@@ -141,7 +140,6 @@ class Partner:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         modes = _mode_stacks()
         threads = torch.autograd.is_multithreading_enabled()
-        anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
 
         def job() -> Any:
             with contextlib.ExitStack() as stack:
@@ -149,7 +147,6 @@ class Partner:
                     torch.accelerator.set_device_index(stream.device.index)
                     torch.accelerator.set_stream(stream)
                 stack.enter_context(_modes_entered(*modes))
-                stack.enter_context(torch.autograd.set_detect_anomaly(*anomaly))
                 stack.enter_context(torch.autograd.set_multithreading_enabled(threads))
                 if hooks is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
