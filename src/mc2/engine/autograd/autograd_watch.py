@@ -33,6 +33,7 @@ import torch
 
 
 def accelerator_present() -> bool:
+    """Whether this process has an accelerator (apart, so that a test can emulate one)."""
     return torch.accelerator.is_available()
 
 
