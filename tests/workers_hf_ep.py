@@ -226,3 +226,57 @@ def check(model_types: list[str], layout: str, *, world: int = 2,
     for model_type, ref in refs.items():
         out[model_type] = compare(model_type, ref, got, layout, implementation)
     return out
+
+
+def trainer_paired(rank: int, world: int, path: str) -> dict:
+    """Hugging Face's ``Trainer`` on a model loaded with ``ep_implementation="mc2"`` (ranks
+    holding different batches, FSDP2 over them), 3 micro-batches an optimizer step, 3 steps,
+    twice from the same weights and data: as it is, and with ``pair_accumulation``. Each run's
+    logged losses, its final weights, and how many MoE forwards ran in the partner thread."""
+    import threading
+
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401
+    from mc2.integrations.transformers_schedule import pair_accumulation
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    found: dict[str, Any] = {}
+    for paired in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=DistributedConfig(
+                ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+        threads: list[str] = []
+        for module in model.modules():
+            if hasattr(module, "mc2_expert_parallel"):
+                module.register_forward_pre_hook(
+                    lambda *_, threads=threads: threads.append(threading.current_thread().name))
+        g = torch.Generator().manual_seed(100 + rank)
+        data = [{"input_ids": (ids := torch.randint(3, 64, (8,), generator=g)),
+                 "labels": ids} for _ in range(18)]
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=3, max_steps=3, logging_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no",
+                                 learning_rate=1e-2, dataloader_num_workers=0, seed=0,
+                                 disable_tqdm=True)
+        class Kept(Trainer):
+            losses: list[float]
+
+            def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
+                if "loss" in logs:
+                    self.losses.append(float(logs["loss"]))
+                return super().log(logs, *args, **kwargs)
+
+        trainer = Kept(model=model, args=args, train_dataset=data)
+        trainer.losses = losses = []
+        if paired:
+            pair_accumulation(trainer)
+        trainer.train()
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in model.named_parameters()}
+        found[paired] = {"losses": losses, "weights": weights if rank == 0 else None,
+                         "partner": threads.count("mc2-paired-forward"),
+                         "training_step": type(trainer.training_step).__name__}
+    return found
