@@ -164,3 +164,17 @@ def test_hugging_faces_trainer_pairs_its_accumulation_as_its_own_loop(tmp_path) 
     moved = max(((own[n] - p.detach()).abs().max() / p.detach().abs().max()).item()
                 for n, p in start.named_parameters())
     assert moved > 1e-2  # the weights trained, far beyond the tolerance
+
+
+def test_hugging_faces_trainer_refuses_pairing_a_ddp_model_on_every_rank(tmp_path) -> None:
+    """A model loaded whole, which ``Trainer`` wraps in ``DistributedDataParallel`` (whose
+    hooks prepare each backward in the forward before it): the first step raises on every
+    rank, naming it and the sharded loading to use instead."""
+    from tests.hf_tiny import tiny_model
+    from tests.workers_hf_ep import trainer_refusals
+
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    for r in mc2.run_local(trainer_refusals, 2, args=(str(tmp_path),), timeout_s=120):
+        assert r["wrapped"] == "DistributedDataParallel", r
+        assert r["refused"] is not None and "DistributedDataParallel" in r["refused"], r
+        assert "fsdp_size" in r["refused"], r

@@ -280,3 +280,26 @@ def trainer_paired(rank: int, world: int, path: str) -> dict:
                          "partner": threads.count("mc2-paired-forward"),
                          "training_step": type(trainer.training_step).__name__}
     return found
+
+
+def trainer_refusals(rank: int, world: int, path: str) -> dict:
+    """What ``pair_accumulation`` refuses, on each rank: a model ``Trainer`` wraps in
+    ``DistributedDataParallel`` (loaded whole, not sharded), at the first step."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from mc2.integrations.transformers_schedule import pair_accumulation
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(3, 64, (8,))
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args,
+                      train_dataset=[{"input_ids": ids, "labels": ids}] * 8)
+    pair_accumulation(trainer)
+    try:
+        trainer.train()
+    except ValueError as exc:
+        return {"refused": str(exc), "wrapped": type(trainer.model_wrapped).__name__}
+    return {"refused": None, "wrapped": type(trainer.model_wrapped).__name__}
