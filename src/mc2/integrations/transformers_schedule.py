@@ -112,7 +112,9 @@ class PairedTrainingStep:
             logged = self.own(model, inputs, num_items_in_batch)
             kept, self._kept = self._kept, None
             if kept is None:
-                raise RuntimeError("pair_accumulation: training_step ran no backward")
+                raise RuntimeError("pair_accumulation: training_step made no "
+                                   "accelerator.backward call (a training_step that runs "
+                                   "loss.backward() itself cannot be paired)")
             kept.loss, kept.logged = self._sharding.finished(kept.loss), logged
             return kept
 
