@@ -178,3 +178,19 @@ def test_hugging_faces_trainer_refuses_pairing_a_ddp_model_on_every_rank(tmp_pat
         assert r["wrapped"] == "DistributedDataParallel", r
         assert r["refused"] is not None and "DistributedDataParallel" in r["refused"], r
         assert "fsdp_size" in r["refused"], r
+        assert "model_init" in r["model_init"], r
+        assert "updates the weights inside the backward" in r["lomo"], r
+
+
+def test_a_paired_step_trainer_leaves_mid_way_is_ended_with_train(tmp_path) -> None:
+    """A callback stops ``Trainer``'s loop after the second of a step's three micro-batches:
+    ``train()`` returns with that step ended (no micro-batch left pending for the next
+    ``train()`` to pair with its first forward) and the FSDP2 units let go (before, they
+    stayed held gathered, their ``reshard`` switched off)."""
+    from tests.hf_tiny import tiny_model
+    from tests.workers_hf_ep import trainer_stopped_mid_step
+
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    for r in mc2.run_local(trainer_stopped_mid_step, 2, args=(str(tmp_path),), timeout_s=120):
+        assert r["global_step"] == 0, r  # stopped inside the first step
+        assert r["open"] == 0 and r["held_groups"] == 0, r

@@ -295,11 +295,63 @@ def trainer_refusals(rank: int, world: int, path: str) -> dict:
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=1, report_to=[],
                              use_cpu=True, save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args,
-                      train_dataset=[{"input_ids": ids, "labels": ids}] * 8)
+    data = [{"input_ids": ids, "labels": ids}] * 8
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     pair_accumulation(trainer)
+    found: dict[str, Any] = {}
     try:
         trainer.train()
+        found["refused"] = None
     except ValueError as exc:
-        return {"refused": str(exc), "wrapped": type(trainer.model_wrapped).__name__}
-    return {"refused": None, "wrapped": type(trainer.model_wrapped).__name__}
+        found["refused"] = str(exc)
+    found["wrapped"] = type(trainer.model_wrapped).__name__
+    for name, changes in (("model_init", {"model_init": lambda: model, "model": None}),
+                          ("lomo", {"args": TrainingArguments(
+                              output_dir=tempfile.mkdtemp(), optim="lomo", report_to=[],
+                              use_cpu=True, gradient_accumulation_steps=2)})):
+        kwargs = {"model": model, "args": args, "train_dataset": data} | changes
+        try:
+            pair_accumulation(Trainer(**kwargs))
+            found[name] = None
+        except ValueError as exc:
+            found[name] = str(exc)
+    return found
+
+
+def trainer_stopped_mid_step(rank: int, world: int, path: str) -> dict:
+    """A paired ``Trainer`` (``ep_implementation="mc2"``, FSDP2 over the ranks, 3
+    micro-batches a step) whose callback stops the loop after the first step's second
+    micro-batch: whether a step was left open after ``train()``, and whether the FSDP2 units
+    were let go (no parameter group's ``reshard`` left switched off)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401
+    from mc2.integrations.transformers_schedule import pair_accumulation
+    from mc2.parallel.layer_gather import fsdp_units, param_groups
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+
+    class StopMidStep(TrainerCallback):
+        substeps = 0
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.substeps += 1
+            if self.substeps == 2:
+                control.should_training_stop = True
+
+    ids = torch.randint(3, 64, (8,), generator=torch.Generator().manual_seed(rank))
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, callbacks=[StopMidStep()],
+                      train_dataset=[{"input_ids": ids, "labels": ids}] * 24)
+    paired = pair_accumulation(trainer)
+    trainer.train()
+    held = sum("reshard" in group.__dict__ for unit in fsdp_units(model)
+               for group in param_groups(unit))
+    return {"open": paired.loop.taken, "held_groups": held,
+            "global_step": trainer.state.global_step}

@@ -23,10 +23,14 @@ off around each call but the last and on after it, which the pairing overrides w
 holds them (a backward runs one call later than ``Trainer`` expects).
 
 **Refused** (``ValueError``, every rank alike): a model ``Trainer`` wraps in
-``DistributedDataParallel`` (its hooks prepare each backward in the forward before it; raised
-at the first step, where ``Trainer`` has wrapped it), and from :func:`pair_accumulation`
-DeepSpeed and SageMaker model parallelism (their own backward), and
-replicated FSDP2 (``dp_replicate_size`` above 1: not tested).
+``DistributedDataParallel`` or ``DataParallel`` (their hooks prepare each backward in the
+forward before it; raised at the first step, where ``Trainer`` has wrapped it), and from
+:func:`pair_accumulation` FSDP1 (the same), DeepSpeed and SageMaker model parallelism (their
+own backward), ``model_init`` and hyperparameter search (the model is built again in
+``train()``), LOMO optimizers (they update the weights inside the backward), context
+parallelism (the backward runs inside its context), and replicated FSDP2
+(``dp_replicate_size`` above 1: not tested). A step ``Trainer`` leaves before its last
+micro-batch (a callback stopped the loop) is ended at the end of ``train()``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback
 
 from mc2.engine.autograd.pairing import PairedLoop
 from mc2.parallel.layer_gather import fsdp_units
@@ -126,22 +131,61 @@ def pair_accumulation(trainer: Any) -> PairedTrainingStep:
     returns it.
 
     Raises:
-        ValueError: DeepSpeed, SageMaker model parallelism, or replicated FSDP2 (module
-            docstring); a model ``Trainer`` wraps in ``DistributedDataParallel`` is refused at
-            the first step.
+        ValueError: what the module docstring lists; a model ``Trainer`` wraps in
+            ``DistributedDataParallel`` is refused at the first step.
     """
-    from transformers.trainer import DistributedType, is_sagemaker_mp_enabled
-
-    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED or \
-            is_sagemaker_mp_enabled():
-        raise ValueError("pair_accumulation: DeepSpeed and SageMaker model parallelism run "
-                         "their own backward")
-    if isinstance(trainer.model_wrapped, DistributedDataParallel):
-        raise ValueError(DDP)
-    distributed = getattr(trainer.model.config, "distributed_config", None)
-    if getattr(distributed, "dp_replicate_size", 1) > 1:
-        raise ValueError("pair_accumulation: replicated FSDP2 (dp_replicate_size above 1) is "
-                         "not paired (not tested)")
+    if (why := _unpairable(trainer)) is not None:
+        raise ValueError(f"pair_accumulation: {why}")
     paired = PairedTrainingStep(trainer)
     trainer.training_step = paired
+    trainer.add_callback(_EndsOpenSteps(paired))
     return paired
+
+
+def _unpairable(trainer: Any) -> str | None:
+    """Why ``trainer`` cannot be paired (the module docstring's refusals), or ``None``."""
+    from transformers.trainer import DistributedType, OptimizerNames, is_sagemaker_mp_enabled
+
+    args, accelerator = trainer.args, trainer.accelerator
+    if accelerator.distributed_type == DistributedType.DEEPSPEED or is_sagemaker_mp_enabled():
+        return "DeepSpeed and SageMaker model parallelism run their own backward"
+    if isinstance(trainer.model_wrapped, DistributedDataParallel) or args.n_gpu > 1:
+        return DDP.removeprefix("pair_accumulation: ")
+    if trainer.is_fsdp_enabled and not getattr(accelerator, "is_fsdp2", False):
+        return "FSDP1 prepares each backward in the forward before it (use FSDP2)"
+    if trainer.model_init is not None:
+        return ("model_init (and hyperparameter search) builds the model again in train(); "
+                "pass the model itself")
+    if args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):
+        return f"optim={args.optim.value} updates the weights inside the backward"
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if getattr(parallelism, "cp_enabled", False):
+        return "context parallelism runs the backward inside its context (not paired)"
+    config = getattr(trainer.model, "config", None)
+    if getattr(getattr(config, "distributed_config", None), "dp_replicate_size", 1) > 1 or \
+            getattr(parallelism, "dp_replicate_size", 1) > 1:
+        return "replicated FSDP2 (dp_replicate_size above 1) is not paired (not tested)"
+    return None
+
+
+class _EndsOpenSteps(TrainerCallback):
+    """A ``TrainerCallback`` that ends a step ``Trainer`` left before its last micro-batch
+    (a callback or ``max_steps`` stopped the loop mid-step, or it raised between two calls),
+    at the end of ``train()`` and at the start of the next: its units held gathered are
+    let go, its pending backward dropped (a new step's first forward would be paired with
+    it)."""
+
+    def __init__(self, paired: PairedTrainingStep) -> None:
+        super().__init__()
+        self.paired = paired
+
+    def _end(self) -> None:
+        if self.paired.loop.taken:
+            self.paired.loop.abandon("train() ended before the optimizer step's last "
+                                     "micro-batch")
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        self._end()
+
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+        self._end()
