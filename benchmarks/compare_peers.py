@@ -85,6 +85,15 @@ class ShapedLoopback:
             signal.signal(sig, handler)
 
 
+def in_regime(regime: str, call: Any) -> Any:
+    """``call()`` on plain loopback (``regime == "plain"``) or with loopback shaped to the
+    regime's rate (:class:`ShapedLoopback`, removed after)."""
+    if regime == "plain":
+        return call()
+    with ShapedLoopback(regime):
+        return call()
+
+
 def can_shape() -> str | None:
     """Why shaped regimes cannot run here, or ``None``."""
     if os.geteuid() != 0:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import ShapedLoopback, can_shape  # noqa: E402
+from compare_peers import can_shape, in_regime  # noqa: E402
 
 import mc2  # noqa: E402
 
@@ -132,11 +132,7 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
                         args.layout, tuple(args.what.split(",")), args.warmup,
                         tuple(args.warmup_impls.split(",")) if args.warmup_impls else None),
         deadline_s=7200, timeout_s=1800)
-    if regime == "plain":
-        results = call()
-    else:
-        with ShapedLoopback(regime):
-            results = call()
+    results = in_regime(regime, call)
     row: dict[str, Any] = {"regime": regime}
     for impl in impls:
         for what in args.what.split(","):

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import ShapedLoopback  # noqa: E402
+from compare_peers import in_regime  # noqa: E402
 from hf_native import SHAPE, _save  # noqa: E402
 
 import mc2  # noqa: E402
@@ -100,11 +100,7 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     call = lambda: mc2.run_local(  # noqa: E731
         _rank, 2, args=(path, modes, args.micro_batches, args.batch, args.seq, args.rounds),
         deadline_s=7200, timeout_s=3600)
-    if regime == "plain":
-        results = call()
-    else:
-        with ShapedLoopback(regime):
-            results = call()
+    results = in_regime(regime, call)
     row: dict[str, Any] = {"regime": regime}
     for mode in modes:
         rounds = [max(r[mode][k] for r in results) for k in range(args.rounds)]
