@@ -232,7 +232,8 @@ def trainer_paired(rank: int, world: int, path: str) -> dict:
     """Hugging Face's ``Trainer`` on a model loaded with ``ep_implementation="mc2"`` (ranks
     holding different batches, FSDP2 over them), 3 micro-batches an optimizer step, 3 steps,
     twice from the same weights and data: as it is, and with ``pair_accumulation``. Each run's
-    logged losses, its final weights, and how many MoE forwards ran in the partner thread."""
+    logged losses, its final weights, and how many MoE forwards ran in the partner thread;
+    and, in the same world, :func:`_stopped_mid_step`."""
     import threading
 
     from torch.distributed.tensor import DTensor
@@ -279,6 +280,7 @@ def trainer_paired(rank: int, world: int, path: str) -> dict:
         found[paired] = {"losses": losses, "weights": weights if rank == 0 else None,
                          "partner": threads.count("mc2-paired-forward"),
                          "training_step": type(trainer.training_step).__name__}
+    found["stopped"] = _stopped_mid_step(rank, world, path)
     return found
 
 
@@ -318,7 +320,7 @@ def trainer_refusals(rank: int, world: int, path: str) -> dict:
     return found
 
 
-def trainer_stopped_mid_step(rank: int, world: int, path: str) -> dict:
+def _stopped_mid_step(rank: int, world: int, path: str) -> dict:
     """A paired ``Trainer`` (``ep_implementation="mc2"``, FSDP2 over the ranks, 3
     micro-batches a step) whose callback stops the loop after the first step's second
     micro-batch: whether a step was left open after ``train()``, and whether the FSDP2 units
@@ -326,11 +328,9 @@ def trainer_stopped_mid_step(rank: int, world: int, path: str) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from transformers.distributed import DistributedConfig
 
-    import mc2.integrations.hf_expert_parallel  # noqa: F401
     from mc2.integrations.transformers_schedule import pair_accumulation
     from mc2.parallel.layer_gather import fsdp_units, param_groups
 
-    os.environ.setdefault("LOCAL_RANK", str(rank))
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, distributed_config=DistributedConfig(
             ep_size=world, fsdp_size=world, ep_implementation="mc2"))
