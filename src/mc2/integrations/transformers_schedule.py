@@ -15,7 +15,9 @@ own backward alone, so the gradients are complete when the loop reads them::
     pair_accumulation(trainer)  # from mc2.integrations.transformers_schedule
     trainer.train()
 
-What pairs are the model's mc2 calls (``ep_implementation="mc2"``, or ``enable_mc2``).
+What pairs are the model's mc2 calls (``ep_implementation="mc2"``, or ``enable_mc2``; tested
+with the first, loaded with FSDP2: a model ``enable_mc2`` switched in a multi-rank world is
+one ``Trainer`` wraps in ``DistributedDataParallel``, refused below).
 A model sharded at load time with FSDP2 (``DistributedConfig(fsdp_size=...)``) has its units
 held gathered from the step's first forward to its last backward, which alone
 reduce-scatters (:mod:`mc2.parallel.paired_fsdp`); ``Trainer`` turns the units' gradient sync
