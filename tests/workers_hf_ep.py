@@ -30,20 +30,27 @@ from typing import Any
 import torch
 
 
+def _sharded(rank: int, world: int, path: str) -> Any:
+    """The model at ``path`` loaded on this rank with ``ep_implementation="mc2"``, ranks
+    holding different batches (FSDP2 over them)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import mc2.integrations.hf_expert_parallel  # noqa: F401  registers "mc2"
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(
+            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+
+
 def stack_step(rank: int, world: int, path: str, out: str, ids: torch.Tensor,
                prompt: torch.Tensor) -> dict:
     """Gradient checkpointing, generate and save_pretrained with mc2 as the EP implementation
     (ranks holding different batches, FSDP over them)."""
     from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
-    import mc2.integrations.hf_expert_parallel  # noqa: F401
-
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+    model = _sharded(rank, world, path)
     model.eval()
     model.gradient_checkpointing_enable()
     model.train()
@@ -68,16 +75,10 @@ def counted_step(rank: int, world: int, path: str, ids: torch.Tensor) -> dict:
     """One training step (forward, loss, backward) of a model loaded with
     ``ep_implementation="mc2"``, ranks holding different batches: the host reads of each mc2
     call and of the whole backward (:func:`tests.call_counting.counted_calls`)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
     import mc2.integrations.hf_expert_parallel as hf_ep
     from tests.call_counting import counted_calls
 
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+    model = _sharded(rank, world, path)
     mine = ids.chunk(world)[rank]
     model(mine, labels=mine).loss.backward()  # warm: groups made, planner settled
     model.zero_grad()
@@ -237,18 +238,13 @@ def trainer_paired(rank: int, world: int, path: str) -> dict:
     import threading
 
     from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-    from transformers.distributed import DistributedConfig
+    from transformers import Trainer, TrainingArguments
 
-    import mc2.integrations.hf_expert_parallel  # noqa: F401
     from mc2.integrations.transformers_schedule import pair_accumulation
 
-    os.environ.setdefault("LOCAL_RANK", str(rank))
     found: dict[str, Any] = {}
     for paired in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, distributed_config=DistributedConfig(
-                ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+        model = _sharded(rank, world, path)
         threads: list[str] = []
         for module in model.modules():
             if hasattr(module, "mc2_expert_parallel"):
@@ -325,15 +321,12 @@ def _stopped_mid_step(rank: int, world: int, path: str) -> dict:
     micro-batches a step) whose callback stops the loop after the first step's second
     micro-batch: whether a step was left open after ``train()``, and whether the FSDP2 units
     were let go (no parameter group's ``reshard`` left switched off)."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-    from transformers.distributed import DistributedConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from mc2.integrations.transformers_schedule import pair_accumulation
     from mc2.parallel.layer_gather import fsdp_units, param_groups
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, distributed_config=DistributedConfig(
-            ep_size=world, fsdp_size=world, ep_implementation="mc2"))
+    model = _sharded(rank, world, path)
 
     class StopMidStep(TrainerCallback):
         substeps = 0

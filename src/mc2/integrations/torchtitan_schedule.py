@@ -69,7 +69,6 @@ class PairedFwdBwd:
         self.trainer = trainer
         self.alone = trainer.fwd_bwd_fn  # TorchTitan's own, for a step of one micro-batch
         self.model = trainer.model_parts[0]
-        self._step: Any = None  # the trainer's step the open micro-batches belong to
         self._sharding = PairedSharding(self.model)
         self.loop = PairedLoop(self._backward, around=self._sharding.held,
                                failed=self._sharding.discard,
@@ -88,15 +87,7 @@ class PairedFwdBwd:
                  extra_kwargs: dict[str, Any]) -> Tensor:
         if self.trainer.gradient_accumulation_steps == 1:  # nothing to pair
             return self.alone(inputs, labels, global_valid_tokens, extra_kwargs)
-        # a step left unfinished (TorchTitan's loop raised between two micro-batches, and
-        # the caller went on): this call begins another, not that step's next micro-batch,
-        # which would pair this forward with a backward of the old step's
-        step = getattr(self.trainer, "step", None)
-        if self.loop.taken and step != self._step:
-            self.loop.abandon(f"step {self._step} was left after {self.loop.taken} of its "
-                              f"{self.trainer.gradient_accumulation_steps} micro-batches")
-        if not self.loop.taken:
-            self._step = step
+        self.loop.of_step(getattr(self.trainer, "step", None))  # a step left unfinished
         # the step's micro-batches so far (a step that failed ended: this begins another)
         last = self.loop.taken == self.trainer.gradient_accumulation_steps - 1
 

@@ -74,7 +74,6 @@ class PairedTrainingStep:
         self.accelerator_backward = trainer.accelerator.backward
         trainer.accelerator.backward = self._keep  # what the forwards' training_step calls
         self._kept: _MicroBatch | None = None
-        self._step: Any = None  # the optimizer step the open micro-batches belong to
         self._sharding = PairedSharding(trainer.model)
         self.loop = PairedLoop(self._backward, around=self._sharding.held,
                                failed=self._sharding.discard,
@@ -106,12 +105,7 @@ class PairedTrainingStep:
                 return self.own(model, inputs, num_items_in_batch)
             finally:
                 trainer.accelerator.backward = self._keep
-        step = trainer.state.global_step
-        if self.loop.taken and step != self._step:
-            self.loop.abandon(f"optimizer step {self._step} was left after {self.loop.taken} "
-                              "micro-batches")
-        if not self.loop.taken:
-            self._step = step
+        self.loop.of_step(trainer.state.global_step)  # a step left unfinished
         self._units_sync(not self.loop.taken)
         last = bool(trainer.accelerator.gradient_state.sync_gradients)
 

@@ -191,6 +191,7 @@ class PairedLoop:
         self._pairing = Pairing()
         self._scope: contextlib.ExitStack | None = None  # around(); None between steps
         self._pending: Any = None  # the forward whose backward is next
+        self._step: Any = None  # the framework's step count of the open step (of_step)
         self._partner: Partner | None = None
         self.results: list[Any] = []
 
@@ -215,6 +216,17 @@ class PairedLoop:
                 self._pairing.partner = None
             self._end(keep_partner=settled, failure=sys.exc_info())
             raise
+
+    def of_step(self, step: Any) -> None:
+        """The next :meth:`add` belongs to the framework's optimizer step ``step`` (its count):
+        a step still open under another count was left unfinished (the framework's loop
+        raised or stopped between two calls, and the caller went on) and is ended first
+        (:meth:`abandon`), so that this call begins a step instead of pairing its forward
+        with a backward of the old one."""
+        if self.taken and step != self._step:
+            self.abandon(f"step {self._step} was left after {self.taken} micro-batches")
+        if not self.taken:
+            self._step = step
 
     def abandon(self, why: str) -> None:
         """End a step its caller left unfinished (its loop raised between two :meth:`add`
