@@ -47,6 +47,8 @@ def state_goes_with_group(rank: int, world: int, problem: Any) -> dict:
     import weakref
 
     import mc2
+    from mc2.engine.decide.call_plan import AgreedCapacity
+    from mc2.engine.decide.planner import Planner
     from mc2.engine.transport import group_state
 
     sub = dist.new_group(list(range(world)))
@@ -56,7 +58,8 @@ def state_goes_with_group(rank: int, world: int, problem: Any) -> dict:
         mc2.fused_expert(*args, group=sub, micro_batches=1, capacity=64)
         mc2.fused_expert(*args, group=sub, micro_batches=2, hierarchy="auto")
     state = group_state.known_state(sub)
-    filled = {"planner": state.planner is not None, "agreed": bool(state.agreed_capacity),
+    filled = {"planner": state.held(Planner) is not None,
+              "agreed": bool(state.held(AgreedCapacity)),
               "control": state.control is not None, "topology": bool(state.topologies)}
     world_state = group_state.known_state(None)
     ref = weakref.ref(state)

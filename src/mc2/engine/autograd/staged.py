@@ -51,7 +51,7 @@ from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.call_plan import CallPlan, plan_call
 from mc2.engine.decide.config import MC2Config
 from mc2.engine.passes.run import (
-    BackwardPass, CallInputs, ForwardPass, ForwardState, scale_grad, state_of, weighted_sum
+    BackwardPass, CallInputs, ForwardPass, ForwardState, backward_pass, forward_result
 )
 from mc2.engine.transport.deadline import deadline, resolve_timeout
 
@@ -152,25 +152,19 @@ class _End(torch.autograd.Function):
         with state.running():
             output = state.begun(state.forward).end()
         state.forward = None
-        x = state.inputs.x
-        out = weighted_sum(output, combine, state.call, x.reshape(-1, x.shape[-1]),
-                           x.shape, s_scale)
         state.needs.combine, state.needs.shared_scale = ctx.needs_input_grad[1:3]
-        if state.call.keep_activations:
-            state.inputs.combine, state.inputs.shared_scale = combine, s_scale
-            state.state = state_of(output, state.call, x.shape, state.needs)
-        else:
-            state.inputs = CallInputs.of([None] * len(state.inputs.as_list()))
-            state.call.workspace.tick()
+        state.inputs.combine, state.inputs.shared_scale = combine, s_scale
+        out, state.state = forward_result(output, state.call, state.inputs, state.needs)
+        if not state.call.keep_activations:  # no backward follows: nothing kept
+            state.state, state.inputs = None, CallInputs.of([None] * len(state.inputs.as_list()))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         state: _State = ctx.state
-        grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
-        grad_scale = scale_grad(state.state, grad_out, state.needs)
         with state.running():  # the pass's setup computes too (the combine weights' gradient)
-            state.backward = BackwardPass(grad_out, state.inputs, state.state, state.needs)
+            state.backward, grad_scale = backward_pass(state.state, state.inputs, grad_out,
+                                                       state.needs)
             state.state = None
             state.backward.begin()
         return _token(grad_out), None, grad_scale, None  # combine's: _Begin's

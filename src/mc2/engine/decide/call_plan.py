@@ -327,6 +327,12 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
+
+class AgreedCapacity(set[tuple]):
+    """A group's capacity configurations every rank agreed on (the shared values of a
+    handshake): a steady call with one of them needs no handshake of its own, where the slab
+    fingerprint checks it (a slot of the group's state)."""
+
 def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
                    problem: str | None, config: MC2Config, group: Any, style: CommStyle,
                    timeline: Timeline | None, workspace: Workspace | None,
@@ -357,7 +363,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                           weights if problem is None else None, needs_grad, PLAIN_PAIR,
                           None, group, timeout)
     values = facts.values()
-    agreed = group_state(group).agreed_capacity
+    agreed = group_state(group).of(AgreedCapacity)
     steady = problem is None and values in agreed
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:

@@ -49,12 +49,17 @@ from mc2.engine.decide.routing import micro_batch_bounds
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.comm import FlatExchange
 
+class DroppedRows(dict[torch.device, Tensor]):
+    """Rows a group's ``overflow="drop"`` calls left out, a device tensor by device (a slot
+    of the group's state)."""
+
+
 def dropped_rows(device: torch.device | str = "cpu", group: Any = None) -> Tensor:
     """How many (token, rank) rows capacity calls with ``overflow="drop"`` on ``group``
     (``None``: the default group) left out so far, in this process, summed over the group's
     senders (a device tensor: reading it is the caller's synchronisation)."""
     device = torch.device(device)
-    return group_state(group).dropped.setdefault(
+    return group_state(group).of(DroppedRows).setdefault(
         device, torch.zeros((), dtype=torch.int64, device=device))
 
 

@@ -84,12 +84,16 @@ class _Counter:
     capacity: int = 0
 
 
+class OverflowCounters(dict[torch.device, "_Counter"]):
+    """A group's :class:`_Counter` by device (a slot of the group's state)."""
+
+
 def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> None:
     """Add a call's group totals ``errors`` (``[3]``: rows that did not fit, ids out of range,
     slabs of another configuration; any dtype holding whole numbers) to the group's counter
     on their device, on the device: no read. With ``overflow="drop"`` the rows that did not fit
     are not errors (they are counted in :func:`mc2.engine.decide.capacity.dropped_rows`)."""
-    counters = group_state(group).overflow
+    counters = group_state(group).of(OverflowCounters)
     counter = counters.get(errors.device)
     if counter is None:
         counter = counters[errors.device] = _Counter(torch.zeros(COUNTS, dtype=torch.int64,
@@ -107,7 +111,8 @@ def pending(group: Any, device: torch.device) -> Tensor:
     on it): what the handshake carries. A counter on another device is not read (that would be
     a read of its own); :func:`check_overflow` reads it."""
     state = known_state(group)
-    counter = state.overflow.get(torch.device(device)) if state is not None else None
+    counters = state.held(OverflowCounters) if state is not None else None
+    counter = counters.get(torch.device(device)) if counters is not None else None
     return torch.zeros(COUNTS, dtype=torch.int64, device=device) if counter is None \
         else counter.counts
 
@@ -119,7 +124,7 @@ def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> N
     if not (rows or bad_ids or mismatched):
         return
     capacity = 0
-    for counter in group_state(group).overflow.values():
+    for counter in group_state(group).of(OverflowCounters).values():
         counter.counts.zero_()
         capacity = counter.capacity
     raise CapacityOverflow(rows, bad_ids, capacity, mismatched)
@@ -152,7 +157,7 @@ def check_at_once(group: Any) -> None:
 
 def _check(group: Any, reader: Any) -> None:
     totals, capacity = [0] * COUNTS, 0
-    for device, counter in group_state(group).overflow.items():
+    for device, counter in group_state(group).of(OverflowCounters).items():
         if reader is read_host_memory and device.type != "cpu":
             continue
         found = reader(counter.counts)

@@ -955,15 +955,13 @@ def planner_for(group: Any) -> Planner:
     the model shares them; the planner goes with its group.
     Callers who want control hold their own :class:`Planner` and pass it as ``planner=``.
     """
-    state = group_state(group)
-    if state.planner is None:
-        state.planner = Planner()
-    return state.planner
+    return group_state(group).of(Planner)
 
 
 def default_decisions() -> list[dict[str, Any]]:
     """What ``"auto"`` decided in this process through the default planners (the calls that
     passed no ``planner=``, e.g. a framework's layers): every shape's
     :meth:`Planner.decisions` entry, for logs and benchmarks that do not hold the planner."""
-    return [d for state in live_states() if state.planner is not None
-            for d in state.planner.decisions().values()]
+    planners = (state.held(Planner) for state in live_states())
+    return [d for planner in planners if planner is not None
+            for d in planner.decisions().values()]

@@ -303,12 +303,31 @@ def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bo
     flat = inputs.x.reshape(-1, shape[-1])
     output = ForwardPass(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
                          needs).run(between)
-    out = weighted_sum(output, inputs.combine, call, flat, shape, inputs.shared_scale)
-    state = state_of(output, call, shape, needs)
-    if not call.keep_activations:
-        call.workspace.tick()
+    out, state = forward_result(output, call, inputs, needs)
     done()
     return out, state
+
+
+def forward_result(output: PassOutput, call: CallPlan, inputs: CallInputs[Tensor],
+                   needs: CallInputs[bool]) -> tuple[Tensor, ForwardState]:
+    """The end of every forward, whoever ran its steps: the output (``inputs.x``-shaped) and
+    the state its backward reads; the workspace's buffers released where no backward reads
+    them."""
+    x = inputs.x
+    out = weighted_sum(output, inputs.combine, call, x.reshape(-1, x.shape[-1]), x.shape,
+                       inputs.shared_scale)
+    state = state_of(output, call, x.shape, needs)
+    if not call.keep_activations:
+        call.workspace.tick()
+    return out, state
+
+
+def backward_pass(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tensor,
+                  needs: CallInputs[bool]) -> tuple[BackwardPass, Tensor | None]:
+    """The start of every backward, whoever runs its steps: the pass over ``grad_out``
+    (flattened to ``[T, H]``) and the shared scale's gradient (:func:`scale_grad`)."""
+    grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
+    return BackwardPass(grad_out, inputs, state, needs), scale_grad(state, grad_out, needs)
 
 
 def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tensor,
@@ -321,9 +340,8 @@ def run_backward(state: ForwardState, inputs: CallInputs[Tensor], grad_out: Tens
     # forward ran in one dtype; its GEMMs write into buffers of that dtype)
     with deadline(call.timeout), torch.autocast(grad_out.device.type, enabled=False):
         done = _timed(call, "backward", grad_out.device)
-        grad_out = grad_out.contiguous().view(-1, grad_out.shape[-1])
-        grad_scale = scale_grad(state, grad_out, needs)
-        grads = BackwardPass(grad_out, inputs, state, needs).run(between)
+        steps, grad_scale = backward_pass(state, inputs, grad_out, needs)
+        grads = steps.run(between)
         call.workspace.tick()
         done()
     grads.x, grads.shared_scale = grads.x.view(state.x_shape), grad_scale

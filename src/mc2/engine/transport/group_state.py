@@ -9,16 +9,21 @@ was refused for good, even rebuilt. Here each live ``ProcessGroup`` owns one
 collection) drops it. A state never holds its own group (that would keep the group alive);
 it may hold other groups (its control communicator, its topology's sub-groups), which it
 owns.
+
+What a floor above keeps per group (the planner, the agreed capacity configurations, the
+capacity counters) is its own type, held in :meth:`GroupState.of`'s slots: the transport
+floor names none of them, and each owner reads its slot typed.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,27 +43,31 @@ class GroupState:
             (:mod:`~mc2.engine.transport.deadline`).
         abandoned: transfers left in flight by a timeout, kept alive for good (their buffers
             may still be written).
-        planner: the planner of ``micro_batches="auto"`` calls that pass none
-            (:func:`~mc2.engine.decide.planner.planner_for`).
-        agreed_capacity: the shared values of capacity calls every rank agreed on
-            (:mod:`~mc2.engine.decide.call_plan`).
-        overflow: capacity calls' error counters, by device (:mod:`~mc2.engine.decide.overflow`).
-        dropped: rows capacity calls with ``overflow="drop"`` left out, by device.
+        slots: what the floors above keep for the group, one object per type (:meth:`of`).
         carries_for: for a control communicator, the state of the group whose control
             messages it carries (weakly): a timeout on it is that group's timeout.
     """
 
-    control: Any = None
-    host: Any = None
+    control: dist.ProcessGroup | None = None
+    host: dist.ProcessGroup | None = None
     topologies: dict[str | None, Any] = field(default_factory=dict)
     two_stage: dict[tuple[int, int], bool] = field(default_factory=dict)
-    failure: Any = None
+    failure: BaseException | None = None
     abandoned: list[Any] = field(default_factory=list)
-    planner: Any = None
-    agreed_capacity: set[tuple] = field(default_factory=set)
-    overflow: dict[torch.device, Any] = field(default_factory=dict)
-    dropped: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    slots: dict[type, Any] = field(default_factory=dict)
     carries_for: "weakref.ref[GroupState] | None" = None
+
+    def of(self, kind: type[T]) -> T:
+        """The group's ``kind`` object (``kind()`` made on first use): the planner, a
+        floor's counters; typed for its owner, unknown to this floor."""
+        held = self.slots.get(kind)
+        if held is None:
+            held = self.slots[kind] = kind()
+        return held
+
+    def held(self, kind: type[T]) -> T | None:
+        """The group's ``kind`` object where one was made, else ``None`` (makes nothing)."""
+        return self.slots.get(kind)
 
     def owner(self) -> "GroupState":
         """The state a timeout here belongs to: the carried group's, for a control
