@@ -3,8 +3,10 @@
 Batch overlap (:mod:`mc2.integrations.batch_overlap`) splits a batch into two micro-batches and
 runs the decoder layers stage by stage: while micro-batch A's dispatch travels, B computes its
 attention; while B's dispatch travels, A computes its experts; and so on. The fused call of one
-micro-batch must then stop where it would wait. Here it is three autograd Functions over one
-state, each running one step of the pass (:class:`~mc2.engine.passes.run.ForwardPass`) up to its next wait:
+micro-batch must then stop where it would wait. Here the call is an object of six plain steps
+(:class:`_Steps`: each runs its pass, :class:`~mc2.engine.passes.run.ForwardPass` or
+:class:`~mc2.engine.passes.run.BackwardPass`, up to its next wait), which three autograd
+Functions adapt:
 
 ====================  ==================================  =========================================
 stage                 forward                             backward
@@ -57,14 +59,17 @@ from mc2.engine.transport.deadline import deadline, resolve_timeout
 
 
 @dataclass
-class _State:
-    """One staged call, from its plan to its last backward stage: the plan, the inputs, and
-    each pass's steps (:class:`~mc2.engine.passes.run.ForwardPass`,
-    :class:`~mc2.engine.passes.run.BackwardPass`), which the three Functions run one each.
+class _Steps:
+    """One staged call, from its plan to its last backward step, as six plain steps: the
+    forward's :meth:`begin`, :meth:`experts` and :meth:`end`, and the backward's mirror,
+    each running its pass (:class:`~mc2.engine.passes.run.ForwardPass`,
+    :class:`~mc2.engine.passes.run.BackwardPass`) up to its next wait. The call owns its
+    state here; the three autograd Functions below only carry autograd's flags in and the
+    gradients out (three nodes, so that autograd runs other work between their backwards).
 
     ``inputs`` holds what :func:`begin_packed` was given (the combine weights and the scale
     arrive with :meth:`StagedCall.end`); ``needs`` which of them need a gradient, filled in by
-    the stages that take them."""
+    the steps that take them."""
 
     call: CallPlan
     inputs: CallInputs[Any]
@@ -76,7 +81,7 @@ class _State:
 
     @staticmethod
     def begun(step: Any) -> Any:
-        """A pass a stage continues: a stage run before the one it follows is a bug, raised
+        """A pass a step continues: a step run before the one it follows is a bug, raised
         as such, never a silent loop or an attribute error."""
         if step is None:
             raise RuntimeError("mc2 staged call: a stage ran before the one it follows")
@@ -89,6 +94,64 @@ class _State:
         with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
             yield
 
+    def begin(self, needs: tuple[bool, ...]) -> None:
+        """The rows gathered, the first dispatch issued (the shared experts' first half
+        under it). ``needs``: autograd's flags for ``x``, the combine weights and the
+        weights, the shared ones first."""
+        needs_x, needs_combine, *needs_weights = needs
+        shared = self.inputs.shared_names()
+        self.needs.x, self.needs.combine = needs_x, needs_combine
+        for name, needed in zip(shared, needs_weights):
+            setattr(self.needs, name, needed)
+        self.needs.experts = tuple(needs_weights[len(shared):])
+        x = self.inputs.x
+        with self.running():
+            self.forward = ForwardPass(x.reshape(-1, x.shape[-1]),
+                                       self.inputs.routed_weights(self.call),
+                                       self.inputs.shared_weights(), self.call, self.needs)
+            self.forward.begin()
+
+    def experts(self) -> None:
+        """Wait for the dispatch, run the experts, issue the combine."""
+        with self.running():
+            self.begun(self.forward).experts()
+
+    def end(self, combine: Tensor, scale: Tensor | None, needs: tuple[bool, bool]) -> Tensor:
+        """Wait for the combine; the weighted sum, shaped like the input."""
+        with self.running():
+            output = self.begun(self.forward).end()
+        self.forward = None
+        self.needs.combine, self.needs.shared_scale = needs
+        self.inputs.combine, self.inputs.shared_scale = combine, scale
+        out, self.state = forward_result(output, self.call, self.inputs, self.needs)
+        if not self.call.keep_activations:  # no backward follows: nothing kept
+            self.state, self.inputs = None, CallInputs.of([None] * len(self.inputs.as_list()))
+        return out
+
+    def backward_begin(self, grad_out: Tensor) -> Tensor | None:
+        """The backward's first step (the forward's ``end`` mirrored): the routing-weight
+        gradient, the gradients' dispatch issued; the shared scale's gradient."""
+        with self.running():  # the pass's setup computes too (the combine weights' gradient)
+            self.backward, grad_scale = backward_pass(self.begun(self.state), self.inputs,
+                                                      grad_out, self.needs)
+            self.state = None
+            self.backward.begin()
+        return grad_scale
+
+    def backward_experts(self) -> None:
+        with self.running():
+            self.begun(self.backward).experts()
+
+    def backward_end(self) -> CallInputs[Tensor | None]:
+        """The last step: the weight gradients, the gradients' combine waited for; every
+        input's gradient, ``x``'s shaped like it."""
+        with self.running():
+            grads: CallInputs[Tensor | None] = self.begun(self.backward).end()
+        self.backward = None
+        self.call.workspace.tick()
+        grads.x = grads.x.view(self.inputs.x.shape)
+        return grads
+
 
 def _token(like: Tensor) -> Tensor:
     return like.new_empty(0)
@@ -96,77 +159,47 @@ def _token(like: Tensor) -> Tensor:
 
 class _Begin(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, combine: Tensor, state: _State,  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, combine: Tensor, steps: _Steps,  # type: ignore[override]
                 *weights: Tensor) -> Tensor:
         """``combine``: an input here too, for where rows travel once per destination: the
         routing weights are used by the dispatching ranks' experts, and their gradient comes
         back with this stage's backward (``None`` from :class:`_End` then)."""
-        ctx.state = state
+        ctx.steps = steps
         needs_x, needs_combine, _, *needs_weights = ctx.needs_input_grad
-        shared = state.inputs.shared_names()  # the shared weights come first, by name
-        state.needs.x, state.needs.combine = needs_x, needs_combine
-        for name, needed in zip(shared, needs_weights):
-            setattr(state.needs, name, needed)
-        state.needs.experts = tuple(needs_weights[len(shared):])
-        flat = x.reshape(-1, x.shape[-1])
-        with state.running():
-            state.forward = ForwardPass(flat, state.inputs.routed_weights(state.call),
-                                        state.inputs.shared_weights(), state.call, state.needs)
-            state.forward.begin()
+        steps.begin((needs_x, needs_combine, *needs_weights))
         return _token(x)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        state: _State = ctx.state
-        with state.running():
-            grads: CallInputs[Tensor | None] = state.begun(state.backward).end()
-        state.backward = None
-        state.call.workspace.tick()
-        ctx.state = None
-        shared = tuple(getattr(grads, name) for name in state.inputs.shared_names())
-        return (grads.x.view(state.inputs.x.shape), grads.combine, None, *shared,
-                *grads.experts)
+        steps, ctx.steps = ctx.steps, None
+        grads = steps.backward_end()
+        shared = tuple(getattr(grads, name) for name in steps.inputs.shared_names())
+        return (grads.x, grads.combine, None, *shared, *grads.experts)
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, token: Tensor, state: _State) -> Tensor:  # type: ignore[override]
-        ctx.state = state
-        with state.running():
-            state.begun(state.forward).experts()  # up to the first combine's wait
+    def forward(ctx: Any, token: Tensor, steps: _Steps) -> Tensor:  # type: ignore[override]
+        ctx.steps = steps
+        steps.experts()
         return _token(token)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        state: _State = ctx.state
-        with state.running():
-            state.begun(state.backward).experts()
+        ctx.steps.backward_experts()
         return _token(_), None
 
 
 class _End(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, combine: Tensor, s_scale: Tensor | None,
-                state: _State) -> Tensor:  # type: ignore[override]
-        ctx.state = state
-        with state.running():
-            output = state.begun(state.forward).end()
-        state.forward = None
-        state.needs.combine, state.needs.shared_scale = ctx.needs_input_grad[1:3]
-        state.inputs.combine, state.inputs.shared_scale = combine, s_scale
-        out, state.state = forward_result(output, state.call, state.inputs, state.needs)
-        if not state.call.keep_activations:  # no backward follows: nothing kept
-            state.state, state.inputs = None, CallInputs.of([None] * len(state.inputs.as_list()))
-        return out
+                steps: _Steps) -> Tensor:  # type: ignore[override]
+        ctx.steps = steps
+        return steps.end(combine, s_scale, ctx.needs_input_grad[1:3])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        state: _State = ctx.state
-        with state.running():  # the pass's setup computes too (the combine weights' gradient)
-            state.backward, grad_scale = backward_pass(state.state, state.inputs, grad_out,
-                                                       state.needs)
-            state.state = None
-            state.backward.begin()
+        grad_scale = ctx.steps.backward_begin(grad_out)
         return _token(grad_out), None, grad_scale, None  # combine's: _Begin's
 
 
@@ -174,17 +207,17 @@ class StagedCall:
     """A fused call of one micro-batch, run as :meth:`experts` and :meth:`end` after its
     :func:`begin`; call them in that order, once each."""
 
-    def __init__(self, token: Tensor, state: _State, combine: Tensor,
+    def __init__(self, token: Tensor, steps: _Steps, combine: Tensor,
                  scale: Tensor | None) -> None:
-        self._token, self._state, self._combine, self._scale = token, state, combine, scale
+        self._token, self._steps, self._combine, self._scale = token, steps, combine, scale
 
     def experts(self) -> None:
         """Wait for the dispatch, run the experts, issue the combine."""
-        self._token = _Experts.apply(self._token, self._state)
+        self._token = _Experts.apply(self._token, self._steps)
 
     def end(self) -> Tensor:
         """Wait for the combine; the output, shaped like the input."""
-        return _End.apply(self._token, self._combine, self._scale, self._state)
+        return _End.apply(self._token, self._combine, self._scale, self._steps)
 
 
 _LABEL: contextvars.ContextVar[int] = contextvars.ContextVar("mc2_staged_micro_batch", default=0)
@@ -266,8 +299,8 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
         config, x)
     s_up, s_gate, s_down, s_scale = shared_inputs(x, full_shared)
     experts = weights.tensors()
-    state = _State(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
+    steps = _Steps(call, CallInputs(x, None, s_up, s_gate, s_down, None, experts),
                    CallInputs(False, False, False, False, False, False, ()), seconds)
-    shared_tensors = [getattr(state.inputs, name) for name in state.inputs.shared_names()]
-    token = _Begin.apply(x, combine, state, *shared_tensors, *experts)
-    return StagedCall(token, state, combine, s_scale)
+    shared_tensors = [getattr(steps.inputs, name) for name in steps.inputs.shared_names()]
+    token = _Begin.apply(x, combine, steps, *shared_tensors, *experts)
+    return StagedCall(token, steps, combine, s_scale)
