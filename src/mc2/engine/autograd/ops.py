@@ -56,6 +56,14 @@ def _run(x: Tensor, named: dict[str, Any], expert_ids: Tensor, routing_weights: 
         finally:
             EAGER_RUNTIME.reset(token)
 
+    return _eager(x, named, expert_ids, routing_weights, shared, cfg, problem, **runtime)
+
+
+def _eager(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
+           routing_weights: Tensor | None, shared: tuple, cfg: MC2Config, problem: str | None,
+           **runtime: Any) -> Tensor:
+    """The call planned and run by the eager Function, under :func:`guarded` (a failure on
+    one rank raised on every rank)."""
     def planned_and_run() -> Tensor:
         call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
                                            problem=problem, shared=shared,
@@ -290,14 +298,6 @@ def fused_expert_module(
     x, named, routing_weights, shared = autocast_inputs(
         x, dict(zip(module.names, module.params)), routing_weights,
         (shared_up, shared_gate, shared_down, shared_scale))
-
-    def planned_and_run() -> Tensor:
-        call, experts, combine = plan_call(
-            x, named, expert_ids, routing_weights, config=cfg, problem=problem, shared=shared,
-            packed=False, group=group, num_experts=num_experts, timeline=timeline,
-            planner=planner, workspace=workspace, module=module,
-            timeout=resolve_timeout(cfg.timeout))
-        return FusedExpertFunction.apply(call, x, combine, *shared_inputs(x, shared),
-                                         *experts.tensors())
-
-    return guarded(planned_and_run, cfg, x)
+    return _eager(x, named, expert_ids, routing_weights, shared, cfg, problem, packed=False,
+                  group=group, num_experts=num_experts, timeline=timeline, planner=planner,
+                  workspace=workspace, module=module)
