@@ -326,11 +326,11 @@ def _experts_problems(experts: nn.Module) -> list[str]:
     return problems
 
 
-def _shared_problems(block: nn.Module, hidden: int) -> list[str]:
+def _shared_problems(block: nn.Module) -> list[str]:
     """What in a Qwen2-MoE style gated shared expert mc2 would not compute.
 
     Only the pairing is needed here: the MLP runs inside the call where its projections read
-    as a bias-free SwiGLU of ``hidden``, and beside it, called, otherwise, which is decided at
+    as a bias-free SwiGLU of the block's width, and beside it, called, otherwise, which is decided at
     every forward (:meth:`MC2SparseMoeBlock._shared`)."""
     mlp, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if mlp is None and gate is None:
@@ -352,8 +352,7 @@ def block_problems(block: nn.Module) -> list[str]:
     SwiGLU, no bias, no extra tensor) and Qwen2-MoE's ``shared_expert`` with
     ``shared_expert_gate``. Anything else that holds a parameter or buffer is a problem.
     """
-    hidden = block.experts.gate_up_proj.shape[-1]
-    problems = _experts_problems(block.experts) + _shared_problems(block, hidden)
+    problems = _experts_problems(block.experts) + _shared_problems(block)
     own = sorted(dict(block.named_parameters(recurse=False))) + \
         sorted(dict(block.named_buffers(recurse=False)))
     if own:

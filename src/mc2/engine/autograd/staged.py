@@ -60,16 +60,10 @@ from mc2.engine.transport.deadline import deadline, resolve_timeout
 
 @dataclass
 class _Steps:
-    """One staged call, from its plan to its last backward step, as six plain steps: the
-    forward's :meth:`begin`, :meth:`experts` and :meth:`end`, and the backward's mirror,
-    each running its pass (:class:`~mc2.engine.passes.run.ForwardPass`,
-    :class:`~mc2.engine.passes.run.BackwardPass`) up to its next wait. The call owns its
-    state here; the three autograd Functions below only carry autograd's flags in and the
-    gradients out (three nodes, so that autograd runs other work between their backwards).
-
-    ``inputs`` holds what :func:`begin_packed` was given (the combine weights and the scale
-    arrive with :meth:`StagedCall.end`); ``needs`` which of them need a gradient, filled in by
-    the steps that take them."""
+    """One staged call from its plan to its last backward step: its state and its six steps
+    (module docstring). ``inputs``: what :func:`begin_packed` was given (the combine weights
+    and the scale arrive with :meth:`end`); ``needs``: which need a gradient, filled in by the
+    steps that take them."""
 
     call: CallPlan
     inputs: CallInputs[Any]
@@ -94,11 +88,9 @@ class _Steps:
         with deadline(self.seconds), torch.autocast(self.inputs.x.device.type, enabled=False):
             yield
 
-    def begin(self, needs: tuple[bool, ...]) -> None:
-        """The rows gathered, the first dispatch issued (the shared experts' first half
-        under it). ``needs``: autograd's flags for ``x``, the combine weights and the
-        weights, the shared ones first."""
-        needs_x, needs_combine, *needs_weights = needs
+    def begin(self, needs_x: bool, needs_combine: bool, needs_weights: tuple[bool, ...]
+              ) -> None:
+        """``needs_weights``: autograd's flags for the weights, the shared ones first."""
         shared = self.inputs.shared_names()
         self.needs.x, self.needs.combine = needs_x, needs_combine
         for name, needed in zip(shared, needs_weights):
@@ -112,12 +104,10 @@ class _Steps:
             self.forward.begin()
 
     def experts(self) -> None:
-        """Wait for the dispatch, run the experts, issue the combine."""
         with self.running():
             self.begun(self.forward).experts()
 
     def end(self, combine: Tensor, scale: Tensor | None, needs: tuple[bool, bool]) -> Tensor:
-        """Wait for the combine; the weighted sum, shaped like the input."""
         with self.running():
             output = self.begun(self.forward).end()
         self.forward = None
@@ -129,8 +119,7 @@ class _Steps:
         return out
 
     def backward_begin(self, grad_out: Tensor) -> Tensor | None:
-        """The backward's first step (the forward's ``end`` mirrored): the routing-weight
-        gradient, the gradients' dispatch issued; the shared scale's gradient."""
+        """The forward's ``end`` mirrored; the shared scale's gradient."""
         with self.running():  # the pass's setup computes too (the combine weights' gradient)
             self.backward, grad_scale = backward_pass(self.begun(self.state), self.inputs,
                                                       grad_out, self.needs)
@@ -143,8 +132,6 @@ class _Steps:
             self.begun(self.backward).experts()
 
     def backward_end(self) -> CallInputs[Tensor | None]:
-        """The last step: the weight gradients, the gradients' combine waited for; every
-        input's gradient, ``x``'s shaped like it."""
         with self.running():
             grads: CallInputs[Tensor | None] = self.begun(self.backward).end()
         self.backward = None
@@ -166,7 +153,7 @@ class _Begin(torch.autograd.Function):
         back with this stage's backward (``None`` from :class:`_End` then)."""
         ctx.steps = steps
         needs_x, needs_combine, _, *needs_weights = ctx.needs_input_grad
-        steps.begin((needs_x, needs_combine, *needs_weights))
+        steps.begin(needs_x, needs_combine, tuple(needs_weights))
         return _token(x)
 
     @staticmethod

@@ -299,8 +299,7 @@ def run_forward(call: CallPlan, inputs: CallInputs[Tensor], needs: CallInputs[bo
     """The forward of one planned call: its output (``x``-shaped) and its state.
     ``between``: see :meth:`_PassSteps.run`."""
     done = _timed(call, "forward", inputs.x.device)
-    shape = inputs.x.shape
-    flat = inputs.x.reshape(-1, shape[-1])
+    flat = inputs.x.reshape(-1, inputs.x.shape[-1])
     output = ForwardPass(flat, inputs.routed_weights(call), inputs.shared_weights(), call,
                          needs).run(between)
     out, state = forward_result(output, call, inputs, needs)

@@ -58,12 +58,10 @@ class GroupState:
     carries_for: "weakref.ref[GroupState] | None" = None
 
     def of(self, kind: type[T]) -> T:
-        """The group's ``kind`` object (``kind()`` made on first use): the planner, a
-        floor's counters; typed for its owner, unknown to this floor."""
-        held = self.slots.get(kind)
-        if held is None:
-            held = self.slots[kind] = kind()
-        return held
+        """The group's ``kind`` object, ``kind()`` made on first use."""
+        if kind not in self.slots:
+            self.slots[kind] = kind()
+        return self.slots[kind]
 
     def held(self, kind: type[T]) -> T | None:
         """The group's ``kind`` object where one was made, else ``None`` (makes nothing)."""
