@@ -327,11 +327,11 @@ def _count(traffic: Any, handle: DispatchHandle, row_bytes: int) -> None:
                 node_rows=inter)
 
 
-
 class AgreedCapacity(set[tuple]):
     """A group's capacity configurations every rank agreed on (the shared values of a
     handshake): a steady call with one of them needs no handshake of its own, where the slab
     fingerprint checks it (a slot of the group's state)."""
+
 
 def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None, weights: Any,
                    problem: str | None, config: MC2Config, group: Any, style: CommStyle,

@@ -49,6 +49,7 @@ from mc2.engine.decide.routing import micro_batch_bounds
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.comm import FlatExchange
 
+
 class DroppedRows(dict[torch.device, Tensor]):
     """Rows a group's ``overflow="drop"`` calls left out, a device tensor by device (a slot
     of the group's state)."""
