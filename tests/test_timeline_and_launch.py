@@ -8,7 +8,8 @@ import pytest
 
 import mc2
 from mc2.tools.launch import LocalWorldError
-from tests.workers import gradient_mode_differs, peer_leaves_early, raise_on_rank, timeline_spans
+from tests.workers import (
+    gradient_mode_differs, initialised_ranks, peer_leaves_early, raise_on_rank, timeline_spans)
 
 
 def test_timeline_has_every_micro_batch_step() -> None:
@@ -39,6 +40,14 @@ def test_failing_rank_is_reported_and_world_ends() -> None:
     with pytest.raises(LocalWorldError, match="planted failure on rank 1") as info:
         mc2.run_local(raise_on_rank, 2, args=(1,), deadline_s=60)
     assert 1 in info.value.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_rank_runs_its_function_before_every_rank_is_initialised(world: int) -> None:
+    """A rank whose function returns at once used to be able to exit while a slower peer was
+    still connecting its Gloo pairs: the peer then failed in its init, and the world reported
+    that instead of what the functions did (once, under load, the test above)."""
+    assert mc2.run_local(initialised_ranks, world) == [[True] * world] * world
 
 
 def test_dead_peer_becomes_an_error_not_a_freeze() -> None:

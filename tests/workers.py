@@ -541,3 +541,16 @@ def capacity_collectives(rank: int, world: int, problem: Problem) -> dict:
             plain.close()
     return {"collectives": counter.count, "reads": syncs.reads, "uploads": syncs.uploads,
             "plain_collectives": plain.count, "plain_reads": plain_syncs.reads}
+
+
+def initialised_ranks(rank: int, world: int) -> list[bool]:
+    """Which ranks had made their process group when this rank's function began, read from
+    the world's store (``mc2.tools.launch`` marks each rank there after its init)."""
+    import os
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=30))
+    return [store.check([f"mc2/initialised/{r}"]) for r in range(world)]

@@ -154,6 +154,15 @@ def _store(rank: int, world_size: int, ports: Any, timeout_s: float) -> Any:
     return store
 
 
+def _all_initialised(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait, through the store, until every rank's process group is made. Without it a rank
+    whose function returns at once could exit while a slower peer was still connecting its
+    Gloo pairs: the peer's init failed ("Failed to recv, got 0 bytes"), not its function (seen
+    once, under load, in ``test_failing_rank_is_reported_and_world_ends``)."""
+    store.set(f"mc2/initialised/{rank}", "1")
+    store.wait([f"mc2/initialised/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+
+
 def _worker(
     rank: int, world_size: int, ports: Any, backend: str, threads: int, timeout_s: float,
     steady: bool, per_node: int, extra_env: dict[str, str], fn: Callable[..., Any],
@@ -181,9 +190,10 @@ def _worker(
         use_device(device, rank % per_node)
         if before_init is not None:
             before_init()
-        dist.init_process_group(backend, store=_store(rank, world_size, ports, timeout_s),
-                                rank=rank, world_size=world_size,
+        store = _store(rank, world_size, ports, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        _all_initialised(store, rank, world_size, timeout_s)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
