@@ -158,7 +158,9 @@ def _all_initialised(store: Any, rank: int, world_size: int, timeout_s: float) -
     """Wait, through the store, until every rank's process group is made. Without it a rank
     whose function returns at once could exit while a slower peer was still connecting its
     Gloo pairs: the peer's init failed ("Failed to recv, got 0 bytes"), not its function (seen
-    once, under load, in ``test_failing_rank_is_reported_and_world_ends``)."""
+    once, under load, in ``test_failing_rank_is_reported_and_world_ends``). Not torch's own
+    ``TORCH_DIST_INIT_BARRIER=1``: that would also put a barrier in every ``new_group`` the
+    ranks' functions make, and reach their environment."""
     store.set(f"mc2/initialised/{rank}", "1")
     store.wait([f"mc2/initialised/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
 
