@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -141,6 +141,24 @@ def run(regime: str, args: argparse.Namespace, path: str) -> dict[str, Any]:
     return row
 
 
+def each_regime(args: argparse.Namespace, run: Any, saved: Any) -> Iterator[tuple[str, dict]]:
+    """The saved model's rows, ``run(regime, args, path)`` for each of ``--regimes`` (the
+    shaped ones skipped, said why, where the link cannot be shaped); after each row the rows so
+    far, ``saved(rows)``, go to ``--json``."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as path:
+        _save(path)
+        for regime in args.regimes.split(","):
+            if regime != "plain" and (why := can_shape()):
+                print(f"{regime}: skipped ({why})", file=sys.stderr)
+                continue
+            print(f"== {regime}", file=sys.stderr, flush=True)
+            rows.append(run(regime, args, path))
+            yield regime, rows[-1]
+            if args.json:
+                args.json.write_text(json.dumps(saved(rows), indent=1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -167,25 +185,13 @@ def main() -> int:
                         "its trials lock before the rounds, as in a job's steady state")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as path:
-        _save(path)
-        for regime in args.regimes.split(","):
-            if regime != "plain" and (why := can_shape()):
-                print(f"{regime}: skipped ({why})", file=sys.stderr)
-                continue
-            print(f"== {regime}", file=sys.stderr, flush=True)
-            rows.append(run(regime, args, path))
-            impls = args.impls.split(",")
-            base = impls[0]
-            for what in args.what.split(","):
-                ref = rows[-1][f"{base} {what}"]["median_s"]
-                line = ", ".join(f"{i} {rows[-1][f'{i} {what}']['median_s']:.3f} s "
-                                 f"({ref / rows[-1][f'{i} {what}']['median_s']:.2f}x)"
-                                 for i in impls)
-                print(f"{regime} {what}: {line}", flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(rows, indent=1))
+    impls = args.impls.split(",")
+    for regime, row in each_regime(args, run, lambda rows: rows):
+        for what in args.what.split(","):
+            ref = row[f"{impls[0]} {what}"]["median_s"]
+            line = ", ".join(f"{i} {row[f'{i} {what}']['median_s']:.3f} s "
+                             f"({ref / row[f'{i} {what}']['median_s']:.2f}x)" for i in impls)
+            print(f"{regime} {what}: {line}", flush=True)
     return 0
 
 

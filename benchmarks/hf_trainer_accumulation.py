@@ -25,7 +25,6 @@ median over the rounds of the slower rank. Regimes: plain loopback and loopback 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_peers import in_regime  # noqa: E402
-from hf_native import SHAPE, _save  # noqa: E402
+from hf_native import SHAPE, each_regime  # noqa: E402
 
 import mc2  # noqa: E402
 
@@ -122,14 +121,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as path:
-        _save(path)
-        for regime in args.regimes.split(","):
-            rows.append(run(regime, args, path))
-            if args.json:
-                args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                                 "results": rows}, indent=1))
+    saved = lambda rows: {"args": vars(args) | {"json": str(args.json)},  # noqa: E731
+                          "results": rows}
+    for _ in each_regime(args, run, saved):
+        pass
     return 0
 
 

@@ -65,16 +65,7 @@ def fsdp_world(rank: int, world: int, data: torch.Tensor, path: str,
     for p in model.parameters():
         held["experts" if id(p) in experts else "dense"] += _bytes([p])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for step_batches in data:
-        ids = step_batches[rank]
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        norms.append(mc2.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
-        norms.append(mc2.clip_grad_norm_(model, 1e9).item())
-        opt.step()
-        losses.append(loss.item())
+    losses, norms, _ = _adamw_steps(model, opt, data, rank)
     mc2.checkpoint.save(model, path, optimizer=opt, extra={"step": len(data)})
     all_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
 
@@ -133,6 +124,28 @@ def _first_norm(mesh: Any, ids: torch.Tensor) -> float:
     return mc2.clip_grad_norm_(model, 1e9, norm_type=2.0).item()
 
 
+def _adamw_steps(model: Any, opt: Any, data: torch.Tensor, rank: int
+                 ) -> tuple[list[float], list[float], list[bool]]:
+    """One AdamW step per batch of ``data``: the losses, the infinity and 2-norms of the
+    gradients (``mc2.clip_grad_norm_``, two per step) and, per step, whether every parameter
+    was a shard again between the forward and the backward."""
+    from torch.distributed.tensor import DTensor
+
+    import mc2
+
+    losses, norms, freed = [], [], []
+    for step_batches in data:
+        loss = model(step_batches[rank], labels=step_batches[rank]).loss
+        freed.append(all(isinstance(p, DTensor) for p in model.parameters()))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(mc2.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
+        norms.append(mc2.clip_grad_norm_(model, 1e9).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, freed
+
+
 def _batch_overlap_steps(mesh: Any, data: torch.Tensor, rank: int) -> dict[str, Any]:
     """The model of :func:`fsdp_world` with batch overlap under ``mc2.fully_shard``: AdamW
     losses and gradient norms of two steps, whether every parameter is a shard again between
@@ -146,16 +159,7 @@ def _batch_overlap_steps(mesh: Any, data: torch.Tensor, rank: int) -> dict[str, 
     enable_mc2(model, mesh=mesh, micro_batches=2, batch_overlap=True, min_tokens=1)
     mc2.fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms, freed = [], [], []
-    for step_batches in data:
-        loss = model(step_batches[rank], labels=step_batches[rank]).loss
-        freed.append(all(isinstance(p, DTensor) for p in model.parameters()))
-        opt.zero_grad()
-        loss.backward()
-        norms.append(mc2.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
-        norms.append(mc2.clip_grad_norm_(model, 1e9).item())
-        opt.step()
-        losses.append(loss.item())
+    losses, norms, freed = _adamw_steps(model, opt, data, rank)
     chosen = model.model.layers.decision.chosen
     with torch.no_grad():
         logits = model(data[0, rank]).logits
