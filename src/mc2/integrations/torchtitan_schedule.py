@@ -57,7 +57,6 @@ from torch import Tensor
 from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 from torchtitan.config import derive, override
 
-from mc2.engine.autograd.pairing import PairedLoop
 from mc2.parallel.paired_fsdp import PairedSharding
 
 
@@ -70,11 +69,9 @@ class PairedFwdBwd:
         self.alone = trainer.fwd_bwd_fn  # TorchTitan's own, for a step of one micro-batch
         self.model = trainer.model_parts[0]
         self._sharding = PairedSharding(self.model)
-        self.loop = PairedLoop(self._backward, around=self._sharding.held,
-                               failed=self._sharding.discard,
-                               unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
-                                        "override on its routed experts), so nothing can be "
-                                        "paired")
+        self.loop = self._sharding.loop(
+            self._backward, unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
+                                     "override on its routed experts), so nothing can be paired")
 
     def _backward(self, loss: Tensor) -> None:
         import spmd_types

@@ -44,7 +44,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from mc2.engine.autograd.pairing import PairedLoop
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
 
@@ -75,10 +74,9 @@ class PairedTrainingStep:
         trainer.accelerator.backward = self._keep  # what the forwards' training_step calls
         self._kept: _MicroBatch | None = None
         self._sharding = PairedSharding(trainer.model)
-        self.loop = PairedLoop(self._backward, around=self._sharding.held,
-                               failed=self._sharding.discard,
-                               unpaired="pair_accumulation: the model made no mc2 call (no "
-                                        "mc2 expert implementation), so nothing can be paired")
+        self.loop = self._sharding.loop(
+            self._backward, unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
+                                     "expert implementation), so nothing can be paired")
 
     def _keep(self, loss: Tensor, **kwargs: Any) -> None:
         """``accelerator.backward`` inside a forward: kept for the pairing to run."""

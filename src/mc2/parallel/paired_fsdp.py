@@ -51,6 +51,7 @@ from typing import Any, Iterator
 
 from torch import Tensor, nn
 
+from mc2.engine.autograd.pairing import PairedLoop
 from mc2.engine.transport.deadline import CommTimeout
 from mc2.parallel.layer_gather import fsdp_units, param_groups
 
@@ -133,6 +134,11 @@ class PairedSharding:
                 group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
             for state, was in last:
                 state._state_ctx.is_last_backward = was
+
+    def loop(self, backward: Any, unpaired: str) -> PairedLoop:
+        """A framework's paired loop over this model: each step inside :meth:`held`, what a
+        failed step left discarded (:meth:`discard`)."""
+        return PairedLoop(backward, around=self.held, failed=self.discard, unpaired=unpaired)
 
     def discard(self, failure: BaseException) -> None:
         """After a failed step (wherever it failed, the last backward included): what it
