@@ -174,6 +174,9 @@ def test_stream_backend_2d_chains_stages_without_a_thread(world: int, per_node: 
     for rank, r in enumerate(results):
         assert all(t is None for t in r["waits"]) and r["waits"]
         assert set(r["counted"]) == {"K1", "K3"}
+        # each chained transfer holds its rows and the plan's stage-2 gather, which the side
+        # stream's permutation reads (a pass that abandons the transfer drops the plan)
+        assert all(r["held"]) and (bool(r["held"]) == (per_node < world)), r["held"]
         for name, c in r["counted"].items():  # the chained 2-D stages add no read
             _assert_counts(rank, f"stream 2-D {name}", c, BUDGET)
         for got in r["results"]:

@@ -101,9 +101,20 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]
     """fused_expert over the emulated stream backend: results and every wait's timeout."""
     from tests import fake_stream_backend as fake
 
+    from mc2.engine.transport.hierarchy import TwoStageExchange
+
     p = make_problem(world, "uneven", seed=1)
     fake.WAITS.clear()
     results = []
+    # what each chained 2-D transfer holds until it is waited for, or for good if abandoned
+    chained, held = TwoStageExchange._chained, []
+
+    def holding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        last = chained(self, *args, **kwargs)
+        held.append(all(any(t is kept for kept in last.keep_alive)
+                        for t in (args[0], self.intra_gather)))
+        return last
+    TwoStageExchange._chained = holding
     timeline = mc2.Timeline()  # transfers observed the stream way (an event behind the work)
     for k in (1, 3):
         step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30,
@@ -115,7 +126,8 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]
     for k in (1, 3):
         step = _fused_step(p, rank, micro_batches=k, hierarchy=hierarchy, timeout=30)
         counted[f"K{k}"] = {"forward": step["forward"], "backward": step["backward"]}
-    return {"results": results, "counted": counted, "waits": list(fake.WAITS),
+    TwoStageExchange._chained = chained
+    return {"results": results, "counted": counted, "waits": list(fake.WAITS), "held": held,
             "transfers": sum(s.kind == "transfer" for s in timeline.spans),
             "backend": mc2.engine.transport.backend.backend_for(None, "cpu"),
             "style": mc2.engine.transport.backend.comm_style(None, "cpu").stream,

@@ -159,7 +159,10 @@ class TwoStageExchange:
                 current.wait_stream(side)
             abandon(rows, middle, staged, output)
             raise
-        last.keep_alive = (rows, middle, staged)
+        # the side stream's permutation reads the stage-2 gather (a plan's tensor, made on the
+        # caller's stream): a pass that abandons the transfer (a given-up paired forward) drops
+        # the plan without a wait, and the buffer must not be handed out again meanwhile
+        last.keep_alive = (rows, middle, staged, self.intra_gather)
         return last
 
     def _exchange(self, rows: Tensor, first: tuple[list[int], list[int], Any],
