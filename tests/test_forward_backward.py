@@ -282,6 +282,12 @@ def test_a_forward_that_runs_autograd_is_not_paired_where_it_would_hang() -> Non
         assert "a paired forward runs autograd itself" in r["refused_later"], r["refused_later"]
         got, want = r["after"]
         assert all(_close(g, w, 1e-10) for g, w in zip(got, want, strict=True))
+        # with the device threads off where the paired forward runs autograd (AOTAutograd's
+        # trace of a recompile does so): paired, not refused, the sequential loop's gradients
+        off = r["threads_off"]
+        assert off["refused"] is None and off["threads"] == ["mc2-paired-forward"], off
+        got, want = off["grads"]
+        assert all(_close(g, w, 1e-10) for g, w in zip(got, want, strict=True))
 
 
 def test_the_callers_autograd_threading_reaches_the_paired_forwards() -> None:
@@ -495,12 +501,10 @@ def test_a_compilers_own_differentiation_is_not_the_forwards_autograd(monkeypatc
     while it compiles a forward: that is no autograd of the forward's own, and a first
     forward that compiles does not make the step refuse (with an accelerator emulated); one
     that calls ``torch.autograd.grad`` itself does."""
-    import mc2.engine.autograd.autograd_watch as watch_module
     import mc2.engine.autograd.pairing as pairing_module
     from mc2.engine.autograd.pairing import PairedLoop
 
     monkeypatch.setattr(pairing_module, "watched", lambda: True)
-    monkeypatch.setattr(watch_module, "in_a_device_thread", lambda device: True)
     linear = torch.nn.Linear(4, 4)
     compiled = torch.compile(lambda x: linear(x).pow(2).mean(), backend="aot_eager")
 

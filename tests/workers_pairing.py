@@ -632,12 +632,12 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     import threading
     import warnings
 
-    import mc2.engine.autograd.autograd_watch as watch_module
     import mc2.engine.autograd.pairing as pairing_module
     from mc2.observation.once import forget
 
-    pairing_module.watched = lambda: True  # as where an accelerator is present, and the
-    watch_module.in_a_device_thread = lambda device: True  # CPU taken for it
+    # as where an accelerator is present: every entry into the engine counts, the CPU's too
+    # (a graph rooted on a host tensor reaches the device's nodes)
+    pairing_module.watched = lambda: True
     forget()
     batches = _micro_batches(rank)
     threads: list[str] = []
@@ -680,9 +680,29 @@ def autograd_in_the_forward(rank: int, world: int) -> dict[str, Any]:
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     _sequential(model, batches, _stack_loss)
+    after = (got, [p.grad.clone() for p in model.parameters()])
+
+    # the same later forward's autograd with the device threads turned off where it runs
+    # (as AOTAutograd does while it traces a compiled region's backward): the engine runs in
+    # that thread, nothing waits for the stopped one, and the step pairs
+    def threads_off(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x is not batches[2]:
+            return _stack_loss(model, x)
+        with torch.autograd.set_multithreading_enabled(False):
+            return chunked(model, x)
+
+    model.zero_grad(set_to_none=True)
+    threads.clear()
+    refused_off = _refusal(lambda: mc2.forward_backward(model, batches, threads_off,
+                                                        overlap=True))
+    ran_in = list(threads)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    _sequential(model, batches, threads_off)
     return {"refused": refused, "steps": steps, "refused_later": refused_later,
-            "kept_unpairable": kept_unpairable,
-            "after": (got, [p.grad.clone() for p in model.parameters()]),
+            "kept_unpairable": kept_unpairable, "after": after,
+            "threads_off": {"refused": refused_off, "threads": ran_in,
+                            "grads": (got, [p.grad.clone() for p in model.parameters()])},
             "warnings": [str(w.message) for w in caught]}
 
 
@@ -723,8 +743,7 @@ def autograd_in_the_forward_without_autograd_threads(rank: int, world: int) -> d
 
     import mc2.engine.autograd.autograd_watch as watch_module
 
-    watch_module.accelerator_present = lambda: True  # as where an accelerator is present,
-    watch_module.in_a_device_thread = lambda device: True  # and the CPU taken for it
+    watch_module.accelerator_present = lambda: True  # as where an accelerator is present
     batches = _micro_batches(rank)
     threads: list[str] = []
 

@@ -47,20 +47,6 @@ def watched() -> bool:
     return accelerator_present() and torch.autograd.is_multithreading_enabled()
 
 
-def in_a_device_thread(device: torch.device) -> bool:
-    """Whether autograd runs the backward of tensors on ``device`` in a device thread of its
-    own (every device but the CPU)."""
-    return device.type != "cpu"
-
-
-def on_a_device(outputs: Any) -> bool:
-    """Whether an engine call on ``outputs`` (a tensor, a ``GradientEdge``, or a sequence of
-    them) would run work in a device thread: a tensor on such a device, or an edge (whose
-    device the call does not say: counted)."""
-    items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    return any(not isinstance(t, torch.Tensor) or in_a_device_thread(t.device) for t in items)
-
-
 class EngineWatch:
     """The process's wrap of autograd's engine entry: one per process (the entry is the
     process's), held by the pairings' process record. Installed at the first step that

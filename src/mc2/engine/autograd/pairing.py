@@ -34,7 +34,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 
-from mc2.engine.autograd.autograd_watch import EngineWatch, on_a_device, watched
+from mc2.engine.autograd.autograd_watch import EngineWatch, watched
 from mc2.engine.autograd.partner import Partner, traced_step, tracing_mode
 from mc2.engine.decide.batch_split import say_once
 from mc2.engine.transport.comm import host_max
@@ -315,15 +315,21 @@ class PairedLoop:
         return out
 
     def _engine_entered(self, outputs: Any) -> None:
-        """At every entry into autograd's engine during the step on tensors whose backward
-        runs in a device thread (:func:`~mc2.engine.autograd.autograd_watch.on_a_device`):
-        the first forward's is noted (not a compiler's, which differentiates a graph it
-        traces and is no autograd of the forward's own); a paired forward's, where the
-        thread that handed it the turn is not the step's (autograd's device thread, running
-        the backward beside it: :func:`_backward_elsewhere`), is refused: it would wait for
-        that thread, which waits for it. Per rank: a call that only some ranks make fails
-        their step, and their peers' waits end in their deadline."""
-        if not on_a_device(outputs):
+        """At every entry into autograd's engine during the step: the first forward's is
+        noted (not a compiler's, which differentiates a graph it traces and is no autograd of
+        the forward's own); a paired forward's, where the thread that handed it the turn is
+        not the step's (autograd's device thread, running the backward beside it:
+        :func:`_backward_elsewhere`), is refused: it would wait for that thread, which waits
+        for it. Per rank: a call that only some ranks make fails their step, and their peers'
+        waits end in their deadline.
+
+        Whatever the devices of ``outputs``: a graph rooted on a CPU tensor (a loss moved to
+        the host) reaches the device's nodes too, and the entry does not say which devices
+        its graph reaches. None where the entering thread turned autograd's device threads
+        off (AOTAutograd does while it traces a compiled region's backward, a recompile in a
+        paired forward included): the engine then runs the whole graph in that thread, and
+        nothing waits for the stopped one."""
+        if not torch.autograd.is_multithreading_enabled():
             return
         partner = self._partner
         if partner is not None and partner.running_here():
