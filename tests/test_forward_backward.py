@@ -419,6 +419,59 @@ def test_an_interrupted_step_gives_its_partner_up_and_the_next_step_pairs() -> N
     assert len(done) == 3 and len(pairing._PROCESS.idle) == kept
 
 
+def test_a_backward_failing_beside_another_threads_turn_ends_the_step_without_a_hang() -> None:
+    """On an accelerator autograd's device thread runs the paired backward's device nodes,
+    and so gives the partner its turns, while the step's thread runs the CPU nodes. One of
+    those raising ends the backward in the step's thread while the device thread's turn
+    still runs (emulated: a thread gives way while the backward raises). The step ends: that
+    turn ends at the partner's next transfer and the device thread alone takes it back, the
+    partner is given up and kept (the failed step's cleanup ran), and the next step pairs.
+    Before, both threads waited for the one hand-over, and one of them waited forever."""
+    import threading
+    import time
+
+    from mc2.engine.autograd import pairing
+
+    in_turn, failing, device, cleaned = threading.Event(), threading.Event(), [], []
+
+    def forward(i: int) -> torch.Tensor:
+        here = pairing.current_pairing()
+        here.calls += 1  # as an mc2 call under it would count itself
+        if i == 1 and not device[1:]:  # the failing step's paired forward, in its turn
+            in_turn.set()
+            failing.wait(10)
+            time.sleep(0.2)  # the step's thread is ending the step meanwhile
+        here.hand_back()  # as a call that issued a transfer
+        here.hand_back()  # and another, reached only in a later turn
+        return (torch.ones(2, requires_grad=True) * (i + 1)).sum()
+
+    def backward(loss: torch.Tensor) -> None:
+        here = pairing.current_pairing()
+        if len(device) < 2:  # the failing step
+            thread = threading.Thread(target=here.give_way, name="emulated device thread")
+            device.append(thread)
+            thread.start()
+            assert in_turn.wait(10)
+            failing.set()
+            device.append("failed")
+            raise RuntimeError("a CPU node of the backward failed")
+        here.give_way()
+        loss.backward()
+
+    loop = pairing.PairedLoop(backward, failed=cleaned.append)
+    loop.add(lambda: forward(0), last=False)
+    with pytest.raises(RuntimeError, match="CPU node"):
+        loop.add(lambda: forward(1), last=False)
+    device[0].join(10)
+    assert not device[0].is_alive(), "the device thread waited forever for the hand-over"
+    assert [str(e) for e in cleaned] == ["a CPU node of the backward failed"], cleaned
+    partner = pairing._PROCESS.idle[-1]  # given up and kept
+    assert partner.done and not partner._turn
+    done = []
+    pairing.run_pairs(3, forward, lambda loss: done.append(backward(loss)))
+    assert len(done) == 3
+
+
 def test_a_step_under_a_tracing_mode_is_not_paired() -> None:
     """Fake tensors (and ``make_fx``'s, functionalization's modes) keep their state for the
     thread that entered them, so no forward can run beside them in another thread:

@@ -93,13 +93,39 @@ class Pairing:
         self.partner: Partner | None = None
         self.calls = 0  # eager calls made under it
         self.traced = 0  # calls run as the operator inside a compiled graph (whole)
+        # held by the thread that runs the partner's turn from a backward's wait: the step's
+        # own, or autograd's device thread on an accelerator (see stop)
+        self._turns = threading.Lock()
 
     def give_way(self) -> None:
         """Where a backward waits for a transfer it issued: the partner forward runs up to
-        its next transfer (nothing where no forward is paired with this backward)."""
+        its next transfer (nothing where no forward is paired with this backward, or the
+        step ended: :meth:`stop`)."""
         partner = self.partner
-        if partner is not None and not partner.running_here():
-            partner.resume()
+        if partner is None or partner.running_here():
+            return
+        with self._turns:
+            if self.partner is partner:
+                partner.resume()
+
+    def stop(self, partner: Partner, seconds: float) -> bool:
+        """The step failed in its own thread: no more turns from a backward's wait. On an
+        accelerator another thread may run a turn now (autograd's device thread, while a
+        node of the backward that the step's thread ran, a CPU one, raised and ended the
+        backward there): that turn ends first, at the partner's next transfer (up to
+        ``seconds``), and that thread alone takes it back (two threads waiting for one
+        hand-over: one would wait forever). A turn the step's thread left open (Ctrl-C in a
+        hand-over) is waited for as :meth:`Partner.settle` does. Whether the turns are known
+        again (the partner can then be given up and kept)."""
+        if not self._turns.acquire(timeout=seconds):
+            self.partner = None  # the turn's forward runs on to its end
+            return False
+        try:
+            self.partner = partner  # an open turn pauses at the partner's next transfer
+            return partner.settle(seconds)
+        finally:
+            self.partner = None
+            self._turns.release()
 
     def hand_back(self) -> None:
         """Where a paired forward issued a transfer: the backward it is paired with goes on
@@ -207,13 +233,11 @@ class PairedLoop:
             with pairing_active(self._pairing) if not self._alone else contextlib.nullcontext():
                 return self._add(forward, last)
         except BaseException:
-            # Ctrl-C in a hand-over leaves the partner's turn open: it pauses at its next
-            # transfer (the pairing pointed at it again) and is given up as after an error
+            # a turn still running (another thread's, or one Ctrl-C left open) ends at the
+            # partner's next transfer, and the partner is given up as after an error
             partner, settled = self._partner, True
             if partner is not None:
-                self._pairing.partner = partner
-                settled = partner.settle(SETTLE_S)
-                self._pairing.partner = None
+                settled = self._pairing.stop(partner, SETTLE_S)
             self._end(keep_partner=settled, failure=sys.exc_info())
             raise
 
@@ -272,12 +296,10 @@ class PairedLoop:
                 self._partner = _PROCESS.idle.pop() if _PROCESS.idle else Partner()
             partner = self._partner
             partner.start(forward)
-            self._pairing.partner = partner
-            try:
-                self._backward(self._pending)  # gives way to the partner at each of its waits
-                out = partner.finish()
-            finally:
-                self._pairing.partner = None
+            self._pairing.partner = partner  # after a failure: add's stop
+            self._backward(self._pending)  # gives way to the partner at each of its waits
+            out = partner.finish()
+            self._pairing.partner = None
             self.results.append(self._kept(self._pending))
         self._pending = out
         if last:
