@@ -584,3 +584,21 @@ def test_torchtitans_paired_loop_begins_a_new_step_after_one_left_unfinished() -
     for r in mc2.run_local(torchtitan_step_left_unfinished, 2, timeout_s=120):
         assert r["taken"] == 0  # the step ended with its last micro-batch
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
+
+
+def test_the_callers_autocast_region_reaches_the_paired_forwards() -> None:
+    """Autocast is thread-local: a forward run in the partner thread runs in the caller's
+    region, its dtype and whether it caches its casts (``cache_enabled=False`` too)."""
+    from mc2.engine.autograd.partner import Partner
+
+    def seen() -> tuple:
+        return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                torch.is_autocast_cache_enabled())
+
+    partner = Partner()
+    for cache in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            partner.start(seen)
+            assert partner.finish() == (True, torch.bfloat16, cache) == seen()
+    partner.start(seen)
+    assert partner.finish() == seen() and not seen()[0]

@@ -21,12 +21,14 @@ import torch
 from mc2.engine.transport.deadline import Abandoned
 
 
-def _autocast_regions() -> list[tuple[str, torch.dtype]]:
+def _autocast_regions() -> list[tuple[str, torch.dtype, bool]]:
     """The autocast regions enabled in this thread (thread-local state a forward depends
-    on), by device type."""
+    on), by device type, with whether autocast caches its casts of the weights (also the
+    thread's: a caller's ``cache_enabled=False`` holds in the paired forwards too)."""
     kinds = ["cpu"] + ([torch.accelerator.current_accelerator().type]
                        if torch.accelerator.is_available() else [])
-    return [(kind, torch.get_autocast_dtype(kind)) for kind in kinds
+    cache = torch.is_autocast_cache_enabled()
+    return [(kind, torch.get_autocast_dtype(kind), cache) for kind in kinds
             if torch.is_autocast_enabled(kind)]
 
 
@@ -150,8 +152,8 @@ class Partner:
                 stack.enter_context(torch.autograd.set_multithreading_enabled(threads))
                 if hooks is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
-                for kind, dtype in regions:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                for kind, dtype, cache in regions:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
                 return context.run(fn)
 
         self._job, self.done, self.result, self.error = job, False, None, None
