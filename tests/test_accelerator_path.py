@@ -184,6 +184,25 @@ def test_stream_backend_2d_chains_stages_without_a_thread(world: int, per_node: 
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)
 
 
+def test_a_stream_backend_whose_waits_block_the_host_still_chains_the_2d_stages() -> None:
+    """NCCL under ``TORCH_NCCL_BLOCKING_WAIT`` (emulated: the stream backend's waits taken
+    for host waits, with the call's deadline): its collectives still run on device streams,
+    so the 2-D stages stay chained in the caller's thread (before, they went to the
+    communication thread, which issued NCCL collectives beside the caller's, in an order
+    that differs from rank to rank); results exact."""
+    results = mc2.run_local(fake_stream_worker, 4, args=("2d", True), ranks_per_node=2,
+                            backend=fake_stream_backend.NAME,
+                            before_init=fake_stream_backend.install)
+    p = make_problem(4, "uneven", seed=1)
+    want, grads = _reference(p)
+    for rank, r in enumerate(results):
+        assert r["style"] is False and any(t is not None for t in r["waits"]), r["waits"]
+        assert r["held"] and all(r["held"]), r["held"]
+        for got in r["results"]:
+            torch.testing.assert_close(got["out"], want[rank], rtol=0, atol=1e-10)
+            torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)
+
+
 def test_stream_backend_stall_is_a_comm_timeout_from_the_watchdog() -> None:
     # rank 1 holds its 3rd All-to-All (counts, dispatch 0, dispatch 1) for 4 s; deadline 1 s
     results = mc2.run_local(

@@ -11,7 +11,11 @@ import torch
 import mc2
 from tests.problems import make_problem
 from tests.test_fused_expert_distributed import assert_close, reference
-from tests.workers import auto_hierarchy_row_bytes, run_cases_as_nodes
+from tests.workers import (
+    auto_hierarchy_row_bytes,
+    measurement_after_the_comm_thread,
+    run_cases_as_nodes,
+)
 
 CASES = [(routing, k, overlap) for routing, k, overlap in itertools.product(
     ("uniform", "one_expert", "rank_receives_nothing", "zero_tokens", "uneven"), (1, 3),
@@ -66,3 +70,14 @@ def test_auto_measures_rows_as_wide_as_the_wire_format() -> None:
                             deadline_s=120)
     for seen in results:
         assert seen == [[plain], [fp8], [2 * hidden]]
+
+
+def test_auto_measures_after_the_exchanges_running_on_the_comm_thread() -> None:
+    """A measurement issues collectives on the intra- and inter-node groups from the
+    caller's thread; an exchange of another call still running on the communication thread
+    (a backward's 2-D combine beside a paired forward) issues on the same groups, and two
+    threads issuing on one group issue in different orders on different ranks. The
+    measurement begins after that exchange ended (it began at once before)."""
+    for order in mc2.run_local(measurement_after_the_comm_thread, 4, args=(2,),
+                               deadline_s=120):
+        assert order == ["exchange in flight ended", "measured"], order

@@ -405,6 +405,38 @@ def auto_hierarchy_row_bytes(rank: int, world: int, local_world: int, problem: P
     return seen
 
 
+def measurement_after_the_comm_thread(rank: int, world: int, local_world: int) -> list[str]:
+    """A 2-D exchange of another call still running on the communication thread (a sleep
+    in its place) when ``hierarchy="auto"`` measures a new size: the order in which that
+    exchange ended and the measurement's first timed exchange began."""
+    import os
+    import time
+
+    import mc2.engine.transport.hierarchy as hierarchy
+    from mc2.engine.transport.topology import topology_for
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    topo = topology_for(None)
+    intra, inter = topo.subgroups(None)
+    order: list[str] = []
+    barrier = hierarchy.barrier
+
+    def timed_barrier(*args: Any, **kwargs: Any) -> None:
+        order.append("measured")
+        barrier(*args, **kwargs)
+
+    hierarchy.barrier = timed_barrier
+    try:
+        hierarchy.comm_worker().submit(
+            lambda: (time.sleep(0.5), order.append("exchange in flight ended")))
+        hierarchy.two_stage_pays(None, rank=rank, nodes=topo.nodes, per_node=local_world,
+                                 intra_group=intra, inter_group=inter, rows_per_rank=64,
+                                 row_bytes=32, device=torch.device("cpu"), repeats=1)
+    finally:
+        hierarchy.barrier = barrier
+    return order[:2]
+
+
 class _FixedPlanner(mc2.Planner):
     """A planner that chooses without measuring (so ranks with different ones still make the
     same collectives up to the counts exchange)."""

@@ -97,9 +97,14 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
     return counted
 
 
-def fake_stream_backend(rank: int, world: int, hierarchy: str) -> dict[str, Any]:
-    """fused_expert over the emulated stream backend: results and every wait's timeout."""
+def fake_stream_backend(rank: int, world: int, hierarchy: str, blocking: bool = False
+                        ) -> dict[str, Any]:
+    """fused_expert over the emulated stream backend: results and every wait's timeout
+    (``blocking``: its waits block the host, as NCCL's under ``TORCH_NCCL_BLOCKING_WAIT``)."""
     from tests import fake_stream_backend as fake
+
+    if blocking:
+        mc2.engine.transport.backend._blocking_wait = lambda name: True
 
     from mc2.engine.transport.hierarchy import TwoStageExchange
 

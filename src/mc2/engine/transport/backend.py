@@ -83,6 +83,15 @@ class CommStyle:
     def asynchronous(self) -> bool:
         return self.sync_reason is None
 
+    @property
+    def on_streams(self) -> bool:
+        """The backend runs its collectives on device streams in the order they were issued,
+        even where its wait blocks the host (NCCL under ``TORCH_NCCL_BLOCKING_WAIT``): what
+        follows a collective is ordered by streams in the issuing thread. Never issued from
+        a second thread: NCCL collectives that two threads issue, on several communicators,
+        reach the device in a different order on different ranks and can deadlock."""
+        return self.backend in STREAM_BACKENDS
+
 
 LOCAL = CommStyle("local", None, False)
 

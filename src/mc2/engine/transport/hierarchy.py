@@ -111,6 +111,18 @@ def comm_worker() -> CommWorker:
     return CommWorker()
 
 
+def _drain_comm_worker() -> None:
+    """Wait until the communication thread has run every exchange submitted so far. A
+    measurement issues collectives on the intra- and inter-node groups from the caller's
+    thread; a 2-D exchange of another call may still be running on that thread (a backward's
+    combine beside a paired forward, one half's dispatch under batch overlap), and two
+    threads issuing on one group issue in different orders on different ranks (Gloo pairs
+    collectives by the order they were issued in). Its peers drain the same exchanges, issued
+    in the same order; each runs under its call's deadline."""
+    if comm_worker.cache_info().currsize:
+        comm_worker().submit(lambda: None).result()
+
+
 @dataclass(frozen=True)
 class TwoStageExchange:
     """The two stages of one micro-batch's exchange, as seen by this rank."""
@@ -173,7 +185,7 @@ class TwoStageExchange:
         (``first``, ``second``: each stage's send splits, receive splits and group): queued at
         once on a stream backend (:meth:`_chained`), else run now or, asynchronous, on the
         communication thread."""
-        if async_op and style_of(self.inter_group, rows.device).stream:
+        if async_op and style_of(self.inter_group, rows.device).on_streams:
             return self._chained(rows, first, second, between, name, on_complete)
 
         def run() -> Tensor:
@@ -322,6 +334,7 @@ def two_stage_pays(group: Any, *, rank: int, nodes: int, per_node: int, intra_gr
     per = max(1, 1 << max(0, (max(rows_per_rank, 1) // world).bit_length() - 1))
     choices, key = group_state(group).two_stage, (per, row_bytes)
     if key not in choices:
+        _drain_comm_worker()
         uniform = [[[per] * world] for _ in range(world)]
         plan = TwoStagePlan(uniform, torch.full((world, 1, world), per, dtype=torch.int64,
                                                 device=device),
