@@ -49,3 +49,43 @@ def test_weight_gradient_form_zeroes_empty_groups(kernel: str, accumulate: bool)
     torch.testing.assert_close(out, want + (start if accumulate else 0))
     if not accumulate:
         assert out[0].abs().max() == 0 and out[2].abs().max() == 0
+
+
+@pytest.mark.parametrize("trusted", (False, True))
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_a_kernel_that_leaves_empty_groups_unwritten_is_masked(monkeypatch, trusted: bool,
+                                                               accumulate: bool) -> None:
+    """Blackwell's ``grouped_mm`` leaves an empty group's block of the weight-gradient form
+    non-zero (pytorch/pytorch#172439; emulated: NaN there). On a device not known to write
+    zeros (every one but Hopper) the kernel sets those blocks to zero (or adds nothing); a
+    device trusted to write them (emulated) is not masked, and the NaN would go through."""
+    import mc2.engine.compute.grouped_into as module
+
+    real = F.grouped_mm
+
+    def leaves_garbage(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = real(a, b, offs=offs)
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(module.F, "grouped_mm", leaves_garbage)
+    monkeypatch.setattr(module, "zeroes_empty_groups", lambda device: trusted)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(8, 16, generator=g).t()
+    b = torch.randn(8, 4, generator=g)
+    offs = torch.tensor((0, 3, 3, 8), dtype=torch.int32)
+    out = torch.randn(4, 16, 4, generator=g)
+    start = out.clone()
+    grouped_mm_into._init_fn(a, b, offs, out, accumulate)
+    want = real(a, b, offs=offs) + (start if accumulate else 0)
+    assert bool(out.isnan().any()) is trusted
+    if not trusted:
+        torch.testing.assert_close(out, want)
+
+
+def test_only_hopper_is_trusted_to_zero_empty_groups() -> None:
+    from mc2.engine.compute.grouped_into import zeroes_empty_groups
+
+    assert not zeroes_empty_groups(torch.device("cpu"))
+    assert not zeroes_empty_groups(torch.device("meta"))

@@ -19,21 +19,46 @@ The operator is opaque to ``TorchFunctionMode``s, so :class:`mc2.observation.hos
 counts what the caller does, the same on every device, as it does around torch's own kernels.
 
 Two forms, as ``grouped_mm``'s: ``a [M, K]`` rows grouped by ``offs``, ``b [G, K, N]`` ->
-``out [M, N]`` (rows past the last group are left as they are); and ``a [M, P]``, ``b [P, N]``
-grouped along ``P`` -> ``out [G, M, N]`` (an empty group's block is zero, or kept when adding).
+``out [M, N]`` (rows past the last group hold no result: the CPU kernel leaves them as they
+are, ``grouped_mm`` leaves them unwritten and the copy brings that in, so callers mask them);
+and ``a [M, P]``, ``b [P, N]`` grouped along ``P`` -> ``out [G, M, N]`` (an empty group's
+block is zero, or kept when adding: set to zero here where the device's ``grouped_mm`` is not
+known to write zeros, :func:`zeroes_empty_groups`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+@functools.cache
+def zeroes_empty_groups(device: torch.device) -> bool:
+    """Whether ``grouped_mm`` on ``device`` writes zeros for an empty group in the form
+    grouped along the inner dimension (the weight gradients): known on Hopper (compute
+    capability 9.x). Blackwell's kernels (10.x) leave them non-zero (pytorch/pytorch#172439,
+    open): an expert that got no row would get a gradient anyway. Elsewhere unknown: not
+    trusted. A host fact of the device, so no read of the device and nothing a capture
+    forbids."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def empty_groups_zeroed(result: Tensor, offs: Tensor) -> Tensor:
+    """``result [G, M, N]`` with the blocks of the groups ``offs`` leaves empty set to zero
+    (on the device: no count is read)."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((sizes > 0).view(-1, 1, 1), result, 0)
+
+
 @torch.library.custom_op("mc2::grouped_mm_into", mutates_args=("out",))
 def grouped_mm_into(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, accumulate: bool) -> None:
     """``out (+)= grouped_mm(a, b, offs=offs)`` (see the module docstring)."""
     result = F.grouped_mm(a, b, offs=offs)
+    if b.dim() == 2 and not zeroes_empty_groups(result.device):
+        result = empty_groups_zeroed(result, offs)
     out.add_(result) if accumulate else out.copy_(result)
 
 
