@@ -147,3 +147,37 @@ def test_no_more_tokens_than_capacity_never_overflows_at_any_k() -> None:
         assert len(rows) == int((sent < tokens).sum())  # once each
         errors = handle.micro_batches[0].tables[0, 2 * topk:2 * topk + 2]
         assert errors.tolist() == [0.0, 0.0], (capacity, tokens, k)
+
+
+def test_the_overflow_counters_are_ordered_across_streams(monkeypatch) -> None:
+    """On an accelerator the counters' adds, reads and resets run on whatever stream is
+    current: capacity calls on a side stream, the handshake or ``check_overflow`` on another.
+    Each waits for the stream of the one before (fake streams record the waits); nothing waits
+    inside a capture, whose stream waited for the work before it when the capture began."""
+    from mc2.engine.decide import overflow
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other: "Stream") -> None:
+            self.waited.append(other.name)
+
+    side, main, graph = Stream("side"), Stream("main"), Stream("graph")
+    now, capturing = [side], [False]
+    monkeypatch.setattr(overflow, "current_stream", lambda device: now[0])
+    monkeypatch.setattr(overflow, "capturing", lambda device: capturing[0])
+    group = object()
+    overflow.add_errors(group, torch.tensor([2.0, 0.0, 0.0]), overflow="raise", capacity=4)
+    overflow.add_errors(group, torch.tensor([1.0, 0.0, 0.0]), overflow="raise", capacity=4)
+    assert side.waited == []  # one stream: nothing to wait for
+    now[0] = main
+    assert overflow.pending(group, torch.device("cpu")).tolist() == [3, 0, 0]
+    assert main.waited == ["side"]  # the handshake's read waits for the side stream's adds
+    now[0], capturing[0] = graph, True
+    overflow.add_errors(group, torch.tensor([0.0, 1.0, 0.0]), overflow="raise", capacity=4)
+    assert graph.waited == []  # inside a capture: no wait
+    now[0], capturing[0] = main, False
+    with pytest.raises(overflow.CapacityOverflow):
+        overflow.raise_counted(group, 3, 1)
+    assert main.waited == ["side", "graph"]  # the reset waits for the captured add's stream

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.device.streams import capturing, current_stream
 from mc2.engine.transport.group_state import group_state, known_state
 from mc2.engine.transport.host import read, read_host_memory
 
@@ -77,11 +78,28 @@ class CapacityOverflow(ValueError):
 
 @dataclass
 class _Counter:
-    """One group's counts on one device: ``[2]`` int64 (rows that did not fit, ids out of
-    range), and the capacity of the last call that added to them."""
+    """One group's counts on one device: ``[COUNTS]`` int64 (rows that did not fit, ids out
+    of range, slabs of another configuration), the capacity of the last call that added to
+    them, and the stream of the last add, read or reset (``None`` on a CPU)."""
 
     counts: Tensor  # [COUNTS]
     capacity: int = 0
+    stream: Any = None
+
+    def ordered(self) -> Tensor:
+        """The counts, for an add, read or reset on the current stream, which first waits
+        for the stream of the one before (capacity calls on a side stream, the check on
+        another: a read would miss the adds still queued there, a reset race them; ranks
+        would then disagree on raising). Nothing on a CPU, nor inside a capture, whose stream
+        waited for the work before it when the capture began."""
+        device = self.counts.device
+        now = current_stream(device)
+        if now is None:
+            return self.counts
+        if self.stream is not None and self.stream != now and not capturing(device):
+            now.wait_stream(self.stream)
+        self.stream = now
+        return self.counts
 
 
 class OverflowCounters(dict[torch.device, "_Counter"]):
@@ -100,9 +118,9 @@ def add_errors(group: Any, errors: Tensor, *, overflow: str, capacity: int) -> N
                                                                  device=errors.device))
     counts = errors.round().to(torch.int64)
     if overflow == "raise":
-        counter.counts.add_(counts)
+        counter.ordered().add_(counts)
     else:
-        counter.counts[1:].add_(counts[1:])
+        counter.ordered()[1:].add_(counts[1:])
     counter.capacity = capacity
 
 
@@ -114,7 +132,7 @@ def pending(group: Any, device: torch.device) -> Tensor:
     counters = state.held(OverflowCounters) if state is not None else None
     counter = counters.get(torch.device(device)) if counters is not None else None
     return torch.zeros(COUNTS, dtype=torch.int64, device=device) if counter is None \
-        else counter.counts
+        else counter.ordered()
 
 
 def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> None:
@@ -125,7 +143,7 @@ def raise_counted(group: Any, rows: int, bad_ids: int, mismatched: int = 0) -> N
         return
     capacity = 0
     for counter in group_state(group).of(OverflowCounters).values():
-        counter.counts.zero_()
+        counter.ordered().zero_()
         capacity = counter.capacity
     raise CapacityOverflow(rows, bad_ids, capacity, mismatched)
 
@@ -160,9 +178,11 @@ def _check(group: Any, reader: Any) -> None:
     for device, counter in group_state(group).of(OverflowCounters).items():
         if reader is read_host_memory and device.type != "cpu":
             continue
-        found = reader(counter.counts)
+        if device.type != "cpu":  # a graph's replays add on whatever stream replayed it
+            torch.accelerator.synchronize(device)
+        found = reader(counter.ordered())
         if any(found):
-            counter.counts.zero_()
+            counter.ordered().zero_()
             totals = [a + b for a, b in zip(totals, found)]
             capacity = counter.capacity
     if any(totals):
