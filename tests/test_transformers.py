@@ -199,12 +199,18 @@ class FakeBlock(torch.nn.Module):
             self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(4))
         if part == "ungated shared_expert":
             self.shared_expert = torch.nn.Linear(8, 8)
+        if part == "hook":
+            self.register_forward_hook(_doubled)
+        if part == "experts hook":
+            self.experts.register_forward_pre_hook(lambda module, args: None)
 
 
 @pytest.mark.parametrize("part,named", [("expert bias", "gate_up_proj_bias"),
                                         ("shared_experts", "'shared_experts'"),
                                         ("own parameter", "e_score_correction_bias"),
-                                        ("ungated shared_expert", "shared_expert_gate")])
+                                        ("ungated shared_expert", "shared_expert_gate"),
+                                        ("hook", "FakeBlock has forward hooks (_doubled)"),
+                                        ("experts hook", "experts: FakeExperts has forward")])
 def test_block_with_unknown_part_is_refused_and_nothing_replaced(part: str, named: str) -> None:
     model = torch.nn.Sequential(FakeBlock(), FakeBlock(part))
     with pytest.raises(ValueError, match="without losing a part") as err:
@@ -219,3 +225,67 @@ def test_router_output_is_checked(order: str) -> None:
     enable_mc2(model)
     with pytest.raises(ValueError, match="must return \\(router_logits, top_k_weights"):
         model(torch.randn(5, 8))
+
+
+def _doubled(module: torch.nn.Module, args: Any, out: Any) -> Any:
+    return out * 2
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_hook_on_the_experts_sees_the_routed_experts_only() -> None:
+    """Qwen2-MoE's block runs its shared expert inside the fused call, as views of its
+    weights; a hook on the experts (after ``enable_mc2``, on mc2's experts) must see what the
+    model's experts compute, the routed experts' sum, not the shared expert's output added
+    in: the shared expert then runs beside the call (said once). Logits equal the unpatched
+    model's with the same hook (before: 0.2 apart)."""
+    state, ids, _, _, _ = reference("Qwen2Moe", torch.float64)
+    want = build("Qwen2Moe", CONFIGS["Qwen2Moe"], state, torch.float64)
+    got = build("Qwen2Moe", CONFIGS["Qwen2Moe"], state, torch.float64)
+    enable_mc2(got)
+    for model in (want, got):
+        for layer in model.model.layers:
+            layer.mlp.experts.register_forward_hook(_doubled)
+    with pytest.warns(UserWarning, match="runs beside the fused call.*has forward hooks"):
+        logits = _logits(got, ids)
+    close(logits, _logits(want, ids), torch.float64, "logits")
+
+
+def test_a_hooked_or_subclassed_silu_is_not_read_as_silu() -> None:
+    """mc2 computes SiLU where an MLP's ``act_fn`` is exactly ``nn.SiLU`` or transformers'
+    ``SiLUActivation``: a subclass may compute more, a hook changes what it returns."""
+    from mc2.integrations.module_stage import is_silu
+
+    class Clamped(torch.nn.SiLU):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).clamp(max=1.0)
+
+    hooked = torch.nn.SiLU()
+    hooked.register_forward_hook(_doubled)
+    assert is_silu(None) and is_silu(torch.nn.SiLU())
+    assert is_silu(transformers.activations.ACT2FN["silu"])
+    assert not is_silu(Clamped()) and not is_silu(hooked)
+
+
+def test_batch_overlap_runs_a_forward_unsplit_where_a_layer_part_has_a_hook() -> None:
+    """Batch overlap calls a decoder layer's parts and its MoE block's staged call, not the
+    layer, the block or its experts: a forward where one of them has a forward hook runs
+    unsplit (said once), equal to the unpatched model with the same hook; FSDP2's and Hugging
+    Face's own recording hooks do not count."""
+    state, ids, _, _, _ = reference("Mixtral", torch.float64)
+    for where in ("layer", "mlp", "experts"):
+        want = build("Mixtral", CONFIGS["Mixtral"], state, torch.float64)
+        got = build("Mixtral", CONFIGS["Mixtral"], state, torch.float64)
+        enable_mc2(got, batch_overlap=True, min_tokens=1)
+        for model in (want, got):
+            layer = model.model.layers[1]
+            part = {"layer": layer, "mlp": layer.mlp, "experts": layer.mlp.experts}[where]
+            part.register_forward_hook(_doubled)
+        with pytest.warns(UserWarning, match="which batch overlap would not call"):
+            logits = _logits(got, ids)
+        close(logits, _logits(want, ids), torch.float64, f"logits, a hook on the {where}")
+    assert got.model.layers.decision.chosen is True  # overlap was on: only that forward ran whole
+

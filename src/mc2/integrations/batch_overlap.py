@@ -54,6 +54,7 @@ from mc2.integrations import split_cache
 from mc2.integrations.layer_loop import run_layer_loop, split_value
 from mc2.integrations.layer_recording import NOT_RECORDED, record_layer_call
 from mc2.integrations.split_records import SplitRecords
+from mc2.integrations.weight_reads import user_hook_problem
 
 __all__ = ["BatchOverlapStack", "BatchOverlapWarning", "MIN_TOKENS", "OverlappedLayers",
            "hf_layer_stages", "stage_problem"]
@@ -144,6 +145,21 @@ class _LayerCall:
             else out
 
 
+def _hook_problem(layers: list[nn.Module]) -> str | None:
+    """Where a decoder layer, or the MoE block it runs in stages, or that block's experts, has
+    a forward hook of the user's: batch overlap calls their parts, not them, so the hook would
+    not run, and that forward runs unsplit; else ``None``."""
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        staged = getattr(mlp, "begin_staged", None) is not None
+        parts = (("", layer),) + ((".mlp", mlp), (".mlp.experts", getattr(mlp, "experts", None))
+                                  if staged else ())
+        for where, module in parts:
+            if (problem := user_hook_problem(module)) is not None:
+                return f"layer {index}{where}: {problem}, which batch overlap would not call"
+    return None
+
+
 def _split_problem(calls: list[tuple[tuple, dict[str, Any]]], caches: list[tuple[str, Any]]
                    ) -> str | None:
     """Why the layer calls of one forward cannot be split into micro-batches, or ``None``."""
@@ -195,7 +211,8 @@ class _Loop:
 
         return run_layer_loop(
             self.decision, hidden_states, plain=plain, stages=stages,
-            problem=records.problem() or _split_problem(calls, list(caches.values())),
+            problem=records.problem() or _split_problem(calls, list(caches.values()))
+            or _hook_problem(self.layers),
             gathers=LayerGathers(self.layers), label=partial(_recording, records),
             joined=joined)
 
@@ -227,9 +244,11 @@ class OverlappedLayers(nn.ModuleList):
     iterating it gives the layers). What differs is the slice the model's forward loops over
     (``for layer in self.layers[:n]: h = layer(h, **kwargs)``): its items record each layer's
     arguments, and the last runs the whole stack through :func:`run_overlapped` (or layer by
-    layer when batch overlap is off for that forward). Hooks on the decoder layers' own
-    ``forward`` do not fire under batch overlap (the runner calls their parts; FSDP2's are
-    done by :class:`mc2.parallel.layer_gather.LayerGathers`).
+    layer when batch overlap is off for that forward). The runner calls the layers' parts,
+    not the layers: a forward where a layer, its MoE block or the block's experts has a
+    forward hook runs unsplit, said once (FSDP2's hooks are done by
+    :class:`mc2.parallel.layer_gather.LayerGathers`; Hugging Face's output capturing records
+    per micro-batch).
     """
 
     def __init__(self, modules: Any = None, *, decision: BatchOverlapDecision | None = None) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mc2.engine.autograd.ops import fused_expert_module
 from mc2.engine.decide.config import MC2Config
-from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
+from mc2.integrations.weight_reads import first_problem, hook_problem, say_once, user_hook_problem
 from mc2.parallel.mesh import resolve_layout
 
 
@@ -71,8 +71,15 @@ SHARED_SWIGLU_BLOCKS = ("DeepseekV3MoE", "Glm4MoeMoE")
 
 
 def is_silu(act: Any) -> bool:
-    """Whether an MLP's ``act_fn`` is SiLU (``None``: the default)."""
-    return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    """Whether an MLP's ``act_fn`` is exactly SiLU (``None``: the default): ``nn.SiLU`` or
+    transformers' ``SiLUActivation`` themselves, not a subclass (it may compute more, a clamp
+    say), and without a hook (mc2 computes SiLU, not the module)."""
+    if act is None:
+        return True
+    cls = type(act)
+    exact = cls is nn.SiLU or (cls.__name__ == "SiLUActivation"
+                               and cls.__module__.startswith("transformers."))
+    return exact and hook_problem(act) is None
 
 
 class SharedInsideBlock:
@@ -83,7 +90,9 @@ class SharedInsideBlock:
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mlp = self.shared_experts  # type: ignore[attr-defined]
-        if (problem := shared_swiglu_problem(mlp)) is not None:
+        # a hook on the experts would see the shared MLP's output added inside the call
+        problem = shared_swiglu_problem(mlp) or user_hook_problem(self.experts)  # type: ignore
+        if problem is not None:
             say_once(f"mc2: the shared_experts of {type(self).__name__} run beside the experts' "
                      f"call, as the model runs them: {problem}")
             return super().forward(hidden_states)  # type: ignore[misc]

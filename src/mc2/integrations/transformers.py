@@ -53,7 +53,7 @@ from mc2.integrations.module_stage import (
     ModuleStageExperts, ep_experts, experts_problem, is_silu as _is_silu, shard_experts,
     shared_inside, shared_swiglu_problem
 )
-from mc2.integrations.weight_reads import say_once
+from mc2.integrations.weight_reads import say_once, user_hook_problem
 from mc2.parallel.expert_shards import expert_shards
 from mc2.layer import PackedExperts
 from mc2.parallel.mesh import resolve_layout
@@ -238,7 +238,8 @@ class MC2SparseMoeBlock(nn.Module):
         if self.shared_expert is None or self.shared_expert_gate is None:
             return (None, None, None), None, None
         mlp = self.shared_expert
-        problem = shared_swiglu_problem(mlp)
+        # a hook on the experts would see the shared expert's output added inside the call
+        problem = shared_swiglu_problem(mlp) or user_hook_problem(self.experts)
         if problem is not None:
             say_once(f"mc2: {self.source}'s shared_expert runs beside the fused call, as the "
                      f"model runs it: {problem}")
@@ -350,9 +351,14 @@ def block_problems(block: nn.Module) -> list[str]:
 
     Known parts: the router ``gate`` (kept as it is, whatever it holds), ``experts`` (fused
     SwiGLU, no bias, no extra tensor) and Qwen2-MoE's ``shared_expert`` with
-    ``shared_expert_gate``. Anything else that holds a parameter or buffer is a problem.
+    ``shared_expert_gate``. Anything else that holds a parameter or buffer is a problem, and
+    so is a forward hook on the block or its experts (register it after ``enable_mc2``, on the
+    MC2 block: that one is called).
     """
     problems = _experts_problems(block.experts) + _shared_problems(block)
+    # the block and its experts are replaced, not called: their hooks would go with them
+    problems += [f"{where}{problem}" for where, module in (("", block), ("experts: ", block.experts))
+                 if (problem := user_hook_problem(module)) is not None]
     own = sorted(dict(block.named_parameters(recurse=False))) + \
         sorted(dict(block.named_buffers(recurse=False)))
     if own:

@@ -66,6 +66,19 @@ def first_problem(modules: Iterable[tuple[str, Any]], kinds: tuple[type, ...] = 
     return None
 
 
+def framework_hook(hook: Any) -> bool:
+    """A hook that adds nothing a call of mc2 must run: FSDP2's (its gathers and reductions,
+    which mc2's layer loop runs itself) and Hugging Face's output capturing (it only records,
+    and batch overlap records per micro-batch: :mod:`mc2.integrations.split_records`)."""
+    return type(getattr(hook, "__self__", None)).__name__ == "FSDPState" or \
+        getattr(hook, "__qualname__", "").endswith("output_capturing_hook")
+
+
+def user_hook_problem(module: Any) -> str | None:
+    """:func:`hook_problem` of ``module`` without :func:`framework_hook`'s."""
+    return hook_problem(module, framework_hook) if isinstance(module, nn.Module) else None
+
+
 def hook_problem(module: Any, ignore: Callable[[Any], bool] | None = None) -> str | None:
     """Where ``module`` has a forward hook or pre-hook (which a read of its weights would not
     run; ``ignore``: hooks the caller runs itself), what it has; else ``None``."""
