@@ -50,6 +50,16 @@ def test_equal_with_plain_local_shards_under_spmd_types() -> None:
     _check(results, BF16)
 
 
+def test_a_hook_on_the_experts_runs_as_torchtitan_runs_it() -> None:
+    """A forward hook on TorchTitan's ``GroupedExperts``: mc2 reads their weights only where
+    nothing else would run, so the hooked module runs as the experts stage, called, and the
+    hook's scaling reaches the output and gradients as in TorchTitan's own node (before:
+    skipped, the output 1.5x off)."""
+    results = mc2.run_local(w.equal_to_torchtitan, 2, args=(
+        "float32", {"micro_batches": 2}, "partial_dtensor", False, False, False, True))
+    _check(results, BF16)
+
+
 def test_equal_with_shared_experts_and_auto() -> None:
     """A DeepSeek/Qwen-style block (shared experts beside the routed ones, TorchTitan's own
     sum), micro_batches="auto" (the planner measures on first use, on both ranks)."""
@@ -100,6 +110,7 @@ def test_refusals_on_every_rank() -> None:
     errors = results[0]
     assert "DeepEPTokenDispatcher" in errors["deepep"]
     assert "HybridEPTokenDispatcher" in errors["hybridep"]
+    assert "TorchAOTokenDispatcher" in errors["torchao"] and "pads" in errors["torchao"]
     assert "micro_batch" in errors["unknown option"] and "MC2Config" in errors["unknown option"]
     assert "micro_batches" in errors["bad value"]
 

@@ -49,6 +49,23 @@ def test_qwen3_moe_model_with_batch_overlap_trains_like_torchtitan() -> None:
         assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
 
 
+@pytest.mark.parametrize("hooked", ["moe", "moe.routed_experts"])
+def test_a_hooked_moe_module_runs_unsplit_and_called(hooked: str) -> None:
+    """Batch overlap runs a block's parts, not its MoE module or routed experts: where one
+    of them has a forward hook (here scaling its output), the forward runs unsplit and calls
+    the module, so the hook runs as in TorchTitan's model; the losses equal TorchTitan's
+    (before: split, the hook skipped)."""
+    from tests import workers_torchtitan_model as m
+
+    results = mc2.run_local(m.train_against_torchtitan, 4,
+                            args=({"batch_overlap": True, "min_tokens": 1}, 1, "partial_dtensor",
+                                  OVERLAP, True, False, hooked), deadline_s=300)
+    for rank, r in enumerate(results):
+        assert r["begun"] == [[]], r["begun"]  # nothing split
+        ref, got = r["ref_losses"], r["losses"]
+        assert abs(got[0] - ref[0]) / ref[0] <= FIRST_STEP, (rank, ref, got)
+
+
 def test_unsplit_the_shared_experts_still_run_inside_the_call() -> None:
     """``batch_overlap=False``: the blocks run unsplit, each MoE block as one in-layer mc2
     call per step with the shared expert inside it, equal to TorchTitan's model."""

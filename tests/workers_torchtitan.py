@@ -140,14 +140,21 @@ def relative_errors(ref: tuple, got: tuple) -> dict[str, float]:
 
 def equal_to_torchtitan(rank: int, world: int, dtype_name: str, options: dict,
                         mc2_backend: str, shared: bool, checkpoint: bool,
-                        gpt_oss: bool = False) -> dict:
+                        gpt_oss: bool = False, hooked: bool = False) -> dict:
     """TorchTitan's dispatcher and mc2's node, same weights and tokens: the relative errors,
-    the node type that ran and the parameter names of both (state-dict keys)."""
+    the node type that ran and the parameter names of both (state-dict keys). ``hooked``: a
+    forward hook on both nodes' experts modules, scaling what they return."""
     dtype = getattr(torch, dtype_name)
-    ref_moe = build(world, mc2=None, dtype=dtype, shared=shared, gpt_oss=gpt_oss)
+    def scaled(node: torch.nn.Module) -> torch.nn.Module:
+        if hooked:
+            node.routed_experts.inner_experts.register_forward_hook(
+                lambda module, args, out: out * 1.5)
+        return node
+
+    ref_moe = scaled(build(world, mc2=None, dtype=dtype, shared=shared, gpt_oss=gpt_oss))
     ref = _run(ref_moe, rank, dtype)
-    moe = build(world, mc2=options, backend=mc2_backend, dtype=dtype, shared=shared,
-                gpt_oss=gpt_oss)
+    moe = scaled(build(world, mc2=options, backend=mc2_backend, dtype=dtype, shared=shared,
+                       gpt_oss=gpt_oss))
     got = _run(moe, rank, dtype, checkpoint=checkpoint)
     experts = moe.routed_experts.inner_experts
     weight = experts.mlp1_weight_EGD if gpt_oss else experts.w1_EFD
@@ -219,16 +226,17 @@ def weights_passed_without_copy(rank: int, world: int) -> dict:
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:
-    """The ValueError messages this rank gets for a DeepEP/HybridEP dispatcher under the mc2
-    override, an option that is no MC2Config field and one MC2Config rejects."""
+    """The ValueError messages this rank gets for a DeepEP/HybridEP/TorchAO dispatcher under
+    the mc2 override, an option that is no MC2Config field and one MC2Config rejects."""
     from torchtitan.config import OverrideConfig, apply_overrides
     from torchtitan.models.common.token_dispatcher import (
-        DeepEPTokenDispatcher, HybridEPTokenDispatcher)
+        DeepEPTokenDispatcher, HybridEPTokenDispatcher, TorchAOTokenDispatcher)
 
     out: dict[str, str] = {}
     cases = {
         "deepep": (DeepEPTokenDispatcher.Config(num_experts=E, top_k=K), {}),
         "hybridep": (HybridEPTokenDispatcher.Config(num_experts=E, top_k=K), {}),
+        "torchao": (TorchAOTokenDispatcher.Config(num_experts=E, top_k=K, pad_multiple=16), {}),
         "unknown option": (None, {"micro_batch": 2}),
         "bad value": (None, {"micro_batches": 0}),
     }

@@ -424,7 +424,8 @@ def _chunked_loss() -> Any:
 
 def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
                              backend: str = "partial_dtensor", override: str = MC2,
-                             shared: bool = False, until_decided: bool = False) -> dict:
+                             shared: bool = False, until_decided: bool = False,
+                             hooked: str | None = None) -> dict:
     """TorchTitan's Qwen3 MoE and the same with mc2's ``override``, same weights and tokens,
     trained ``steps`` AdamW steps under FSDP + EP: losses per step, the nodes that ran,
     state-dict keys and the sharding of both; whether the weights were equal before and after
@@ -432,7 +433,9 @@ def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
     step (their token shapes, and whether the shared experts ran inside). ``until_decided``
     (batch overlap ``"auto"``): also what its decision showed after the steps, then the
     no-grad forwards it took to decide (whether each split, and its loss against
-    TorchTitan's), the forward after it decided, and the EP group it agreed on."""
+    TorchTitan's), the forward after it decided, and the EP group it agreed on. ``hooked``:
+    a forward hook scaling what it returns on that part of both models' last block (``"moe"``
+    or ``"moe.routed_experts"``)."""
     import mc2.integrations.torchtitan as node
 
     dims = parallel_dims(world, backend)
@@ -442,6 +445,10 @@ def train_against_torchtitan(rank: int, world: int, options: dict, steps: int,
     ref = parallelize(ref, dims, world, backend)
     got = parallelize(got, dims, world, backend)
     same_shards_init = same_shards(ref, got)
+    if hooked is not None:
+        for model in (ref, got):
+            part = model.layers[str(LAYERS - 1)].get_submodule(hooked)
+            part.register_forward_hook(lambda module, args, out: out * 1.5)
     ref_trainer, got_trainer = Trainer(ref, dims), Trainer(got, dims)
     ref_losses, losses, begun = [], [], []
     original = node.begin_split

@@ -56,7 +56,7 @@ from mc2.engine.autograd.recompute import SAVED_OPERATORS
 from mc2.engine.autograd.staged import StagedCall, begin_module, begin_split
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.config import MC2Config
-from mc2.integrations.weight_reads import hook_problem, read_problem
+from mc2.integrations.weight_reads import hook_problem, read_problem, user_hook_problem
 
 from torchtitan.config import derive, override
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -64,9 +64,17 @@ from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedF
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
-# TorchTitan's dispatchers that own the exchange themselves (NVSHMEM / RDMA buffers): mc2 and
-# they cannot both move the tokens of one node
-_REFUSED_DISPATCHERS = ("DeepEPTokenDispatcher", "HybridEPTokenDispatcher")
+# TorchTitan's dispatchers mc2 cannot stand in for: DeepEP and HybridEP own the exchange
+# themselves (NVSHMEM / RDMA buffers), and TorchAO's pads each expert's rows to what its
+# quantised grouped GEMMs need (16 for FP8, 32 for MXFP8), which mc2's call does not
+_REFUSED_DISPATCHERS = {
+    "DeepEPTokenDispatcher": "mc2 replaces the token exchange itself and cannot run beside "
+                             "DeepEP/HybridEP",
+    "HybridEPTokenDispatcher": "mc2 replaces the token exchange itself and cannot run beside "
+                               "DeepEP/HybridEP",
+    "TorchAOTokenDispatcher": "it pads each expert's rows for the quantised grouped GEMMs "
+                              "(Float8/MXFP8 experts), which mc2's call does not",
+}
 # the dtype TorchTitan's GroupedExperts computes its grouped GEMMs in
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -81,15 +89,14 @@ def mc2_config_of(options: dict[str, Any]) -> MC2Config:
 
 
 def _refuse_dispatcher(dispatcher_config: Any) -> None:
-    """``ValueError`` when the node's dispatcher is DeepEP/HybridEP (checked on every rank
-    from the same configuration, so every rank raises)."""
+    """``ValueError`` when the node's dispatcher is one of :data:`_REFUSED_DISPATCHERS`
+    (checked on every rank from the same configuration, so every rank raises)."""
     for klass in type(dispatcher_config).__mro__:  # "DeepEPTokenDispatcher.Config", subclasses
         name = klass.__qualname__.split(".")[0]
         if name in _REFUSED_DISPATCHERS:
             raise ValueError(
-                f"routed_experts.token_dispatcher is {name}: mc2 replaces the token exchange "
-                "itself and cannot run beside DeepEP/HybridEP; configure the All-to-All "
-                "dispatcher (or drop the mc2 override)")
+                f"routed_experts.token_dispatcher is {name}: {_REFUSED_DISPATCHERS[name]}; "
+                "configure the All-to-All dispatcher (or drop the mc2 override)")
 
 
 class MC2RoutedExperts(RoutedExperts):
@@ -216,10 +223,13 @@ def shared_views(shared: Any, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor],
 
 def _plain_grouped(experts: Any) -> bool:
     """TorchTitan's own ``GroupedExperts`` with its own grouped GEMM (a converter that swaps
-    ``_grouped_mm`` for a quantised one computes something mc2's SwiGLU does not)."""
+    ``_grouped_mm`` for a quantised one computes something mc2's SwiGLU does not), and no
+    forward hook of the user's (its weights are read, the module not called: a hooked one
+    runs as the experts stage, called)."""
     return (type(experts) is GroupedExperts
             and "_grouped_mm" not in vars(experts)
-            and type(experts)._grouped_mm is GroupedExperts._grouped_mm)
+            and type(experts)._grouped_mm is GroupedExperts._grouped_mm
+            and user_hook_problem(experts) is None)
 
 
 def _local(weight: Tensor) -> Tensor:

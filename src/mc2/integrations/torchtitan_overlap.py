@@ -59,6 +59,7 @@ from mc2.integrations.layer_loop import run_layer_loop, split_sizes
 from mc2.integrations.layer_recording import NOT_RECORDED, close_recording, record_layer_call
 from mc2.integrations.torchtitan import (
     MC2RoutedExperts, mc2_config_of, mc2_routed_experts, shared_views)
+from mc2.integrations.weight_reads import user_hook_problem
 from mc2.parallel.layer_gather import LayerGathers
 
 from torchtitan.config import derive, override
@@ -123,12 +124,34 @@ def titan_block_forward(block: nn.Module, h: Tensor, masks: Any,
     if not block.moe_enabled:
         return h + block.feed_forward(x)
     moe = block.moe
-    if not isinstance(moe.routed_experts, MC2RoutedExperts) or moe.routed_experts.ep_group is None:
-        return h + moe(x)
+    if not isinstance(moe.routed_experts, MC2RoutedExperts) or \
+            moe.routed_experts.ep_group is None or _moe_hook_problem(block) is not None:
+        return h + moe(x)  # called: its hooks, and its routed experts' hooks, run
     scores, ids, shared, scale = _routed(moe, x)
     out = moe.routed_experts.with_shared(x, scores, ids, shared, scale)
     beside = _beside(moe, x, shared)
     return h + (out if beside is None else out + beside)
+
+
+def _moe_hook_problem(block: nn.Module) -> str | None:
+    """Where a block's MoE module or its routed experts has a forward hook of the user's
+    (:func:`titan_layer_stages` and :func:`titan_block_forward` run their parts, not them),
+    what it has; else ``None``."""
+    if not block.moe_enabled:
+        return None
+    for where, module in (("moe", block.moe), ("moe.routed_experts", block.moe.routed_experts)):
+        if (problem := user_hook_problem(module)) is not None:
+            return f"{where}: {problem}"
+    return None
+
+
+def _hook_problem(blocks: list[nn.Module]) -> str | None:
+    """Why this forward runs unsplit because of a hook: a block's own (the stages call its
+    parts) or one :func:`_moe_hook_problem` finds; else ``None``."""
+    for index, block in enumerate(blocks):
+        if (problem := user_hook_problem(block) or _moe_hook_problem(block)) is not None:
+            return f"block {index}: {problem}, which batch overlap would not call"
+    return None
 
 
 def _routed(moe: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, tuple, Tensor | None]:
@@ -162,6 +185,7 @@ def _run_layers(x: Tensor, calls: list[tuple[Any, tuple[Any, Tensor | None]]]) -
     masks_split = _split_masks(masks, batch, split_sizes(batch)) if batch >= SPLITS else []
     if problem is None and isinstance(masks_split, str):
         problem = masks_split
+    problem = problem or _hook_problem([block for block, _ in calls])
 
     def plain() -> Tensor:  # TorchTitan's own loop
         h = x
