@@ -157,6 +157,21 @@ def test_pipeline_and_virtual_pipeline_stages_train_as_megatrons() -> None:
                 assert megatron == ours == [[]] * STEPS
 
 
+@pytest.mark.parametrize("kind", ["layer_spec", "block_spec"])
+def test_a_hook_on_an_moe_layer_runs_unsplit_and_one_on_a_layer_is_refused(kind: str) -> None:
+    """Batch overlap runs an MoE layer's parts, not the layer: a forward where it has a
+    forward hook (here scaling its output) runs unsplit, the layer called, equal to
+    Megatron's model with the same hook (before: split, the hook skipped). A decoder layer's
+    own hook would see the recorded stand-ins: refused on every rank, naming it."""
+    from tests.workers_megatron_overlap import hooked_parts
+
+    for rank, found in enumerate(mc2.run_local(hooked_parts, 2, args=(kind,), deadline_s=300)):
+        assert found["begun"] == [], (rank, found["begun"])
+        losses = found["losses"]
+        assert losses["mc2"] == pytest.approx(losses["megatron"], rel=TOLERANCE), (rank, losses)
+        assert "layer 0" in found["layer hook"] and "batch_overlap=False" in found["layer hook"]
+
+
 def test_batch_overlap_refuses_what_it_cannot_split_equal_on_every_rank() -> None:
     for rank, found in enumerate(mc2.run_local(refusals, 2, deadline_s=300)):
         for field in [*REFUSED, "batch_overlap"]:

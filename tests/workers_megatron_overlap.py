@@ -533,3 +533,29 @@ def megatrons_flag_through_the_patch(rank: int, world: int, kind: str) -> dict[s
     finally:
         megatron_patch.unpatch()
     return found
+
+
+def hooked_parts(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Megatron's model and the batch-overlap model (same weights), a no-grad forward each:
+    with a forward hook scaling the output of the last layer's MoE layer (``mlp``) on both,
+    their losses and the staged calls begun; with a hook on a decoder layer of the batch-
+    overlap model, what it raised."""
+    _, models = _both_models(world, kind, True)
+    ids, position, mask = _batches(rank)[0]
+    for model in models.values():
+        model.decoder.layers[-1].mlp.register_forward_hook(
+            lambda module, args, out: (out[0] * 1.5, *out[1:]))
+        model.eval()
+    begun, restore = _counted_begins()
+    with torch.no_grad():
+        losses = {name: float(m(ids, position, mask, labels=ids).mean())
+                  for name, m in models.items()}
+        found: dict[str, Any] = {"losses": losses, "begun": list(begun)}
+        models["mc2"].decoder.layers[0].register_forward_hook(lambda module, args, out: None)
+        try:
+            models["mc2"](ids, position, mask, labels=ids)
+            found["layer hook"] = "no error"
+        except ValueError as exc:
+            found["layer hook"] = str(exc)
+    restore()
+    return found

@@ -64,7 +64,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mc2.engine.decide.batch_split import MIN_TOKENS
-from mc2.integrations.megatron_overlap import MC2TransformerLayer
+from mc2.integrations.megatron_overlap import MC2TransformerLayer, is_param_gather_hook
 from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
@@ -311,14 +311,6 @@ def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         views["shared_scale"] = torch.sigmoid(torch.nn.functional.linear(x, mlp.gate_weight))
     return views
-
-
-def is_param_gather_hook(hook: Any) -> bool:
-    """Whether ``hook`` is the forward pre-hook of Megatron's ``DistributedDataParallel`` with
-    ``use_distributed_optimizer`` and ``overlap_param_gather``: it waits for the all-gather of
-    the module's own parameters (and dispatches the next bucket's)."""
-    return getattr(hook, "__qualname__", "").startswith(
-        "DistributedDataParallel._make_forward_pre_hook")
 
 
 def wait_param_gathers(module: Any) -> None:

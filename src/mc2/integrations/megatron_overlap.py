@@ -41,6 +41,7 @@ from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.layer_loop import run_layer_loop, split_value
+from mc2.integrations.weight_reads import framework_hook, hook_problem
 from mc2.integrations.layer_recording import (
     NOT_RECORDED, close_recording, record_layer_call)
 
@@ -136,8 +137,49 @@ def _run_block(decision: BatchOverlapDecision, x: Tensor,
         return layers
 
     # no gathers: layers sharded by FSDP2 are refused (MC2TransformerLayer.forward)
+    layers = [layer for layer, _ in calls]
+    _refuse_layer_hooks(layers)
     return run_layer_loop(decision, x, plain=plain, stages=stages, batch_dim=1,
-                          problem=_forward_problem(calls[0][1]))
+                          problem=_forward_problem(calls[0][1]) or _mlp_hook_problem(layers))
+
+
+def is_param_gather_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the forward pre-hook of Megatron's ``DistributedDataParallel`` with
+    ``use_distributed_optimizer`` and ``overlap_param_gather``: it waits for the all-gather of
+    the module's own parameters (and dispatches the next bucket's)."""
+    return getattr(hook, "__qualname__", "").startswith(
+        "DistributedDataParallel._make_forward_pre_hook")
+
+
+def _user_hook(module: Any) -> str | None:
+    """A forward hook of the user's on ``module``: not FSDP2's, Hugging Face's or Megatron
+    DDP's parameter gather (the staged call runs that one itself)."""
+    return hook_problem(module, lambda hook: framework_hook(hook) or is_param_gather_hook(hook))
+
+
+def _refuse_layer_hooks(layers: list[TransformerLayer]) -> None:
+    """``ValueError`` where a layer has a hook of the user's: batch overlap records the
+    layers' calls and runs the block's layers together at the last one, so a layer's own
+    hooks would see stand-ins for its input and output, split or not (every rank alike,
+    before any collective of this forward)."""
+    for index, layer in enumerate(layers):
+        if (problem := _user_hook(layer)) is not None:
+            raise ValueError(
+                f"use_mc2(batch_overlap=...): layer {index}: {problem}; batch overlap records "
+                "the layers' calls and runs them together, so its hooks would see stand-ins "
+                "for the layer's input and output: register it on a part of the layer, or use "
+                "batch_overlap=False")
+
+
+def _mlp_hook_problem(layers: list[TransformerLayer]) -> str | None:
+    """Why this forward runs unsplit because an MoE layer run in stages has a hook of the
+    user's (the stages call its parts, not it; unsplit, the layer calls it), or ``None``."""
+    for index, layer in enumerate(layers):
+        if getattr(layer.mlp, "begin_staged", None) is not None and \
+                (problem := _user_hook(layer.mlp)) is not None:
+            return (f"batch overlap is off for this forward: layer {index}'s mlp: {problem}, "
+                    "which the staged call would not call")
+    return None
 
 
 def _forward_problem(kwargs: dict[str, Any]) -> str | None:
