@@ -84,3 +84,27 @@ def test_enable_mc2_runs_blocks_it_does_not_compute_through_their_own_experts(
         for r in results:
             first, grad_local = r["experts"][name]
             close(grad_local, ref[name].grad[first:first + grad_local.shape[0]], name)
+
+
+def test_experts_that_hold_tensors_outside_their_parameters_are_not_split() -> None:
+    """Only parameters are split by expert over the ranks: an experts module holding a
+    buffer, or its weights as plain attributes (transformers' MXFP4 loading keeps them as
+    kernel tensors outside the parameters), would keep every expert's while its local
+    expert count shrinks, and local ids would run other experts' weights: not split."""
+    from mc2.integrations.module_stage import experts_problem
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 6))
+
+    assert experts_problem(Experts()) is None
+    buffered = Experts()
+    buffered.register_buffer("scales", torch.ones(4, 8))
+    loaded = Experts()
+    del loaded.gate_up_proj
+    loaded.gate_up_proj = torch.zeros(4, 8, 6)  # a plain attribute now, not a parameter
+    for module, named in ((buffered, "scales"), (loaded, "gate_up_proj")):
+        problem = experts_problem(module)
+        assert problem is not None and named in problem and "outside its parameters" in problem

@@ -173,7 +173,21 @@ def experts_problem(experts: nn.Module) -> str | None:
         return (f"{type(experts).__name__} holds tensors not indexed by expert "
                 f"({shared or 'in a submodule'}): they could not be split over the ranks"
                 + wrapped)
+    # only parameters are split by expert: a buffer, or weights kept as plain attributes
+    # (transformers' MXFP4 loading moves gate_up_proj/down_proj out of the parameters into
+    # kernel tensors), would stay whole while num_experts shrinks to the local count
+    unsplit = sorted(name for name, b in experts.named_buffers(recurse=False)) + sorted(
+        name for name, value in vars(experts).items()
+        if not name.startswith("_") and _tensor_like(value))
+    if unsplit:
+        return (f"{type(experts).__name__} holds tensors outside its parameters ({unsplit}): "
+                "mc2 splits only parameters over the ranks")
     return None
+
+
+def _tensor_like(value: Any) -> bool:
+    """A tensor, or a kernel library's tensor (a shape and a storage of its own)."""
+    return isinstance(value, Tensor) or (hasattr(value, "shape") and hasattr(value, "storage"))
 
 
 def shard_experts(experts: nn.Module, *, group: Any = None, mesh: Any = None,
