@@ -602,3 +602,21 @@ def test_the_callers_autocast_region_reaches_the_paired_forwards() -> None:
             assert partner.finish() == (True, torch.bfloat16, cache) == seen()
     partner.start(seen)
     assert partner.finish() == seen() and not seen()[0]
+
+
+def test_dropout_draws_as_in_the_sequential_loop_with_and_without_checkpoints() -> None:
+    """Dropout draws from the process's generator: the paired forwards draw in micro-batch
+    order, as the sequential loop's do, because a backward draws nothing outside its
+    checkpoints' recomputes, which set the generator to the forward's state and back without
+    giving way (a reentrant checkpoint's inner backward, which gives way, runs after it is
+    restored). With dropout before and after each MoE layer, plain and under both kinds of
+    checkpoint, the paired step's losses and gradients are the sequential loop's."""
+    from tests.workers_pairing import dropout_paired
+
+    for r in mc2.run_local(dropout_paired, 2, timeout_s=120):
+        for kind, runs in r.items():
+            (want_losses, want, _), (losses, got, paired) = runs[None], runs[True]
+            assert paired == 3, (kind, paired)  # every forward but the first beside a backward
+            assert losses == pytest.approx(want_losses, rel=1e-12), kind
+            assert all(_close(g, w, 1e-10) for g, w in zip(got, want, strict=True)), kind
+

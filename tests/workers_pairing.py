@@ -826,3 +826,48 @@ def hooks_carried(rank: int, world: int) -> dict[str, Any]:
                           "caller": packed[threading.current_thread().name],
                           "grads": [p.grad.clone() for p in model.parameters()]}
     return found
+
+
+def dropout_paired(rank: int, world: int) -> dict[str, Any]:
+    """The in-layer stack with dropout before and after each MoE layer (p = 0.3, training),
+    each layer plain, under a reentrant checkpoint and under a non-reentrant one (whose
+    recomputes set the generator to the forward's state and back): per kind, the sequential
+    loop's and the paired step's losses and gradients from one seed, and whether the step
+    paired (its forwards in the partner thread)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self, moe: torch.nn.Module, kind: str) -> None:
+            super().__init__()
+            self.moe, self.kind = moe, kind
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def body(x: torch.Tensor) -> torch.Tensor:
+                y = self.moe(torch.nn.functional.dropout(x, 0.3, True))
+                return torch.nn.functional.dropout(y, 0.3, True)
+            if self.kind == "plain":
+                return x + body(x)
+            return x + checkpoint(body, x, use_reentrant=self.kind == "reentrant")
+
+    batches = _micro_batches(rank)
+    threads: list[str] = []
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return model(x.clone().requires_grad_()).pow(2).mean()
+
+    found: dict[str, Any] = {}
+    for kind in ("plain", "reentrant", "non-reentrant"):
+        runs = {}
+        for overlap in (None, True):
+            model = torch.nn.Sequential(*(Block(m, kind) for m in _in_layer_stack()))
+            threads.clear()
+            torch.manual_seed(1234)
+            losses = _sequential(model, batches, loss_fn) if overlap is None else \
+                mc2.forward_backward(model, batches, loss_fn, overlap=True)
+            runs[overlap] = ([float(x) for x in losses], [p.grad.clone() for p in model.parameters()],
+                             threads.count("mc2-paired-forward"))
+        found[kind] = runs
+    return found
