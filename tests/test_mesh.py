@@ -101,3 +101,24 @@ def test_gradient_sync_accumulates_under_no_sync_and_refuses_a_second_backward()
         for name, grad in r["after"].items():
             torch.testing.assert_close(r["overlapped"][name], grad, rtol=1e-5, atol=1e-7)
         assert r["error"] is not None and "no_sync" in r["error"]
+
+
+def test_norms_and_gradient_sync_on_the_layouts_without_a_mesh_and_with_frozen_experts() -> None:
+    """``clip_grad_norm_`` of layers on the default group sums every rank's experts (it
+    counted each rank's own: a different norm and scale per rank, replicated parameters then
+    drifting apart); frozen experts get no gradient from ``average_gradients`` (before: zeros,
+    which weight decay then moved) and ``GradientSync`` builds (before: a hook on a tensor
+    that needs no gradient); layers on EP groups smaller than the world without a mesh are
+    refused by the gradient sync, naming ``mesh=`` (before: experts divided by the world,
+    never summed over the replicas that hold them)."""
+    from tests.workers_mesh import layer_sync_edges
+
+    results = mc2.run_local(layer_sync_edges, 2)
+    for rank, found in enumerate(results):
+        got, want = found["norm"]
+        assert got == pytest.approx(want, rel=1e-12), (rank, got, want)
+        assert got == pytest.approx(results[0]["norm"][0], rel=1e-12)
+        assert found["frozen grads"] and all(g is None for g in found["frozen grads"])
+        assert found["frozen sync"] == "built", found["frozen sync"]
+        assert "mesh=" in found["subgroup"] and "1 ranks in a world of 2" in found["subgroup"]
+

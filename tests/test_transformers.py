@@ -289,3 +289,22 @@ def test_batch_overlap_runs_a_forward_unsplit_where_a_layer_part_has_a_hook() ->
         close(logits, _logits(want, ids), torch.float64, f"logits, a hook on the {where}")
     assert got.model.layers.decision.chosen is True  # overlap was on: only that forward ran whole
 
+
+def test_wrapped_experts_are_refused_by_the_expert_parallel_tools() -> None:
+    """An adapter wrapping a block's experts after ``enable_mc2`` (PEFT's
+    ``target_parameters`` puts a ``ParamWrapper`` there): its factors belong to this rank's
+    experts, so gradient sync, clipping, checkpoints and ``fully_shard`` refuse them with a
+    ``ValueError`` naming the wrapper (before: a bare ``AttributeError``)."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+    state, _, _, _, _ = reference("Mixtral", torch.float64)
+    model = build("Mixtral", CONFIGS["Mixtral"], state, torch.float64)
+    enable_mc2(model)
+    block = model.model.layers[0].mlp
+    block.experts = Wrapper(block.experts)
+    with pytest.raises(ValueError, match="wrapped in Wrapper"):
+        mc2.clip_grad_norm_(model, 1.0)
+

@@ -179,3 +179,54 @@ def accumulate_with_no_sync(rank: int, world: int, data: torch.Tensor) -> dict[s
         error = str(exc)
     again.wait()  # the buckets that did go out still pair up on every rank
     return {"overlapped": overlapped, "after": after, "error": error}
+
+
+def layer_sync_edges(rank: int, world: int) -> dict[str, Any]:
+    """Three layouts :func:`mc2.average_gradients` and :func:`mc2.clip_grad_norm_` used to get
+    wrong: ``MoELayer`` on the default group (the global norm against one computed from every
+    rank's gradients), frozen experts on an EP size of 1 (their gradients after
+    ``average_gradients``; whether ``GradientSync`` builds), and layers on EP groups of one
+    rank without a mesh (what ``average_gradients`` raised)."""
+    import torch.distributed as dist
+
+    import mc2
+
+    found: dict[str, Any] = {}
+    torch.manual_seed(0)
+    layer = mc2.MoELayer(8, 12, 4, topk=2, dtype=torch.float64)
+    experts = {id(s.param) for s in mc2.parallel.expert_shards.expert_shards(layer)}
+    for index, p in enumerate(layer.parameters()):  # replicated ones equal, as after a sync
+        p.grad = torch.full_like(p, float(1 + index + (rank if id(p) in experts else 0)))
+    squares = torch.zeros((), dtype=torch.float64)
+    for p in layer.parameters():
+        if id(p) in experts:
+            squares += p.grad.pow(2).sum()
+    dist.all_reduce(squares)  # every rank's experts once
+    dense = sum(p.grad.pow(2).sum() for p in layer.parameters() if id(p) not in experts)
+    found["norm"] = (float(mc2.clip_grad_norm_(layer, 1e9)), float((squares + dense).sqrt()))
+
+    frozen = mc2.MoELayer(8, 12, 4, topk=2, dtype=torch.float64,
+                          mesh=mc2.expert_parallel_mesh(1))
+    for p in frozen.parameters():
+        if id(p) in {id(s.param) for s in mc2.parallel.expert_shards.expert_shards(frozen)}:
+            p.requires_grad_(False)
+    out = frozen(torch.randn(6, 8, dtype=torch.float64))
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    mc2.average_gradients(frozen)
+    found["frozen grads"] = [p.grad for p in frozen.parameters() if not p.requires_grad]
+    try:
+        mc2.GradientSync(frozen, mesh=mc2.expert_parallel_mesh(1), bucket_mb=0.01)
+        found["frozen sync"] = "built"
+    except Exception as exc:  # noqa: BLE001 - what it raised is the finding
+        found["frozen sync"] = f"{type(exc).__name__}: {exc}"
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    alone = mc2.MoELayer(8, 12, 4, topk=2, dtype=torch.float64, group=groups[rank])
+    out = alone(torch.randn(6, 8, dtype=torch.float64))
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    try:
+        mc2.average_gradients(alone)
+        found["subgroup"] = "no error"
+    except ValueError as exc:
+        found["subgroup"] = str(exc)
+    return found

@@ -156,7 +156,20 @@ class MC2SparseMoeBlock(nn.Module):
         return self.experts.expert_index
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`)."""
+        """This rank's expert shards (see :mod:`mc2.parallel.expert_shards`).
+
+        Raises:
+            ValueError: the experts are wrapped (an adapter on their tensors, PEFT's
+                ``target_parameters``): its factors belong to this rank's experts only, so
+                mc2's gradient sync, clipping, checkpoints and ``fully_shard``, which would
+                take them for replicated parameters, refuse them (every rank alike)."""
+        if not isinstance(self.experts, LocalExperts):
+            raise ValueError(
+                f"{self.source}: the experts are wrapped in {type(self.experts).__name__} (an "
+                "adapter on their tensors?): its factors belong to this rank's experts, and "
+                "mc2's gradient sync, clipping, checkpoints and fully_shard would take them "
+                "for replicated parameters; sync the adapter's gradients over the ranks that "
+                "hold the same experts yourself, or adapt the shared layers instead")
         return {"experts.gate_up_proj": self.experts.gate_up_proj,
                 "experts.down_proj": self.experts.down_proj}
 

@@ -167,7 +167,9 @@ def _norm_and_grads(model: nn.Module, norm_type: float) -> tuple[Tensor, list[Te
         role, group = _role(p, id(p) in shards)
         wanted = [group] if group is not None else []
         if id(p) in shards:  # each EP rank holds other experts: summed over the EP group too
-            wanted.append(shards[id(p)].layout.ep_group)
+            ep_group = shards[id(p)].layout.ep_group  # None: the default group, every rank
+            wanted.append(ep_group if ep_group is not None or not dist.is_initialized()
+                          else dist.group.WORLD)
         if not groups[role]:
             groups[role] = wanted
         elif [id(g) for g in groups[role]] != [id(g) for g in wanted]:
@@ -180,7 +182,8 @@ def _norm_and_grads(model: nn.Module, norm_type: float) -> tuple[Tensor, list[Te
         local_grads.append(local)
         if local.numel() == 0:
             continue  # an empty FSDP chunk (fewer rows than ranks)
-        value = torch.linalg.vector_norm(local.float(), norm_type)
+        value = torch.linalg.vector_norm(  # float32 at least, float64 kept
+            local if local.dtype == torch.float64 else local.float(), norm_type)
         sums[role] = torch.maximum(sums[role], value) if inf else sums[role] + value ** norm_type
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = torch.zeros((), device=device)

@@ -59,6 +59,14 @@ def sync_classes(model: nn.Module, group: Any = None, *, mesh: Any = None) -> li
     shards = expert_shards(model)
     classes: dict[int, SyncClass] = {}
     for shard in shards:
+        if not shard.param.requires_grad:  # frozen: no gradient to sync, none to write
+            continue
+        if shard.layout.dp_group is None and shard.layout.ep_size != world:
+            raise ValueError(
+                f"mc2 gradient sync: experts built on an expert-parallel group of "
+                f"{shard.layout.ep_size} ranks in a world of {world}, without a mesh: the "
+                "ranks that hold the same experts are not known, so their gradients could not "
+                "be averaged; build the layers with mesh=mc2.expert_parallel_mesh(ep_size)")
         dp = shard.layout.dp_group
         cls = classes.setdefault(id(dp), SyncClass([], dp, world, summed=dp is not None))
         cls.params.append(shard.param)
