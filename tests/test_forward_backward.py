@@ -125,6 +125,7 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
     for r in mc2.run_local(refusals, 2, timeout_s=60):
         assert "nothing can be paired" in r["no mc2 call"], r
         assert "DistributedDataParallel" in r["DDP"], r
+        assert "replicate()" in r["replicate"], r  # DDP kept on a state, not a module
         assert "scalar" in r["not a scalar"], r
         # its calls ran, as the operator in a compiled graph: said so, not "the model made
         # no mc2 call"

@@ -172,3 +172,18 @@ def test_node_limited_routing_on_two_ranks_with_dedup() -> None:
         assert all(len(set((row // 4).tolist())) == 1 for row in r["ids"])
         torch.testing.assert_close(r["out"], out.detach().chunk(2)[rank], rtol=0, atol=1e-12)
         torch.testing.assert_close(r["grad"], x.grad.chunk(2)[rank], rtol=0, atol=1e-12)
+
+
+def test_the_experts_are_the_same_at_every_ep_size_and_differ_from_each_other() -> None:
+    """Every rank runs with one seed (the replicated parameters need it): each expert is
+    drawn from a generator of its own, by its global index, so a layer built over 2 ranks
+    holds the experts of the one built whole, and no two experts start equal (before: the
+    experts of rank 1 were rank 0's)."""
+    from tests.workers_mesh import experts_by_layout
+
+    for found in mc2.run_local(experts_by_layout, 2):
+        assert torch.equal(found["spread"], found["whole"])
+        experts = found["whole"]
+        assert all(not torch.equal(experts[a], experts[b])
+                   for a in range(len(experts)) for b in range(a))
+

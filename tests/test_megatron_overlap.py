@@ -283,3 +283,23 @@ def test_the_paired_schedule_refuses_megatrons_fsdp_wrappers(wrapper: str) -> No
             forward_step_func=None, data_iterator=iter(()), model=[sharded],
             num_microbatches=2, seq_length=4, micro_batch_size=1)
     assert megatron_schedule.unpaired_sharding(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_paired_schedule_refuses_fine_grained_activation_offloading() -> None:
+    """Megatron's fine-grained activation offloading keeps its chunks in forward order, each
+    forward's followed by its own backward: ``forward_backward_paired`` refuses it, naming the
+    field (before: paired, the offload manager's chunks mixed and never reset)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mc2.integrations import megatron_schedule
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(overlap_moe_expert_parallel_comm=False,
+                                   hybrid_context_parallel=False,
+                                   fine_grained_activation_offloading=True)
+    with pytest.raises(ValueError, match="fine_grained_activation_offloading=True"):
+        megatron_schedule.forward_backward_paired(
+            forward_step_func=None, data_iterator=iter(()), model=[model],
+            num_microbatches=2, seq_length=4, micro_batch_size=1)

@@ -230,3 +230,19 @@ def layer_sync_edges(rank: int, world: int) -> dict[str, Any]:
     except ValueError as exc:
         found["subgroup"] = str(exc)
     return found
+
+
+def experts_by_layout(rank: int, world: int) -> dict[str, Any]:
+    """``MoELayer`` built from one seed on an EP group of the world and on an EP size of 1
+    (every rank all experts): every expert of the first, gathered, and the second's."""
+    import torch.distributed as dist
+
+    import mc2
+
+    torch.manual_seed(3)
+    spread = mc2.MoELayer(8, 12, 4, topk=2, dtype=torch.float64)
+    torch.manual_seed(3)
+    whole = mc2.MoELayer(8, 12, 4, topk=2, dtype=torch.float64, mesh=mc2.expert_parallel_mesh(1))
+    gathered = [torch.empty_like(spread.w_gate_up) for _ in range(world)]
+    dist.all_gather(gathered, spread.w_gate_up.detach().contiguous())
+    return {"spread": torch.cat(gathered), "whole": whole.w_gate_up.detach().clone()}

@@ -378,11 +378,15 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
+    from torch.distributed._composable import replicate
+
     ddp = torch.nn.parallel.DistributedDataParallel(_in_layer_stack())
+    replicated = replicate(_in_layer_stack())
     compiled = torch.compile(_in_layer_stack(), backend="aot_eager")
     for name, model, loss_fn in (
             ("no mc2 call", plain, lambda m, b: m(b).pow(2).mean()),
             ("DDP", ddp, lambda m, b: m(b).pow(2).mean()),
+            ("replicate", replicated, lambda m, b: m(b).pow(2).mean()),
             ("compiled", compiled, lambda m, b: m(b).pow(2).mean()),
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:

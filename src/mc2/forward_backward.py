@@ -96,12 +96,18 @@ def _unpairable(model: nn.Module) -> str | None:
         return why
     if (why := model.__dict__.get(_UNPAIRABLE)) is not None:  # seen in an earlier step
         return why
+    from torch.distributed._composable import replicate
+
     for kind, name in ((FullyShardedDataParallel, "FSDP (FullyShardedDataParallel)"),
                        (DistributedDataParallel, "DistributedDataParallel")):
         if any(isinstance(m, kind) for m in model.modules()):
             return (f"the model is wrapped by {name}, whose hooks prepare each backward in "
                     "the forward before it: the paired forward would run inside the other's "
                     "backward")
+    if any(replicate.state(m) is not None for m in model.modules()):  # DDP kept on a state
+        return ("the model is under torch's composable replicate() (DistributedDataParallel "
+                "in its hooks), which prepares each backward in the forward before it: the "
+                "paired forward would run inside the other's backward")
     return None
 
 

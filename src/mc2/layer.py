@@ -180,7 +180,21 @@ class MoELayer(nn.Module):
         return self.experts.w_down
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for p in (self.w_gate_up, self.w_down, *(self.shared or [])):
+        """``N(0, std)`` everywhere. Expert ``e`` (global index) is drawn from a generator of
+        its own, seeded from one draw of the global generator plus ``e``: every rank runs with
+        the same seed (the replicated parameters need it), and without this the experts of
+        different ranks would start equal, and a layer built at one EP size would not be the
+        one built at another from the same seed."""
+        seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))  # a meta build too
+        first = self.layout.experts_of_this_rank(self.num_experts).start
+        for p in (self.w_gate_up, self.w_down):
+            if p.is_meta:  # nothing to draw into before to_empty
+                continue
+            for i in range(p.shape[0]):
+                generator = torch.Generator(device=p.device).manual_seed(seed + first + i)
+                with torch.no_grad():
+                    p[i].normal_(0.0, std, generator=generator)
+        for p in self.shared or []:
             nn.init.normal_(p, std=std)
 
     def mc2_expert_parameters(self) -> dict[str, nn.Parameter]:

@@ -99,6 +99,17 @@ def unpaired_sharding(model: torch.nn.Module) -> str | None:
     return None
 
 
+def unpaired_config(config: Any) -> str | None:
+    """Why ``config`` keeps this schedule from pairing, or ``None``: Megatron's fine-grained
+    activation offloading keeps its chunks in forward order, each forward's followed by its
+    own backward, which a paired step does not keep."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        return ("fine_grained_activation_offloading=True: its offload manager takes each "
+                "micro-batch's forward to be followed by that micro-batch's backward, and a "
+                "paired step runs the next forward first")
+    return None
+
+
 def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
     model, data_iterator = kwargs["model"], kwargs["data_iterator"]
     if isinstance(model, list):
@@ -112,12 +123,14 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
     if kwargs.get("forward_only") or getattr(config, "hybrid_context_parallel", False) or (
             count < 2 and not config.overlap_moe_expert_parallel_comm):
         return megatrons(**kwargs)
-    if overlap is not False and (why := unpaired_sharding(model)) is not None:
+    if overlap is not False and (why := unpaired_sharding(model) or unpaired_config(config)):
         if overlap is True:  # every rank alike: every rank runs the same model
             raise ValueError(f"forward_backward_paired: {why}; use Megatron's "
                              "forward_backward_no_pipelining")
         say_once(why, "pairing one micro-batch's forward with another's backward")
         overlap = False
+    if config.timers is not None:  # as Megatron's loop times its step
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     pg_collection = kwargs.get("pg_collection")
     cp_size = pg_collection.cp.size() if pg_collection is not None else \
         parallel_state.get_context_parallel_world_size()
@@ -158,4 +171,8 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
         config.finalize_model_grads_func(
             [model], tokens[0] if config.calculate_per_token_loss else None,
             pg_collection=pg_collection, force_all_reduce=kwargs.get("force_all_reduce", False))
+    if getattr(config, "fine_grained_activation_offloading", False):  # as Megatron's loop
+        schedules.off_interface.reset()
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
     return store
