@@ -54,7 +54,7 @@ from mc2.integrations import split_cache
 from mc2.integrations.layer_loop import run_layer_loop, split_value
 from mc2.integrations.layer_recording import NOT_RECORDED, record_layer_call
 from mc2.integrations.split_records import SplitRecords
-from mc2.integrations.weight_reads import user_hook_problem
+from mc2.integrations.weight_reads import first_user_hook
 
 __all__ = ["BatchOverlapStack", "BatchOverlapWarning", "MIN_TOKENS", "OverlappedLayers",
            "hf_layer_stages", "stage_problem"]
@@ -151,12 +151,12 @@ def _hook_problem(layers: list[nn.Module]) -> str | None:
     not run, and that forward runs unsplit; else ``None``."""
     for index, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
-        staged = getattr(mlp, "begin_staged", None) is not None
-        parts = (("", layer),) + ((".mlp", mlp), (".mlp.experts", getattr(mlp, "experts", None))
-                                  if staged else ())
-        for where, module in parts:
-            if (problem := user_hook_problem(module)) is not None:
-                return f"layer {index}{where}: {problem}, which batch overlap would not call"
+        parts = [(f"layer {index}", layer)]
+        if getattr(mlp, "begin_staged", None) is not None:
+            parts += [(f"layer {index}.mlp", mlp),
+                      (f"layer {index}.mlp.experts", getattr(mlp, "experts", None))]
+        if (problem := first_user_hook(parts)) is not None:
+            return f"{problem}, which batch overlap would not call"
     return None
 
 

@@ -41,7 +41,7 @@ from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.decide.batch_split import MIN_TOKENS, BatchOverlapDecision
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.layer_loop import run_layer_loop, split_value
-from mc2.integrations.weight_reads import framework_hook, hook_problem
+from mc2.integrations.weight_reads import first_user_hook
 from mc2.integrations.layer_recording import (
     NOT_RECORDED, close_recording, record_layer_call)
 
@@ -151,34 +151,28 @@ def is_param_gather_hook(hook: Any) -> bool:
         "DistributedDataParallel._make_forward_pre_hook")
 
 
-def _user_hook(module: Any) -> str | None:
-    """A forward hook of the user's on ``module``: not FSDP2's, Hugging Face's or Megatron
-    DDP's parameter gather (the staged call runs that one itself)."""
-    return hook_problem(module, lambda hook: framework_hook(hook) or is_param_gather_hook(hook))
-
-
 def _refuse_layer_hooks(layers: list[TransformerLayer]) -> None:
     """``ValueError`` where a layer has a hook of the user's: batch overlap records the
     layers' calls and runs the block's layers together at the last one, so a layer's own
     hooks would see stand-ins for its input and output, split or not (every rank alike,
     before any collective of this forward)."""
-    for index, layer in enumerate(layers):
-        if (problem := _user_hook(layer)) is not None:
-            raise ValueError(
-                f"use_mc2(batch_overlap=...): layer {index}: {problem}; batch overlap records "
-                "the layers' calls and runs them together, so its hooks would see stand-ins "
-                "for the layer's input and output: register it on a part of the layer, or use "
-                "batch_overlap=False")
+    # Megatron DDP's parameter gather is no hook of the user's: the staged call runs it itself
+    named = ((f"layer {index}", layer) for index, layer in enumerate(layers))
+    if (problem := first_user_hook(named, is_param_gather_hook)) is not None:
+        raise ValueError(
+            f"use_mc2(batch_overlap=...): {problem}; batch overlap records the layers' calls "
+            "and runs them together, so its hooks would see stand-ins for the layer's input "
+            "and output: register it on a part of the layer, or use batch_overlap=False")
 
 
 def _mlp_hook_problem(layers: list[TransformerLayer]) -> str | None:
     """Why this forward runs unsplit because an MoE layer run in stages has a hook of the
     user's (the stages call its parts, not it; unsplit, the layer calls it), or ``None``."""
-    for index, layer in enumerate(layers):
-        if getattr(layer.mlp, "begin_staged", None) is not None and \
-                (problem := _user_hook(layer.mlp)) is not None:
-            return (f"batch overlap is off for this forward: layer {index}'s mlp: {problem}, "
-                    "which the staged call would not call")
+    staged = ((f"layer {index}'s mlp", layer.mlp) for index, layer in enumerate(layers)
+              if getattr(layer.mlp, "begin_staged", None) is not None)
+    if (problem := first_user_hook(staged, is_param_gather_hook)) is not None:
+        return (f"batch overlap is off for this forward: {problem}, which the staged call "
+                "would not call")
     return None
 
 

@@ -59,7 +59,7 @@ from mc2.integrations.layer_loop import run_layer_loop, split_sizes
 from mc2.integrations.layer_recording import NOT_RECORDED, close_recording, record_layer_call
 from mc2.integrations.torchtitan import (
     MC2RoutedExperts, mc2_config_of, mc2_routed_experts, shared_views)
-from mc2.integrations.weight_reads import user_hook_problem
+from mc2.integrations.weight_reads import first_user_hook, user_hook_problem
 from mc2.parallel.layer_gather import LayerGathers
 
 from torchtitan.config import derive, override
@@ -139,10 +139,7 @@ def _moe_hook_problem(block: nn.Module) -> str | None:
     what it has; else ``None``."""
     if not block.moe_enabled:
         return None
-    for where, module in (("moe", block.moe), ("moe.routed_experts", block.moe.routed_experts)):
-        if (problem := user_hook_problem(module)) is not None:
-            return f"{where}: {problem}"
-    return None
+    return first_user_hook((("moe", block.moe), ("moe.routed_experts", block.moe.routed_experts)))
 
 
 def _hook_problem(blocks: list[nn.Module]) -> str | None:

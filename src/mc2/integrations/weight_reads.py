@@ -74,9 +74,23 @@ def framework_hook(hook: Any) -> bool:
         getattr(hook, "__qualname__", "").endswith("output_capturing_hook")
 
 
-def user_hook_problem(module: Any) -> str | None:
-    """:func:`hook_problem` of ``module`` without :func:`framework_hook`'s."""
-    return hook_problem(module, framework_hook) if isinstance(module, nn.Module) else None
+def user_hook_problem(module: Any, also: Callable[[Any], bool] | None = None) -> str | None:
+    """:func:`hook_problem` of ``module`` without :func:`framework_hook`'s (nor ``also``'s:
+    hooks a framework's caller runs itself)."""
+    if not isinstance(module, nn.Module):
+        return None
+    return hook_problem(module, framework_hook if also is None
+                        else lambda hook: framework_hook(hook) or also(hook))
+
+
+def first_user_hook(modules: Iterable[tuple[str, Any]],
+                    also: Callable[[Any], bool] | None = None) -> str | None:
+    """The first ``name: problem`` of :func:`user_hook_problem` over ``(name, module)`` pairs,
+    as :func:`first_problem` is for reads."""
+    for name, module in modules:
+        if (problem := user_hook_problem(module, also)) is not None:
+            return f"{name}: {problem}"
+    return None
 
 
 def hook_problem(module: Any, ignore: Callable[[Any], bool] | None = None) -> str | None:

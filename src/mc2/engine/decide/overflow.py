@@ -180,9 +180,10 @@ def _check(group: Any, reader: Any) -> None:
             continue
         if device.type != "cpu":  # a graph's replays add on whatever stream replayed it
             torch.accelerator.synchronize(device)
-        found = reader(counter.ordered())
+        counts = counter.ordered()
+        found = reader(counts)
         if any(found):
-            counter.ordered().zero_()
+            counts.zero_()
             totals = [a + b for a, b in zip(totals, found)]
             capacity = counter.capacity
     if any(totals):
