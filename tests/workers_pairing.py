@@ -98,12 +98,13 @@ class _Residual(torch.nn.Sequential):
         return x
 
 
-def _in_layer_stack(seed: int = 0) -> torch.nn.Module:
+def _in_layer_stack(seed: int = 0, dtype: torch.dtype = torch.float64,
+                    **config: Any) -> torch.nn.Module:
     """Three ``mc2.MoELayer``s one after the other (residual: :class:`_Residual`): each
     calls mc2 inside its forward, no layer loop of mc2's (the paired schedule pairs their
     eager calls)."""
     torch.manual_seed(seed)
-    return _Residual(*(mc2.MoELayer(16, 24, 4, topk=2, dtype=torch.float64)
+    return _Residual(*(mc2.MoELayer(16, 24, 4, topk=2, dtype=dtype, **config)
                        for _ in range(3)))
 
 
@@ -159,9 +160,9 @@ class _EarlyExit(torch.nn.Module):
     calls than the backward it is paired with ends inside that backward (where FSDP2 takes
     it for a recompute and registers no backward hook for it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float64, **config: Any) -> None:
         super().__init__()
-        self.layers = _in_layer_stack()
+        self.layers = _in_layer_stack(0, dtype, **config)
 
     def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
         for layer in self.layers[:depth]:
@@ -191,19 +192,24 @@ def _depth_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, int]) -> torc
 
 def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     """:func:`in_layer_paired` for the stack sharded by FSDP2 over the world: ``units``
-    ``"layers"`` (each layer a unit, the stack the root), ``"root"`` (one unit) or ``"tied"``
+    ``"layers"`` (each layer a unit, the stack the root), ``"root"`` (one unit), ``"tied"``
     (each layer a unit, and a tied input projection and output head one unit of the two
-    modules, :class:`_TiedEarlyExit`). The last
+    modules, :class:`_TiedEarlyExit`) or ``"mixed"`` (``"layers"`` in float32 under FSDP2's
+    bf16 parameters and float32 reduction; two splits per call, as the paired calls of
+    ``micro_batches="auto"`` take, so that both schedules split alike). The last
     micro-batch runs one layer where the others run three, so its forward ends inside the
     backward before it: under ``"root"`` it registers no FSDP2 hook at all. Each rank's
     local shard of every gradient after the sequential loop and after
     ``forward_backward(overlap=True)``; whether FSDP2 left every unit sharded after the
     step, as its own loop does."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    batches = [(x, 1 if i == MICRO_BATCHES - 1 else 3)
+    mixed = units == "mixed"
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else \
+        MixedPrecisionPolicy()
+    batches = [(x.float() if mixed else x, 1 if i == MICRO_BATCHES - 1 else 3)
                for i, x in enumerate(_micro_batches(rank))]
     found: dict[str, Any] = {}
     gathers = [0]
@@ -216,22 +222,23 @@ def fsdp2_paired(rank: int, world: int, units: str) -> dict[str, Any]:
     _fsdp_param_group.foreach_all_gather = counted
     try:
         for overlap in (None, True):
-            model = _TiedEarlyExit() if units == "tied" else _EarlyExit()
+            model = _TiedEarlyExit() if units == "tied" else \
+                _EarlyExit(torch.float32, micro_batches=2) if mixed else _EarlyExit()
             for layer in model.layers if units != "root" else ():
-                fully_shard(layer)
+                fully_shard(layer, mp_policy=policy)
             if units == "tied":
                 fully_shard([model.embed, model.head])
-            fully_shard(model)
+            fully_shard(model, mp_policy=policy)
             gathers[0] = 0
             if overlap is None:
-                _sequential(model, batches, _depth_loss)
+                losses = _sequential(model, batches, _depth_loss)
                 under = 0
             else:
-                _, under = _recorded(model, batches, _depth_loss, overlap)
+                losses, under = _recorded(model, batches, _depth_loss, overlap)
             found[overlap] = {  # a parameter left gathered holds its gradient whole
                 "grads": [getattr(p.grad, "to_local", p.grad.detach)().clone()
                           for p in model.parameters()],
-                "under_backward": under, "gathers": gathers[0],
+                "losses": losses, "under_backward": under, "gathers": gathers[0],
                 "groups": len({id(g) for m in model.modules() if hasattr(m, "_get_fsdp_state")
                                for g in m._get_fsdp_state()._fsdp_param_groups}),
                 "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
