@@ -228,14 +228,20 @@ def test_the_paired_schedule_equals_megatrons_no_pipelining_schedule(world: int,
     """``forward_backward_paired`` (Megatron's ``forward_backward_no_pipelining`` signature,
     one micro-batch's forward beside another's backward) on the batch-overlap model against
     Megatron's own schedule on Megatron's model, same weights, under Megatron's DDP with its
-    no_sync: every micro-batch's loss over 4 Adam steps of 3 micro-batches, 1e-5; a model
-    with nothing to pair is refused on every rank."""
+    no_sync: every micro-batch's loss over 4 Adam steps of 3 micro-batches, 1e-5, and
+    Megatron's timers started and stopped as its own schedule does; a model with nothing to
+    pair is refused on every rank."""
     from tests.workers_megatron_overlap import schedule_against_megatrons
 
     for found in mc2.run_local(schedule_against_megatrons, world, args=(kind,),
                                deadline_s=600):
         assert_the_same_losses(found, 12)
         assert "made no mc2 call" in (found["refused"] or ""), found["refused"]
+        # Megatron's timers as its own schedule runs them: the step's forward-backward, each
+        # micro-batch's forward and backward compute
+        timed = found["timers"]
+        assert timed["mc2"] == timed["megatron"] and timed["mc2"]["forward-backward start"] \
+            == timed["mc2"]["forward-backward stop"] == 4, timed
 
 
 @pytest.mark.parametrize("world,kind", [(2, "layer_spec"), (4, "block_spec")])

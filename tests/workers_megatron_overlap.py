@@ -410,12 +410,12 @@ def _forward_step(position: torch.Tensor, mask: torch.Tensor) -> Any:
     return forward_step
 
 
-def _trained_by(schedule: Any, config: Any, model: Any, steps: list, forward_step: Any
-                ) -> list[list[float]]:
+def _trained_by(schedule: Any, config: Any, model: Any, steps: list, forward_step: Any,
+                timed: dict[str, int] | None = None) -> list[list[float]]:
     """``model`` under Megatron's DDP with its ``no_sync`` and a grad-sync finalize, trained
     by ``schedule`` (Megatron's ``forward_backward_func`` signature): an Adam step per entry of
     ``steps`` (its micro-batches); the losses Megatron's ``forward_data_store`` holds, per
-    step."""
+    step. ``timed``: filled with how often each of Megatron's timers started and stopped."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
@@ -426,6 +426,7 @@ def _trained_by(schedule: Any, config: Any, model: Any, steps: list, forward_ste
             c.finish_grad_sync() for c in chunks]
     optimizer = torch.optim.Adam(list(ddp.parameters()), lr=1e-2)
     losses = []
+    config.timers = _Timers()
     for batches in steps:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -436,15 +437,37 @@ def _trained_by(schedule: Any, config: Any, model: Any, steps: list, forward_ste
             p.grad = p.main_grad
         optimizer.step()
         losses.append([float(s["lm loss"]) for s in store])
+    if timed is not None:
+        timed.update(config.timers.calls)
+    config.timers = None
     return losses
+
+
+class _Timers:
+    """Megatron's ``config.timers`` as a schedule calls it (``timers(name, log_level=)``, then
+    ``start(barrier=)``/``stop(barrier=)``): how often each timer started and stopped."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        def count(what: str) -> Any:
+            def call(barrier: bool = False) -> None:
+                key = f"{name} {what}"
+                self.calls[key] = self.calls.get(key, 0) + 1
+            return call
+
+        return SimpleNamespace(start=count("start"), stop=count("stop"))
 
 
 def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, Any]:
     """Megatron's ``forward_backward_no_pipelining`` on Megatron's model against
     ``forward_backward_paired`` on the batch-overlap model (same weights), each under
     Megatron's DDP (:func:`_trained_by`): ``STEPS`` Adam steps of 3 micro-batches; the losses
-    per step. Also what the paired function raises on Megatron's own model (nothing to
-    pair)."""
+    per step, and how often each of Megatron's timers ran. Also what the paired function
+    raises on Megatron's own model (nothing to pair)."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from mc2.integrations.megatron_schedule import forward_backward_paired
@@ -453,10 +476,11 @@ def schedule_against_megatrons(rank: int, world: int, kind: str) -> dict[str, An
     config, models, steps, position, mask = _accumulation(rank, world, kind)
     megatron_cpu.cpu_schedules()
     forward_step = _forward_step(position, mask)
-    found: dict[str, Any] = {
+    found: dict[str, Any] = {"timers": {name: {} for name in models}}
+    found.update({
         name: _trained_by(forward_backward_paired if name == "mc2"
                           else forward_backward_no_pipelining, config, model, steps,
-                          forward_step) for name, model in models.items()}
+                          forward_step, found["timers"][name]) for name, model in models.items()})
     try:
         forward_backward_paired(forward_step_func=forward_step, data_iterator=iter(steps[0]),
                                 model=[models["megatron"]], num_microbatches=3,
