@@ -189,7 +189,10 @@ def test_a_stream_backend_whose_waits_block_the_host_still_chains_the_2d_stages(
     for host waits, with the call's deadline): its collectives still run on device streams,
     so the 2-D stages stay chained in the caller's thread (before, they went to the
     communication thread, which issued NCCL collectives beside the caller's, in an order
-    that differs from rank to rank); results exact."""
+    that differs from rank to rank); results exact. Its transfers are timed by the device's
+    clock, the end stamped in the future's callback (which runs on streams that wait for the
+    collective), as the timeline reads them: before, by the host's clock at the collective's
+    enqueue, whose floats a device clock cannot read."""
     results = mc2.run_local(fake_stream_worker, 4, args=("2d", True), ranks_per_node=2,
                             backend=fake_stream_backend.NAME,
                             before_init=fake_stream_backend.install)
@@ -198,6 +201,7 @@ def test_a_stream_backend_whose_waits_block_the_host_still_chains_the_2d_stages(
     for rank, r in enumerate(results):
         assert r["style"] is False and any(t is not None for t in r["waits"]), r["waits"]
         assert r["held"] and all(r["held"]), r["held"]
+        assert r["transfers"] and r["observer_stamps"] == 2 * r["transfers"], r
         for got in r["results"]:
             torch.testing.assert_close(got["out"], want[rank], rtol=0, atol=1e-10)
             torch.testing.assert_close(got["x"], grads[rank], rtol=0, atol=1e-10)

@@ -103,8 +103,17 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str, blocking: bool = 
     (``blocking``: its waits block the host, as NCCL's under ``TORCH_NCCL_BLOCKING_WAIT``)."""
     from tests import fake_stream_backend as fake
 
+    stamps: list[float] = []
     if blocking:
+        from mc2.device.clock import HostClock
+
+        class Counted(HostClock):  # the device clock's place: which stamps the observer took
+            def stamp(self, stream: Any = None) -> float:
+                stamps.append(super().stamp(stream))
+                return stamps[-1]
+
         mc2.engine.transport.backend._blocking_wait = lambda name: True
+        mc2.engine.transport.comm.clock_for = lambda device: Counted()
 
     from mc2.engine.transport.hierarchy import TwoStageExchange
 
@@ -134,6 +143,7 @@ def fake_stream_backend(rank: int, world: int, hierarchy: str, blocking: bool = 
     TwoStageExchange._chained = chained
     return {"results": results, "counted": counted, "waits": list(fake.WAITS), "held": held,
             "transfers": sum(s.kind == "transfer" for s in timeline.spans),
+            "observer_stamps": len(stamps),
             "backend": mc2.engine.transport.backend.backend_for(None, "cpu"),
             "style": mc2.engine.transport.backend.comm_style(None, "cpu").stream,
             "watched_now": mc2.engine.transport.watchdog.watchdog().in_flight}
