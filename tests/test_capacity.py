@@ -181,3 +181,23 @@ def test_the_overflow_counters_are_ordered_across_streams(monkeypatch) -> None:
     with pytest.raises(overflow.CapacityOverflow):
         overflow.raise_counted(group, 3, 1)
     assert main.waited == ["side", "graph"]  # the reset waits for the captured add's stream
+
+
+def test_dropped_rows_finds_a_devices_count_by_its_type_or_by_default(monkeypatch) -> None:
+    """A call on a GPU counts its drops under its rows' device, ``cuda:0``: the default
+    lookup (the current accelerator) and ``"cuda"`` find them there (an accelerator
+    emulated; before, both made a new zero under another key, and drops went unseen)."""
+    from mc2.engine.decide.capacity import DroppedRows, dropped_rows
+    from mc2.engine.transport.group_state import group_state
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    counts = group_state(None).of(DroppedRows)
+    counted = counts[torch.device("cuda", 0)] = torch.tensor(5)  # what the call added
+    try:
+        assert dropped_rows() is counted and dropped_rows("cuda") is counted
+        assert dropped_rows("cuda:0", None) is counted
+    finally:
+        counts.pop(torch.device("cuda", 0))

@@ -66,3 +66,12 @@ def test_the_operator_refuses_runtime_objects_while_tracing() -> None:
 
     with pytest.raises(Exception, match="cannot be passed under torch.compile"):
         torch.compile(traced, fullgraph=True)(x)
+
+
+def test_both_operators_stay_out_of_inductors_cuda_graphs() -> None:
+    """The forward reads split sizes to the host; the backward finds its call's state by a
+    host integer and runs the call's Python, which a CUDA graph's replay would skip (the
+    recorded call's state and memory replayed: wrong gradients, silently). Inductor keeps an
+    operator out of its graphs (``mode="reduce-overhead"``) by this tag alone."""
+    for op in (torch.ops.mc2.fused_expert, torch.ops.mc2.fused_expert_backward):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op

@@ -75,8 +75,13 @@ def test_a_nonfinite_token_stays_in_its_row_but_poisons_its_experts_gradients(va
         assert sorted(r["poisoned_local_experts"]) == sorted(mine), (rank, r)
 
 
-def test_check_finite_raises_on_every_rank() -> None:
-    results = mc2.run_local(nonfinite_token, 2, args=(float("nan"), True), deadline_s=60)
+@pytest.mark.parametrize("capacity", [None, 32])
+def test_check_finite_raises_on_every_rank(capacity: int | None) -> None:
+    """Also in capacity mode after a first call agreed the configuration, whose later calls
+    trust a handshake of configuration facts only: with ``check_finite`` each call's
+    handshake checks the data (before: a NaN in a steady call passed silently)."""
+    results = mc2.run_local(nonfinite_token, 2, args=(float("nan"), True, capacity),
+                            deadline_s=60)
     assert "x holds NaN or Inf in 1 token row(s), the first is 3" in results[0]["error"]
     assert "rank 0" in results[1]["error"] and "NaN" in results[1]["error"]
 

@@ -84,8 +84,19 @@ def test_a_kernel_that_leaves_empty_groups_unwritten_is_masked(monkeypatch, trus
         torch.testing.assert_close(out, want)
 
 
-def test_only_hopper_is_trusted_to_zero_empty_groups() -> None:
+def test_only_hopper_is_trusted_to_zero_empty_groups(monkeypatch) -> None:
+    """And only NVIDIA's: ROCm's device type is "cuda" too, and an MI300 reports a major of 9
+    (emulated here); ROCm is refused ``gemm="grouped"`` as well (never measured there)."""
     from mc2.engine.compute.grouped_into import zeroes_empty_groups
+    from mc2.engine.decide.gemm_strategy import grouped_problem
 
     assert not zeroes_empty_groups(torch.device("cpu"))
     assert not zeroes_empty_groups(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    for hip, hopper in ((None, True), ("6.4", False)):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        zeroes_empty_groups.cache_clear()
+        assert zeroes_empty_groups(cuda) is hopper
+        assert (grouped_problem(torch.bfloat16, cuda) is None) is hopper
+    zeroes_empty_groups.cache_clear()

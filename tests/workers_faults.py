@@ -90,16 +90,22 @@ def _kill_when_all_raised(rank: int, world: int, pids: list[int]) -> None:
         flag.unlink(missing_ok=True)
 
 
-def nonfinite_token(rank: int, world: int, value: float, check: bool) -> dict[str, Any]:
-    """One token of rank 0 holds ``value`` (nan or inf): where does it end up?"""
+def nonfinite_token(rank: int, world: int, value: float, check: bool,
+                    capacity: int | None = None) -> dict[str, Any]:
+    """One token of rank 0 holds ``value`` (nan or inf): where does it end up? ``capacity``:
+    capacity mode, the bad call after a clean one agreed the configuration (a steady call)."""
     p = make_problem(world, "uniform", tokens=16)
+    options = dict(micro_batches=2, check_finite=check, capacity=capacity)
+    if capacity is not None:  # the same call on clean tokens, as a training step's first
+        mc2.fused_expert(p.xs[rank].clone().requires_grad_(True),
+                         *(w.clone().requires_grad_(True) for w in p.local_weights(rank)),
+                         p.ids[rank], p.rws[rank], **options)
     if rank == 0:
         p.xs[0][3, 5] = value
     x = p.xs[rank].clone().requires_grad_(True)
     ws = [w.clone().requires_grad_(True) for w in p.local_weights(rank)]
     try:
-        out = mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], micro_batches=2,
-                               check_finite=check)
+        out = mc2.fused_expert(x, *ws, p.ids[rank], p.rws[rank], **options)
     except ValueError as exc:
         return {"error": str(exc)}
     out.backward(p.grad_outs[rank])

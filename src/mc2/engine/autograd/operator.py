@@ -144,7 +144,11 @@ def _fake(x, combine_weights, expert_ids, experts, shared_up, shared_gate, share
 fused_expert_op.register_fake(_fake)
 
 
-@torch.library.custom_op("mc2::fused_expert_backward", mutates_args=())
+# tagged as the forward: it finds its call's state by a host integer (``token.item()``, a CPU
+# tensor) and runs the call's Python, which a CUDA graph's replay would skip, replaying the
+# recorded call's state and memory instead
+@torch.library.custom_op("mc2::fused_expert_backward", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
 def fused_expert_backward_op(grad_out: Tensor, token: Tensor, inputs: list[Tensor | None],
                              needed: list[bool]) -> list[Tensor]:
     """The gradients of a :func:`fused_expert_op` call w.r.t. ``inputs`` (its tensor inputs

@@ -41,9 +41,11 @@ def zeroes_empty_groups(device: torch.device) -> bool:
     grouped along the inner dimension (the weight gradients): known on Hopper (compute
     capability 9.x). Blackwell's kernels (10.x) leave them non-zero (pytorch/pytorch#172439,
     open): an expert that got no row would get a gradient anyway. Elsewhere unknown: not
-    trusted. A host fact of the device, so no read of the device and nothing a capture
+    trusted, ROCm's included (its device type is ``"cuda"`` too, and an MI300 reports a
+    major of 9). A host fact of the device, so no read of the device and nothing a capture
     forbids."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and torch.version.hip is None \
+        and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def empty_groups_zeroed(result: Tensor, offs: Tensor) -> Tensor:

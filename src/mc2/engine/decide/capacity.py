@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mc2.device.streams import full_device
 from mc2.engine.compute.experts import ExpertWeights
 from mc2.engine.compute.module_experts import ModuleExperts
 from mc2.engine.decide.dedup import slot_tables as rows_slot_tables
@@ -55,13 +56,21 @@ class DroppedRows(dict[torch.device, Tensor]):
     of the group's state)."""
 
 
-def dropped_rows(device: torch.device | str = "cpu", group: Any = None) -> Tensor:
-    """How many (token, rank) rows capacity calls with ``overflow="drop"`` on ``group``
-    (``None``: the default group) left out so far, in this process, summed over the group's
-    senders (a device tensor: reading it is the caller's synchronisation)."""
-    device = torch.device(device)
-    return group_state(group).of(DroppedRows).setdefault(
-        device, torch.zeros((), dtype=torch.int64, device=device))
+def dropped_rows(device: torch.device | str | None = None, group: Any = None) -> Tensor:
+    """How many (token, rank) rows of this rank's tokens capacity calls with
+    ``overflow="drop"`` on ``group`` (``None``: the default group) left out so far, in this
+    process (a device tensor: reading it is the caller's synchronisation). ``device``: where
+    the calls ran, ``None`` for the current accelerator (else the CPU); ``"cuda"`` is the
+    current CUDA device, as a call's ``cuda:0`` is (before, a lookup by ``"cuda"``, or the old
+    default ``"cpu"`` on a GPU, found a new zero: drops were invisible there)."""
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        device = "cpu" if accelerator is None else accelerator.type
+    device = full_device(device)
+    counts = group_state(group).of(DroppedRows)
+    if device not in counts:  # made once (a zero made at every lookup is an allocation each)
+        counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return counts[device]
 
 
 def sorts_slabs(experts: ExpertWeights | ModuleExperts) -> bool:

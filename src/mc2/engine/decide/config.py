@@ -84,7 +84,8 @@ class MC2Config:
             (``None``: ``MC2_TIMEOUT``, else the process group's own timeout; never more than
             that; ``0``: no deadline of mc2's own). See :mod:`mc2.engine.transport.deadline`.
         check_finite: raise ``ValueError`` on every rank when a token or routing weight holds
-            NaN or Inf (one pass over ``x`` on the device, folded into the handshake).
+            NaN or Inf (one pass over ``x`` on the device, folded into the handshake; in
+            capacity mode every call's handshake checks, a read of the device each call).
         dedup: a token travels once to each rank holding any of its experts, and that rank
             sums its experts' weighted outputs into one row back (:mod:`mc2.engine.decide.dedup`);
             ``False``: one row per (token, expert). Results agree to rounding.
