@@ -78,6 +78,21 @@ def test_a_failed_fsdp2_step_leaves_no_gradient_for_the_next(where: str) -> None
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
 
+def test_capacity_mode_drops_the_rows_the_sequential_loop_drops() -> None:
+    """Which rows fit a capacity call's slabs depends on its K where a rank has more tokens
+    than the capacity, so the paired step leaves a capacity call's ``"auto"`` K to be decided
+    as in the loop (before, it ran 2 splits: other rows dropped, or ``CapacityOverflow``
+    where the loop ran fine): losses and gradients bitwise the loop's, as many rows dropped."""
+    from tests.workers_pairing import capacity_paired
+
+    for r in mc2.run_local(capacity_paired, 2, timeout_s=120):
+        assert r[None]["dropped"] > 0 and r[True]["dropped"] == r[None]["dropped"], r
+        assert all(torch.equal(g, w) for g, w in zip(r[True]["losses"], r[None]["losses"],
+                                                     strict=True))
+        assert all(torch.equal(g, w) for g, w in zip(r[True]["grads"], r[None]["grads"],
+                                                     strict=True))
+
+
 @pytest.mark.parametrize("units", ["layers", "root", "tied", "mixed"])
 def test_an_fsdp2_sharded_model_pairs_and_reduces_as_its_sequential_loop(units: str) -> None:
     """FSDP2 over the world, each layer a unit under the root, or the root alone. The last

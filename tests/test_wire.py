@@ -95,6 +95,22 @@ def test_huge_blocks_stay_finite(kind, magnitude) -> None:
     assert err <= EPS[kind] * 1.01, err
 
 
+@pytest.mark.parametrize("kind", FORMATS, ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_value_arrives_non_finite_and_alone(kind, bad) -> None:
+    """NaN or Inf in a row reaches the receiver non-finite (with ``check_finite=False`` the
+    model's own loss shows it, as without a wire format), and only in its block: before, int8
+    gave a NaN block the scale 1 and cast NaN to 0, delivering finite values."""
+    rows = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+    rows[1, 7] = bad
+    fmt = WireFormat(kind, block=128)
+    back = fmt.decode(fmt.encode(rows), 256, torch.float32)
+    assert not torch.isfinite(back[1, 7])
+    mask = torch.ones_like(rows, dtype=torch.bool)
+    mask[1, :128] = False  # the block holding it
+    assert torch.isfinite(back[mask]).all()
+
+
 def test_bytes_per_row() -> None:
     assert WireFormat(None).bytes_per_row(1024, torch.float32) == 4096
     assert WireFormat(torch.bfloat16).bytes_per_row(1024, torch.float32) == 2048

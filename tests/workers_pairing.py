@@ -123,6 +123,24 @@ def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
+def capacity_paired(rank: int, world: int) -> dict[str, Any]:
+    """The in-layer stack in capacity mode with drops (12 tokens a micro-batch, 4 rows a
+    destination, ``overflow="drop"``, ``micro_batches="auto"``): the sequential loop and
+    ``forward_backward(overlap=True)``, losses, gradients and the rows each dropped."""
+    from mc2.engine.decide.capacity import dropped_rows
+
+    batches = _micro_batches(rank)
+    found: dict[str, Any] = {}
+    for overlap in (None, True):
+        model = _in_layer_stack(capacity=4, overflow="drop")
+        before = int(dropped_rows())
+        losses = _sequential(model, batches, _stack_loss) if overlap is None else \
+            mc2.forward_backward(model, batches, _stack_loss, overlap=True)
+        found[overlap] = {"losses": losses, "grads": [p.grad.clone() for p in model.parameters()],
+                          "dropped": int(dropped_rows()) - before}
+    return found
+
+
 def hf_paired(rank: int, world: int, dtype_name: str, hostile: bool,
               batch_overlap: bool = True) -> dict[str, Any]:
     """A 2-layer Mixtral under ``enable_mc2``: the sequential loop on the in-layer model

@@ -158,8 +158,12 @@ def current_pairing() -> Pairing | None:
 def paired_config(config: Any) -> Any:
     """An eager call's config under a pairing: ``"auto"`` runs :data:`PAIRED_SPLITS`
     micro-batches (the planner's trials would time the paired forward's work with the call's
-    own), the same on every rank (every rank pairs alike)."""
-    if config.micro_batches == "auto" and _PROCESS.active:  # set wherever a pairing runs
+    own), the same on every rank (every rank pairs alike). Not a capacity call: which of its
+    rows fit their slabs depends on its K where a rank has more tokens than the capacity
+    (:func:`mc2.engine.decide.capacity.token_bounds`), so another K would drop, or raise on,
+    other rows than the sequential loop's calls (measured: capacity 11-14, 18 tokens, top-1:
+    the loop fine, the paired step ``CapacityOverflow``); its K is decided as there."""
+    if config.micro_batches == "auto" and config.capacity is None and _PROCESS.active:
         return config.replace(micro_batches=PAIRED_SPLITS)
     return config
 

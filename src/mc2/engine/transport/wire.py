@@ -95,8 +95,10 @@ class WireFormat:
         else:
             work.copy_(blocks).abs_()
         amax = torch.amax(work, -1, keepdim=True).float()
-        # a block of zeros gets scale 1, never 0/0; scales travel as float32
-        scale = torch.where(amax > 0, amax / _MAX[self.kind], torch.ones_like(amax))
+        # a block of zeros gets scale 1, never 0/0; a block holding NaN or Inf a non-finite
+        # scale, so that it arrives non-finite (a scale of 1 for a NaN maximum made int8
+        # deliver finite values: NaN casts to 0); scales travel as float32
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / _MAX[self.kind])
         torch.mul(blocks, scale.reciprocal(), out=work)
         values = out[:, :hidden].view(torch.int8 if self.kind == "int8" else FP8)
         if self.kind == "int8":
