@@ -1,7 +1,8 @@
 """Ranks whose configurations differ raise ``ValueError`` on every rank, within seconds, in
 every mode: before this was agreed, a capacity call with another rank's capacity made Gloo
 terminate the process ("Received data size doesn't match expected size"), and the normal
-handshake did not carry capacity, overflow, gemm, timeout or check_finite."""
+handshake did not carry capacity, overflow, gemm, timeout or check_finite (nor, for dedup
+and capacity mode, topk)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ CASES = [  # (common, rank 0's, the others', the field the message names)
     ({"micro_batches": 2}, {"gemm": "loop"}, {"gemm": "grouped"}, "gemm"),
     ({"micro_batches": 2}, {"check_finite": True}, {}, "check_finite"),
     ({"micro_batches": 2}, {"timeout": 30}, {"timeout": 45}, "timeout"),
+    # k-wide slot tables: a receive buffer sized by the receiver's own topk (before: Gloo
+    # terminated the process, or a capacity call read uninitialised memory as token ids)
+    ({"micro_batches": 1, "dedup": True}, {"topk": 1}, {}, "topk"),
+    ({"micro_batches": 2, "capacity": 64}, {"topk": 1}, {}, "topk"),
 ]
 
 

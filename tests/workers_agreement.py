@@ -14,13 +14,18 @@ from tests.problems import Problem
 def differing_option(rank: int, world: int, problem: Problem, common: dict[str, Any],
                      mine: dict[str, Any], theirs: dict[str, Any]) -> dict:
     """Rank 0 calls with ``common | mine``, the others with ``common | theirs``: what each
-    raised and how long it took; then a call every rank makes alike, which must still work."""
+    raised and how long it took; then a call every rank makes alike, which must still work.
+    A ``topk`` option keeps that many of each token's experts."""
     args = (problem.xs[rank], *problem.local_weights(rank), problem.ids[rank], problem.rws[rank])
     options = {**common, **(mine if rank == 0 else theirs)}
+    first = args
+    if "topk" in options:
+        k = options.pop("topk")
+        first = args[:-2] + (args[-2][:, :k].contiguous(), args[-1][:, :k].contiguous())
     start = time.monotonic()
     try:
         with torch.no_grad():
-            mc2.fused_expert(*args, **options)
+            mc2.fused_expert(*first, **options)
         raised = None
     except ValueError as exc:
         raised = str(exc)

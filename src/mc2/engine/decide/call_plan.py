@@ -193,7 +193,8 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: WirePair,
-                  planner: Planner | None, group: Any, timeout: float | None) -> SharedFacts:
+                  planner: Planner | None, group: Any, timeout: float | None,
+                  topk: int) -> SharedFacts:
     """The values every rank must share, as the handshake carries them (all zero when this
     rank's input is bad: :meth:`SharedFacts.unknown`).
 
@@ -201,7 +202,9 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
     same on every rank: a planner that has chosen for fewer calls than its peers' would
     calibrate (collectives its peers do not run), and so would a process that has not measured
     the 2-D exchange where its peers have. The rest change what a peer receives (capacity's
-    slabs, dropped rows) or how long it waits (``timeout``)."""
+    slabs, dropped rows) or how long it waits (``timeout``). ``topk``: where the call sends
+    slot tables ``2 * topk`` wide (dedup, capacity mode), whose receive buffers are sized by
+    the receiver's own (a plain call agrees the largest topk instead, so ranks may differ)."""
     if weights is None:
         return SharedFacts.unknown()
     return SharedFacts(
@@ -215,7 +218,8 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         exchange_measured=measured_sizes(group) if config.hierarchy == "auto" else 0,
         dedup=int(config.dedup), capacity=config.capacity or 0,
         overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
-        timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite))
+        timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite),
+        topk=topk if config.dedup or config.capacity is not None else 0)
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
@@ -361,7 +365,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     auto = config.micro_batches == "auto"
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, PLAIN_PAIR,
-                          None, group, timeout)
+                          None, group, timeout, expert_ids.shape[-1])
     values = facts.values()
     agreed = group_state(group).of(AgreedCapacity)
     # check_finite: the data's check runs in every call's handshake (a read of the device
@@ -483,7 +487,8 @@ def plan_call(
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
                                                weights if problem is None else None,
-                                               needs_grad, wire, plan_with, group, timeout),
+                                               needs_grad, wire, plan_with, group, timeout,
+                                               expert_ids.shape[-1]),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite,

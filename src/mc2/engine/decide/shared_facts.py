@@ -49,6 +49,7 @@ class SharedFacts:
     gemm: int = _fact("gemm")
     timeout_ms: int = _fact("timeout (ms)")
     check_finite: int = _fact("check_finite")
+    topk: int = _fact("topk (dedup and capacity mode send k-wide slot tables)")
 
     @classmethod
     def unknown(cls) -> "SharedFacts":
