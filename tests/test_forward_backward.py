@@ -60,6 +60,22 @@ def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> 
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
 
+def test_a_paired_forward_failing_on_one_rank_ends_every_ranks_step_at_once() -> None:
+    """Rank 1's ``loss_fn`` raises in a paired forward: rank 1 raises that exception, from
+    the backward's next wait, and its peer learns of the lost rank from its next
+    collective. Before, rank 1's backward went on issuing collectives where rank 0's paired
+    forward issued its own: both waited out the group's timeout, and rank 1 reported a
+    ``CommTimeout``, its own exception dropped with the partner."""
+    from mc2.tools.launch import LocalWorldError
+    from tests.workers_pairing import failing_paired_forward
+
+    with pytest.raises(LocalWorldError) as failed:
+        mc2.run_local(failing_paired_forward, 2, timeout_s=60, deadline_s=300)
+    failures = failed.value.failures
+    assert "KeyError: 'loss_fn failed on purpose'" in failures[1], failures[1][-2000:]
+    assert "lost its connection to a peer" in failures[0], failures[0][-2000:]
+
+
 @pytest.mark.parametrize("where", ["forward", "last backward"])
 def test_a_failed_fsdp2_step_leaves_no_gradient_for_the_next(where: str) -> None:
     """A paired FSDP2 step that fails in its third forward has accumulated the first

@@ -123,6 +123,20 @@ def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
+def failing_paired_forward(rank: int, world: int) -> None:
+    """Rank 1's ``loss_fn`` raises in its second micro-batch, a paired forward; the exception
+    ends the rank's process, as a training script's would."""
+    calls = [0]
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:
+            raise KeyError("loss_fn failed on purpose")
+        return _stack_loss(model, x)
+
+    mc2.forward_backward(_in_layer_stack(), _micro_batches(rank), loss_fn, overlap=True)
+
+
 def capacity_paired(rank: int, world: int) -> dict[str, Any]:
     """The in-layer stack in capacity mode with drops (12 tokens a micro-batch, 4 rows a
     destination, ``overflow="drop"``, ``micro_batches="auto"``): the sequential loop and

@@ -107,6 +107,12 @@ class Pairing:
         with self._turns:
             if self.partner is partner:
                 partner.resume()
+        if partner.done and partner.error is not None:
+            # the paired forward failed: the step has, here. Going on, this rank's backward
+            # issued its collectives where its peers' paired forwards issue theirs (the
+            # groups' orders crossed: every rank waited out its deadline, and the error, kept
+            # for finish(), was dropped with the partner); raised now, the rank stops
+            raise partner.error
 
     def stop(self, partner: Partner, seconds: float) -> bool:
         """The step failed in its own thread: no more turns from a backward's wait. On an
