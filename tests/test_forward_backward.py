@@ -174,6 +174,11 @@ def test_what_cannot_be_paired_is_refused_on_every_rank() -> None:
         # its calls ran, as the operator in a compiled graph: said so, not "the model made
         # no mc2 call"
         assert "ran as the operator" in r["compiled"] and "compiled" in r["compiled"], r
+        # before: paired, every rank waited out the group's timeout; sequential, one rank's
+        # micro-batch silently joined the other's next step; another overlap hung too
+        for name in ("counts paired", "counts sequential"):
+            assert "disagree on the number of micro-batches (between 2 and 3)" in r[name], r
+        assert "disagree on overlap (between False and True)" in r["overlap"], r
 
 
 def test_a_model_under_selective_checkpointing_pairs_as_its_sequential_loop() -> None:
@@ -369,16 +374,16 @@ def test_a_forward_that_runs_autograd_pairs_where_autograd_has_no_device_threads
 def test_a_paired_step_reads_the_device_as_often_as_the_sequential_loop() -> None:
     """Counted with the host-sync counter (a ``TorchFunctionMode``, now carried into the
     paired forwards): the paired step of 4 micro-batches through 3 layers makes the
-    sequential loop's device reads (one per forward call, 12) and uploads, plus one
-    agreement of host numbers (the pairing's decision, ``host_max``: a CPU tensor on a Gloo
-    group, no device in the way)."""
+    sequential loop's device reads (one per forward call, 12) and uploads, plus two
+    agreements of host numbers (``host_max``: a CPU tensor on a Gloo group, no device in the
+    way): the step's count and overlap, and the pairing's decision."""
     from tests.workers_pairing import host_syncs_paired
 
     for r in mc2.run_local(host_syncs_paired, 2, timeout_s=120):
         sequential, paired = r[None], r[True]
         assert paired["reads"] == sequential["reads"] == 12, r
         extra = paired["where"] - sequential["where"]
-        assert sum(extra.values()) == 1 and "host_max" in next(iter(extra)), extra
+        assert sum(extra.values()) == 2 and "host_max" in next(iter(extra)), extra
         assert not sequential["where"] - paired["where"]
 
 

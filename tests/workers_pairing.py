@@ -413,7 +413,8 @@ def selective_paired(rank: int, world: int) -> dict[str, Any]:
 
 def refusals(rank: int, world: int) -> dict[str, str | None]:
     """What ``forward_backward`` raises for a model that makes no mc2 call and for a loss
-    that is no scalar (overlap=True), on each rank."""
+    that is no scalar (overlap=True), and where the ranks differ in their number of
+    micro-batches or in overlap, on each rank."""
     found: dict[str, str | None] = {}
     plain = torch.nn.Sequential(torch.nn.Linear(16, 16, dtype=torch.float64))
     x = torch.randn(2, 6, 16, dtype=torch.float64)
@@ -430,6 +431,17 @@ def refusals(rank: int, world: int) -> dict[str, str | None]:
             ("not a scalar", _stack(), lambda m, b: m(b))):
         try:
             mc2.forward_backward(model, [x, x], loss_fn, overlap=True)
+            found[name] = None
+        except ValueError as exc:
+            found[name] = str(exc)
+    # ranks that differ: in the number of micro-batches (an epoch's last step, shorter on
+    # one rank), paired and sequential; in overlap
+    for name, count, overlap in (("counts paired", 3 - rank, True),
+                                 ("counts sequential", 3 - rank, False),
+                                 ("overlap", 2, (True, False)[rank])):
+        try:
+            mc2.forward_backward(_in_layer_stack(), _micro_batches(rank)[:count],
+                                 _stack_loss, overlap=overlap)
             found[name] = None
         except ValueError as exc:
             found[name] = str(exc)

@@ -28,6 +28,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
+from mc2.engine.transport.comm import host_max
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
 
@@ -36,6 +37,7 @@ __all__ = ["forward_backward"]
 _DECISION = "_mc2_forward_backward"  # the model's "auto" decision, kept on the model
 _UNPAIRABLE = "_mc2_unpairable"  # why a step of this model ran unpaired, kept on the model
 T = TypeVar("T")
+_MODES = {False: 0, True: 1, "auto": 2}  # overlap, as the ranks agree it
 
 
 def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
@@ -116,7 +118,14 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
     """``paired()`` or ``sequential()`` (one step of ``count`` micro-batches), as the model's
     decision for ``overlap`` says: ``True`` pairs, ``False`` does not, ``"auto"`` times its
     first steps both ways (agreed on ``group``) and keeps the faster. A framework's own
-    accumulation loop (Megatron's) decides through this too."""
+    accumulation loop (Megatron's) decides through this too.
+
+    First every rank of ``group`` agrees ``count`` and ``overlap`` (host numbers, one
+    ``all_reduce``): a rank with another count (an epoch's last step, shorter on some ranks)
+    or another mode issues other collectives than its peers, so the step hung until the
+    group's timeout paired, or, sequential, one rank's micro-batches silently joined another
+    step. A ``ValueError`` on every rank names the difference instead."""
+    _agree_step(count, overlap, group)
     decision = _decision(model, overlap, group)
     pairs = count > 1 and decision.wanted(2, 1)
     run, trials = paired if pairs else sequential, decision.now()
@@ -127,6 +136,21 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
     out = run()
     decision.measured(pairs, clock.elapsed(start, clock.stamp()), trials)
     return out
+
+
+def _agree_step(count: int, overlap: bool | str, group: Any) -> None:
+    """Raise on every rank of ``group`` where its ranks differ in ``count`` or ``overlap``."""
+    mode = _MODES[overlap]
+    high = host_max([count, -count, mode, -mode], group, "pairing")
+    if high[0] != -high[1]:
+        raise ValueError(f"forward_backward: ranks disagree on the number of micro-batches "
+                         f"(between {int(-high[1])} and {int(high[0])}); every rank must run "
+                         "the same number in a step")
+    if high[2] != -high[3]:
+        names = {code: repr(name) for name, code in _MODES.items()}
+        raise ValueError(f"forward_backward: ranks disagree on overlap (between "
+                         f"{names[int(-high[3])]} and {names[int(high[2])]}); every rank must "
+                         "pass the same")
 
 
 def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlapDecision:
