@@ -190,9 +190,9 @@ def test_a_stream_backend_whose_waits_block_the_host_still_chains_the_2d_stages(
     so the 2-D stages stay chained in the caller's thread (before, they went to the
     communication thread, which issued NCCL collectives beside the caller's, in an order
     that differs from rank to rank); results exact. Its transfers are timed by the device's
-    clock, the end stamped in the future's callback (which runs on streams that wait for the
-    collective), as the timeline reads them: before, by the host's clock at the collective's
-    enqueue, whose floats a device clock cannot read."""
+    clock, the end stamped on the observer stream after the work's future made it wait for
+    the collective, as the timeline reads them: before, by the host's clock at the
+    collective's enqueue, whose floats a device clock cannot read."""
     results = mc2.run_local(fake_stream_worker, 4, args=("2d", True), ranks_per_node=2,
                             backend=fake_stream_backend.NAME,
                             before_init=fake_stream_backend.install)

@@ -240,7 +240,9 @@ def test_a_capacity_call_while_capturing_polls_forks_and_clocks_nothing() -> Non
     """On the emulated stream backend, default deadline, a timeline: eagerly the call is
     watched (device-event starts, ``is_completed`` polls), observed and timed; with mc2 told
     the stream is capturing, the same call (forward and backward) watches, polls, forks an
-    observer and reads a host clock not once, and gives the same result."""
+    observer and reads a host clock not once, and gives the same result. A capacity call
+    with ``check_finite=True``, which reads the device in every call, is refused there, naming
+    the option."""
     from tests.workers_deadlines import captured_capacity
 
     results = mc2.run_local(captured_capacity, 2, backend=fake_stream_backend.NAME,
@@ -253,6 +255,7 @@ def test_a_capacity_call_while_capturing_polls_forks_and_clocks_nothing() -> Non
         assert captured == dict.fromkeys(captured, 0), (rank, captured,
                                                          r["captured_clock_callers"])
         assert r["captured"]["spans"] == 0 and r["paused"], (rank, r)
+        assert "check_finite=True" in (r["finite_captured"] or ""), r["finite_captured"]
         torch.testing.assert_close(r["captured"]["out"], r["eager"]["out"], rtol=0, atol=0)
         torch.testing.assert_close(r["captured"]["x"], r["eager"]["x"], rtol=0, atol=0)
 

@@ -111,6 +111,28 @@ def test_a_non_finite_value_arrives_non_finite_and_alone(kind, bad) -> None:
     assert torch.isfinite(back[mask]).all()
 
 
+@pytest.mark.parametrize("kind", [FP8, "int8"], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_blocks_with_a_tiny_maximum_arrive_finite_and_close(kind, dtype) -> None:
+    """Block maxima far below float32's normal range (1e-36 .. 1e-40): the scale is held at
+    float32's smallest normal, so its reciprocal stays finite (before: infinite, zeros came
+    back NaN and values as the block's maximum); the error within the format's bound at that
+    scale."""
+    fmt = WireFormat(kind, block=16)
+    tiny = torch.finfo(torch.float32).tiny
+    for block_max in (1e-36, 1e-38, 1e-40):
+        rows = torch.rand(4, 32, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64) * 2 - 1
+        rows = rows / rows.abs().max() * block_max
+        rows[0, :16] = 0.0
+        x = rows.to(dtype)
+        back = fmt.decode(fmt.encode(x), 32, dtype)
+        assert torch.isfinite(back).all() and torch.equal(back[0, :16], x[0, :16]), block_max
+        scale_max = max(float(x.abs().max()), tiny * (127 if kind == "int8" else 448))
+        err = (back.double() - x.double()).abs().max().item()
+        assert err <= EPS[kind] * 1.01 * scale_max, (block_max, err, scale_max)
+
+
 def test_bytes_per_row() -> None:
     assert WireFormat(None).bytes_per_row(1024, torch.float32) == 4096
     assert WireFormat(torch.bfloat16).bytes_per_row(1024, torch.float32) == 2048

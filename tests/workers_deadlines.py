@@ -188,8 +188,14 @@ def captured_capacity(rank: int, world: int) -> dict[str, Any]:
     streams.capturing = lambda device: True  # what a CUDA graph's capture makes it say
     try:
         captured, captured_counts = probe.measured(call)
+        try:  # check_finite reads the device in every capacity call: refused in a capture
+            _call(p, rank, capacity=16, check_finite=True)
+            finite_captured = None
+        except ValueError as exc:
+            finite_captured = str(exc)
     finally:
         streams.capturing = real_capturing
     return {"eager": eager, "eager_counts": eager_counts, "captured": captured,
+            "finite_captured": finite_captured,
             "captured_counts": captured_counts,
             "captured_clock_callers": sorted(probe.clock_callers), "paused": probe.wd.paused}

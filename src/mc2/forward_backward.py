@@ -54,7 +54,8 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
         overlap: ``True`` (pair every forward after the first with the previous backward),
             ``False`` (the sequential loop), ``"auto"`` (measure both on the first calls, as
             batch overlap's ``"auto"`` does, and keep the faster: one call per step).
-        group: where ``"auto"``'s measurements are agreed (default: every rank).
+        group: where each step's micro-batch count and ``overlap`` are agreed, and
+            ``"auto"``'s measurements (default: every rank; every rank of it must call).
 
     Raises:
         ValueError: a bad ``overlap``; a loss that is no scalar needing a gradient; with

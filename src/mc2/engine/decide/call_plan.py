@@ -369,7 +369,13 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     values = facts.values()
     agreed = group_state(group).of(AgreedCapacity)
     # check_finite: the data's check runs in every call's handshake (a read of the device
-    # each call, which the caller asked for): a steady call's trusted handshake carries none
+    # each call, which the caller asked for): a steady call's trusted handshake carries none.
+    # Inside a CUDA graph's capture that read cannot run, nor would a replay check anything
+    if config.check_finite and problem is None and streams.capturing(x.device):
+        raise ValueError("fused_expert: check_finite=True checks the data in every capacity "
+                         "call, a read of the device, which a CUDA graph's capture cannot "
+                         "make (nor would its replays check): pass check_finite=False to the "
+                         "calls you capture")
     steady = problem is None and values in agreed and not config.check_finite
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:

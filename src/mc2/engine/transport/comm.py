@@ -190,23 +190,20 @@ def _deadline(group: Any, device: torch.device | str | None) -> float | None:
 def _observe(work: Any, style: CommStyle, rows: Tensor, on_complete: OnComplete) -> None:
     """Report when an asynchronous transfer completes: from the backend's future on a host
     backend; from an event behind the transfer on a side stream on a stream backend. A
-    stream backend whose wait blocks the host (NCCL under ``TORCH_NCCL_BLOCKING_WAIT``) must
-    not wait here, and its future completes when the collective is *enqueued*: its callbacks
-    run on streams made to wait for the collective, so an event recorded there is the
-    transfer's end (a host clock there timed the launch, and its floats met the device
-    events of the timeline's clock when read)."""
+    stream backend whose work's wait blocks the host (NCCL under ``TORCH_NCCL_BLOCKING_WAIT``)
+    must not wait on the work here; its future, complete once the collective is *enqueued*,
+    waits by making the current stream wait for the collective, and returns at once (a host
+    clock in its callback timed the launch, and its floats met the device events of the
+    timeline's clock when read)."""
     if not style.on_streams:
         issued = time.perf_counter()
         work.get_future().then(lambda _: on_complete(issued, time.perf_counter()))
         return
     clock = clock_for(rows.device)
     start = clock.stamp()  # the collective starts after the work queued before it
-    if not style.stream:
-        work.get_future().then(lambda _: on_complete(start, clock.stamp()))
-        return
     observer = side_stream(rows.device, "observer")
-    with observer:
-        work.wait()  # the observer stream, not the caller's, waits for the transfer
+    with observer:  # the observer stream, not the caller's, waits for the transfer
+        work.wait() if style.stream else work.get_future().wait()
         on_complete(start, clock.stamp(observer))
 
 

@@ -97,8 +97,12 @@ class WireFormat:
         amax = torch.amax(work, -1, keepdim=True).float()
         # a block of zeros gets scale 1, never 0/0; a block holding NaN or Inf a non-finite
         # scale, so that it arrives non-finite (a scale of 1 for a NaN maximum made int8
-        # deliver finite values: NaN casts to 0); scales travel as float32
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / _MAX[self.kind])
+        # deliver finite values: NaN casts to 0); a scale no smaller than float32's smallest
+        # normal, whose reciprocal is finite (below it, a block whose maximum is under ~1e-36
+        # got an infinite reciprocal: its zeros became NaN, its values ±amax); scales travel
+        # as float32
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / _MAX[self.kind]) \
+            .clamp_min_(torch.finfo(torch.float32).tiny)
         torch.mul(blocks, scale.reciprocal(), out=work)
         values = out[:, :hidden].view(torch.int8 if self.kind == "int8" else FP8)
         if self.kind == "int8":
