@@ -60,6 +60,17 @@ def test_a_step_that_fails_while_a_forward_is_paired_gives_that_forward_up() -> 
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 
 
+def test_a_pairing_on_some_ranks_only_is_refused_on_every_rank() -> None:
+    """Whether a call runs under a pairing is agreed in its handshake: a rank that pairs
+    alone (a framework's loop switched on one rank) issues its collectives in another order
+    than its peers. Before, with a fixed K nothing in the calls differed, and both ranks
+    waited out the group's timeout (``"auto"`` was caught: a paired call takes K = 2)."""
+    from tests.workers_pairing import paired_on_one_rank
+
+    for r in mc2.run_local(paired_on_one_rank, 2, timeout_s=60):
+        assert r is not None and "disagree on pairing" in r, r
+
+
 def test_a_paired_forward_failing_on_one_rank_ends_every_ranks_step_at_once() -> None:
     """Rank 1's ``loss_fn`` raises in a paired forward: rank 1 raises that exception, from
     the backward's next wait, and its peer learns of the lost rank from its next

@@ -123,6 +123,24 @@ def in_layer_paired(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
+def paired_on_one_rank(rank: int, world: int) -> str | None:
+    """Rank 0 runs the pairing (a framework's paired loop, :func:`run_pairs`, with no count
+    agreed first), rank 1 the sequential loop, the calls' K fixed (so nothing else in the
+    calls differs): what each raised."""
+    from mc2.engine.autograd.pairing import run_pairs
+
+    model, batches = _in_layer_stack(micro_batches=2), _micro_batches(rank)
+    try:
+        if rank == 0:
+            run_pairs(len(batches), lambda i: _stack_loss(model, batches[i]),
+                      lambda loss: loss.backward())
+        else:
+            _sequential(model, batches, _stack_loss)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def failing_paired_forward(rank: int, world: int) -> None:
     """Rank 1's ``loss_fn`` raises in its second micro-batch, a paired forward; the exception
     ends the rank's process, as a training script's would."""

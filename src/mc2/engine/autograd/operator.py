@@ -112,7 +112,8 @@ def _fused_expert(x: Tensor, combine_weights: Tensor, expert_ids: Tensor,
             x, dict(zip(names, experts)), expert_ids, combine_weights, config=cfg,
             shared=(shared_up, shared_gate, shared_down, shared_scale), packed=packed,
             group=_group_of(group), num_experts=num_experts,
-            needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout), **(EAGER_RUNTIME.get() or {}))
+            needs_grad=any(needs), timeout=resolve_timeout(cfg.timeout),
+            paired=pairing is not None, **(EAGER_RUNTIME.get() or {}))
         return run_forward(call, CallInputs(x, combine_weights, shared_up, shared_gate,
                                             shared_down, shared_scale, weights.tensors()), need,
                            between)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mc2.engine.autograd.function import FusedExpertFunction
-from mc2.engine.autograd.pairing import paired_config
+from mc2.engine.autograd.pairing import current_pairing, paired_config
 from mc2.engine.autograd.operator import fused_expert_op, group_name
 from mc2.engine.autograd.prepare import (
     EAGER_RUNTIME, autocast_inputs, guarded, resolve_config, shared_inputs
@@ -66,6 +66,7 @@ def _eager(x: Tensor, named: dict[str, Any], expert_ids: Tensor,
     one rank raised on every rank)."""
     def planned_and_run() -> Tensor:
         call, weights, combine = plan_call(x, named, expert_ids, routing_weights, config=cfg,
+                                           paired=current_pairing() is not None,
                                            problem=problem, shared=shared,
                                            timeout=resolve_timeout(cfg.timeout), **runtime)
         return FusedExpertFunction.apply(call, x, combine, *shared_inputs(x, shared),

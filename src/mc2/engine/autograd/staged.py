@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from mc2.observation.profiler import active_timeline
+from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.autograd.prepare import autocast_inputs, guarded, shared_inputs
 from mc2.engine.autograd.recompute import selective_region
 from mc2.engine.compute.module_experts import ModuleExperts
@@ -282,7 +283,7 @@ def _begin(x: Tensor, named: dict[str, Tensor], expert_ids: Tensor, routing_weig
         lambda: plan_call(x, named, expert_ids, routing_weights, config=config,
                           packed=packed, group=group, shared=full_shared,
                           num_experts=num_experts, timeout=seconds, timeline=timeline,
-                          module=module),
+                          module=module, paired=current_pairing() is not None),
         config, x)
     s_up, s_gate, s_down, s_scale = shared_inputs(x, full_shared)
     experts = weights.tensors()

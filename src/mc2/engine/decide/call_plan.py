@@ -194,7 +194,7 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: WirePair,
                   planner: Planner | None, group: Any, timeout: float | None,
-                  topk: int) -> SharedFacts:
+                  topk: int, paired: bool) -> SharedFacts:
     """The values every rank must share, as the handshake carries them (all zero when this
     rank's input is bad: :meth:`SharedFacts.unknown`).
 
@@ -219,7 +219,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         dedup=int(config.dedup), capacity=config.capacity or 0,
         overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
         timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite),
-        topk=topk if config.dedup or config.capacity is not None else 0)
+        topk=topk if config.dedup or config.capacity is not None else 0, paired=int(paired))
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
@@ -341,7 +341,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                    problem: str | None, config: MC2Config, group: Any, style: CommStyle,
                    timeline: Timeline | None, workspace: Workspace | None,
                    timeout: float | None, needs_grad: bool, module: Any,
-                   planner: Planner | None) -> tuple[CallPlan, Any, Tensor]:
+                   planner: Planner | None, paired: bool) -> tuple[CallPlan, Any, Tensor]:
     """A capacity call's plan: no counts, and in the steady state nothing read to the host.
 
     Every call runs the handshake (:func:`~mc2.engine.decide.validation.agree`) in host memory
@@ -365,7 +365,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     auto = config.micro_batches == "auto"
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, PLAIN_PAIR,
-                          None, group, timeout, expert_ids.shape[-1])
+                          None, group, timeout, expert_ids.shape[-1], paired)
     values = facts.values()
     agreed = group_state(group).of(AgreedCapacity)
     # check_finite: the data's check runs in every call's handshake (a read of the device
@@ -442,6 +442,7 @@ def plan_call(
     timeout: float | None = None,
     needs_grad: bool | None = None,
     module: ModuleExperts | None = None,
+    paired: bool = False,
 ) -> tuple[CallPlan, ExpertWeights | ModuleExperts, Tensor]:
     """Validate and plan a call; returns the plan, the weights and the ``[T, topk]`` combine
     weights. Raises ``ValueError`` on every rank when any rank's input is bad.
@@ -453,7 +454,8 @@ def plan_call(
     module stage (``named_weights`` then holds its parameters, which it is bound to here: the
     caller's autocast may have cast them). The weights returned are the routed experts either
     way (:class:`ExpertWeights` or the bound module), so a caller hands ``weights.tensors()``
-    to autograd without asking which.
+    to autograd without asking which. ``paired``: the call runs under ``forward_backward``'s
+    pairing (agreed: a rank pairing alone issues its collectives in another order).
     """
     if module is not None:
         module = module.bound(tuple(named_weights.values()))
@@ -476,7 +478,8 @@ def plan_call(
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if config.capacity is not None:
         return _capacity_call(x, expert_ids, routing_weights, weights, problem, config, group,
-                              style, timeline, workspace, timeout, needs_grad, module, planner)
+                              style, timeline, workspace, timeout, needs_grad, module, planner,
+                              paired)
     wire = wire_pair(config.wire_dtype, config.wire_block) if problem is None else PLAIN_PAIR
     auto = config.micro_batches == "auto"
     plan_with = (planner or planner_for(group)) if auto and config.overlap else None
@@ -494,7 +497,7 @@ def plan_call(
                           shared=_shared_facts(config, capacity, x,
                                                weights if problem is None else None,
                                                needs_grad, wire, plan_with, group, timeout,
-                                               expert_ids.shape[-1]),
+                                               expert_ids.shape[-1], paired),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite,

@@ -50,6 +50,7 @@ class SharedFacts:
     timeout_ms: int = _fact("timeout (ms)")
     check_finite: int = _fact("check_finite")
     topk: int = _fact("topk (dedup and capacity mode send k-wide slot tables)")
+    paired: int = _fact("pairing (forward_backward's overlap on some ranks only)")
 
     @classmethod
     def unknown(cls) -> "SharedFacts":
