@@ -634,15 +634,20 @@ def test_a_compilers_own_differentiation_is_not_the_forwards_autograd(monkeypatc
             PairedLoop(lambda out: out.backward()).add(forward, last=False)
 
 
-def test_torchtitans_paired_loop_begins_a_new_step_after_one_left_unfinished() -> None:
+@pytest.mark.parametrize("retried", [False, True])
+def test_torchtitans_paired_loop_begins_a_new_step_after_one_left_unfinished(
+        retried: bool) -> None:
     """TorchTitan's loop calls the paired ``fwd_bwd_fn`` once per micro-batch; where a step
     is left after some of them (its loop raised between two calls, and the caller went on),
-    the next step's first call begins that step, by the trainer's step counter: its
-    gradients equal the sequential loop's over its own micro-batches (before: the call was
-    taken for the old step's last micro-batch, paired with that step's backward)."""
+    the next step's first call begins that step, by the trainer's step counter or, for a step
+    retried under the same count (``train()`` after a checkpoint load), by the token count
+    ``train_step`` makes once per step: its gradients equal the sequential loop's over its
+    own micro-batches (before: the call was taken for the old step's last micro-batch, paired
+    with that step's backward; retried, silently so)."""
     from tests.workers_pairing import torchtitan_step_left_unfinished
 
-    for r in mc2.run_local(torchtitan_step_left_unfinished, 2, timeout_s=120):
+    for r in mc2.run_local(torchtitan_step_left_unfinished, 2, args=(retried,),
+                           timeout_s=120):
         assert r["taken"] == 0  # the step ended with its last micro-batch
         assert all(_close(g, w, 1e-10) for g, w in zip(r["got"], r["want"], strict=True))
 

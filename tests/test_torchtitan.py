@@ -152,7 +152,8 @@ def test_the_command_line_form_switches_the_node() -> None:
 def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager() -> None:
     """``mc2_paired_accumulation`` replaces the checkpoint node by TorchTitan's DCP manager
     extended, every field carried over; its ``load`` (where ``train()`` begins) pairs the
-    trainer it was built with, once, and a trainer it cannot pair raises there, naming why.
+    trainer it was built with, once, and ends a paired step left open at every load; a
+    trainer it cannot pair raises there, naming why.
     Another manager's config is refused by the factory, naming it."""
     from types import SimpleNamespace
 
@@ -175,6 +176,8 @@ def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager
     assert tree.checkpoint.interval == 7  # carried over by derive
 
     paired: list[object] = []
+    abandoned: list[str] = []  # every load ends a step left open: the model changes
+    made = SimpleNamespace(loop=SimpleNamespace(abandon=abandoned.append))
     trainer = SimpleNamespace(
         model_parts=[torch.nn.Linear(2, 2)], fwd_bwd_fn=None,
         parallel_dims=SimpleNamespace(pp_enabled=False, cp_enabled=False),
@@ -182,10 +185,12 @@ def test_the_paired_accumulation_override_extends_torchtitans_checkpoint_manager
     manager = m.checkpoint_manager(tree, trainer)
     assert trainer.fwd_bwd_fn is None  # nothing before train() begins
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("mc2.integrations.torchtitan_schedule.pair_accumulation", paired.append)
+        patch.setattr("mc2.integrations.torchtitan_schedule.pair_accumulation",
+                      lambda t: (paired.append(t), made)[1])
         assert manager.load(step=-1) is False  # checkpointing off: nothing loaded
         manager.load(step=-1)
     assert paired == [trainer]  # once
+    assert abandoned == ["a checkpoint was loaded"] * 2
 
     trainer.config.training.disable_cuda_graphs = False
     manager = m.checkpoint_manager(tree, trainer)

@@ -839,11 +839,14 @@ def autograd_in_the_forward_without_autograd_threads(rank: int, world: int) -> d
             "want": [p.grad.clone() for p in model.parameters()]}
 
 
-def torchtitan_step_left_unfinished(rank: int, world: int) -> dict[str, Any]:
+def torchtitan_step_left_unfinished(rank: int, world: int, retried: bool) -> dict[str, Any]:
     """``PairedFwdBwd`` (TorchTitan's paired ``fwd_bwd_fn``) on a trainer as TorchTitan's
-    ``train_step`` uses it, 3 micro-batches a step: step 1 stops after 2 of them (its loop
-    raised between two calls, and the caller went on), then step 2 runs whole. Step 2's
-    gradients against the sequential loop's over its own micro-batches."""
+    ``train_step`` uses it, 3 micro-batches a step, each step's calls handed one
+    ``global_valid_tokens`` tensor made for it: step 1 stops after 2 of them (its loop raised
+    between two calls, and the caller went on), then the next step runs whole: step 2, or
+    (``retried``) step 1 again under the same count, as ``train()`` after a checkpoint load
+    restores it. That step's gradients against the sequential loop's over its own
+    micro-batches."""
     import contextlib
     from types import SimpleNamespace
 
@@ -856,13 +859,14 @@ def torchtitan_step_left_unfinished(rank: int, world: int) -> dict[str, Any]:
         train_context=contextlib.nullcontext, model=model,
         loss_fn=lambda pred, labels, valid: (pred.pow(2).mean(), None))
     paired = PairedFwdBwd(trainer)
+    tokens = torch.tensor(0)  # train_step's global_valid_tokens, one per step
     for x in batches[:2]:  # step 1, left after two micro-batches
-        paired(x, None, None, {})
+        paired(x, None, tokens, {})
     model.zero_grad(set_to_none=True)  # TorchTitan's next step clears the gradients
-    trainer.step = 2
-    step_two = [batches[3], batches[2], batches[1]]
+    trainer.step = 1 if retried else 2
+    step_two, tokens = [batches[3], batches[2], batches[1]], torch.tensor(0)
     for x in step_two:
-        paired(x, None, None, {})
+        paired(x, None, tokens, {})
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     _sequential(model, step_two, _stack_loss)

@@ -69,6 +69,7 @@ class PairedFwdBwd:
         self.alone = trainer.fwd_bwd_fn  # TorchTitan's own, for a step of one micro-batch
         self.model = trainer.model_parts[0]
         self._sharding = PairedSharding(self.model)
+        self._step_tokens: Tensor | None = None  # train_step's global_valid_tokens of the step
         self.loop = self._sharding.loop(
             self._backward, unpaired="pair_accumulation: the model made no mc2 call (no mc2 "
                                      "override on its routed experts), so nothing can be paired")
@@ -84,7 +85,14 @@ class PairedFwdBwd:
                  extra_kwargs: dict[str, Any]) -> Tensor:
         if self.trainer.gradient_accumulation_steps == 1:  # nothing to pair
             return self.alone(inputs, labels, global_valid_tokens, extra_kwargs)
-        self.loop.of_step(getattr(self.trainer, "step", None))  # a step left unfinished
+        # a step left unfinished: by the step count, or by train_step's token count, made
+        # once per step (a step retried under the same count, after a checkpoint load, is
+        # another step: taken for the old one's rest, it trained on a mix, silently)
+        tokens, self._step_tokens = self._step_tokens, global_valid_tokens
+        if self.loop.taken and tokens is not global_valid_tokens:
+            self.loop.abandon("a new step began (train_step's token count) after "
+                              f"{self.loop.taken} micro-batches of the last")
+        self.loop.of_step(getattr(self.trainer, "step", None))
         # the step's micro-batches so far (a step that failed ended: this begins another)
         last = self.loop.taken == self.trainer.gradient_accumulation_steps - 1
 
@@ -172,7 +180,10 @@ class PairedCheckpointManager(CheckpointManager):
     def load(self, step: int = -1) -> bool:
         trainer, self.trainer_to_pair = self.trainer_to_pair, None
         if trainer is not None:
-            pair_accumulation(trainer)
+            self._paired = pair_accumulation(trainer)
+        paired = getattr(self, "_paired", None)
+        if paired is not None:  # the model changes: a step still open cannot go on
+            paired.loop.abandon("a checkpoint was loaded")
         return super().load(step)
 
 
