@@ -39,6 +39,7 @@ def test_defaults_validation_and_round_trip() -> None:
     ({"wire_dtype": torch.int32}, "wire_dtype must be None"),
     ({"wire_dtype": "fp8", "wire_block": 0}, "wire_block must be a positive int"),
     ({"wire_dtype": "fp4"}, "unknown wire format"),
+    ({"overflow": "dropp"}, "overflow must be"),  # also without capacity
 ])
 def test_bad_values_name_the_field(bad: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

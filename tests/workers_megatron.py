@@ -75,6 +75,12 @@ REFUSALS: dict[str, dict[str, Any]] = {
                                       activation_func=torch.nn.functional.gelu),
     "glu_linear_offset": dict(moe_shared_expert_intermediate_size=20,
                               moe_shared_expert_overlap=True, glu_linear_offset=1.0),
+    "activation_func_clamp_value": dict(moe_shared_expert_intermediate_size=20,
+                                        moe_shared_expert_overlap=True,
+                                        activation_func_clamp_value=7.0),
+    "gated_linear_unit": dict(moe_shared_expert_intermediate_size=20,
+                              moe_shared_expert_overlap=True, gated_linear_unit=False),
+    "fp4": dict(fp4="e2m1"),
 }
 
 

@@ -48,7 +48,7 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     rounding); the detached losses, in order.
 
     Args:
-        model: a model whose decoder layers run through mc2's layer loop (module docstring).
+        model: a model whose forward makes mc2 calls (module docstring: what pairs).
         micro_batches: what ``loss_fn`` takes, one per micro-batch.
         loss_fn: ``loss_fn(model, micro_batch)``, a scalar loss that requires a gradient.
         overlap: ``True`` (pair every forward after the first with the previous backward),

@@ -128,7 +128,10 @@ def fused_expert(
     ranks of its top-k experts (dispatch), transformed there by
     ``down(silu(x @ gate) * (x @ up))`` and sent back (combine); the result is the
     ``routing_weights``-weighted sum over its top-k expert outputs, in the original token order.
-    Dropless: no capacity factor, no token is ever dropped.
+    Dropless by default: no capacity factor, no token dropped. Capacity mode
+    (``capacity=N``) sends fixed slabs instead: rows that do not fit raise
+    :class:`~mc2.engine.decide.overflow.CapacityOverflow` (``overflow="raise"``) or are left
+    out and counted (``overflow="drop"``, :func:`mc2.engine.decide.capacity.dropped_rows`).
 
     Args:
         x: ``[batch, seq, hidden]`` or ``[tokens, hidden]`` float tokens of this rank (may hold
@@ -185,6 +188,9 @@ def fused_expert(
             bad option), or when ranks disagree on values that must be shared (options, the K
             ``"auto"`` chose); no rank is left in a collective.
         TypeError: an option that :class:`mc2.MC2Config` does not have.
+        CapacityOverflow: a ``ValueError``; capacity mode's rows that did not fit, expert ids
+            out of range or slabs of another configuration, on every rank, at that call's end
+            on a CPU, else at the next handshake or :func:`mc2.check_overflow`.
         CommTimeout: a peer did not answer within the deadline (stalled or gone); the process
             group is unusable afterwards (restart from a checkpoint).
 

@@ -146,12 +146,12 @@ class MC2Config:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or math.isnan(t)):
             return f"timeout must be a number of seconds or None, got {t!r}"
+        if self.overflow not in ("raise", "drop"):  # a typo is an error with or without capacity
+            return f"overflow must be 'raise' or 'drop', got {self.overflow!r}"
         c = self.capacity
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 return f"capacity must be a positive int (rows per destination per call), got {c!r}"
-            if self.overflow not in ("raise", "drop"):
-                return f"overflow must be 'raise' or 'drop', got {self.overflow!r}"
             if isinstance(k, int) and k > c:
                 return f"capacity ({c}) must be at least micro_batches ({k})"
             if self.hierarchy != "flat" or self.wire_dtype is not None:
