@@ -1,7 +1,7 @@
 """Run one benchmark command on this tree and on another commit, alternating, in one sitting.
 
-Why: "speed unchanged" is a ratio of two trees measured on the same machine at the same time
-(DESIGN.md §6): run one after the other and a slow spell of the machine falls on one of them.
+Why: "speed unchanged" is a ratio of two trees measured on the same machine at the same time:
+run one after the other, a slow spell of the machine falls on one of them.
 This makes a ``git worktree`` of ``--base`` and one of ``--this`` (default ``HEAD``: the
 committed tree, so the sources may be edited while it runs; both removed at the end), then
 runs the command

@@ -2,7 +2,7 @@
 layer through mc2 (:class:`mc2.integrations.megatron.MC2MoELayer`), the same weights.
 
 2 local Gloo ranks, one thread each, megatron-core 0.16.1 with the tests' CPU shims
-(``tests/megatron_cpu.py``). One step is the peers' work (``../shared/peers``): ``y =
+(``tests/megatron_cpu.py``). One step is the peer benchmarks' work: ``y =
 layer(x); y.backward(dy)``, ``x`` and every parameter requiring grad, float32, SwiGLU experts,
 dropless, no aux loss; gradients set to None between steps, outside the timed region; a
 barrier before every step; a step's time is the slowest rank's. Each round runs every

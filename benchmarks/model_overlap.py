@@ -15,7 +15,7 @@ its steady state, as a job that runs one mode has it):
 - ``auto`` (with ``--auto``): ``batch_overlap="auto"``, which times its first forwards both
   ways (warm-up here) and keeps the faster schedule.
 
-Columns (DESIGN.md section 6): step time (median), exposed communication
+Columns (ratios measured in one run, interleaved): step time (median), exposed communication
 ``step - T_comp``, the comm share ``exposed / step``, ``T_comp``, ``T_comm``, the bound
 ``max(T_comp, T_comm)``, step / bound, tokens/s per rank; and the bound pass by pass,
 ``max(fwd comp, fwd comm) + max(bwd comp, bwd comm)`` (a backward cannot start before its
