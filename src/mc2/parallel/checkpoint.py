@@ -27,6 +27,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mc2.engine.transport.comm import initialized
+from mc2.engine.transport.env import debug_save_delay
 from mc2.parallel.expert_shards import ExpertShard, expert_shards
 
 EXTRA_KEY = "mc2.extra"
@@ -118,7 +121,11 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """As :func:`_model_state`, for the optimizer: its state keyed by parameter name, expert
     moments sharded like the expert. ``get_optimizer_state_dict`` initialises empty state, so
-    the keys exist to load into."""
+    the keys exist to load into. An expert's state is sharded by expert wherever it leads
+    with the rank's expert count, whatever its other dimensions (Adafactor's factored
+    moments ``[L, R, 1]``, ``[L, 1, C]``): kept as a replicated tensor, one rank's copy was
+    written for all (loaded at the same layout, experts 0-3 took 4-7's moments). A scalar (a
+    step count) is replicated; any other shape is refused, its expert unknown."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -132,15 +139,35 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         for shard in expert_shards(model):
             prefix = f"state.{shard.name}."
             for key, value in own.items():
-                if (key.startswith(prefix) and isinstance(value, Tensor)
-                        and value.shape == shard.param.shape):
-                    state[key] = _as_global(value, shard, meshes)
+                if key.startswith(prefix) and isinstance(value, Tensor) and value.dim():
+                    state[key] = _as_global(_per_expert(key, value, shard), shard, meshes)
     return state, own
+
+
+def _per_expert(key: str, value: Tensor, shard: ExpertShard) -> Tensor:
+    """``value``, an optimizer state of an expert shard that is no scalar, checked to be one
+    block per local expert (see :func:`_optimizer_state`)."""
+    from torch.distributed.tensor import DTensor
+
+    if value.shape == shard.param.shape:
+        return value
+    if not isinstance(value, DTensor) and value.shape[0] == shard.param.shape[0]:
+        return value
+    raise ValueError(f"mc2.checkpoint: optimizer state {key} of shape {tuple(value.shape)} "
+                     f"leads with neither the expert count of its parameter "
+                     f"{tuple(shard.param.shape)} nor is it a scalar: which expert each part "
+                     "belongs to is unknown, so it cannot move between layouts")
 
 
 def save(model: nn.Module, path: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None = None, extra: Any = None) -> None:
     """Write ``model`` (and ``optimizer``) to the folder ``path``; every rank calls it.
+
+    Written to ``<path>.partial`` first (every rank its shard, then DCP's ``.metadata``), then
+    published by rank 0 with a rename, replacing what ``path`` held: a save killed at any
+    moment leaves ``path`` as it was, or the new checkpoint complete. Before, DCP wrote over
+    ``path`` in place, and a kill there left the old ``.metadata`` vouching for a mix of two
+    saves, which loaded without an error (seen: experts of both steps within one tensor).
 
     Args:
         extra: JSON-serialisable values to keep with the checkpoint (a step count, a loss
@@ -155,7 +182,38 @@ def save(model: nn.Module, path: str | os.PathLike, *,
         state.update({OPTIMIZER_PREFIX + k: v
                       for k, v in _optimizer_state(model, optimizer)[0].items()})
     state[EXTRA_KEY] = io.BytesIO(_extra_bytes(extra))
-    _dcp("save", state, path)
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    _by_rank_zero(lambda: shutil.rmtree(partial, ignore_errors=True))  # a killed save's
+    _dcp("save", state, partial)
+    _barrier()
+    if delay := debug_save_delay():  # a test, or a rehearsal, kills the job here
+        time.sleep(delay)
+    _by_rank_zero(lambda: _publish(partial, target))
+
+
+def _barrier() -> None:
+    if initialized():
+        dist.barrier()
+
+
+def _by_rank_zero(action: Any) -> None:
+    """``action()`` on rank 0 (the process, without ``torch.distributed``), every rank
+    waiting for it."""
+    if not initialized() or dist.get_rank() == 0:
+        action()
+    _barrier()
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """``partial`` renamed to ``target``; an old ``target`` set aside first and removed
+    after (a kill between the renames leaves no ``target``: a load then fails, loudly)."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(partial, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _extra_bytes(extra: Any) -> bytes:
@@ -188,7 +246,9 @@ def load(model: nn.Module, path: str | os.PathLike, *,
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        KeyError: the checkpoint lacks optimizer state but ``optimizer`` was passed.
+        KeyError: the checkpoint lacks optimizer state but ``optimizer`` was passed, or holds
+            model entries the model does not have (a deeper model's layers, a buffer the
+            model lacks: silently left out before), or the model has entries it lacks.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -197,6 +257,11 @@ def load(model: nn.Module, path: str | os.PathLike, *,
 
     saved = saved_keys(path)
     model_state, model_own = _model_state(model)
+    unexpected = sorted(k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)
+                        and k[len(MODEL_PREFIX):] not in model_state)
+    if unexpected:
+        raise KeyError(f"{path} holds {len(unexpected)} model entries this model does not "
+                       f"have, e.g. {unexpected[:3]} (another architecture or depth)")
     state: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in model_state.items()}
     if optimizer is not None:
         if not any(k.startswith(OPTIMIZER_PREFIX) for k in saved):

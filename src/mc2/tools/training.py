@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import sysconfig
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -116,40 +115,32 @@ def _model(cfg: TrainConfig):
 
 
 def _checkpoints(cfg: TrainConfig) -> list[Path]:
-    """Published checkpoint folders, oldest first. A save writes ``step-N.partial`` and renames
-    it only when every rank's shard and DCP's ``.metadata`` are on disk."""
+    """Published checkpoint folders, oldest first, by step number (by name, step 1000000 came
+    before 999999). A save writes ``step-N.partial`` and renames it only when every rank's
+    shard and DCP's ``.metadata`` are on disk (``mc2.checkpoint.save``)."""
     assert cfg.checkpoint_dir is not None
     root = Path(cfg.checkpoint_dir)
-    return sorted(p for p in root.glob("step-*")
-                  if p.name[5:].isdigit() and (p / ".metadata").is_file())
+    return sorted((p for p in root.glob("step-*")
+                   if p.name[5:].isdigit() and (p / ".metadata").is_file()),
+                  key=lambda p: int(p.name[5:]))
 
 
 def _save(model: Any, opt: Any, cfg: TrainConfig, step: int, history: dict[str, list]) -> None:
-    """Write, then publish by rename; the last good checkpoint stays until the new one is.
+    """Write, then publish by rename (``mc2.checkpoint.save``); the last good checkpoint stays
+    until the new one is, and all but the last two published go.
 
     A kill at any moment leaves either the previous published checkpoints alone or the new one
     complete: ``--resume`` never sees half a checkpoint.
     """
     import shutil
 
-    from mc2.engine.transport.env import debug_save_delay
     from mc2.parallel import checkpoint
 
     assert cfg.checkpoint_dir is not None
-    root = Path(cfg.checkpoint_dir)
-    final, partial = root / f"step-{step:06d}", root / f"step-{step:06d}.partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a killed save
-    dist.barrier()
-    checkpoint.save(model, partial, optimizer=opt,
+    final = Path(cfg.checkpoint_dir) / f"step-{step:06d}"  # replaced if a resume went back
+    checkpoint.save(model, final, optimizer=opt,
                     extra={"step": step, **history, "config": asdict(cfg)})
-    dist.barrier()
-    if delay := debug_save_delay():
-        time.sleep(delay)
     if dist.get_rank() == 0:
-        if final.exists():  # a step saved before a resume that went back further
-            shutil.rmtree(final)
-        os.replace(partial, final)
         for old in _checkpoints(cfg)[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

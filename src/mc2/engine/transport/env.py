@@ -16,9 +16,9 @@
   (handshake, counts exchange, All-to-Alls to itself) instead of computing locally; for a
   device check on a machine with one accelerator (an NCCL world of one exercises the streams,
   the waits and the host reads of the real path). Never needed otherwise.
-* ``MC2_DEBUG_SAVE_DELAY_S=<seconds>``: ``mc2 train`` waits this long between writing a
-  checkpoint and publishing it (the rename), so that a test, or a user rehearsing recovery, can
-  kill the job in the middle of a save. Never needed otherwise.
+* ``MC2_DEBUG_SAVE_DELAY_S=<seconds>``: ``mc2.checkpoint.save`` (and so ``mc2 train``) waits
+  this long between writing a checkpoint and publishing it (the rename), so that a test, or a
+  user rehearsing recovery, can kill the job in the middle of a save. Never needed otherwise.
 """
 
 from __future__ import annotations

@@ -1,0 +1,119 @@
+"""Checkpoints that cannot load wrong: a save that dies leaves the old one whole, a
+checkpoint of another model is refused, an optimizer's per-expert state follows its expert
+whatever its shape, and ``mc2 train`` orders its checkpoints by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint.api
+
+import mc2
+import mc2.checkpoint
+from mc2.parallel import checkpoint
+
+
+def _stack(layers: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(mc2.MoELayer(8, 12, 4, topk=2) for _ in range(layers)))
+
+
+def test_a_save_that_dies_leaves_the_last_checkpoint_as_it_was(tmp_path, monkeypatch) -> None:
+    """The second save writes its data, then dies before its metadata is its own (as a kill
+    of some ranks leaves it: the old ``.metadata`` beside new shards). It wrote to
+    ``<path>.partial``, so ``path`` still loads the first save, every tensor equal. Before,
+    DCP wrote over ``path`` in place and that mix loaded without an error."""
+    path = tmp_path / "ckpt"
+    model = _stack(2)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    mc2.checkpoint.save(model, path, extra={"step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    real = checkpoint._dcp
+
+    def dies(what: str, state: dict, where: Path) -> None:
+        metadata = Path(where) / ".metadata"
+        old = metadata.read_bytes() if metadata.is_file() else None
+        real(what, state, where)  # the shards written
+        if old is not None:
+            metadata.write_bytes(old)  # the metadata not yet replaced
+        raise KeyboardInterrupt  # killed
+
+    monkeypatch.setattr(checkpoint, "_dcp", dies)
+    with pytest.raises(KeyboardInterrupt):
+        mc2.checkpoint.save(model, path, extra={"step": 2})
+    monkeypatch.undo()
+    fresh = _stack(2, seed=1)
+    assert mc2.checkpoint.load(fresh, path) == {"step": 1}
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, first[name], rtol=0, atol=0)
+    # the next save publishes over it, and leaves nothing beside it
+    mc2.checkpoint.save(model, path, extra={"step": 2})
+    assert mc2.checkpoint.load(fresh, path) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_checkpoint_with_entries_the_model_lacks_is_refused(tmp_path) -> None:
+    """A 3-layer checkpoint into a 2-layer model: before, the third layer's entries were
+    left out silently."""
+    mc2.checkpoint.save(_stack(3), tmp_path / "deep")
+    with pytest.raises(KeyError, match="does not have"):
+        mc2.checkpoint.load(_stack(2), tmp_path / "deep")
+    # and the reverse, DCP's error, as before
+    with pytest.raises(torch.distributed.checkpoint.api.CheckpointException):
+        mc2.checkpoint.load(_stack(4), tmp_path / "deep")
+
+
+def factored_state(rank: int, world: int, path: str) -> dict[str, Any]:
+    """An EP-2 stack trained three steps with Adafactor (its moments of an expert tensor are
+    ``[L, R, 1]`` and ``[L, 1, C]``, not shaped like it), saved, and loaded at the same
+    layout into a fresh model and optimizer: whether every state tensor came back, and
+    which of the experts' moments are not zero."""
+    model = _stack(2)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):  # its first step leaves the moments zero (its decay starts at 1)
+        opt.zero_grad()
+        model(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+    mc2.checkpoint.save(model, path, optimizer=opt)
+    fresh = _stack(2, seed=1)
+    again = torch.optim.Adafactor(fresh.parameters(), lr=1e-2)
+    mc2.checkpoint.load(fresh, path, optimizer=again)
+    names = dict(zip(model.parameters(), (n for n, _ in model.named_parameters())))
+    found, moving = {}, set()
+    for (p, state), q in zip(opt.state.items(), fresh.parameters()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                found[f"{names[p]}.{key}"] = torch.equal(value, again.state[q][key])
+                if "experts" in names[p] and value.dim() and bool((value != 0).any()):
+                    moving.add(f"{names[p]}.{key}")  # moments that differ between ranks
+    return {"same": found, "moving": sorted(moving)}
+
+
+def test_an_optimizers_per_expert_state_follows_its_expert_whatever_its_shape(tmp_path) -> None:
+    """Adafactor's factored moments of the experts, 2 ranks: each rank's come back. Before,
+    state not shaped like its parameter was written as replicated, one rank's copy for
+    both, and the other rank loaded its peer's experts' moments."""
+    for found in mc2.run_local(factored_state, 2, args=(str(tmp_path / "c"),), timeout_s=120):
+        assert any("row_var" in k for k in found["moving"]), found
+        same = found["same"]
+        assert all(same.values()), [k for k, equal in same.items() if not equal]
+
+
+def test_mc2_train_orders_its_checkpoints_by_step(tmp_path) -> None:
+    """By name, ``step-1000000`` came before ``step-999999``: ``--resume`` took the older,
+    and keeping the last two deleted the newest."""
+    from mc2.tools.training import TrainConfig, _checkpoints
+
+    for step in (999998, 999999, 1000000):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"")
+    (tmp_path / "step-1000001.partial").mkdir()  # never published: not listed
+    names = [p.name for p in _checkpoints(TrainConfig(checkpoint_dir=str(tmp_path)))]
+    assert names == ["step-999998", "step-999999", "step-1000000"]
