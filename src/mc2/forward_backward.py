@@ -115,7 +115,8 @@ def _unpairable(model: nn.Module) -> str | None:
 
 
 def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: int, *,
-                     paired: Callable[[], T], sequential: Callable[[], T]) -> T:
+                     paired: Callable[[], T], sequential: Callable[[], T],
+                     agreed: bool = False) -> T:
     """``paired()`` or ``sequential()`` (one step of ``count`` micro-batches), as the model's
     decision for ``overlap`` says: ``True`` pairs, ``False`` does not, ``"auto"`` times its
     first steps both ways (agreed on ``group``) and keeps the faster. A framework's own
@@ -125,8 +126,10 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
     ``all_reduce``): a rank with another count (an epoch's last step, shorter on some ranks)
     or another mode issues other collectives than its peers, so the step hung until the
     group's timeout paired, or, sequential, one rank's micro-batches silently joined another
-    step. A ``ValueError`` on every rank names the difference instead."""
-    _agree_step(count, overlap, group)
+    step. A ``ValueError`` on every rank names the difference instead (``agreed``: the
+    caller agreed them already, :func:`agree_step`)."""
+    if not agreed:
+        agree_step(count, overlap, group)
     decision = _decision(model, overlap, group)
     pairs = count > 1 and decision.wanted(2, 1)
     run, trials = paired if pairs else sequential, decision.now()
@@ -139,7 +142,7 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
     return out
 
 
-def _agree_step(count: int, overlap: bool | str, group: Any) -> None:
+def agree_step(count: int, overlap: bool | str, group: Any) -> None:
     """Raise on every rank of ``group`` where its ranks differ in ``count`` or ``overlap``."""
     mode = _MODES[overlap]
     high = host_max([count, -count, mode, -mode], group, "pairing")

@@ -33,7 +33,7 @@ import torch
 from mc2.engine.autograd.pairing import run_pairs
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import say_once
-from mc2.forward_backward import decided_schedule
+from mc2.forward_backward import agree_step, decided_schedule
 from mc2.parallel.layer_gather import fsdp_units
 
 from megatron.core import parallel_state
@@ -120,8 +120,10 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
         data_iterator = data_iterator[0]
     config = get_model_config(model)
     count = kwargs["num_microbatches"]
-    if kwargs.get("forward_only") or getattr(config, "hybrid_context_parallel", False) or (
-            count < 2 and not config.overlap_moe_expert_parallel_comm):
+    if kwargs.get("forward_only") or getattr(config, "hybrid_context_parallel", False):
+        return megatrons(**kwargs)
+    agree_step(count, overlap, None)  # a rank of 1 micro-batch beside one of 2 too
+    if count < 2 and not config.overlap_moe_expert_parallel_comm:
         return megatrons(**kwargs)
     if overlap is not False and (why := unpaired_sharding(model) or unpaired_config(config)):
         if overlap is True:  # every rank alike: every rank runs the same model
@@ -166,7 +168,8 @@ def _forward_backward(kwargs: dict[str, Any], overlap: bool | str) -> list[Any]:
                 backward(forward(i))
         backward(forward(count - 1))
 
-    decided_schedule(model, overlap, None, count, paired=paired, sequential=sequential)
+    decided_schedule(model, overlap, None, count, paired=paired, sequential=sequential,
+                     agreed=True)
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], tokens[0] if config.calculate_per_token_loss else None,

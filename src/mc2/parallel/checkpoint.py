@@ -27,8 +27,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mc2.engine.transport.comm import initialized
-from mc2.engine.transport.env import debug_save_delay
+from mc2.parallel.checkpoint_publish import published
 from mc2.parallel.expert_shards import ExpertShard, expert_shards
 
 EXTRA_KEY = "mc2.extra"
@@ -84,12 +82,14 @@ def _dp_sharded_mesh(shard: ExpertShard, dp_mesh: Any) -> tuple[Any, list[Any]]:
     return swapped, [Shard(0), Shard(0)]
 
 
-def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any]) -> Any:
+def _as_global(tensor: Tensor, shard: ExpertShard, meshes: dict[Any, Any],
+               leading: int | None = None) -> Any:
     """``tensor`` (shaped like this rank's shard, plain or FSDP2's DTensor over ``dp``) as a
-    DTensor of the full expert tensor, sharing its storage."""
+    DTensor of the full expert tensor, sharing its storage; ``leading``: the full tensor's
+    first dimension where it is not the expert count (a block per EP rank)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    full_shape = (shard.num_experts, *tensor.shape[1:])
+    full_shape = (leading or shard.num_experts, *tensor.shape[1:])
     fsdp = isinstance(tensor, DTensor)  # fully_shard: this rank holds a dp chunk of its block
     if fsdp and tuple(tensor.placements) != (Shard(0),):
         raise ValueError(f"{shard.name}: expected FSDP's Shard(0) over 'dp', got "
@@ -123,9 +123,10 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     moments sharded like the expert. ``get_optimizer_state_dict`` initialises empty state, so
     the keys exist to load into. An expert's state is sharded by expert wherever it leads
     with the rank's expert count, whatever its other dimensions (Adafactor's factored
-    moments ``[L, R, 1]``, ``[L, 1, C]``): kept as a replicated tensor, one rank's copy was
-    written for all (loaded at the same layout, experts 0-3 took 4-7's moments). A scalar (a
-    step count) is replicated; any other shape is refused, its expert unknown."""
+    moments ``[L, R, 1]``, ``[L, 1, C]``), else kept as one block per EP rank
+    (:func:`_leading`): kept as a replicated tensor, one rank's copy was written for all
+    (loaded at the same layout, experts 0-3 took 4-7's moments). A scalar (a step count) is
+    replicated."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -140,23 +141,28 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
             prefix = f"state.{shard.name}."
             for key, value in own.items():
                 if key.startswith(prefix) and isinstance(value, Tensor) and value.dim():
-                    state[key] = _as_global(_per_expert(key, value, shard), shard, meshes)
+                    state[key] = _as_global(value, shard, meshes, _leading(key, value, shard))
     return state, own
 
 
-def _per_expert(key: str, value: Tensor, shard: ExpertShard) -> Tensor:
-    """``value``, an optimizer state of an expert shard that is no scalar, checked to be one
-    block per local expert (see :func:`_optimizer_state`)."""
+def _leading(key: str, value: Tensor, shard: ExpertShard) -> int | None:
+    """The first dimension of the full tensor of ``value``, a non-scalar optimizer state of an
+    expert shard: the expert count where it leads with the rank's experts (``None``), else
+    one block per EP rank, ``value.shape[0]`` each. Such a block (Adafactor's column moments
+    of a 2-D expert tensor ``[L, C]`` are ``[1, C]``, a mean over the rank's experts) is
+    the rank's own at the same expert-parallel size; at another, its full tensor's shape
+    differs and the load fails, naming it, since its experts cannot be told apart."""
     from torch.distributed.tensor import DTensor
 
     if value.shape == shard.param.shape:
-        return value
-    if not isinstance(value, DTensor) and value.shape[0] == shard.param.shape[0]:
-        return value
-    raise ValueError(f"mc2.checkpoint: optimizer state {key} of shape {tuple(value.shape)} "
-                     f"leads with neither the expert count of its parameter "
-                     f"{tuple(shard.param.shape)} nor is it a scalar: which expert each part "
-                     "belongs to is unknown, so it cannot move between layouts")
+        return None
+    local = shard.param.shape[0]
+    if isinstance(value, DTensor):
+        raise ValueError(f"mc2.checkpoint: optimizer state {key} of shape {tuple(value.shape)} "
+                         f"is sharded by FSDP but not shaped like its parameter "
+                         f"{tuple(shard.param.shape)}: which expert each part belongs to is "
+                         "unknown")
+    return None if value.shape[0] == local else value.shape[0] * (shard.num_experts // local)
 
 
 def save(model: nn.Module, path: str | os.PathLike, *,
@@ -164,10 +170,10 @@ def save(model: nn.Module, path: str | os.PathLike, *,
     """Write ``model`` (and ``optimizer``) to the folder ``path``; every rank calls it.
 
     Written to ``<path>.partial`` first (every rank its shard, then DCP's ``.metadata``), then
-    published by rank 0 with a rename, replacing what ``path`` held: a save killed at any
-    moment leaves ``path`` as it was, or the new checkpoint complete. Before, DCP wrote over
-    ``path`` in place, and a kill there left the old ``.metadata`` vouching for a mix of two
-    saves, which loaded without an error (seen: experts of both steps within one tensor).
+    published with a rename, replacing what ``path`` held
+    (:mod:`mc2.parallel.checkpoint_publish`): a save killed while it writes leaves ``path`` as
+    it was; one killed between the renames leaves the new checkpoint whole beside it, which
+    the next save publishes first.
 
     Args:
         extra: JSON-serialisable values to keep with the checkpoint (a step count, a loss
@@ -182,38 +188,7 @@ def save(model: nn.Module, path: str | os.PathLike, *,
         state.update({OPTIMIZER_PREFIX + k: v
                       for k, v in _optimizer_state(model, optimizer)[0].items()})
     state[EXTRA_KEY] = io.BytesIO(_extra_bytes(extra))
-    target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    _by_rank_zero(lambda: shutil.rmtree(partial, ignore_errors=True))  # a killed save's
-    _dcp("save", state, partial)
-    _barrier()
-    if delay := debug_save_delay():  # a test, or a rehearsal, kills the job here
-        time.sleep(delay)
-    _by_rank_zero(lambda: _publish(partial, target))
-
-
-def _barrier() -> None:
-    if initialized():
-        dist.barrier()
-
-
-def _by_rank_zero(action: Any) -> None:
-    """``action()`` on rank 0 (the process, without ``torch.distributed``), every rank
-    waiting for it."""
-    if not initialized() or dist.get_rank() == 0:
-        action()
-    _barrier()
-
-
-def _publish(partial: Path, target: Path) -> None:
-    """``partial`` renamed to ``target``; an old ``target`` set aside first and removed
-    after (a kill between the renames leaves no ``target``: a load then fails, loudly)."""
-    old = target.with_name(target.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(partial, target)
-    shutil.rmtree(old, ignore_errors=True)
+    published(path, lambda folder: _dcp("save", state, folder))
 
 
 def _extra_bytes(extra: Any) -> bytes:
@@ -257,8 +232,8 @@ def load(model: nn.Module, path: str | os.PathLike, *,
 
     saved = saved_keys(path)
     model_state, model_own = _model_state(model)
-    unexpected = sorted(k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)
-                        and k[len(MODEL_PREFIX):] not in model_state)
+    unexpected = _unexpected([k[len(MODEL_PREFIX):] for k in saved
+                              if k.startswith(MODEL_PREFIX)], model, model_state)
     if unexpected:
         raise KeyError(f"{path} holds {len(unexpected)} model entries this model does not "
                        f"have, e.g. {unexpected[:3]} (another architecture or depth)")
@@ -276,6 +251,19 @@ def load(model: nn.Module, path: str | os.PathLike, *,
             model, optimizer, _as_loaded(optim_state, optim_own, state, OPTIMIZER_PREFIX),
             options=StateDictOptions(flatten_optimizer_state_dict=True))
     return _extra_of(state[EXTRA_KEY].getvalue(), path)
+
+
+def _unexpected(saved: list[str], model: nn.Module, known: dict[str, Any]) -> list[str]:
+    """The saved model entries ``model`` has no place for: neither its entries, nor inside
+    one of them (DCP flattens a module's dict ``_extra_state`` to ``..._extra_state.n``), nor
+    its non-persistent buffers (a buffer saved while it was persistent)."""
+    buffers = {name for name, _ in model.named_buffers()}
+
+    def placed(key: str) -> bool:
+        return key in known or key in buffers or any(
+            key[:i] in known for i, c in enumerate(key) if c == ".")
+
+    return sorted(k for k in saved if not placed(k))
 
 
 def _as_loaded(for_dcp: dict[str, Any], own: dict[str, Any], loaded: dict[str, Any],
