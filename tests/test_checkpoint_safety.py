@@ -224,3 +224,26 @@ def test_a_step_failing_on_rank_zero_raises_on_every_rank(tmp_path) -> None:
     got = mc2.run_local(failing_publish, 2, args=(str(tmp_path / "c"),), timeout_s=60)
     assert got[0] == "PermissionError: renames refused here", got
     assert got[1] is not None and "another rank failed to publish" in got[1], got
+
+
+def node_local_save(rank: int, world: int, base: str) -> dict[str, list[str]]:
+    """Each rank a node of its own with a disk of its own (its own working folder, a relative
+    ``path``): saved twice; what each node's folder then holds."""
+    import os
+
+    node = Path(base) / f"node{rank}"
+    node.mkdir(parents=True, exist_ok=True)
+    os.chdir(node)
+    for step in (1, 2):
+        mc2.checkpoint.save(_stack(1), "ckpt", extra={"step": step})
+    return {p.name: sorted(q.name for q in p.iterdir()) for p in node.iterdir()}
+
+
+def test_nodes_with_disks_of_their_own_each_publish_their_shards(tmp_path) -> None:
+    """Rank 0's node holds the metadata and its shard, the other node its shard, both under
+    ``ckpt`` (before, the other node's stayed in ``ckpt.partial``, which a later copy of the
+    folders together would miss)."""
+    got = mc2.run_local(node_local_save, 2, args=(str(tmp_path),), ranks_per_node=1,
+                        timeout_s=60)
+    assert got[0] == {"ckpt": [".metadata", "__0_0.distcp"]}, got
+    assert got[1] == {"ckpt": ["__1_0.distcp"]}, got
