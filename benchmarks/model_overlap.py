@@ -277,8 +277,7 @@ def main() -> int:
                         help="decoder layers (the fill and drain of batch overlap's passes are "
                              "paid once per pass, so their share falls with depth)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"modes to run, from {MODES}; batch3, batch4, ... (batch "
-                             "overlap with that many micro-batches); serial is needed for the bound")
+                        help=f"modes to run, from {MODES}; serial is needed for the bound")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--breakdown", action="store_true",
                         help="print where each mode's step time goes, pass by pass "

@@ -100,3 +100,9 @@ def test_bench_times_each_wire_format(tmp_path, capsys) -> None:
 def test_bench_refuses_a_bad_wire_format_in_one_line(args, message, capsys) -> None:
     code, _, stderr = _cli(["bench", *args], capsys)
     assert code == 2 and message in stderr and "Traceback" not in stderr
+
+
+def test_the_breakdown_refuses_options_it_would_ignore(capsys) -> None:
+    """Before, ``--breakdown`` ran float32 on the CPU whatever ``--dtype`` said."""
+    code, _, stderr = _cli(["bench", "--breakdown", "--dtype", "bfloat16"], capsys)
+    assert code != 0 and "--dtype not supported with --breakdown" in stderr, stderr

@@ -98,3 +98,28 @@ def test_gantt_png_is_written(runs, tmp_path) -> None:
 
     path = plot_gantt(runs, tmp_path / "g.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_metrics_count_what_falls_inside_the_marked_steps_once() -> None:
+    """A 2 s wait inside a 10 s step, beside a warm-up's wait outside it and a second
+    thread's wait overlapping the first: comm share 0.2 (before: the warm-up's counted over
+    the step's window, and overlapping waits twice: 0.70)."""
+    from mc2.observation.timeline import Span
+
+    spans = [Span("step", "step", "forward", -1, 10.0, 20.0),
+             Span("wait", "dispatch", "forward", 0, 12.0, 14.0),
+             Span("wait", "dispatch", "forward", 1, 13.0, 14.0),  # the other thread's
+             Span("wait", "warm-up", "forward", 0, 0.0, 3.0),
+             Span("compute", "experts", "forward", 0, 14.0, 19.0)]
+    m = metrics_of(spans)
+    assert m.step_s == 10.0 and m.exposed_comm_s == 2.0 and m.comm_share == 0.2
+    assert m.compute_s == 5.0
+
+
+def test_the_bench_reports_the_slowest_ranks_row_whole() -> None:
+    """Step, exposed communication and compute of one rank, the slowest: a maximum field by
+    field paired the slow rank's step with the waiting rank's exposed communication."""
+    from mc2.tools.bench import slowest_row
+
+    busy, waiting = [127.6, 11.3, 112.7], [114.6, 56.9, 54.0]
+    assert slowest_row([busy, waiting]) == busy and slowest_row([waiting, busy]) == busy

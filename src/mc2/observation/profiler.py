@@ -64,19 +64,31 @@ def union_length(intervals: Sequence[tuple[float, float]]) -> float:
 
 
 def metrics_of(spans: Sequence[Span], *, tokens: int = 0, steps: int = 1) -> RankMetrics:
-    """Metrics of one rank's spans; ``steps`` divides the totals into per-step values."""
+    """Metrics of one rank's spans; ``steps`` divides the totals into per-step values. Where
+    steps are marked, only what falls inside them counts (before, a warm-up's spans outside
+    them were counted over the marked window: a 2 s wait in a 10 s step beside a warm-up gave
+    a comm share of 0.70), and exposed communication is the union of the waits, not their
+    sum (two threads' overlapping waits block the rank once)."""
     work = [s for s in spans if s.kind != "step"]
-    marked = [s for s in spans if s.kind == "step"]
+    marked = [(s.start, s.end) for s in spans if s.kind == "step"]
     if marked:
-        window = sum(s.duration for s in marked)
+        window = sum(end - start for start, end in marked)
         steps = len(marked)
     elif work:
         window = max(s.end for s in work) - min(s.start for s in work)
     else:
         window = 0.0
-    comm = union_length([(s.start, s.end) for s in work if s.kind in ("comm", "transfer")])
-    exposed = sum(s.duration for s in work if s.kind in ("comm", "wait"))
-    compute = sum(s.duration for s in work if s.kind == "compute")
+
+    def inside(kinds: tuple[str, ...]) -> list[tuple[float, float]]:
+        got = [(s.start, s.end) for s in work if s.kind in kinds]
+        if not marked:
+            return got
+        return [(max(a, start), min(b, end)) for a, b in got for start, end in marked
+                if min(b, end) > max(a, start)]
+
+    comm = union_length(inside(("comm", "transfer")))
+    exposed = union_length(inside(("comm", "wait")))
+    compute = sum(b - a for a, b in inside(("compute",)))
     step = window / steps if steps else 0.0
     return RankMetrics(
         step_s=step, comm_s=comm / steps, exposed_comm_s=exposed / steps,

@@ -143,6 +143,18 @@ def _run(args: argparse.Namespace, base: BenchConfig, title: str,
 def _breakdown(args: argparse.Namespace, cfg: BenchConfig) -> int:
     from mc2.tools.breakdown import BreakdownConfig, format_breakdown, run_breakdown
 
+    plain = BenchConfig()
+    ignored = [flag for flag, mine, default in (
+        ("--dtype", cfg.dtype, plain.dtype), ("--device", cfg.device, plain.device),
+        ("--wire-dtype", cfg.wire_dtypes, plain.wire_dtypes), ("--dedup", cfg.dedups,
+                                                                plain.dedups))
+        if mine != default]
+    if ignored:  # the breakdown's model runs float32 on the CPU, plain wire, no dedup
+        print(f"mc2 bench --breakdown: {', '.join(ignored)} not supported with --breakdown "
+              "(its model runs float32 on the CPU, rows in their dtype, once per expert); "
+              "leave them out", file=sys.stderr)
+        return 2
+
     seq = min(128, max(cfg.tokens_per_rank, 1))
     bcfg = BreakdownConfig(batch=max(1, cfg.tokens_per_rank // seq), seq=seq, hidden=cfg.hidden,
                            ffn=cfg.ffn, experts=cfg.experts, topk=cfg.topk,
