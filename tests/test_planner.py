@@ -428,3 +428,25 @@ def test_the_link_probe_stays_inside_its_byte_budget(monkeypatch) -> None:
     seen.clear()
     probe.link(64, most=256)  # the quick stage: its 64 rows, growing to 4x at the most
     assert seen == [(1, 64, 73)]  # 73 rows: the budget, below 256
+
+
+
+def test_calibration_leaves_the_callers_random_numbers_as_they_were() -> None:
+    """The planner's calibration draws random rows (and a module stage's own dropout would
+    draw), as does the GEMM strategy's trial: on forked generators now. Before, ``"auto"``
+    moved the caller's stream by a timing-dependent number of draws, so dropout after a call
+    differed from a fixed K's, between runs and between ranks (seen on 2 ranks)."""
+    from mc2.engine.compute.experts import ExpertWeights
+    from mc2.engine.decide.gemm_strategy import _time_step
+    from mc2.engine.decide.planner import Planner
+
+    g = torch.Generator().manual_seed(0)
+    weights = ExpertWeights.in_order((torch.randn(2, 16, 8, generator=g),
+                                      torch.randn(2, 16, 8, generator=g),
+                                      torch.randn(2, 8, 16, generator=g)))
+    torch.manual_seed(1234)
+    want = torch.rand(4)
+    torch.manual_seed(1234)
+    Planner(repeats=2)._measure(weights, None, "loop", full=False)
+    _time_step(weights, "loop", 32)
+    assert torch.equal(torch.rand(4), want)

@@ -23,6 +23,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from mc2.device.rng import kept_rng
 from mc2.device.clock import clock_for
 from mc2.device.per_device import device_state
 from mc2.device.streams import full_device
@@ -74,7 +75,8 @@ def _time_step(weights: ExpertWeights, strategy: str, rows: int) -> float:
     local = weights.local_experts
     counts = [rows // local] * local
     ends = upload(list(itertools.accumulate(counts)), weights.device, torch.int32)
-    x = torch.randn(sum(counts), weights.hidden, dtype=weights.dtype, device=weights.device)
+    with kept_rng(weights.device):  # its draws are not the caller's
+        x = torch.randn(sum(counts), weights.hidden, dtype=weights.dtype, device=weights.device)
 
     def step() -> None:
         forward_and_backward(x, counts, weights, strategy=strategy, offsets=ends)

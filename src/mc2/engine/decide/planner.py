@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mc2.device.rng import kept_rng
 from mc2.device import streams
 from mc2.device.clock import Interval, clock_for
 from mc2.engine.transport.comm import all_reduce_max, all_to_all_rows, barrier, group_key, group_size
@@ -799,8 +800,9 @@ class Planner:
         key = ("codec", wire.dispatch.code, wire.combine.code, weights.hidden, weights.dtype,
                weights.device.type, group_key(group))
         if key not in self._codec:
-            local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
-                                   self.repeats)
+            with kept_rng(weights.device):
+                local = _measure_codec(wire, weights.hidden, weights.dtype, weights.device,
+                                       self.repeats)
             value = upload([local], weights.device, torch.float64)
             self._codec[key] = read(all_reduce_max(value, group))[0]
         return self._codec[key]
@@ -819,7 +821,7 @@ class Planner:
         one = weights.for_calibration()
         probe = _Probe(one, strategy, group, self.repeats)
         expert_rows, peer_rows = sizes if full else (32, 64)
-        with torch.no_grad():
+        with torch.no_grad(), kept_rng(one.device):  # its draws are not the caller's
             probe.expert_step(4)  # warm-up
             fixed, per_row = probe.resolved_line(probe.expert_step, 4, expert_rows, float,
                                                  agree=False)
