@@ -90,7 +90,8 @@ class BatchOverlapStack(nn.Module):
         stages = [layer.forward_staged for layer in self.layers]
         return run_layer_loop(
             self.decision, x, plain=lambda: reduce(lambda h, layer: layer(h), self.layers, x),
-            stages=lambda sizes: [stages] * len(sizes), gathers=LayerGathers(self.layers))
+            stages=lambda sizes: [stages] * len(sizes), gathers=LayerGathers(self.layers),
+            layers=self.layers)
 
 
 def hf_layer_stages(layer: nn.Module, hidden_states: Tensor, *, kwargs: dict[str, Any]
@@ -213,7 +214,8 @@ class _Loop:
             self.decision, hidden_states, plain=plain, stages=stages,
             problem=records.problem() or _split_problem(calls, list(caches.values()))
             or _hook_problem(self.layers),
-            gathers=LayerGathers(self.layers), label=partial(_recording, records),
+            gathers=LayerGathers(self.layers), layers=self.layers,
+            label=partial(_recording, records),
             joined=joined)
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mc2.engine.autograd.layer_schedule import LayerGathers, LayerStages, run_overlapped
 from mc2.engine.autograd.pairing import current_pairing
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import SPLITS, BatchOverlapDecision, timed_forward
+from mc2.engine.decide.config import MC2Config
 
 StageLists = list[list[Callable[[Tensor], LayerStages]]]
 """Per micro-batch, its layers as ``h -> stages`` (the same layers, its own arguments)."""
@@ -44,9 +45,29 @@ def split_value(value: Any, batch: int, sizes: Sequence[int], dim: int = 0) -> l
     return [value] * len(sizes)
 
 
+def capacity_problem(layers: Sequence[nn.Module], tokens: int) -> str | None:
+    """Why ``tokens`` tokens through ``layers`` cannot be split: a call of theirs in capacity
+    mode with fewer rows a destination than the tokens. Which rows fit its slabs depends on
+    how many tokens each call holds, so a split forward would drop other rows than the
+    unsplit one, and ``"auto"`` would choose results by timing (measured: 12 and 10 rows
+    dropped unsplit, none split, outputs up to 11.9 apart). Where every call's capacity holds
+    the tokens, nothing drops either way. ``None`` where nothing is in capacity mode."""
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            for name in ("config", "mc2_config"):  # MoELayer, HF's block; Megatron's layer
+                config = getattr(module, name, None)
+                if isinstance(config, MC2Config) and config.capacity is not None \
+                        and tokens > config.capacity:
+                    return (f"layer {index} runs mc2 in capacity mode with capacity="
+                            f"{config.capacity} under {tokens} tokens: which rows fit depends "
+                            "on each call's tokens, so a split forward would drop other rows")
+    return None
+
+
 def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable[[], Tensor],
                    stages: Callable[[list[int]], StageLists], batch_dim: int = 0,
                    problem: str | None = None, gathers: LayerGathers | None = None,
+                   layers: Sequence[nn.Module] = (),
                    label: Callable[[int], ContextManager[None]] = micro_batch_label,
                    joined: Callable[[], None] | None = None) -> Tensor:
     """One forward of a layer loop on its input ``x`` (``[..., H]``, the batch along
@@ -57,6 +78,8 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
         plain: the layers one after the other, as the framework runs them.
         stages: each micro-batch's layers in stages, for the given sequences per micro-batch.
         problem: why the framework cannot split this forward (said once), if it cannot.
+        layers: the layers, whose calls in capacity mode may forbid a split
+            (:func:`capacity_problem`).
         gathers: the layers' FSDP2 units, gathered and freed at the schedule's points.
         label: the context each micro-batch's parts run in (its trace label, and what else
             the framework keeps per micro-batch).
@@ -67,7 +90,8 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
         # under forward_backward: the layers whole, as the framework runs them; their eager
         # calls pair between their own steps (mc2.engine.autograd.function)
         return plain()
-    overlapped = decision.wanted(batch, x.numel() // x.shape[-1], problem)
+    tokens = x.numel() // x.shape[-1]
+    overlapped = decision.wanted(batch, tokens, problem or capacity_problem(layers, tokens))
 
     def split() -> Tensor:
         sizes = split_sizes(batch)

@@ -140,7 +140,8 @@ def _run_block(decision: BatchOverlapDecision, x: Tensor,
     layers = [layer for layer, _ in calls]
     _refuse_layer_hooks(layers)
     return run_layer_loop(decision, x, plain=plain, stages=stages, batch_dim=1,
-                          problem=_forward_problem(calls[0][1]) or _mlp_hook_problem(layers))
+                          problem=_forward_problem(calls[0][1]) or _mlp_hook_problem(layers),
+                          layers=layers)
 
 
 def is_param_gather_hook(hook: Any) -> bool:

@@ -197,8 +197,9 @@ def _run_layers(x: Tensor, calls: list[tuple[Any, tuple[Any, Tensor | None]]]) -
         return [[partial(titan_layer_stages, block, masks=masks_split[i], positions=pos[i])
                  for block, _ in calls] for i in range(len(sizes))]
 
+    blocks = [block for block, _ in calls]
     return run_layer_loop(decision, x, plain=plain, stages=stages, problem=problem,
-                          gathers=LayerGathers([block for block, _ in calls]))
+                          gathers=LayerGathers(blocks), layers=blocks)
 
 
 class _OverlapBlock:
