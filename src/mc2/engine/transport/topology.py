@@ -16,7 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mc2.engine.transport.comm import gather_objects, group_rank, group_size, member_groups
+from mc2.engine.transport.comm import (
+    gather_objects, group_rank, group_size, host_max, member_groups
+)
 from mc2.engine.transport.group_state import group_state
 
 
@@ -80,15 +82,21 @@ class Topology:
 
 
 def discover(group: Any = None) -> Topology:
-    """The node layout of ``group`` (a collective unless the environment says it)."""
+    """The node layout of ``group``: from ``LOCAL_WORLD_SIZE`` where every rank's says the
+    same (agreed: host numbers, one ``all_reduce``), else from the hosts' names. torchrun sets
+    it per node, so nodes of different sizes differ; before, the ranks whose value did not
+    divide the world gathered names while the others went on to their dispatch, and every
+    rank waited out the group's timeout."""
     world, rank = group_size(group), group_rank(group)
     if world == 1:
         return Topology([0], 0, "single")
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    global_world = dist.get_world_size()
-    if local and local.isdigit() and int(local) > 0 and global_world % int(local) == 0:
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    size = int(local) if local.isdigit() and int(local) > 0 \
+        and dist.get_world_size() % int(local) == 0 else 0
+    high = host_max([size, -size], group, "topology")
+    if size and high[0] == -high[1]:
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        return Topology([r // int(local) for r in ranks], rank, "env")
+        return Topology([r // size for r in ranks], rank, "env")
     hosts = gather_objects(socket.gethostname(), group)
     order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
     return Topology([order[h] for h in hosts], rank, "hostname")
