@@ -91,7 +91,9 @@ def run_layer_loop(decision: BatchOverlapDecision, x: Tensor, *, plain: Callable
         # calls pair between their own steps (mc2.engine.autograd.function)
         return plain()
     tokens = x.numel() // x.shape[-1]
-    overlapped = decision.wanted(batch, tokens, problem or capacity_problem(layers, tokens))
+    if problem is None and decision.chosen is not False:  # no scan where nothing would split
+        problem = capacity_problem(layers, tokens)
+    overlapped = decision.wanted(batch, tokens, problem)
 
     def split() -> Tensor:
         sizes = split_sizes(batch)
