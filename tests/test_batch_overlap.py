@@ -291,3 +291,19 @@ def test_capacity_mode_that_drops_runs_the_layers_unsplit() -> None:
     for r in mc2.run_local(capacity_stack, 2, args=(10,), timeout_s=120):
         assert r[False, "dropped"] > 0 and r[True, "dropped"] == r[False, "dropped"], r
         assert torch.equal(r[True], r[False])
+
+
+def test_the_capacity_scan_reads_only_mc2s_own_attributes() -> None:
+    """A module of the user's whose ``config`` property raises is not mc2's to read (the scan
+    took any ``config`` and failed every forward there); an MoELayer in capacity mode under
+    more tokens than its capacity is found, under fewer it is not."""
+    from mc2.integrations.layer_loop import capacity_problem
+
+    class Lazy(torch.nn.Module):
+        @property
+        def config(self) -> None:
+            raise RuntimeError("not ready")
+
+    layer = torch.nn.Sequential(Lazy(), mc2.MoELayer(8, 12, 2, topk=1, capacity=4))
+    assert capacity_problem([Lazy()], 64) is None
+    assert "capacity=4" in capacity_problem([layer], 8) and capacity_problem([layer], 4) is None

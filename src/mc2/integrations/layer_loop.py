@@ -55,7 +55,7 @@ def capacity_problem(layers: Sequence[nn.Module], tokens: int) -> str | None:
     for index, layer in enumerate(layers):
         for module in layer.modules():
             for name in ("config", "mc2_config"):  # MoELayer, HF's block; Megatron's layer
-                config = getattr(module, name, None)
+                config = vars(module).get(name)  # a plain attribute: no property of another's
                 if isinstance(config, MC2Config) and config.capacity is not None \
                         and tokens > config.capacity:
                     return (f"layer {index} runs mc2 in capacity mode with capacity="
