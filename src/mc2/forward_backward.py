@@ -28,7 +28,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
-from mc2.engine.transport.comm import host_max
+from mc2.engine.transport.comm import host_ranges
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
 
@@ -144,16 +144,15 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
 
 def agree_step(count: int, overlap: bool | str, group: Any) -> None:
     """Raise on every rank of ``group`` where its ranks differ in ``count`` or ``overlap``."""
-    mode = _MODES[overlap]
-    high = host_max([count, -count, mode, -mode], group, "pairing")
-    if high[0] != -high[1]:
+    (fewest, most), (low, high) = host_ranges([count, _MODES[overlap]], group, "pairing")
+    if fewest != most:
         raise ValueError(f"forward_backward: ranks disagree on the number of micro-batches "
-                         f"(between {int(-high[1])} and {int(high[0])}); every rank must run "
+                         f"(between {int(fewest)} and {int(most)}); every rank must run "
                          "the same number in a step")
-    if high[2] != -high[3]:
+    if low != high:
         names = {code: repr(name) for name, code in _MODES.items()}
         raise ValueError(f"forward_backward: ranks disagree on overlap (between "
-                         f"{names[int(-high[3])]} and {names[int(high[2])]}); every rank must "
+                         f"{names[int(low)]} and {names[int(high)]}); every rank must "
                          "pass the same")
 
 

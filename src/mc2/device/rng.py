@@ -15,11 +15,12 @@ from typing import ContextManager
 
 import torch
 
+from mc2.device.streams import full_device
+
 
 def kept_rng(device: torch.device) -> ContextManager[None]:
     """The CPU generator, and ``device``'s where it is an accelerator, restored on exit."""
-    device = torch.device(device)
+    device = full_device(device)  # an accelerator's index: the current one where unnamed
     if device.type in ("cpu", "meta"):
         return torch.random.fork_rng(devices=[])
-    index = device.index if device.index is not None else torch.accelerator.current_device_index()
-    return torch.random.fork_rng(devices=[index], device_type=device.type)
+    return torch.random.fork_rng(devices=[device.index], device_type=device.type)

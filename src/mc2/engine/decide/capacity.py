@@ -47,6 +47,7 @@ from mc2.engine.decide.dedup import slot_tables as rows_slot_tables
 from mc2.engine.decide.gemm_strategy import grouped_problem
 from mc2.engine.decide.overflow import add_errors
 from mc2.engine.decide.routing import micro_batch_bounds
+from mc2.engine.transport.backend import default_device_type
 from mc2.engine.transport.group_state import group_state
 from mc2.engine.transport.comm import FlatExchange
 
@@ -63,10 +64,7 @@ def dropped_rows(device: torch.device | str | None = None, group: Any = None) ->
     the calls ran, ``None`` for the current accelerator (else the CPU); ``"cuda"`` is the
     current CUDA device, as a call's ``cuda:0`` is (before, a lookup by ``"cuda"``, or the old
     default ``"cpu"`` on a GPU, found a new zero: drops were invisible there)."""
-    if device is None:
-        accelerator = torch.accelerator.current_accelerator(check_available=True)
-        device = "cpu" if accelerator is None else accelerator.type
-    device = full_device(device)
+    device = full_device(default_device_type() if device is None else device)
     counts = group_state(group).of(DroppedRows)
     if device not in counts:  # made once (a zero made at every lookup is an allocation each)
         counts[device] = torch.zeros((), dtype=torch.int64, device=device)

@@ -489,6 +489,14 @@ def host_max(values: Sequence[float], group: Any, operation: str) -> list[float]
     return numbers.tolist()
 
 
+def host_ranges(values: Sequence[float], group: Any, operation: str
+                ) -> list[tuple[float, float]]:
+    """Each value's smallest and largest over the group (one :func:`host_max` of the values
+    and their negations): where they differ, the ranks disagree, and every rank knows it."""
+    high = host_max([*values, *(-v for v in values)], group, operation)
+    return [(-high[len(values) + i], high[i]) for i in range(len(values))]
+
+
 def host_group(group: Any) -> Any:
     """Where :func:`host_max` meets: ``group`` if it carries host memory, else a Gloo group
     over its ranks, made by its members at the first host agreement (which every member

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mc2.engine.transport.comm import (
-    gather_objects, group_rank, group_size, host_max, member_groups
+    gather_objects, group_rank, group_size, host_ranges, member_groups
 )
 from mc2.engine.transport.group_state import group_state
 
@@ -93,8 +93,8 @@ def discover(group: Any = None) -> Topology:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     size = int(local) if local.isdigit() and int(local) > 0 \
         and dist.get_world_size() % int(local) == 0 else 0
-    high = host_max([size, -size], group, "topology")
-    if size and high[0] == -high[1]:
+    ((smallest, largest),) = host_ranges([size], group, "topology")
+    if size and smallest == largest:
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         return Topology([r // size for r in ranks], rank, "env")
     hosts = gather_objects(socket.gethostname(), group)
