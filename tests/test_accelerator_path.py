@@ -39,6 +39,8 @@ BUDGET = {"forward": {"reads": 2, "uploads": 1}, "backward": {"reads": 0, "uploa
 WITH_EXTRA_READ = {"forward": {"reads": 3, "uploads": 1}, "backward": {"reads": 1, "uploads": 0}}
 # capacity mode (MC2Config(capacity=N)): nothing at all, each way
 NOTHING = {"forward": {"reads": 0, "uploads": 0}, "backward": {"reads": 0, "uploads": 0}}
+# ... but under "auto" the first call after the planner locked its K checks the data once
+FIRST_LOCKED = {"forward": {"reads": 1, "uploads": 0}, "backward": {"reads": 0, "uploads": 0}}
 
 
 def _assert_counts(rank: int, name: str, counted: dict, want: dict) -> None:
@@ -69,6 +71,7 @@ def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
         assert set(cases) == names and cases, f"rank {rank} counted {sorted(cases)}"
         for name, c in cases.items():
             want = WITH_EXTRA_READ if "extra read" in name else \
+                FIRST_LOCKED if name == "Kauto capacity" else \
                 NOTHING if "capacity" in name else BUDGET
             _assert_counts(rank, name, c, want)
             if "extra read" in name:  # the one more is the deliberate one, on each side
@@ -76,7 +79,8 @@ def test_two_reads_one_upload_none_in_the_backward(counted) -> None:
                     probe = [w for w in c[phase]["where"] if "workers_accel.py" in w]
                     assert len(probe) == 1, (rank, name, phase, c[phase]["where"])
     if world == 2:
-        assert {"K1", "K4", "K8", "K1 + extra read", "K4 + extra read"} <= names
+        assert {"K1", "K4", "K8", "K1 + extra read", "K4 + extra read",
+                "Kauto capacity, locked"} <= names
     else:
         assert {"K1 2d", "K4 2d"} <= names
 

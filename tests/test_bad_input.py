@@ -44,11 +44,13 @@ def test_bad_input_on_rank1_raises_everywhere(bad: str) -> None:
     ("k", "ranks disagree on the number of micro-batches"),
     ("candidates", "ranks disagree on the largest K"),
     ("fresh", "ranks disagree on the planner's calls on this group"),
+    ("fresh capacity", "ranks disagree on the planner's calls on this group"),
 ])
 def test_planners_that_disagree_raise_everywhere(case: str, message: str) -> None:
     """The K "auto" runs is agreed: in the counts exchange (its header), or, when the planners'
     candidates differ, in the handshake. A fresh planner on one rank ("fresh") would run its
-    calibration collectives while its peer runs the call: the handshake catches it first."""
+    calibration collectives while its peer runs the call: the handshake catches it first, in
+    capacity mode too ("fresh capacity", where Gloo used to abort the process)."""
     results = mc2.run_local(planners_disagree, 2, args=(case,), timeout_s=20, deadline_s=60)
     for rank, r in enumerate(results):
         assert r["error"] is not None and message in r["error"], (rank, r["error"])

@@ -457,13 +457,15 @@ def planners_disagree(rank: int, world: int, case: str) -> dict:
     from tests.problems import make_problem
 
     p = make_problem(world, "uniform", tokens=24)
+    # "fresh capacity": the same in capacity mode, whose steady calls carry no call count
+    options = {"capacity": 48} if case == "fresh capacity" else {}
     if case == "k":
         planner = _FixedPlanner(2 if rank == 0 else 4)
-    elif case == "fresh":  # both warm one planner, then rank 1 passes a new one
+    elif case.startswith("fresh"):  # both warm one planner, then rank 1 passes a new one
         planner = mc2.Planner(candidates=(1, 2), repeats=1)
         for _ in range(2):
             mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
-                             micro_batches="auto", planner=planner)
+                             micro_batches="auto", planner=planner, **options)
         if rank == 1:
             planner = mc2.Planner(candidates=(1, 2), repeats=1)
     else:
@@ -471,7 +473,7 @@ def planners_disagree(rank: int, world: int, case: str) -> dict:
     error = None
     try:
         mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],
-                         micro_batches="auto", planner=planner)
+                         micro_batches="auto", planner=planner, **options)
     except ValueError as exc:
         error = str(exc)
     out = mc2.fused_expert(p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank],

@@ -82,6 +82,10 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
         for _ in range(2):
             step = _fused_step(p, rank, **options)
         counted[name] = {"forward": step["forward"], "backward": step["backward"]}
+    if "Kauto capacity" in cases:  # the first call after the planner locked checked its facts
+        step = _fused_step(p, rank, **cases["Kauto capacity"])  # with the data; now none
+        counted["Kauto capacity, locked"] = {"forward": step["forward"],
+                                             "backward": step["backward"]}
     if world == 2:
         torch.manual_seed(0)
         layer = mc2.MoELayer(32, 16, 4, 2, micro_batches=4).double()

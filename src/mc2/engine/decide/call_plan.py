@@ -193,7 +193,7 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: WirePair,
-                  planner: Planner | None, group: Any, timeout: float | None,
+                  planner_calls: int, group: Any, timeout: float | None,
                   topk: int, paired: bool) -> SharedFacts:
     """The values every rank must share, as the handshake carries them (all zero when this
     rank's input is bad: :meth:`SharedFacts.unknown`).
@@ -214,7 +214,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         overlap=int(config.overlap), needs_grad=int(needs_grad),
         hierarchy=HIERARCHY_CODES[config.hierarchy], wire_dispatch=wire.dispatch.code,
         wire_combine=wire.combine.code,
-        planner_calls=planner.digest(group) if planner is not None else 0,
+        planner_calls=planner_calls,
         exchange_measured=measured_sizes(group) if config.hierarchy == "auto" else 0,
         dedup=int(config.dedup), capacity=config.capacity or 0,
         overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
@@ -363,9 +363,11 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     ``mc2.check_overflow()`` (:mod:`mc2.engine.decide.overflow`).
     """
     auto = config.micro_batches == "auto"
+    plan_with = (planner or planner_for(group)) if auto and config.overlap else None
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, PLAIN_PAIR,
-                          None, group, timeout, expert_ids.shape[-1], paired)
+                          plan_with.settled_digest(group) if plan_with is not None else 0,
+                          group, timeout, expert_ids.shape[-1], paired)
     values = facts.values()
     agreed = group_state(group).of(AgreedCapacity)
     # check_finite: the data's check runs in every call's handshake (a read of the device
@@ -376,7 +378,23 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                          "call, a read of the device, which a CUDA graph's capture cannot "
                          "make (nor would its replays check): pass check_finite=False to the "
                          "calls you capture")
-    steady = problem is None and values in agreed and not config.check_finite
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
+    # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
+    # it uses is alike on every rank (the configuration, the shapes, the group's slowest
+    # times), so every rank takes the same K with no exchange but the planner's own: its
+    # calibration, once per group and weight shape, and one all-reduce when its trials end.
+    slabs = Agreement(max_tokens=config.capacity, max_topk=ids2d.shape[-1],
+                      max_rows=config.capacity * group_size(group))
+    # what the slabs' experts run, decided here once: sorted pairs through grouped GEMMs, or
+    # every row through every expert (priced as the loop)
+    strategy = "grouped" if problem is None and sorts_slabs(weights) else "dense"
+    priced = "grouped" if strategy == "grouped" else "loop"
+    # steady: nothing to check but the facts, and no collective of the planner's before the
+    # handshake is waited for (the calls that may run one wait for it at once)
+    steady = problem is None and values in agreed and not config.check_finite and (
+        plan_with is None or plan_with.quiet_for(
+            max_tokens=slabs.max_tokens, topk=slabs.max_topk, weights=weights, group=group,
+            strategy=priced, sent_rows=slabs.max_rows, watch=False))
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
@@ -393,21 +411,9 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
             else:
                 agreement()
         agreed.add(values)
-    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
-    # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
-    # it uses is alike on every rank (the configuration, the shapes, the group's slowest
-    # times), so every rank takes the same K with no exchange but the planner's own: its
-    # calibration, once per group and weight shape, and one all-reduce when its trials end.
-    slabs = Agreement(max_tokens=config.capacity, max_topk=ids2d.shape[-1],
-                      max_rows=config.capacity * group_size(group))
-    # what the slabs' experts run, decided here once: sorted pairs through grouped GEMMs, or
-    # every row through every expert (priced as the loop)
-    strategy = "grouped" if sorts_slabs(weights) else "dense"
-    k, on_pass_done, _ = _choose_k(
-        config, (planner or planner_for(group)) if config.overlap else None, slabs, weights,
-        group, "grouped" if strategy == "grouped" else "loop", PLAIN_PAIR, timeline,
-        watch=False)
+    k, on_pass_done, _ = _choose_k(config, plan_with, slabs, weights, group, priced,
+                                   PLAIN_PAIR, timeline, watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),
@@ -496,7 +502,9 @@ def plan_call(
         agreement = agree(problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                           shared=_shared_facts(config, capacity, x,
                                                weights if problem is None else None,
-                                               needs_grad, wire, plan_with, group, timeout,
+                                               needs_grad, wire,
+                                               plan_with.digest(group) if plan_with else 0,
+                                               group, timeout,
                                                expert_ids.shape[-1], paired),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),

@@ -421,6 +421,7 @@ class Planner:
         self._codec: dict[tuple, float] = {}
         self._shapes: dict[tuple, _Trials] = {}
         self._calls: dict[tuple, int] = {}  # choose() calls per group: the handshake's digest
+        self._unsettled: dict[tuple, int] = {}  # those not quiet_for: settled_digest
         self._errors: dict[tuple, ModelError] = {}  # per group: the model against its trials
         self._overlaps: "weakref.WeakSet[BatchOverlapDecision]" = weakref.WeakSet()
         # the last forward's choice per weight tensor and shape (:meth:`shape_key`), for a
@@ -489,13 +490,29 @@ class Planner:
         shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                      strategy=strategy, sent_rows=sent_rows)
         key = self.shape_key(wire=wire, **shape)
+        quiet = self.quiet_for(**shape, wire=wire, watch=watch)
         # nothing to hide (one rank), or nothing to split (one token)
         choice = self._choose(key, shape, wire, watch) \
             if group_size(group) > 1 and max_tokens > 1 else Choice(1)
         self._calls[group_key(group)] = self.digest(group) + 1
+        if not quiet:
+            self._unsettled[group_key(group)] = self.settled_digest(group) + 1
         by_shape = self._forward_choice.setdefault(weights.anchor, {})
         by_shape[key] = Choice(choice.micro_batches, plain_rows=choice.plain_rows)
         return choice
+
+    def quiet_for(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
+                group: Any, strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
+                sent_rows: int | None = None, watch: bool = True) -> bool:
+        """Whether :meth:`choose` with these arguments runs no collective: nothing to
+        choose (one rank, one token), or the shape is locked and its calls are not watched.
+        (A capacity call that is not quiet waits for its handshake before choosing, so that
+        ranks whose planners differ raise there instead of one calibrating alone.)"""
+        if group_size(group) <= 1 or max_tokens <= 1:
+            return True
+        held = self._shapes.get(self.shape_key(max_tokens, topk, weights, group, strategy,
+                                               wire, sent_rows))
+        return not watch and held is not None and held.locked is not None
 
     @staticmethod
     def shape_key(max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
@@ -512,6 +529,14 @@ class Planner:
         differ here would take different branches (one calibrating, with collectives its
         peers do not run), so the handshake makes them agree first."""
         return self._calls.get(group_key(group), 0)
+
+    def settled_digest(self, group: Any) -> int:
+        """How many of this planner's choices on ``group`` could have run a collective (all
+        but an unwatched locked shape's). The handshake of a capacity call carries this, not
+        :meth:`digest`: its steady calls are trusted without reading anything while their
+        shared values stay the same, which a count of every call would end; a fresh planner
+        on some ranks still differs here, before it calibrates alone."""
+        return self._unsettled.get(group_key(group), 0)
 
     def again(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
               group: Any, strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
