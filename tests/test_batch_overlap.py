@@ -307,3 +307,29 @@ def test_the_capacity_scan_reads_only_mc2s_own_attributes() -> None:
     layer = torch.nn.Sequential(Lazy(), mc2.MoELayer(8, 12, 2, topk=1, capacity=4))
     assert capacity_problem([Lazy()], 64) is None
     assert "capacity=4" in capacity_problem([layer], 8) and capacity_problem([layer], 4) is None
+
+
+def modes_differ(rank: int, world: int) -> dict:
+    """Batch overlap ``True`` on rank 0, ``"auto"`` on rank 1: the error each rank raises,
+    then a plain forward of the same layers (the group must still work)."""
+    torch.manual_seed(0)
+    layers = [_CapacityBlock(64) for _ in range(2)]
+    stack = BatchOverlapStack(layers, batch_overlap=True if rank == 0 else "auto", min_tokens=1)
+    x = torch.randn(4, 4, 16, dtype=torch.float64)
+    error = None
+    try:
+        stack(x)
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "after": tuple(torch.nn.Sequential(*layers)(x).shape)}
+
+
+def test_ranks_with_different_modes_raise_on_every_rank() -> None:
+    """``True`` on one rank and ``"auto"`` on another agreed whether to split, then split
+    different forwards (the ``"auto"`` rank's plain trial against a split: the collectives
+    of different calls met). The mode rides in the agreement every forward makes: a
+    ``ValueError`` on every rank, naming both."""
+    for rank, r in enumerate(mc2.run_local(modes_differ, 2, timeout_s=20, deadline_s=60)):
+        assert r["error"] is not None and "disagree on its mode" in r["error"], (rank, r)
+        assert "True" in r["error"] and "'auto'" in r["error"], r["error"]
+        assert r["after"] == (4, 4, 16)

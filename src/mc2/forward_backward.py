@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
-from mc2.engine.decide.batch_split import BatchOverlapDecision, say_once
+from mc2.engine.decide.batch_split import MODE_CODES, BatchOverlapDecision, mode_name, say_once
 from mc2.engine.transport.comm import host_ranges
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
@@ -37,7 +37,6 @@ __all__ = ["forward_backward"]
 _DECISION = "_mc2_forward_backward"  # the model's "auto" decision, kept on the model
 _UNPAIRABLE = "_mc2_unpairable"  # why a step of this model ran unpaired, kept on the model
 T = TypeVar("T")
-_MODES = {False: 0, True: 1, "auto": 2}  # overlap, as the ranks agree it
 
 
 def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
@@ -144,15 +143,14 @@ def decided_schedule(model: nn.Module, overlap: bool | str, group: Any, count: i
 
 def agree_step(count: int, overlap: bool | str, group: Any) -> None:
     """Raise on every rank of ``group`` where its ranks differ in ``count`` or ``overlap``."""
-    (fewest, most), (low, high) = host_ranges([count, _MODES[overlap]], group, "pairing")
+    (fewest, most), (low, high) = host_ranges([count, MODE_CODES[overlap]], group, "pairing")
     if fewest != most:
         raise ValueError(f"forward_backward: ranks disagree on the number of micro-batches "
                          f"(between {int(fewest)} and {int(most)}); every rank must run "
                          "the same number in a step")
     if low != high:
-        names = {code: repr(name) for name, code in _MODES.items()}
         raise ValueError(f"forward_backward: ranks disagree on overlap (between "
-                         f"{names[int(low)]} and {names[int(high)]}); every rank must "
+                         f"{mode_name(low)} and {mode_name(high)}); every rank must "
                          "pass the same")
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from mc2.device.clock import clock_for
 from mc2.engine.decide.trials import Candidate, trial_stats, trial_winner
-from mc2.engine.transport.comm import host_max
+from mc2.engine.transport.comm import host_max, host_ranges
 from mc2.observation.once import warn_once
 
 MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batch_overlap.md)
@@ -40,6 +40,12 @@ MIN_TOKENS = 1024  # tokens per rank below which the split cannot pay (docs/batc
 SPLITS = 2
 MIN_GAIN = 0.03  # the split must be this much faster than the unsplit forward
 _SIDES = {False: Candidate.of(1), True: Candidate.of(SPLITS)}
+MODE_CODES = {False: 0, True: 1, "auto": 2}  # a mode, as the ranks agree it
+
+
+def mode_name(code: float) -> str:
+    """The mode of a code of :data:`MODE_CODES`, as the caller wrote it."""
+    return next(repr(mode) for mode, c in MODE_CODES.items() if c == int(code))
 
 
 class BatchOverlapWarning(UserWarning):
@@ -129,8 +135,15 @@ class BatchOverlapDecision:
         elif reason is None and tokens < self.min_tokens:
             reason = (f"{tokens} tokens per rank are fewer than min_tokens={self.min_tokens} "
                       "(too few to hide communication behind)")
-        # whether any rank cannot split: host numbers, agreed with no device read
-        (cannot,) = host_max([0 if reason is None else 1], self.group, "batch overlap")
+        # whether any rank cannot split, and the mode (True on one rank and "auto" on
+        # another split different forwards: a hang, or rows exchanged with the wrong call):
+        # host numbers, agreed with no device read
+        (_, cannot), (low, high) = host_ranges(
+            [0 if reason is None else 1, MODE_CODES[self.mode]], self.group, "batch overlap")
+        if low != high:
+            raise ValueError(f"mc2 {self.what}: ranks disagree on its mode (between "
+                             f"{mode_name(low)} and {mode_name(high)}); every rank must pass "
+                             "the same")
         if cannot:
             say_once(reason or "another rank cannot split its batch", self.what)
             trials.last = False  # the plain side runs: a trial of it next is no switch
