@@ -142,11 +142,11 @@ def rank_steps(rank: int, world: int, micro_batches: int, batch: int, seq: int, 
 
 def _decided(model: Any, step: Any, most: int = 40) -> bool:
     """Steps until ``mc2.forward_backward``'s ``"auto"`` has chosen; what it chose."""
-    from mc2.forward_backward import _DECISION
+    from mc2.forward_backward import kept_decision
 
     for _ in range(most):
         step()
-        chosen = model.__dict__[_DECISION]["auto"].chosen
+        chosen = kept_decision(model, "auto").chosen
         if chosen is not None:
             return chosen
     raise RuntimeError(f'forward_backward "auto" did not decide in {most} steps')

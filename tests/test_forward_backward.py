@@ -71,6 +71,17 @@ def test_a_pairing_on_some_ranks_only_is_refused_on_every_rank() -> None:
         assert r is not None and "disagree on pairing" in r, r
 
 
+def test_a_step_on_a_subgroup_agrees_on_that_group() -> None:
+    """The kept decision is per group: one kept from a step on the world made group A's
+    later step agree on the world, whose other ranks were elsewhere (a hang until the
+    timeout; found by a review)."""
+    from tests.workers_pairing import step_on_a_subgroup
+
+    for rank, r in enumerate(mc2.run_local(step_on_a_subgroup, 4, timeout_s=20,
+                                           deadline_s=90)):
+        assert r == {"world": True, "group": rank < 2}, (rank, r)
+
+
 def test_a_paired_forward_failing_on_one_rank_ends_every_ranks_step_at_once() -> None:
     """Rank 1's ``loss_fn`` raises in a paired forward: rank 1 raises that exception, from
     the backward's next wait, and its peer learns of the lost rank from its next

@@ -486,7 +486,9 @@ def auto_decides(rank: int, world: int, calls: int) -> dict[str, Any]:
         equal = equal and all(
             float((p.grad - w).norm()) <= 1e-10 * float(w.norm())
             for p, w in zip(model.parameters(), want))
-    decision = model.__dict__["_mc2_forward_backward"]["auto"]
+    from mc2.forward_backward import kept_decision
+
+    decision = kept_decision(model, "auto")
     return {"paired": paired, "chosen": decision.chosen, "equal": equal,
             "times": decision.report()["times"]}
 
@@ -948,3 +950,28 @@ def dropout_paired(rank: int, world: int) -> dict[str, Any]:
                              threads.count("mc2-paired-forward"))
         found[kind] = runs
     return found
+
+
+def step_on_a_subgroup(rank: int, world: int) -> dict[str, Any]:
+    """Two EP groups of 2 in a world of 4: a step agreed on the world, then one on group A's
+    ranks alone (B's ranks wait at a barrier of the world): the second step's decision must
+    agree on group A, not on the world the first step's kept."""
+    import torch.distributed as dist
+
+    from mc2.forward_backward import kept_decision
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    torch.manual_seed(0)
+    model = mc2.MoELayer(16, 24, 4, topk=2, group=mine, dtype=torch.float64)
+    model.reset_parameters(std=0.3)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(2, 6, 16, dtype=torch.float64, generator=g) for _ in range(2)]
+    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    mc2.forward_backward(model, batches, loss, overlap=True)
+    if rank < 2:
+        mc2.forward_backward(model, batches, loss, overlap=True, group=mine)
+    dist.barrier()
+    mine_kept = kept_decision(model, True, mine)
+    return {"world": kept_decision(model, True) is not None,
+            "group": mine_kept is not None and mine_kept.group is mine}

@@ -28,7 +28,7 @@ from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
 from mc2.engine.decide.batch_split import MODE_CODES, BatchOverlapDecision, mode_name, say_once
-from mc2.engine.transport.comm import host_ranges
+from mc2.engine.transport.comm import group_key, host_ranges
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
 
@@ -155,16 +155,26 @@ def agree_step(count: int, overlap: bool | str, group: Any) -> None:
 
 
 def _decision(model: nn.Module, overlap: bool | str, group: Any) -> BatchOverlapDecision:
-    """The model's decision for ``overlap``, kept on the model per mode: ``"auto"`` measures
-    across calls, and a call with ``overlap=True`` between them (a script that pairs one
-    step by hand) must not restart its trials (it did: a Megatron benchmark that alternated
-    the two re-ran the paired trials every round)."""
+    """The model's decision for ``overlap`` on ``group``, kept on the model per mode and
+    group: ``"auto"`` measures across calls, and a call with ``overlap=True`` between them (a
+    script that pairs one step by hand) must not restart its trials (it did: a Megatron
+    benchmark that alternated the two re-ran the paired trials every round). Per group: a
+    decision agrees on its own group, and one kept from a step on the world then met ranks
+    outside a later step's group (a hang; found by a review)."""
     kept = model.__dict__.setdefault(_DECISION, {})
-    if overlap not in kept:
-        kept[overlap] = BatchOverlapDecision(
+    key = (overlap, group_key(group))
+    if key not in kept:
+        kept[key] = BatchOverlapDecision(
             overlap, min_tokens=0, group=group, unit="step",
             what="pairing one micro-batch's forward with another's backward")
-    return kept[overlap]
+    return kept[key]
+
+
+def kept_decision(model: nn.Module, overlap: bool | str, group: Any = None
+                  ) -> BatchOverlapDecision | None:
+    """What the model's steps decided for ``overlap`` on ``group`` (``None``: no step yet),
+    for benchmarks and tests that report what ``"auto"`` chose."""
+    return model.__dict__.get(_DECISION, {}).get((overlap, group_key(group)))
 
 
 def _device(model: nn.Module) -> torch.device:
