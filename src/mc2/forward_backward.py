@@ -1,20 +1,14 @@
 """``mc2.forward_backward``: gradient accumulation with one micro-batch's forward beside
 another's backward.
 
-``for mb in micro_batches: loss_fn(model, mb).backward()`` leaves the link idle where each
-backward computes and the compute idle where each forward waits for its exchanges. Here the
-forward of micro-batch n+1 runs inside the backward of micro-batch n, layer by layer (the
-first forward and the last backward alone): see :mod:`mc2.engine.autograd.pairing` for how,
-and ``docs/forward_backward.md`` for what it measured.
+Micro-batch n+1's forward runs inside micro-batch n's backward, layer by layer (the first
+forward and the last backward alone), so the forward's exchanges hide under the backward's
+compute and the other way round; how: :mod:`mc2.engine.autograd.pairing`. What pairs is the
+model's eager mc2 calls. An FSDP2-sharded model pairs only with ``overlap=True``
+(:mod:`mc2.parallel.paired_fsdp`): holding every unit gathered is a memory cost the caller
+must ask for.
 
-What pairs: the model's mc2 calls (``enable_mc2``, ``mc2.MoELayer``, Hugging Face's
-``ep_implementation="mc2"``, Megatron's ``MC2MoELayer``), each eager call handing back and
-giving way between its own steps (:mod:`mc2.engine.autograd.function`). A model built for
-batch overlap runs its layers whole under the pairing, as its framework runs them (each
-micro-batch unsplit). An FSDP2-sharded model pairs with ``overlap=True``: its units stay
-gathered from the first forward to the last backward, which alone reduce-scatters
-(:mod:`mc2.parallel.paired_fsdp`); ``"auto"`` runs it sequentially (said once), as holding
-every unit gathered is a memory cost the caller must ask for.
+See docs/forward_backward.md, 'Where it runs, and what it refuses', and 'Measured'.
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
     rounding); the detached losses, in order.
 
     Args:
-        model: a model whose forward makes mc2 calls (module docstring: what pairs).
+        model: a model whose forward makes mc2 calls (docs/forward_backward.md: what pairs).
         micro_batches: what ``loss_fn`` takes, one per micro-batch.
         loss_fn: ``loss_fn(model, micro_batch)``, a scalar loss that requires a gradient.
         overlap: ``True`` (pair every forward after the first with the previous backward),

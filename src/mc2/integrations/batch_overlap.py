@@ -2,37 +2,21 @@
 
 Overlap inside one MoE layer hides an All-to-All behind that layer's experts at best, and pays a
 pipeline fill and drain in every layer; during attention the link is idle. Here the batch is
-split into two micro-batches (whole sequences) and every decoder layer runs as *stages*: the
-part before the MoE block (attention, norms, router, and the dispatch issued), the experts (the
-combine issued), and the part after (the combine waited for). The schedule of one step::
-
-    A: attention(0), dispatch(0)
-    B: attention(0)               <- A's dispatch travels
-    A: experts(0)                 <- B's dispatch travels
-    B: experts(0)                 <- A's combine travels
-    A: combine(0), attention(1)   <- B's combine travels
-    B: combine(0), attention(1)   <- A's dispatch travels
-    ...
-    B: combine(L-1)               (the step's only exposed transfer besides A's first dispatch)
-
-so each transfer of one micro-batch travels while the other computes, across layer boundaries:
-the bound is ``max(T_compute, T_comm)`` per step instead of a sum over layers. The backward
-interleaves the same way by itself (:mod:`mc2.engine.autograd.staged`). Results are those of the
-unsplit batch: attention, norms, router and experts act on each sequence or token alone.
+split into two micro-batches (whole sequences) and every decoder layer runs as stages, so each
+transfer of one micro-batch travels while the other computes, across layer boundaries. Results
+are those of the unsplit batch: attention, norms, router and experts act on each sequence or
+token alone.
 
 A layer's stages are a generator (:data:`LayerStages`): it runs the layer up to its MoE block,
-yields the begun call (:class:`mc2.engine.autograd.staged.StagedCall`), receives the block's output and
-returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face decoder layers;
-a layer of your own gives a ``forward_staged(x)`` method (see :class:`BatchOverlapStack`).
+yields the begun call (:class:`mc2.engine.autograd.staged.StagedCall`), receives the block's
+output and returns the layer's output. :func:`hf_layer_stages` does that for Hugging Face
+decoder layers; a layer of your own gives a ``forward_staged(x)`` method (see
+:class:`BatchOverlapStack`). When it runs is the engine's decision
+(:mod:`mc2.engine.decide.batch_split`) and the schedule is the engine's
+(:mod:`mc2.engine.autograd.layer_schedule`); this module adds the framework's side (the
+caches, :mod:`.split_cache`; the recorded router logits, :mod:`.split_records`).
 
-When it runs is the engine's decision (:mod:`mc2.engine.decide.batch_split`, on the group's
-planner: off, said once, where it cannot or should not run; ``"auto"`` measures). What this
-module adds is the framework's side: it is also off for a KV cache that already holds tokens
-(decoding) or cannot be split, a block that cannot be staged, or a forward that asks for every
-layer's hidden states; a prefill's empty cache is split and joined again (:mod:`.split_cache`),
-and the router logits and attentions a model records are recorded per micro-batch and joined by
-layer (:mod:`.split_records`). The schedule itself is the engine's
-(:mod:`mc2.engine.autograd.layer_schedule`).
+See docs/batch_overlap.md, 'The schedule' and 'When it runs'.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """``ep_implementation="mc2"``: mc2's pipeline inside Hugging Face's own expert parallelism.
 
-transformers 5 shards a MoE model's experts with ``DistributedConfig(ep_size=N, ...)`` and asks
-an implementation registered in ``EPImplementationInterface`` to bring each experts module its
-tokens. Its ``"all_to_all"`` runs dispatch, experts and combine one after another. This module
-registers ``"mc2"``, which runs the same three as mc2's pipeline (:func:`mc2.fused_expert_module`):
-micro-batches overlapped, the backward pipelined with the gradient exchanges, the model's own
-experts forward (whatever ``experts_implementation``) on each micro-batch::
+Registers ``"mc2"`` in transformers' ``EPImplementationInterface`` when imported (``import mc2``
+does not import transformers; :func:`register` registers again under another name or
+:class:`~mc2.MC2Config`). Each experts module's tokens run through :func:`mc2.fused_expert_module`
+in both of Hugging Face's layouts; no-grad calls on a shared batch may instead run Hugging Face's
+``AllReduceEP`` (:func:`all_reduce_pays`), where the experts module can take its masked routes
+(:meth:`MC2ExpertParallel._takes_masked_routes`).
 
-    import mc2.integrations.hf_expert_parallel  # registers "mc2" (or call register())
-    model = AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="mc2"))
-
-**When it is registered**: when this module is imported (``import mc2`` does not import
-transformers). :func:`register` registers it again under another name or with another
-:class:`~mc2.MC2Config`.
-
-**Both of Hugging Face's layouts.** Ranks holding different batches (EP across FSDP ranks):
-each rank's tokens go through the pipeline as they are. An EP group sharing one batch
-(``tp_size == ep_size``): as Hugging Face's ``"all_to_all"`` does, each rank takes its slice of
-the batch (a ``Replicate -> Shard(0)`` redistribution, whose backward gathers the slices'
-gradients), runs the pipeline on it, and the slices' outputs are gathered back.
-
-**No-grad calls on a shared batch** choose per call between the pipeline and Hugging Face's
-own ``AllReduceEP`` (every rank runs its experts on the whole batch, one all-reduce sums the
-outputs), as its ``"auto"`` does at inference, where the experts module can take the
-all-reduce's masked routes (Hugging Face's kernels can; an eager forward is tried once on a
-CPU and not trusted elsewhere: gpt-oss's eager forward cannot, and runs the pipeline). The
-all-reduce is one collective where the
-pipeline runs five (handshake, counts, dispatch, combine, the gather of the slices), and it moves
-``2 (R-1)/R`` of the batch's rows against the pipeline's ``(R-1)/R (2k/R + 1)``: it is taken
-where it moves no more bytes (``R <= 2k``) or the batch is small (at most
-:data:`ALL_REDUCE_TOKENS` tokens per rank). :attr:`MC2ExpertParallel.last_choice` says what the
-last call ran; each experts module holds its implementation as ``mc2_expert_parallel``.
+See docs/huggingface.md, '``ep_implementation="mc2"``' (registration, both layouts, the
+all-reduce's byte and latency rule).
 """
 
 from __future__ import annotations
@@ -53,8 +30,8 @@ _log = logging.getLogger(__name__)
 
 
 def all_reduce_pays(tokens: int, ranks: int, topk: int) -> bool:
-    """Whether a no-grad call on a shared batch of ``tokens`` runs the all-reduce (see the
-    module docstring)."""
+    """Whether a no-grad call on a shared batch of ``tokens`` runs the all-reduce: it moves no
+    more bytes (``R <= 2k``) or the batch is small (docs/huggingface.md, 'No-grad calls')."""
     return ranks <= 2 * topk or tokens <= ALL_REDUCE_TOKENS * ranks
 
 
@@ -80,7 +57,7 @@ def _implementation(config: MC2Config) -> type:
     from transformers.distributed.expert_parallel import AllReduceEP, EPImplementation
 
     class MC2ExpertParallel(EPImplementation):
-        """An experts module's tokens through mc2's pipeline (see the module docstring)."""
+        """An experts module's tokens through mc2's pipeline (see docs/huggingface.md)."""
 
         def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:
             super().__init__(experts, ep_mesh, tp_mesh)

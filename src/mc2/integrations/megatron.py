@@ -1,42 +1,16 @@
 """mc2 in Megatron-Core: :class:`MC2MoELayer`, a ``MoELayer`` whose dispatch, experts and
 combine are mc2's pipeline, and :func:`use_mc2`, which puts it in a layer or block spec.
 
-Tested with megatron-core 0.16.1 (the last release for Python 3.11, where ``MoELayer`` is
-placed by ``ModuleSpec(module=MoELayer, submodules=MoESubmodules(...))``). Megatron's token
-dispatcher is a closed if/elif in ``MoELayer.__init__``, so the seam is the layer, as in
-Ascend's MindSpeed (``--moe-alltoall-mc2``)::
+Tested with megatron-core 0.16.1. Megatron's token dispatcher is a closed if/elif in
+``MoELayer.__init__``, so the seam is the layer, as in Ascend's MindSpeed
+(``--moe-alltoall-mc2``). The layer holds the submodules Megatron built, so its checkpoint keys
+are ``MoELayer``'s; Megatron's router runs untouched, and its own experts module is the experts
+stage of :func:`mc2.fused_expert_module`. The call reads nothing to the host beyond its own two
+reads: the top-k slots come from ``routing_map`` on the device, and the experts'
+``tokens_per_expert`` from the counts the call read anyway. Refusals: :func:`megatron_problem`.
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    model = GPTModel(config, use_mc2(spec, config=mc2.MC2Config()), vocab_size, max_len)
-
-or, for a ``pretrain_gpt.py``-style script, ``import mc2.integrations.megatron_patch`` first.
-
-**What runs.** Megatron builds the router, the experts and the shared experts exactly as for
-its own layer, so ``state_dict`` and ``sharded_state_dict`` keys are its keys (the layer is a
-subclass holding the same submodules; the unused token dispatcher holds no tensors). The
-forward runs
-
-1. the shared experts, as Megatron runs them (its recompute setting included), or, with
-   ``moe_shared_expert_overlap``, inside mc2's call, where its pipeline would wait (their
-   weights enter as views: :func:`shared_views`);
-2. Megatron's router untouched (``probs``, ``routing_map`` ``[T, E]``: top-k, group-limited
-   routing, softmax or sigmoid scores, expert bias and its token counters, aux / seq-aux /
-   global-aux / z losses, capacity factor with token dropping, ``padding_mask``);
-3. :func:`mc2.fused_expert_module` on the token rows with the top-k ids and the probabilities
-   taken from ``routing_map`` and ``probs``, on Megatron's expert-parallel group, with
-   Megatron's own experts module (``SequentialMLP``, ``TEGroupedMLP``, ``GroupedMLP``) as the
-   experts stage of each micro-batch.
-
-Megatron's experts take ``(tokens grouped by local expert, tokens_per_expert, probs)`` and
-scale each expert's activation by the token's probability; mc2 hands the stage unit weights and
-scales the expert's output after the combine. Without an output bias the two are the same
-product (``fc2`` is linear), so the probabilities' gradients are the same too. A slot the
-capacity factor dropped has the id of no expert (``-1``): it sends no row and adds nothing;
-the call reads nothing to the host beyond its own two reads: the top-k slots come from the map
-on the device, and the experts' ``tokens_per_expert`` from the counts the call read anyway.
-
-**What is refused** (``ValueError`` naming the field, raised by ``__init__`` on every rank
-before Megatron builds anything, so before any collective): see :func:`megatron_problem`.
+See docs/megatron.md, 'Turning it on' and 'What runs' (the shared experts inside the call, why
+scaling after the combine gives Megatron's product, dropped slots, ``overlap_param_gather``).
 """
 
 from __future__ import annotations
@@ -152,7 +126,7 @@ def megatron_problem(config: Any, pg_collection: Any) -> str | None:
 
 class MC2MoELayer(MoELayer):
     """Megatron's ``MoELayer`` with mc2's pipeline in place of its dispatcher's dispatch,
-    experts call and combine (see the module docstring).
+    experts call and combine (docs/megatron.md, 'What runs').
 
     Args:
         config, submodules, layer_number, pg_collection: as ``MoELayer``.

@@ -3,30 +3,15 @@ stage by stage, so that one micro-batch's All-to-Alls travel under the other's a
 router and experts, across layer boundaries (the schedule is
 :mod:`mc2.integrations.batch_overlap`'s, the engine's :func:`run_overlapped`).
 
-Switched on in the spec, the way Megatron places its modules::
+``use_mc2(spec, batch_overlap=True)`` builds every ``TransformerLayer`` as
+:class:`MC2TransformerLayer` (``TransformerLayer``'s keys), which records its call and hands
+the hidden states back; the stage's last layer runs them all, split along the batch (dim 1 of
+``[s, b, h]``), through Megatron's own parts of each layer. The split step equals the unsplit
+one because every part acts on each sequence alone; router terms that average over the whole
+batch would not, so :func:`batch_overlap_problem` refuses them, and the paths this schedule does
+not run.
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    model = GPTModel(config, use_mc2(spec, config=mc2.MC2Config(), batch_overlap=True), ...)
-
-:func:`~mc2.integrations.megatron.use_mc2` then builds every ``TransformerLayer`` of the spec as
-:class:`MC2TransformerLayer` (parameters, ``state_dict`` and ``sharded_state_dict`` keys are
-``TransformerLayer``'s) and every ``MoELayer`` as ``MC2MoELayer``.
-
-**How it runs inside Megatron's own loop.** ``TransformerBlock.forward`` calls its layers one
-after the other (``hidden_states, context = layer(hidden_states=..., attention_mask=...)``).
-Under batch overlap every layer but the stage's last records its arguments and hands the
-hidden states back unchanged; the last runs all of them, split in two along the batch (dim 1
-of ``[s, b, h]``), through Megatron's own parts of each layer: ``_forward_attention``,
-``_forward_pre_mlp_layernorm``, the MoE layer's staged call (router, shared experts, mc2's
-dispatch / experts / combine) and ``_forward_post_mlp``. A forward that cannot be split
-(inference with a KV cache, packed sequences, cross attention, one sequence, fewer than
-``min_tokens`` tokens) runs layer by layer as Megatron's, said once.
-
-**Equal to the unsplit step** because every part acts on each sequence alone. Router terms that
-average over the whole batch would not be: :func:`batch_overlap_problem` refuses them (a
-load-balancing or z loss coefficient, a capacity factor, Sinkhorn routing), and the paths this
-schedule does not run (full recompute, recompute of the MLP or the norms, CPU offloading,
-context parallelism, multi-token prediction, layers sharded by torch FSDP2).
+See docs/megatron.md, 'Batch overlap across layers' (what runs unsplit, what is refused).
 """
 
 from __future__ import annotations

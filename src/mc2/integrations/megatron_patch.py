@@ -4,42 +4,16 @@ specs build is :class:`~mc2.integrations.megatron.MC2MoELayer`::
     import mc2.integrations.megatron_patch  # first, before the script builds its specs
     # MC2_MEGATRON_CONFIG='{"micro_batches": 2}'  or  MC2_MEGATRON_CONFIG=/path/to/mc2.json
 
-**Where it patches.** Every MoE spec of megatron-core 0.16.1's GPT specs
-(``get_gpt_layer_local_spec``, ``get_gpt_layer_with_transformer_engine_spec``,
-``get_gpt_decoder_block_spec``, ``get_moe_module_spec``, the MTP and experimental-attention
-specs) is made by ``moe_module_specs.get_moe_module_spec_for_backend``; that one function is
-wrapped with :func:`~mc2.integrations.megatron.use_mc2`, in its module and in every module
-already imported that holds it by name (``gpt_layer_specs`` does). A spec built before the
-import (a module-level spec such as ``mamba_layer_specs.moe``, made when that module is
-imported) is not rewritten: import this first. Megatron's own flags stay as they are, and a
-setting the layer cannot honour raises ``ValueError`` naming it when the model is built.
-
-**The config** comes from the environment variable :data:`ENV` (read once, at the import; the
-one environment variable of this integration): JSON text (starting with ``{``) or the path of a
-JSON file, with :class:`~mc2.MC2Config`'s fields (``MC2Config.to_dict``'s form). Unset or
-empty: :data:`~mc2.integrations.megatron.DEFAULT_CONFIG`. :func:`patch` patches again with
+It wraps ``moe_module_specs.get_moe_module_spec_for_backend`` (and, with batch overlap, the GPT
+layer and block spec functions) wherever a module holds it by name; a spec built before the
+import is not rewritten, hence "first". It also wraps ``forward_backward_no_pipelining`` so that
+Megatron's ``overlap_moe_expert_parallel_comm=True`` runs mc2's paired schedule. :data:`ENV` is
+read once, at the import, and is the integration's one environment variable; unset or empty
+means :data:`~mc2.integrations.megatron.DEFAULT_CONFIG`. :func:`patch` patches again with
 another config; :func:`unpatch` restores Megatron's functions.
 
-**The layers.** The GPT layer and block spec functions (``get_gpt_layer_local_spec``,
-``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``) are wrapped
-too, so that a spec holding a MoE layer builds ``MC2MoELayer`` in place of ``MoELayer``
-(``use_mc2``), and, with batch overlap, its ``TransformerLayer`` specs as
-``MC2TransformerLayer`` (Megatron's parameters and keys).
-
-**Batch overlap** across the layers (``docs/megatron.md``): ``"batch_overlap": true`` (or
-``"auto"``) in the same JSON::
-
-    MC2_MEGATRON_CONFIG='{"batch_overlap": true}' python pretrain_gpt.py ...
-
-**Megatron's ``overlap_moe_expert_parallel_comm=True``** (``--overlap-moe-expert-parallel-comm``)
-is honoured on every backend: Megatron's ``forward_backward_no_pipelining`` (what
-``get_forward_backward_func()`` returns without pipeline stages) is wrapped so that, with the
-flag in the model's config, a training call runs
-:func:`~mc2.integrations.megatron_schedule.forward_backward_decided`, mc2's schedule of one
-micro-batch's forward beside another's backward where its first steps measured it faster than
-the sequential loop (as ``mc2.forward_backward(overlap="auto")``), in place of Megatron's
-combined 1F1B (which needs CUDA streams and Megatron's own dispatcher). Without the flag, and
-for forward-only calls, Megatron's function runs as it is.
+See docs/megatron.md, 'Turning it on', 'Batch overlap across layers' and "Megatron's own
+switch: `overlap_moe_expert_parallel_comm=True`".
 """
 
 from __future__ import annotations
@@ -110,7 +84,7 @@ def _pipelined_refused(**kwargs: Any) -> Any:
 def _paired_when_asked(original: Callable[..., Any], paired: Callable[..., Any]
                        ) -> Callable[..., Any]:
     """Megatron's schedule ``original``, running ``paired`` instead where the model's config
-    sets ``overlap_moe_expert_parallel_comm`` in a training call (module docstring)."""
+    sets ``overlap_moe_expert_parallel_comm`` in a training call (docs/megatron.md)."""
     from mc2.integrations.megatron_schedule import flag_asked
 
     @functools.wraps(original)
@@ -136,7 +110,7 @@ def patch(config: MC2Config | None = None, batch_overlap: bool | str | None = No
     ``config`` (default: from :data:`ENV`), and their layer and block specs holding a MoE layer
     ``MC2TransformerLayer`` layers, with ``batch_overlap`` (default: from :data:`ENV`);
     Megatron's ``forward_backward_no_pipelining`` honours ``overlap_moe_expert_parallel_comm``
-    with mc2's paired schedule (module docstring). The config in force."""
+    with mc2's paired schedule (docs/megatron.md). The config in force."""
     import megatron.core.models.gpt.gpt_layer_specs as layer_specs
     import megatron.core.models.gpt.moe_module_specs as moe_specs
     from megatron.core.pipeline_parallel import schedules

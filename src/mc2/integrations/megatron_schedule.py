@@ -1,26 +1,14 @@
 """Megatron-Core's gradient accumulation with one micro-batch's forward beside another's
-backward: a ``forward_backward_func`` with the signature of Megatron's
-``forward_backward_no_pipelining``, so a ``pretrain_gpt.py``-style script swaps one function::
+backward: :func:`forward_backward_paired` has the signature of Megatron's
+``forward_backward_no_pipelining``, so a ``pretrain_gpt.py``-style script swaps one function
+(or sets ``overlap_moe_expert_parallel_comm=True`` under :mod:`~mc2.integrations.megatron_patch`).
 
-    from mc2.integrations.megatron_schedule import forward_backward_paired
-    losses = forward_backward_paired(forward_step_func=forward_step, data_iterator=it,
-                                     model=[model], num_microbatches=8, seq_length=s,
-                                     micro_batch_size=b)
+Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step``, as its
+schedule runs them; the forward of micro-batch n+1 runs beside the backward of micro-batch n
+(:func:`mc2.engine.autograd.pairing.run_pairs`). What pairs is each ``MC2MoELayer``'s call.
 
-Megatron's own switch does the same: with ``overlap_moe_expert_parallel_comm=True`` in the
-model's config, :mod:`~mc2.integrations.megatron_patch` makes Megatron's
-``forward_backward_no_pipelining`` (what ``get_forward_backward_func()`` returns without
-pipeline stages) this function, on every backend.
-
-Each micro-batch runs through Megatron's own ``forward_step`` and ``backward_step`` (its
-``forward_step_func``, loss scaling, token counts and ``forward_data_store``), every backward
-but the last under ``config.no_sync_func`` and ``config.finalize_model_grads_func`` at the end,
-as Megatron's schedule runs them; the forward of micro-batch n+1 runs beside the backward of
-micro-batch n (:func:`mc2.engine.autograd.pairing.run_pairs`). What pairs is each
-``MC2MoELayer``'s call (``use_mc2(spec)``), between its own steps, inside the layers (a
-batch-overlap layer runs whole under the pairing); a forward-only call, one micro-batch
-(without ``overlap_moe_expert_parallel_comm``), or a config with hybrid context parallelism
-runs Megatron's function as it is.
+See docs/megatron.md, 'Gradient accumulation: one micro-batch's forward beside another's
+backward' (what runs Megatron's function unchanged, what is refused and why).
 """
 
 from __future__ import annotations

@@ -1,46 +1,16 @@
 """mc2 in TorchTitan (0.3.0): its routed-experts node with mc2's pipeline in place of the
 token dispatcher's serial dispatch -> experts -> combine.
 
-TorchTitan's MoE block calls ``RoutedExperts``, which runs its token dispatcher (count
-exchange, a device-to-host read of the splits, the dispatch All-to-All), then the
-``GroupedExperts``, then the combine All-to-All, one after the other. :class:`MC2RoutedExperts`
-is that node with the three run as mc2's micro-batch pipeline (:func:`mc2.fused_expert`); the
-router, the shared experts, the parameters, their sharding and their state-dict keys stay
-TorchTitan's, so its checkpoints and Hugging Face conversion work as before.
+:class:`MC2RoutedExperts` replaces only that node, switched on by the ``mc2_routed_experts``
+configuration override (no fork); router, shared experts, parameters, sharding and state-dict
+keys stay TorchTitan's, so its checkpoints and Hugging Face conversion work as before. The
+forward keeps ``RoutedExperts.forward``'s positional argument names because TorchTitan's
+``parallelize`` ties its sharding configs to them. :class:`MC2SelectiveAC` (the
+``mc2_selective_ac`` override) adds mc2's operators to the selective policy's save list, so its
+recompute runs no exchange.
 
-Switched on by TorchTitan's own configuration overrides, no fork::
-
-    --override.imports 'mc2.integrations.torchtitan.mc2_routed_experts={"micro_batches": "auto"}'
-
-or ``OverrideConfig(imports=[("mc2.integrations.torchtitan.mc2_routed_experts", {...})])`` in a
-config function; the keywords are :class:`~mc2.MC2Config` fields.
-
-**Experts.** A plain ``GroupedExperts`` (``w1``/``w3 [E, F, D]``, ``w2 [E, D, F]``) hands its
-local weights to :func:`mc2.fused_expert` as transposed views (gate ``w1ᵀ``, up ``w3ᵀ``, down
-``w2ᵀ``): no copy, the GEMMs read them in place. Like TorchTitan's it computes in bfloat16
-whatever the parameter dtype (under ``torch.autocast``: a bfloat16 parameter is used as it is,
-others are cast once per call, as TorchTitan's own ``.bfloat16()`` does). Any other experts
-module (gpt-oss's with biases, a converter that swapped ``_grouped_mm``) runs as mc2's experts
-stage (:func:`mc2.fused_expert_module`) with its own forward per micro-batch.
-
-**Sharding.** The forward keeps ``RoutedExperts.forward``'s positional argument names, to
-which TorchTitan's ``parallelize`` ties its sharding configs (``derive`` carries the config
-over). The EP group is the ``ep`` mesh TorchTitan gives the node in ``parallelize``; expert
-weights arrive as plain local shards (``spmd_types``) or as ``Shard(0)`` DTensors
-(``partial_dtensor``), and both reach mc2 as this rank's local experts. Without an ``ep`` mesh
-(EP = 1) there is nothing to overlap and TorchTitan's own forward runs.
-
-**Selective activation checkpointing.** TorchTitan's ``SelectiveAC`` saves the outputs of the
-operators in its ``get_save_ops()`` and recomputes the rest. Under it mc2's call is one operator
-(:mod:`mc2.engine.autograd.recompute`), which TorchTitan's list does not name, so its recompute
-would run the call again, All-to-Alls included (correct, and the K its forward ran). A second
-override, ``mc2.integrations.torchtitan.mc2_selective_ac``, makes the ``selective`` policy
-:class:`MC2SelectiveAC`: TorchTitan's save list plus mc2's operators, so the recompute runs no
-exchange. Full AC recomputes the block, mc2's call with its forward's K.
-
-**Refused** (``ValueError`` on every rank, at configuration time, before any collective): a
-DeepEP or HybridEP token dispatcher configured on the same node (two owners of the exchange),
-and options that are not :class:`~mc2.MC2Config` fields or that it rejects.
+See docs/torchtitan.md, 'Switching it on', 'What runs', 'Activation checkpointing' and
+'Refused'.
 """
 
 from __future__ import annotations

@@ -3,42 +3,15 @@ micro-batches, stage by stage, so that one micro-batch's All-to-Alls travel unde
 attention, router, shared experts and experts, across layer boundaries (the schedule is
 :mod:`mc2.integrations.batch_overlap`'s, the engine's :func:`run_overlapped`).
 
-Switched on by TorchTitan's configuration overrides, no fork::
+The ``mc2_batch_overlap`` override makes every decoder layer an :class:`MC2Qwen3TransformerBlock`
+/ :class:`MC2DeepSeekV3TransformerBlock`, which records its call and hands ``h`` back; the last
+runs them all (:mod:`~mc2.integrations.layer_recording`) through the blocks' own parts. Recorded
+calls do not run the blocks' hooks, so FSDP2's gathers and reduce-scatters run at the schedule's
+own points (:class:`mc2.parallel.layer_gather.LayerGathers`). Blocks TorchTitan did not
+parallelize are not recorded: there is nothing to overlap, and no check of the parallelisms ran.
 
-    --override.imports 'mc2.integrations.torchtitan_overlap.mc2_batch_overlap={"batch_overlap": true}'
-
-The override claims the model config (``Decoder.Config``) and, in place, makes every decoder
-layer an :class:`MC2Qwen3TransformerBlock` / :class:`MC2DeepSeekV3TransformerBlock` (the same
-modules, parameters and state-dict keys as TorchTitan's block) and every routed-experts node
-mc2's (:class:`~mc2.integrations.torchtitan.MC2RoutedExperts`); its other keywords are
-:class:`~mc2.MC2Config` fields. It replaces ``mc2_routed_experts`` (TorchTitan refuses two
-overrides on a node and its ancestor): list one of the two.
-
-**How it runs inside TorchTitan's own loop.** ``Decoder.forward`` calls its layers one after
-the other (``h = layer(h, attention_masks, positions)``). Under batch overlap every layer
-records its call and hands ``h`` back unchanged, and the last runs them all
-(:mod:`~mc2.integrations.layer_recording`), split in two along the batch, through the block's
-own parts: ``attention_norm`` and ``attention``, ``ffn_norm``, the MoE block's router (its
-expert bias and token counters as TorchTitan keeps them), the routed experts' staged call
-with the block's shared experts inside it (a plain or sigmoid-gated SwiGLU ``FeedForward``;
-any other runs beside the call, after its dispatch is issued). The recorded calls do not run
-the blocks' hooks: FSDP2's gathers and reduce-scatters are done at the schedule's own points
-(:class:`mc2.parallel.layer_gather.LayerGathers`). A forward that is not split (``batch_overlap=False``,
-``"auto"`` choosing so, or one that cannot be: one sequence, fewer than ``min_tokens`` tokens,
-TorchTitan's varlen metadata; said once) runs each block whole, as TorchTitan's ``forward``
-computes it, with mc2's in-layer call and the shared experts inside it
-(:func:`titan_block_forward`; with EP = 1, TorchTitan's MoE block). Flex attention's
-``BlockMask`` is split by batch (:func:`split_block_mask`).
-
-**Refused** (``ValueError``, every rank): pipeline, tensor and context parallelism (when
-TorchTitan parallelizes the blocks); blocks under activation checkpointing (at the first
-forward: TorchTitan's ``full`` or ``selective`` AC wraps each block, and a recompute of the
-recorded stack would run its All-to-Alls again). A compiled block's parts run
-uncompiled under batch overlap (the block's compiled ``forward`` is not what runs).
-Blocks TorchTitan did not parallelize (``partial_dtensor`` with EP = 1 and no TP: nothing to
-overlap, and no check of the parallelisms ran) are not recorded: each runs whole, said once.
-Recorded, a pipeline stage holding the first blocks would hand its input on unchanged, their
-work lost.
+See docs/torchtitan.md, 'Batch overlap across layers' (switching it on, what runs unsplit,
+what is refused and why).
 """
 
 from __future__ import annotations

@@ -1,51 +1,18 @@
 """TorchTitan's gradient accumulation with one micro-batch's forward beside another's backward.
 
-TorchTitan's ``Trainer.train_step`` calls ``self.fwd_bwd_fn(inputs, labels,
-global_valid_tokens, extra_kwargs)`` once per micro-batch (``training.local_batch_size``
-over ``training.global_batch_size``: ``gradient_accumulation_steps`` calls a step) and reads
-the gradients only after the last, to clip them and step the optimizer. :func:`pair_accumulation`
-makes that function a :class:`PairedFwdBwd`: each call runs its micro-batch's forward (the
-trainer's model, its ``loss_fn``, in its ``train_context``) beside the previous micro-batch's
-backward (:class:`mc2.engine.autograd.pairing.PairedLoop`), and the step's last call also runs
-its own backward alone, so the gradients are complete when ``train_step`` reads them.
+:func:`pair_accumulation` makes a built ``Trainer``'s ``fwd_bwd_fn`` a :class:`PairedFwdBwd`:
+each call runs its micro-batch's forward beside the previous one's backward
+(:class:`mc2.engine.autograd.pairing.PairedLoop`), and the step's last call also runs its own
+backward alone, so the gradients are complete when ``train_step`` reads them. The
+``mc2_paired_accumulation`` override reaches the trainer through the checkpoint manager
+(:class:`PairedCheckpointManager`), the one configured component TorchTitan hands it, whose
+``load`` is where ``train()`` begins: refusals raise there, on every rank, before the first step.
 
-Switched on by TorchTitan's configuration overrides, beside the experts' override::
+Each call returns its loss detached (the trainer only logs it); a step of one micro-batch runs
+TorchTitan's own function. Context parallelism is refused only because it is untested.
 
-    --override.imports mc2.integrations.torchtitan.mc2_routed_experts,\
-mc2.integrations.torchtitan_schedule.mc2_paired_accumulation
-
-TorchTitan hands its trainer to one configured component, the checkpoint manager
-(``states={"train_state": trainer}``), and its ``train()`` begins with that manager's
-``load``. So the override makes the checkpoint manager :class:`PairedCheckpointManager`:
-TorchTitan's own DCP manager, every field and behaviour kept, whose ``load`` first makes the
-trainer's ``fwd_bwd_fn`` the paired one (once; its refusals raise there, on every rank, before
-the first step). A script that builds its own trainer can call :func:`pair_accumulation`
-instead::
-
-    trainer = Trainer(config)  # the trainer as TorchTitan builds it
-    mc2.integrations.torchtitan_schedule.pair_accumulation(trainer)
-    trainer.train()
-
-Each call returns its micro-batch's loss (detached: the trainer only logs it). A step of one
-micro-batch runs TorchTitan's own function. The backward runs in the trainer's
-``train_context`` without SPMD type checks, as TorchTitan's does. What pairs are
-the model's mc2 calls (:mod:`mc2.integrations.torchtitan`'s routed experts, in-layer; a
-batch-overlap model runs its blocks whole under the pairing). FSDP2's units stay gathered from
-the first forward to the last backward, which alone reduce-scatters
-(:mod:`mc2.parallel.paired_fsdp`).
-
-**Refused** (``ValueError`` from :func:`pair_accumulation`, every rank alike): pipeline
-parallelism (its schedule owns the micro-batches), more than one model part, context
-parallelism (not tested), TorchTitan's CUDA-graph wrapping
-(``training.disable_cuda_graphs=False``: one graph per forward and backward), a compiled
-model and memory-budget activation checkpointing (which compiles: a compiled graph runs
-mc2's calls whole, as one operator), and ``ChunkedLossWrapper`` (it runs a backward inside
-the forward, per chunk, and reshards the output projection itself: not a forward that can
-run inside another's backward). Selective checkpointing, TorchTitan's default, pairs: its
-regions run mc2's calls as the operator, eagerly, and they give way between their steps.
-Add ``mc2.integrations.torchtitan.mc2_selective_ac`` to the overrides there: TorchTitan's own
-policy does not save mc2's call, so its recompute runs the call's exchanges again in the
-backward.
+See docs/torchtitan.md, 'Gradient accumulation: one micro-batch's forward beside another's
+backward' (switching it on, what pairs, what is refused and why), and docs/forward_backward.md.
 """
 
 from __future__ import annotations
@@ -113,8 +80,8 @@ def pair_accumulation(trainer: Any) -> PairedFwdBwd:
 
     Raises:
         ValueError: pipeline parallelism, several model parts, CUDA graphs, a compiled
-            model, memory-budget activation checkpointing, or ``ChunkedLossWrapper`` (module
-            docstring).
+            model, memory-budget activation checkpointing, or ``ChunkedLossWrapper`` (why:
+            docs/torchtitan.md).
     """
     from torchtitan.components.loss import ChunkedLossWrapper
 

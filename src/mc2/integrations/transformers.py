@@ -1,42 +1,16 @@
 """Hugging Face ``transformers`` (>= 5): swap sparse-MoE blocks for MC2 blocks in one line.
 
-``enable_mc2(model, group=None)`` finds every sparse-MoE block (a module with a router ``gate``
-that has ``top_k`` and ``experts`` holding fused ``gate_up_proj [E, 2F, H]`` and
-``down_proj [E, H, F]`` SwiGLU weights: Mixtral, Qwen3-MoE, Qwen2-MoE, ... in
-transformers 5.x) and replaces it with an :class:`MC2SparseMoeBlock`. The new block keeps the
-original router (so router-logit outputs and the auxiliary loss keep working) and holds only
-this rank's experts, under the model's own names: state-dict keys and checkpoints do not change.
+:func:`enable_mc2` replaces every sparse-MoE block it understands with an
+:class:`MC2SparseMoeBlock` that keeps the model's router and names (state-dict keys and
+checkpoints do not change) and holds only this rank's experts; a block it does not understand
+runs its experts module as mc2's experts stage (:mod:`mc2.integrations.module_stage`) where the
+model's expert-parallel plan names it, and is refused otherwise. The rest of the model stays
+replicated on every rank: train it data-parallel (:func:`mc2.average_gradients` gives the mean
+loss's gradients), or with ``mesh=`` and :mod:`mc2.parallel.checkpoint`. It works on any model
+object, so no hub access is needed.
 
-Qwen2-MoE's gated shared expert (``shared_expert``, an MLP, and ``shared_expert_gate``,
-``H -> 1``) stays where it is, as submodules under their names; its weights enter the fused
-call as transposed *views* (gradients land on the ``nn.Linear`` weights) together with the
-per-token ``sigmoid(shared_expert_gate(x))``, so it is computed while the first dispatch (and,
-for half of its forward, the last combine) is in flight. A block holding a parameter the
-adapter does not understand (an expert bias, a correction bias, a shared MLP without its gate,
-...) is not replaced: its experts module, where the model's own expert-parallel plan names it,
-runs as the experts stage of mc2's pipeline with its own forward
-(:mod:`mc2.integrations.module_stage`), and the block's forward stays the model's. A block
-that is neither is refused with a ``ValueError`` naming what it holds; the router's output is
-checked (dtypes and shapes, no host read).
-
-Meta-device initialisation works: build the model under ``torch.device("meta")``, call
-``enable_mc2``, then ``model.to_empty(device=...)`` and ``model.init_weights()`` (or any flow
-through Hugging Face's ``_init_weights``): the model's ``_init_weights`` is extended to draw
-this rank's experts from ``N(0, initializer_range)`` as it draws the unpatched model's experts,
-expert ``e`` from a generator of its own, so its values do not depend on the EP layout.
-
-``model.set_experts_implementation(...)`` is honoured where mc2 has an equivalent
-(``"grouped_mm"`` -> ``gemm="grouped"``, ``"eager"`` -> ``gemm="loop"``) and refused with a
-``ValueError`` otherwise (mc2 runs the experts). The implementation the model was built with is
-not read: mc2's own ``gemm`` option (default ``"auto"``) decides until it is set again.
-
-The rest of the model stays as it is on every rank: its parameters are replicated, so train it
-data-parallel: :func:`mc2.average_gradients` turns per-rank gradients into those of the mean
-loss. With ``mesh=`` the experts are split over the mesh's ``"ep"`` dimension and replicated
-over ``"dp"``; :mod:`mc2.parallel.checkpoint` saves and reshards such a model with
-``torch.distributed.checkpoint``.
-No hub access is needed: the function works on any model object, including one built from a
-local config.
+See docs/huggingface.md, '`enable_mc2`' and its sections (which blocks, adapters, meta-device
+initialisation, ``set_experts_implementation``).
 """
 
 from __future__ import annotations
@@ -460,7 +434,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
     ``wire_dtype="fp8"``, ``hierarchy="2d"``, ...): how every block's fused call runs.
 
     Afterwards ``model.init_weights()`` initialises the experts too (meta-device builds) and
-    ``model.set_experts_implementation`` sets the blocks' ``gemm`` (see the module docstring).
+    ``model.set_experts_implementation`` sets the blocks' ``gemm`` (docs/huggingface.md).
 
     ``batch_overlap``: ``True`` or ``"auto"`` runs each forward as two micro-batches interleaved
     across the decoder layers, each one's All-to-All travelling while the other computes

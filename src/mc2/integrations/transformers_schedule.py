@@ -1,38 +1,16 @@
 """Hugging Face ``Trainer``'s gradient accumulation with one micro-batch's forward beside
 another's backward.
 
-``Trainer`` calls ``self.training_step(model, inputs, num_items_in_batch)`` once per
-micro-batch (``gradient_accumulation_steps`` calls an optimizer step), and reads the
-gradients only after the last, to clip them and step the optimizer; before each call it
-tells the accelerator whether this is the step's last (``gradient_state.sync_gradients``).
-:func:`pair_accumulation` makes ``training_step`` a :class:`PairedTrainingStep`: each call
-runs Hugging Face's own ``training_step`` as the micro-batch's forward, its
-``accelerator.backward`` call kept instead of run, beside the previous micro-batch's kept
-backward (:class:`mc2.engine.autograd.pairing.PairedLoop`); the step's last call also runs its
-own backward alone, so the gradients are complete when the loop reads them::
+:func:`pair_accumulation` makes ``Trainer.training_step`` a :class:`PairedTrainingStep`: each
+call runs Hugging Face's own ``training_step`` as the forward, its ``accelerator.backward`` call
+kept and run one call later beside the next forward
+(:class:`mc2.engine.autograd.pairing.PairedLoop`); the step's last call also runs its own
+backward alone. What pairs are the model's mc2 calls (``ep_implementation="mc2"`` or
+``enable_mc2``; tested with the first, loaded with FSDP2: a model ``enable_mc2`` switched in a
+multi-rank world is one ``Trainer`` wraps in ``DistributedDataParallel``, which is refused).
 
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    pair_accumulation(trainer)  # from mc2.integrations.transformers_schedule
-    trainer.train()
-
-What pairs are the model's mc2 calls (``ep_implementation="mc2"``, or ``enable_mc2``; tested
-with the first, loaded with FSDP2: a model ``enable_mc2`` switched in a multi-rank world is
-one ``Trainer`` wraps in ``DistributedDataParallel``, refused below).
-A model sharded at load time with FSDP2 (``DistributedConfig(fsdp_size=...)``) has its units
-held gathered from the step's first forward to its last backward, which alone
-reduce-scatters (:mod:`mc2.parallel.paired_fsdp`); ``Trainer`` turns the units' gradient sync
-off around each call but the last and on after it, which the pairing overrides while it
-holds them (a backward runs one call later than ``Trainer`` expects).
-
-**Refused** (``ValueError``, every rank alike): a model ``Trainer`` wraps in
-``DistributedDataParallel`` or ``DataParallel`` (their hooks prepare each backward in the
-forward before it; raised at the first step, where ``Trainer`` has wrapped it), and from
-:func:`pair_accumulation` FSDP1 (the same), DeepSpeed and SageMaker model parallelism (their
-own backward), ``model_init`` and hyperparameter search (the model is built again in
-``train()``), LOMO optimizers (they update the weights inside the backward), context
-parallelism (the backward runs inside its context), and replicated FSDP2
-(``dp_replicate_size`` above 1: not tested). A step ``Trainer`` leaves before its last
-micro-batch (a callback stopped the loop) is ended at the end of ``train()``.
+See docs/huggingface.md, "Hugging Face's `Trainer` with paired gradient accumulation" (why the
+FSDP2 units' gradient sync is overridden, how an unfinished step ends, what is refused and why).
 """
 
 from __future__ import annotations
@@ -125,8 +103,8 @@ def pair_accumulation(trainer: Any) -> PairedTrainingStep:
     returns it.
 
     Raises:
-        ValueError: what the module docstring lists; a model ``Trainer`` wraps in
-            ``DistributedDataParallel`` is refused at the first step.
+        ValueError: what docs/huggingface.md lists (see :func:`_unpairable`); a model
+            ``Trainer`` wraps in ``DistributedDataParallel`` is refused at the first step.
     """
     if (why := _unpairable(trainer)) is not None:
         raise ValueError(f"pair_accumulation: {why}")
@@ -137,7 +115,7 @@ def pair_accumulation(trainer: Any) -> PairedTrainingStep:
 
 
 def _unpairable(trainer: Any) -> str | None:
-    """Why ``trainer`` cannot be paired (the module docstring's refusals), or ``None``."""
+    """Why ``trainer`` cannot be paired (docs/huggingface.md's refusals), or ``None``."""
     from transformers.trainer import DistributedType, OptimizerNames, is_sagemaker_mp_enabled
 
     args, accelerator = trainer.args, trainer.accelerator

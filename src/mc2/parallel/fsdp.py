@@ -1,25 +1,13 @@
 """FSDP2 with expert parallelism: ``mc2.fully_shard``, on PyTorch's own ``fully_shard``.
 
-A ``("dp", "ep")`` mesh (:func:`mc2.expert_parallel_mesh`) splits the experts over ``ep``; the
-ranks of one ``dp`` group hold the same experts. Under FSDP2 nothing stays replicated:
+Each MC2 block's routed experts are one unit sharded over ``mesh["dp"]`` (their gradient summed
+over ``dp`` and divided by the world, as :func:`mc2.average_gradients` does); everything else is
+sharded over the whole world, one unit per decoder layer and the root. FSDP2's hooks do all the
+communication. :func:`clip_grad_norm_` exists because ``torch.nn.utils.clip_grad_norm_`` cannot
+stack norms of DTensors on different meshes.
 
-- the routed experts of an MC2 block (its called experts module, see
-  :class:`mc2.layer.PackedExperts`) are one FSDP unit sharded over ``mesh["dp"]``. Its
-  gradients are summed over ``dp`` and divided by the whole world: an expert's gradient on its
-  owner already sums the contributions of every token of its EP group, so this is the gradient
-  of the mean loss, the same rule as :func:`mc2.average_gradients`;
-- every other parameter (attention, norms, router, shared experts, embeddings) is sharded over
-  the whole world, one unit per decoder layer (the element of the layer list that holds an MC2
-  block), and the root for what is left.
-
-Gradients are reduce-scattered by FSDP2 in its backward hooks; nothing here is hand-written
-communication. The manual pattern (your own ``fully_shard`` calls on the same split, as a
-TorchTitan user writes it) is equivalent; ``docs/fsdp.md`` shows it.
-
-Gradient clipping: the expert gradients are DTensors on ``mesh["dp"]``, the others on the world
-mesh, and ``torch.nn.utils.clip_grad_norm_`` cannot stack norms of different meshes;
-:func:`clip_grad_norm_` computes the one global norm (each expert counted once) and scales every
-gradient by the same factor, without reading anything back to the host.
+See docs/training_stack.md, 'FSDP2 with expert parallelism: `mc2.fully_shard`' (why the
+gradient rule, the manual pattern a TorchTitan user writes).
 """
 
 from __future__ import annotations

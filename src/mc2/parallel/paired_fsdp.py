@@ -1,32 +1,16 @@
 """FSDP2 under a paired step: every unit held gathered, its gradients accumulated unsharded,
 from the first forward to the last backward; the reduce-scatter once, in the last backward.
 
-``mc2.forward_backward`` runs micro-batch n+1's forward inside micro-batch n's backward. FSDP2
-(``fully_shard``) keeps one pass's state per unit, so the two passes meet in it:
-
-- a unit whose backward began is in ``PRE_BACKWARD`` until the backward's final callback, and
-  FSDP2 takes a forward it then sees for an activation-checkpoint recompute: it gathers the
-  parameters if they are not, but registers no backward hooks for it;
-- a unit's post-backward frees its parameters (``reshard_after_backward``) while the other
-  pass may still read them, and its post-forward frees them (``reshard_after_forward``) for
-  a backward that already ran;
-- the reduce-scatter after each backward would reduce a gradient the paired forward's
-  backward has not added to yet.
-
-So, between the first forward and the last backward (:meth:`PairedSharding.held`), no unit
-frees its parameters and none reduces its gradients: each parameter group's ``reshard`` does
-nothing (a switch such as ``set_reshard_after_forward(False)`` is not enough: a post-forward
-that runs after the other pass's end-of-backward callback reset the unit's state reshards
-whatever the switch says, and the next backward gathers it again), FSDP2's
-``set_requires_gradient_sync(False)`` and ``is_last_backward`` off. Each backward folds its
-gradients into the units' unsharded accumulation, as FSDP2 does without gradient sync; the
-last backward, run with the units' settings back, reduce-scatters the sum and frees the
-parameters. A backward whose forward registered no FSDP2 hook (a one-unit model, every unit
-already in its backward) still gets FSDP2's end-of-backward callback
-(:meth:`PairedSharding.finished`), which runs the units' post-backward: without it, the last
-micro-batch's gradients would never be reduced. A unit whose forward ran inside the other's
-backward has no backward hook of its own: its post-backward (and, in the last backward, its
-reduce-scatter) runs in that callback, at the end of the backward, not under its compute.
+FSDP2 keeps one pass's state per unit, so micro-batch n+1's forward inside micro-batch n's
+backward meets n's state: a forward in a unit whose backward began is taken for a recompute
+(no backward hooks), a post-backward frees parameters the other pass reads, and a
+reduce-scatter after each backward would reduce a gradient the paired forward's backward has
+not added to yet. So while :meth:`PairedSharding.held`, each parameter group's ``reshard`` does
+nothing (a switch such as ``set_reshard_after_forward(False)`` is not enough: a post-forward after
+the other pass's end-of-backward callback reshards whatever it says), gradient sync and
+``is_last_backward`` are off, and :meth:`PairedSharding.finished` queues FSDP2's end-of-backward
+callback for a backward no hook would finish. See docs/forward_backward.md, 'Where it runs,
+and what it refuses' (FSDP2: the costs, a failed step's recovery, tied units).
 
 What this reads of FSDP2 beyond its public methods (this torch's ``_fully_shard``): a unit's
 state (``_get_fsdp_state``), its lazy initialisation (run here for the units no other unit
@@ -34,14 +18,7 @@ contains, as their first forward would: a model handed in that is a submodule of
 would make an inner unit the root), its parameter groups (``reshard``, ``reduce_grads``,
 ``all_reduce_grads``, put back as they were), ``is_last_backward``, its end-of-backward
 callback's registration, and after a failed step its recovery (``_reset_iter_state``, what
-``reset_iter_state`` runs) and each parameter's unsharded gradients (dropped). A unit stays
-gathered for the whole step: its parameters take their
-unsharded size until the last backward, and its gradients accumulate unsharded (in the reduce
-dtype where one is set); so ``mc2.forward_backward``'s ``"auto"`` does not try pairing on an
-FSDP2 model, only ``overlap=True`` pairs it. A unit that groups modules from both ends of the model
-(``fully_shard([embed, head])`` for tied embeddings) is held like any other (tested: gradients
-equal to the sequential loop's); in the last backward, run as FSDP2's own, it is freed after the
-head's part and gathered again for the embedding's, as in each of FSDP2's own backwards.
+``reset_iter_state`` runs) and each parameter's unsharded gradients (dropped).
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ class _Process:
     ``idle``: partners whose thread waits for the next step's forwards. A thread kept from
     step to step keeps its allocator arena warm: a new thread per step gets an arena whose
     memory was handed back, and every paired forward's activations page-fault in again
-    (measured on Megatron's model, plain loopback: 100-150 thousand page faults and 2 s of
-    system time a step, the step 8.1-9.2 s against 6.1-7.0 s with the thread kept).
+    (docs/forward_backward.md, 'The partner thread kept from step to step').
 
     ``engine``: autograd's engine entry, wrapped while a step watches it where an
     accelerator is present (:mod:`mc2.engine.autograd.autograd_watch`)."""
@@ -75,9 +74,8 @@ os.register_at_fork(after_in_child=_PROCESS.idle.clear)
 
 # micro-batches inside each paired call whose config says "auto" (batch overlap's run K = 1,
 # the other half of the batch giving the overlap): a paired backward hides only part of a
-# forward transfer, and MC2's own split hides more of the rest. Measured (the Mixtral-shaped
-# model, 200 Mbit, docs/forward_backward.md): K = 2 0.925-0.926 of the in-layer loop's step in
-# two sittings, K = 1 0.959 and 1.011.
+# forward transfer, and MC2's own split hides more of the rest (K = 1 measured slower:
+# docs/forward_backward.md)
 PAIRED_SPLITS = 2
 
 # how long an interrupted step waits for its partner to hand the turn back before dropping it
@@ -199,10 +197,10 @@ class PairedLoop:
     paired (every rank alike: every rank runs the same model). ``kept(result)`` of each
     forward is in :attr:`results`, in order, taken right after its backward: a result kept
     whole would keep its autograd graph alive until the last micro-batch, which the
-    sequential loop frees at once (measured: 8 micro-batches ran 17-19% slower than the
-    in-layer loop on plain loopback so, against 3-4% with 4). ``failed(exception)``: after a
-    step failed anywhere (the last backward too, which runs outside ``around()``), what the
-    step left to discard (FSDP2's units gathered, their gradients accumulated unsharded).
+    sequential loop frees at once (docs/forward_backward.md, 'Eight micro-batches').
+    ``failed(exception)``: after a step failed anywhere (the last backward too, which runs
+    outside ``around()``), what the step left to discard (FSDP2's units gathered, their
+    gradients accumulated unsharded).
     ``strict``: a first forward that runs autograd itself on an accelerator (:meth:`_first`,
     agreed on ``group``) is refused; else its step runs unpaired, and ``alone(why)`` is told
     (the caller's decision can then run its later steps sequentially from the start).

@@ -4,8 +4,8 @@ Why: ``torch.nn.functional.grouped_mm`` returns a fresh tensor. On an accelerato
 more block from the caching allocator; on the CPU a fresh block above glibc's mmap threshold is
 page-faulted in, zeroed, on every call, and for the weight gradients of capacity mode (every
 local expert's gradient written, whatever the routing) that cost more than the GEMMs themselves
-(measured: 60 ms of a 170 ms training call at 1 token per rank). Writing into pooled buffers
-(:mod:`mc2.engine.transport.workspace`) avoids it.
+(docs/accelerators.md). Writing into pooled buffers (:mod:`mc2.engine.transport.workspace`)
+avoids it.
 
 One operator, two kernels:
 

@@ -5,20 +5,12 @@ Why here and not in the integration: it is the same kind of decision as ``"auto"
 split of the work into micro-batches, kept only where it measured faster), made with the same
 rules (:func:`mc2.engine.decide.trials.trial_winner`: the split must beat the unsplit run by a
 margin, or the unsplit one stays) and the same collectives; an integration only asks
-(:meth:`mc2.engine.decide.planner.Planner.batch_overlap`).
+(:meth:`mc2.engine.decide.planner.Planner.batch_overlap`). The agreement is in host memory
+(:func:`~mc2.engine.transport.comm.host_max`) so that a capacity-mode step reads nothing from
+the device.
 
-When it runs: every rank must split or not (the micro-batches make different collectives), so
-the decision is agreed at every forward, in host memory (:func:`~mc2.engine.transport.comm.host_max`:
-on a Gloo group, never a device read: a training step under capacity mode reads nothing from
-the device, batch overlap included). It is off, and says so once
-(:class:`BatchOverlapWarning`), where it cannot or should not run: a batch of fewer than two
-sequences, fewer tokens than ``min_tokens`` (too small to hide anything behind: the measured
-threshold is in ``docs/batch_overlap.md``), or what the caller names (a KV cache that holds
-tokens, a block that cannot be staged, ...). ``"auto"`` also measures: the first forwards (with
-their backwards, in training: :func:`timed_forward`) alternate with and without the split, and
-the faster one stays. A training step and a forward alone (no gradient: inference, a no-grad
-evaluation) are measured and decided apart: a forward alone says nothing of the backward
-that batch overlap interleaves too, so it never decides a training step.
+See docs/batch_overlap.md, 'When it runs' (when it is off, how ``"auto"`` times a training
+step and a forward alone apart).
 """
 
 from __future__ import annotations
@@ -77,17 +69,16 @@ class BatchOverlapDecision:
     """Whether a forward runs with batch overlap; the same answer on every rank.
 
     Args:
-        mode: ``True``, ``False`` or ``"auto"`` (measure, see the module docstring).
+        mode: ``True``, ``False`` or ``"auto"`` (measure: docs/batch_overlap.md).
         min_tokens: tokens per rank below which it is off.
         group: the group the agreement runs on.
         trials: forwards measured each way under ``"auto"`` (each with its backward through
             the layers, when one follows: :func:`timed_forward`).
 
     ``"auto"``: the first forward after switching sides is not timed. It reallocates the
-    workspace for the other side's buffer sizes; timed, batch overlap's trials (each right
-    after a plain one) measured 11-15% over its steady state in benchmarks/model_overlap.py,
-    and ``"auto"`` turned it off where it was 9% faster. A job runs the steady state. (The K
-    trials settle a switch the same way.)
+    workspace for the other side's buffer sizes; timed, it made ``"auto"`` turn batch overlap
+    off where it was faster. A job runs the steady state. (The K trials settle a switch the
+    same way.)
     """
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,

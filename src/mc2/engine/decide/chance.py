@@ -2,20 +2,13 @@
 
 Why: every trial of a split that cannot win is a slow call a user pays for. At decode sizes (a
 few tokens per rank) each extra micro-batch runs every local expert's GEMMs once more and adds
-two All-to-All latencies per pass, and nothing is there to hide behind: a K = 4 call measured
-20-25 ms against 11-15 ms at K = 1 (2 ranks, hidden 1024, 4 tokens), and the trials ran 8-16 of
-80 such calls at K > 1. The model already ranks those splits far behind K = 1; the trials are
-for what it cannot tell apart.
+two All-to-All latencies per pass, with nothing to hide behind. The model already ranks those
+splits far behind K = 1; the trials are for what it cannot tell apart.
 
-The rule: a split is tried only where its predicted step is within ``margin`` times K = 1's.
-The margin is the model's own error on this group: the largest factor by which it has
-over-predicted a split's cost relative to K = 1 (predicted ratio / measured ratio, over every
-split a finished trial measured), times :data:`SAFETY`, never below :data:`SAFETY`. Before any
-trial has finished on the group it is :data:`PRIOR_MARGIN`. Errors in the other direction
-(a split measured slower than predicted) only ever make splits lose, which the trials see.
-
-Every rank computes the same margin: the predictions come from the group's reduced
-calibration, and the measured times are the group's slowest rank's (:mod:`trials`).
+A split is tried only where its predicted step is within a margin of K = 1's: the model's own
+error on this group times :data:`SAFETY`, or :data:`PRIOR_MARGIN` before any trial has
+finished; errors in the other direction only ever make splits lose, which the trials see.
+See docs/planner.md, 'Trials only where a split has a chance' (the rule, why 1.4x).
 """
 
 from __future__ import annotations
@@ -23,14 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-# Before any measurement: a split predicted up to 1.4x K = 1's step is tried. Measured on this
-# project's 2-core machine (2 ranks, 2 local experts, top-2; docs/measurements.md, "auto at
-# decode sizes"): the model's ratio for the best split is 1.6-1.8 at 4 tokens per rank and
-# 1.56-1.64 at 16 (measured 1.06-1.48: the model leaves out the per-call cost every K pays,
-# so it over-states splits' losses at small sizes), 1.24-1.3 at 64 and 1.02-1.1 at the
-# 256-1024-token training shapes, where a split is within a few percent of K = 1 or wins.
+# Before any measurement: a split predicted up to 1.4x K = 1's step is tried (the model
+# over-states splits' losses at small sizes; why 1.4: docs/planner.md)
 PRIOR_MARGIN = 1.4
-# On top of the measured error: trial medians of one K differ by up to ~10% between runs here.
+# On top of the measured error: trial medians of one K differ between runs (docs/planner.md)
 SAFETY = 1.2
 
 

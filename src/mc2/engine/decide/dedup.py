@@ -1,28 +1,12 @@
 """Rows once per destination: a token crosses the link once to each rank holding any of its
 experts, and one reduced row comes back.
 
-Without this every (token, expert) pair is a row of its own: a token whose top-k experts share
-a rank crosses the link once per expert and its results come back as as many rows. Here the
-sender sends each (token, destination) once, with a small *slot table* beside it: for each of
-the token's ``k`` slots, the expert's local id on that destination (``-1`` where the slot's
-expert lives elsewhere) and its routing weight. The destination expands the row to its experts,
-multiplies each output by its weight and sums them (in float32 for 16-bit rows) into one row,
-which the combine sends back; the sender adds the rows of a token's destinations. The expected
-saving for ``E`` experts spread evenly over ``R`` ranks, top-``k``, uniform routing, is
-``1 - D / k`` with ``D = R * (1 - C(E - E/R, k) / C(E, k))`` distinct destinations per token
-(:func:`expected_destinations`).
+The expected saving for ``E`` experts spread evenly over ``R`` ranks, top-``k``, uniform
+routing, is ``1 - D / k`` (``D``: :func:`expected_destinations`). The slot tables travel in
+one exchange per call (:func:`mc2.engine.transport.comm.exchange_slots`, :func:`slot_dtype`).
 
-The backward mirrors it: the output gradient of a token goes once to each destination, which
-scales it by each slot's weight, runs the experts' backward and sums the input gradients into
-one row; the routing weights' gradients (each expert output dotted with the output gradient)
-are computed there, where the outputs are, and return to the senders in one exchange at the
-end of the backward.
-
-The slot tables travel in one exchange per call, right after the counts (on the control
-communicator, :func:`mc2.engine.transport.comm.exchange_slots`), as one float tensor (ids are
-exact in float32; the weights travel in float64 where the call computes in float64). Nothing
-here reads the device: the tables are sorted, not filtered, and every size comes from the
-counts the call reads once anyway.
+See docs/engine.md, 'Rows once per destination (`dedup=True`)' (slot tables, the destination's
+expand and reduce, the backward, the 2-D exchange, why nothing here reads the device).
 """
 
 from __future__ import annotations

@@ -65,9 +65,8 @@ from mc2.engine.transport.wire import PLAIN_PAIR, WirePair, describe_pair
 
 
 SERIAL = Candidate.of(1)  # K = 1 in the requested rows: always tried, the baseline
-# Re-check rounds while the best lead is inside the noise. Two, not one: at 256 tokens on this
-# project's CPU machine one round of 2 more calls each still locked K = 1 with fp8 rows over
-# K = 1 with plain rows, 10% faster in the steady state, their trials' spreads overlapping.
+# Re-check rounds while the best lead is inside the noise. Two, not one: one round still
+# locked a candidate clearly slower in the steady state, their trials' spreads overlapping.
 RECHECK_ROUNDS = 2
 # A lead under this fraction is re-checked whatever the trials' spread says
 # (:func:`mc2.engine.decide.trials.contenders`).
@@ -279,9 +278,8 @@ class _Trials:
     def next_call(self) -> tuple[Candidate, bool]:
         """``(candidate, timed)``: the next trial call. A call of a candidate other than the
         previous call's settles (runs, untimed): a call right after another K's runs slower
-        than the steady state of its own K (measured here: up to +40% at 256 tokens, and
-        unevenly, so round-robin without it ranked the candidates wrong), and the steady
-        state is what the lock is for."""
+        than the steady state of its own K, and unevenly, so round-robin without it ranked the
+        candidates wrong (docs/planner.md), and the steady state is what the lock is for."""
         k = self.next_candidate()
         timed = k == self.last
         self.last = k
@@ -342,28 +340,15 @@ class Planner:
     """Chooses ``micro_batches`` for ``"auto"``: the model ranks, the real calls decide.
 
     For each new shape (token count within 1/16, weights, group) the cost model, calibrated
-    once per weight shape and group, ranks every candidate K. The first calls of that shape then
-    run K = 1 and the model's next ``explore - 1`` best, ``trials`` timed calls each,
-    round-robin, each timed call after an untimed one of the same K (a call right after
-    another K's is slower than that K's steady state, and unevenly so:
-    :mod:`mc2.engine.decide.trials`); every rank records each timed call's forward and
-    backward time, one ``all_reduce`` takes the slowest rank's per call, and each candidate is
-    scored by the median of its timed calls. Where the best one's neighbour on the ladder of
-    candidates (the next smaller or larger K) was not tried, it is tried next, ``trials``
-    timed calls, beside ``trials - 1`` (at least 1) more of the best (once): the model's
-    ranking is the prior, the measured neighbourhood of the winner decides. Where the best
-    one's lead over another is within their spread (or under 10%), the close candidates run
-    ``recheck`` more timed calls each before the lock, and once more if it still is. The fastest
-    K is locked for the shape (K = 1 unless a split gains ``min_gain``), and one
-    ``logging.INFO`` line on the ``mc2.engine.decide.planner`` logger says what was measured and
-    why. Exploration costs ``2 * explore * trials`` calls per shape (12 by default), 6 more
-    where one neighbour of the winner was untried (10 for two) and ``2 * recheck`` more per
-    close candidate and re-check round (at most 12 + 10 + 40 = 62, typically 12-26; a wire
-    format adds K = 1 and the model's best with plain rows: at most 20 + 10 + 56 = 86, typically
-    20-40; measured in docs/measurements.md), each a real, correct call; the timeline marks them
-    (``auto trial K=...``). (Trusting the model alone, without trials, was an option that never
-    measured better than the trials; it was removed.) A drift guard (``drift``) re-runs a
-    shape's trials once where its steady state later runs clearly slower than they measured.
+    once per weight shape and group, ranks every candidate K; the model's ranking is only the
+    prior (trusting it alone, without trials, never measured better). The first calls of that
+    shape try K = 1 and the model's next ``explore - 1`` best, ``trials`` timed calls each, each
+    after an untimed call of the same K (why: :mod:`mc2.engine.decide.trials`), scored by the
+    group's slowest rank; the winner's untried neighbours and the candidates close to it run
+    next, all within ``max_trial_calls``. The fastest K is locked for the shape (K = 1 unless a
+    split gains ``min_gain``), and one ``logging.INFO`` line says what was measured and why. A
+    drift guard (``drift``) re-runs a shape's trials once where its steady state later runs
+    clearly slower than they measured. See docs/planner.md, 'How the trials run'.
 
     With a wire format (:mod:`mc2.engine.transport.wire`), the model's best K with rows in the
     compute dtype is tried too, and K = 1 with plain rows, the serial baseline no lock may be

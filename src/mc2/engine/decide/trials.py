@@ -1,33 +1,26 @@
 """``"auto"``'s decision from its trial calls: medians, spread, and a re-check inside the noise.
 
-Why not the best of two calls per K (what ``"auto"`` did): on a host shared with other work, or
-a link whose speed wanders, one lucky call decides, and a run can lock a K 1.7x slower than
-another run of the same command found. The trials therefore
+Why not the best of two calls per K (what ``"auto"`` once did): on a host shared with other
+work, or a link whose speed wanders, one lucky call decides, and two runs of the same command
+can lock very different K. The trials therefore
 
-- run the candidates *round-robin* (K=1, K=2, K=4, K=1, ...: each turn one timed call, after
-  an untimed one where the K changed, see below), so a slow phase of the machine
-  hits every candidate rather than the one whose turn it was;
+- run the candidates *round-robin*, so a slow phase of the machine hits every candidate rather
+  than the one whose turn it was;
 - time a call only where the call before it (of the same shape) ran the same candidate: a
-  switch of K first runs one untimed call of the new K. A call right after another K's ran up
-  to 40% slower than its own K's steady state on this project's CPU machine at 256 tokens
-  (buffers of other sizes to re-make), and not evenly (K = 1 after a split paid most), so the
-  round-robin without it ranked the candidates by their predecessors and locked K = 2 where
-  K = 1 was 21% faster. That untimed call is also each candidate's warm-up;
+  call right after another K's runs slower than its own K's steady state (buffers of other
+  sizes to re-make), and not evenly (K = 1 after a split pays most), so without it the trials
+  ranked the candidates by their predecessors. That untimed call is also the warm-up;
 - score each call by the group's *slowest rank* (the step waits for it) and take the
   *median* of a candidate's timed calls, with half their range as the spread;
-- when the best candidate's lead over another is within their spread (or under 10%,
-  :func:`contenders`), run more rounds of the candidates that are that close (twice at
-  most), and decide on all their calls;
-- once, where the best candidate's neighbour on the ladder of allowed K (the next smaller or
-  larger K, with the same rows) was not among those tried, try it too, beside more calls of
-  the best (:func:`untried_neighbours`): the cost model's ranking picks what is tried first,
-  and its calibration is measured on the same noisy machine, so one run's prior can leave out
-  the K another run finds best (seen: K = 1, 4, 8 tried, K = 4 locked, 26% slower than the
-  K = 2 every other run locked);
+- re-check the candidates close to the best (:func:`contenders`);
+- once, try the best candidate's untried neighbours on the ladder of allowed K
+  (:func:`untried_neighbours`): the cost model picks what is tried first, and its calibration
+  is measured on the same noisy machine, so one run's prior can leave out the K another run
+  finds best;
 - keep K = 1 unless a split is at least ``min_gain`` faster (:func:`trial_winner`).
 
 Every rank computes the same decision: the times are the group's maximum, reduced in one
-collective per decision step.
+collective per decision step. See docs/planner.md, 'How the trials run'.
 """
 
 from __future__ import annotations
@@ -123,9 +116,8 @@ def contenders(stats: Sequence[TrialStats], floor: float = 0.0) -> list[Candidat
     included; one candidate means the lead is clear.
 
     Why a floor: the spread of two calls is a poor estimate of the noise. Calls of one K
-    differ by ~10% from call to call on this project's CPU machine, in spells, so two of them
-    often land close together: at 256 tokens two runs of five locked K = 2 on a 4% and a 7%
-    lead with spreads under 4%, where K = 1 was 13% faster in the steady state."""
+    differ from call to call in spells, so two of them often land close together and lock a
+    split on a lead the steady state does not have (docs/measurements.md)."""
     best = min(stats, key=lambda s: s.median_s)
     return [s.candidate for s in stats
             if s.median_s - best.median_s <= max(s.spread_s, best.spread_s,

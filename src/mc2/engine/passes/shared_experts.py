@@ -6,12 +6,12 @@ last combine travels (the drain).
 
 * The forward computes the shared experts of the first half of the tokens under the fill and
   of the second half under the drain, into one output and one activation buffer: the forward's
-  drain has nothing else to hide it. Measured at 200 Mbit (2 ranks, 2048 tokens, hidden 1024,
-  ffn 2048, K = 2, ``benchmarks/shared_fill_drain.py``): the forward 0.09 s shorter than with
-  all of them under the fill.
+  drain has nothing else to hide it.
 * The backward computes all of them under the fill: its drain already carries the routed
-  experts' last weight gradients. Its weight gradients moved to the drain were measured 0.13 s
-  past the last combine's arrival, while the fill waited 0.28 s with nothing to do.
+  experts' last weight gradients, so weight gradients moved there ran past the last combine's
+  arrival while the fill waited with nothing to do.
+
+See docs/batch_overlap.md, 'Shared experts under the fill and the drain' (measured there).
 
 Serial passes run the same parts at the same ends, so the arithmetic is the same in every
 schedule. (Two GEMMs of half the rows each may round differently from one of all of them, as

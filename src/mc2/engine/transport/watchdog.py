@@ -1,55 +1,18 @@
 """Deadlines for stream backends, kept by a thread instead of a blocking wait.
 
-On NCCL or HCCL a wait is stream-ordered: ``work.wait()`` returns at once and only the device
-waits. A wait with a timeout would poll the host until the transfer is done, which stops the
-host from queueing the next micro-batch (no overlap at all). So on those backends every wait of
-a call hands its work to the process's :class:`Watchdog`: a daemon thread that polls
-``is_completed()`` a few times a second.
+On NCCL or HCCL a wait with a timeout would poll the host until the transfer is done and stop
+it from queueing the next micro-batch, so every wait is stream-ordered and hands its work to the
+process's :class:`Watchdog`, a daemon thread that polls ``is_completed()``. A deadline counts
+from a device event recorded before the collective (:func:`start_stamp`), not from the host's
+issue: the host runs far ahead of the device, and a short ``timeout=`` must not abort a healthy
+job. On expiry it records a :class:`~mc2.engine.transport.deadline.CommTimeout`, aborts every
+process group at once (:func:`abort_groups`: aborts one by one can deadlock each other), and ends
+the process after :data:`ABORT_GRACE_S` if that abort hangs or is impossible, since a thread
+blocked behind the collective would otherwise wait forever. The caller raises at its next
+:func:`check`. Inside a CUDA-graph capture nothing may poll, so :meth:`Watchdog.pause` stops
+the thread.
 
-**Where a deadline starts.** On a stream backend the host runs far ahead of the device (in the
-backward by a whole pass), and a collective starts only when the device reaches it. So the
-deadline does not count from the host's issue: before each collective a device event is
-recorded on the current stream (:func:`start_stamp`), and the deadline counts from the first
-poll that finds that event reached, that is, from when the device could start the collective.
-A healthy job whose host ran ahead is not aborted however short ``timeout=`` is. On CPU the host
-clock is the device clock: the start is the host's ``time.monotonic()`` at issue, nothing else
-is recorded (and host backends such as Gloo do not use the watchdog at all: their waits block
-with the deadline).
-
-**When a deadline passes**, the watchdog
-
-1. records a :class:`~mc2.engine.transport.deadline.CommTimeout` naming the operation, the
-   micro-batch and the phase of the transfer that stalled;
-2. aborts *every* process group of the process in one action, from one place
-   (:func:`abort_groups`: every registered group's ``abort()``, inside one NCCL group call where
-   the default group is NCCL, as ``torch.distributed``'s own abort of the world does; aborts of
-   communicators one by one can deadlock each other). A host thread blocked in a device
-   synchronisation behind the stalled collective then wakes up, and nothing else is left to
-   run on communicators that share the stalled peer;
-3. if that abort does not return within :data:`ABORT_GRACE_S` seconds (it hangs), or the
-   backend has no abort (it raises), ends the process: ``os._exit(`` :data:`EXIT_CODE` ``)``
-   with a message on stderr, ``ABORT_GRACE_S`` after the deadline passed. A host thread blocked
-   behind the collective would otherwise wait forever; the launcher restarts the job instead.
-
-The caller's thread raises the recorded timeout at its next check: every later wait, every host
-read of a call and the end of every pass (:func:`check`). This is what NCCL's own watchdog does
-with the group's timeout, with mc2's deadline and mc2's words. Every group is gone then, so
-every check after that one raises too, a :class:`CommTimeout` naming the first, and mc2 issues
-nothing more on any group (:func:`mc2.engine.transport.comm.refuse`).
-
-By default a deadline is the group's own timeout
-(:func:`~mc2.engine.transport.deadline.wait_deadline`), so on NCCL its own watchdog, which
-counts from the host's issue, usually acts first; mc2's acts first only for a ``timeout=``
-shorter than the group's, or on a backend without a watchdog of its own.
-
-**Inside a CUDA-graph capture** nothing may poll a work or an event, from any thread (a capture
-in the default ``"global"`` mode fails at such a call). A call that finds its stream capturing
-watches nothing (its collectives run once per replay, launched by the graph, where no host code
-of mc2 runs) and :meth:`Watchdog.pause` stops the thread: it polls nothing, the works of
-earlier calls included, until the next watched wait of a call outside a capture. Between the
-start of a capture and mc2's first call inside it, the thread may still poll works of earlier
-calls: let it drain first (``torch.cuda.synchronize()``, then :meth:`Watchdog.wait_idle`, as
-``benchmarks/device_check.py`` does).
+See docs/faults.md, 'Deadlines', and docs/accelerators.md (the capture: what to drain first).
 """
 
 from __future__ import annotations
