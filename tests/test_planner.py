@@ -113,8 +113,9 @@ def test_auto_runs_no_split_of_a_decode_sized_batch(hidden: int, ffn: int) -> No
         decision = r["decision"]
         assert decision["locked"] == 1 and decision["times"] == {1: []}
         assert decision["settle_calls"] == 0 and "without trials" in decision["why"]
-    # the decision is said once, on the first call, where it was made
-    assert [i for i, m in enumerate(results[0]["marks"]) if m] == [0]
+    # the decision is said once per kind (forwards alone, then training calls: each
+    # decides on its own), on its first call, where it was made
+    assert [i for i, m in enumerate(results[0]["marks"]) if m] == [0, calls]
     assert "locked without trials" in results[0]["marks"][0][0]
 
 
@@ -450,3 +451,15 @@ def test_calibration_leaves_the_callers_random_numbers_as_they_were() -> None:
     Planner(repeats=2)._measure(weights, None, "loop", full=False)
     _time_step(weights, "loop", 32)
     assert torch.equal(torch.rand(4), want)
+
+
+def test_training_calls_run_trials_of_their_own() -> None:
+    """A forward alone is timed without the backward a training call runs: forwards alone of
+    a shape (an evaluation before training) locked the K that training then ran, untried
+    (found by a review). The training calls of that shape run their own trials."""
+    from tests.workers import auto_by_kind
+
+    for r in mc2.run_local(auto_by_kind, 2, args=(3,)):
+        assert r["locked_alone"], r
+        assert r["training_trials"][0], r  # the first training call is a trial
+        assert set(r["kinds"]) == {False, True} and r["kinds"][False] is not None, r

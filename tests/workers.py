@@ -588,3 +588,33 @@ def initialised_ranks(rank: int, world: int) -> list[bool]:
     store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(seconds=30))
     return [store.check([f"mc2/initialised/{r}"]) for r in range(world)]
+
+
+def auto_by_kind(rank: int, world: int, calls: int) -> dict:
+    """Forwards alone (no gradient) of one shape until ``"auto"`` locks them, then training
+    calls of the same shape: the K each training call used and whether it was a trial."""
+    g = torch.Generator().manual_seed(rank)
+    local, hidden, ffn, tokens = 2, 64, 128, 300
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens, 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05 for _ in range(2)] + \
+        [torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2, drift=0)
+
+    def call(trained: bool) -> list[str]:
+        tl = mc2.Timeline()
+        with torch.set_grad_enabled(trained):
+            out = mc2.fused_expert(x.clone().requires_grad_(trained), *ws, ids,
+                                   micro_batches="auto", planner=planner, timeline=tl)
+        if trained:
+            out.sum().backward()
+        return [s.name for s in tl.spans if s.name.startswith("auto trial")]
+
+    for _ in range(planner.max_trial_calls + 1):
+        call(False)
+        if planner.settled():
+            break
+    locked_alone = planner.settled()
+    training = [call(True) for _ in range(calls)]
+    kinds = {key[-1]: d["locked"] for key, d in planner.decisions().items()}
+    return {"locked_alone": locked_alone, "training_trials": training, "kinds": kinds}

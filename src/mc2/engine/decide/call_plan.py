@@ -224,11 +224,11 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
               group: Any, strategy: str, wire: WirePair,
-              timeline: Timeline | None, watch: bool = True
+              timeline: Timeline | None, trained: bool, watch: bool = True
               ) -> tuple[int, Any, WirePair]:
     """``(K, on_pass_done, wire)``: the configured K, or the planner's for ``"auto"``
     (``watch``: its drift guard times the locked calls; not for capacity calls, which read
-    nothing on the host)."""
+    nothing on the host; ``trained``: a backward follows, agreed in the handshake)."""
     if config.micro_batches != "auto":
         return int(config.micro_batches), None, wire
     if planner is None:
@@ -239,7 +239,7 @@ def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weight
         choice = planner.again(**shape)
     else:
         with maybe_span(timeline, "compute", "plan", "forward"):
-            choice = planner.choose(**shape, watch=watch)
+            choice = planner.choose(**shape, watch=watch, trained=trained)
     if choice.plain_rows:  # the format measured slower here; the planner said so
         wire = PLAIN_PAIR
     if timeline is not None and choice.trial:  # exploration is visible, and bounded
@@ -394,7 +394,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     steady = problem is None and values in agreed and not config.check_finite and (
         plan_with is None or plan_with.quiet_for(
             max_tokens=slabs.max_tokens, topk=slabs.max_topk, weights=weights, group=group,
-            strategy=priced, sent_rows=slabs.max_rows, watch=False))
+            strategy=priced, sent_rows=slabs.max_rows, watch=False, trained=needs_grad))
     on_host = carries_host_memory(group)
     if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
@@ -413,7 +413,7 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
         agreed.add(values)
     combine = combine_weights(routing_weights, ids2d, x)
     k, on_pass_done, _ = _choose_k(config, plan_with, slabs, weights, group, priced,
-                                   PLAIN_PAIR, timeline, watch=False)
+                                   PLAIN_PAIR, timeline, needs_grad, watch=False)
     with maybe_span(timeline, "compute", "plan", "forward"):
         handle = plan_routes(ids2d, combine.detach(), capacity=config.capacity,
                              micro_batches=k, world=group_size(group),
@@ -516,7 +516,7 @@ def plan_call(
         k, on_pass_done = (1 if auto else int(config.micro_batches)), None
     else:
         k, on_pass_done, wire = _choose_k(config, plan_with, agreement, weights, group,
-                                          strategy, wire, timeline)
+                                          strategy, wire, timeline, needs_grad)
     pool = workspace or default_workspace()
     ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)

@@ -461,7 +461,8 @@ class Planner:
 
     def choose(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
                strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
-               sent_rows: int | None = None, watch: bool = True) -> Choice:
+               sent_rows: int | None = None, watch: bool = True, trained: bool = True
+               ) -> Choice:
         """K for this call: a trial while the shape is explored, then the locked winner.
 
         A collective whenever it calibrates or decides; every rank calls it with the same
@@ -470,14 +471,19 @@ class Planner:
         :meth:`digest`). ``sent_rows``: where rows go once per destination, the most rows any
         rank sends (agreed in the handshake): the link is priced for those, the experts for
         the pairs. ``watch``: time the locked calls for the drift guard (every rank passes
-        the same; capacity calls pass ``False``).
+        the same; capacity calls pass ``False``). ``trained``: a backward follows (agreed in
+        the handshake). Training calls and forwards alone run trials of their own: timed
+        without a backward, a forward alone says nothing of the backward a training call
+        runs, and forward-only trials (an evaluation before training) locked the K that
+        training then ran (found by a review). A recompute (:meth:`again`) finds its
+        forward's K whatever the kind.
         """
         shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                      strategy=strategy, sent_rows=sent_rows)
         key = self.shape_key(wire=wire, **shape)
-        quiet = self.quiet_for(**shape, wire=wire, watch=watch)
+        quiet = self.quiet_for(**shape, wire=wire, watch=watch, trained=trained)
         # nothing to hide (one rank), or nothing to split (one token)
-        choice = self._choose(key, shape, wire, watch) \
+        choice = self._choose((*key, trained), shape, wire, watch) \
             if group_size(group) > 1 and max_tokens > 1 else Choice(1)
         self._calls[group_key(group)] = self.digest(group) + 1
         if not quiet:
@@ -488,15 +494,16 @@ class Planner:
 
     def quiet_for(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
                 group: Any, strategy: str = "loop", wire: WirePair = PLAIN_PAIR,
-                sent_rows: int | None = None, watch: bool = True) -> bool:
+                sent_rows: int | None = None, watch: bool = True, trained: bool = True
+                ) -> bool:
         """Whether :meth:`choose` with these arguments runs no collective: nothing to
         choose (one rank, one token), or the shape is locked and its calls are not watched.
         (A capacity call that is not quiet waits for its handshake before choosing, so that
         ranks whose planners differ raise there instead of one calibrating alone.)"""
         if group_size(group) <= 1 or max_tokens <= 1:
             return True
-        held = self._shapes.get(self.shape_key(max_tokens, topk, weights, group, strategy,
-                                               wire, sent_rows))
+        held = self._shapes.get((*self.shape_key(max_tokens, topk, weights, group, strategy,
+                                                 wire, sent_rows), trained))
         return not watch and held is not None and held.locked is not None
 
     @staticmethod
