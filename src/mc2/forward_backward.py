@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from mc2.device.clock import clock_for
 from mc2.engine.autograd.pairing import run_pairs, traced_step
 from mc2.engine.autograd.staged import micro_batch_label
-from mc2.engine.decide.batch_split import MODE_CODES, BatchOverlapDecision, mode_name, say_once
+from mc2.engine.decide.batch_split import (
+    MODE_CODES, BatchOverlapDecision, check_mode, mode_name, say_once)
 from mc2.engine.transport.comm import group_key, host_ranges
 from mc2.parallel.layer_gather import fsdp_units
 from mc2.parallel.paired_fsdp import PairedSharding
@@ -56,9 +57,7 @@ def forward_backward(model: nn.Module, micro_batches: Iterable[Any],
             ``FullyShardedDataParallel``) or DistributedDataParallel wraps (every rank alike:
             every rank runs the same model). ``"auto"`` runs the sequential loop for those, and says so once.
     """
-    if overlap not in (True, False, "auto"):
-        raise ValueError(f"forward_backward: overlap must be True, False or 'auto', "
-                         f"got {overlap!r}")
+    check_mode(overlap, "overlap", "forward_backward")
     batches = list(micro_batches)
     if not torch.is_grad_enabled():
         raise ValueError("forward_backward: gradients are disabled (torch.no_grad); it runs "

@@ -37,7 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from mc2.engine.decide.batch_split import MIN_TOKENS
+from mc2.engine.decide.batch_split import MIN_TOKENS, check_mode
 from mc2.integrations.megatron_overlap import MC2TransformerLayer, is_param_gather_hook
 from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
 
@@ -372,9 +372,7 @@ def settings_from_env(value: str | None = None) -> tuple[MC2Config, bool | str]:
         raise ValueError(f"{ENV}: expected a JSON object of MC2Config fields, got "
                          f"{type(values).__name__}")
     overlap = values.pop("batch_overlap", False)
-    if overlap not in (True, False, "auto"):
-        raise ValueError(f'{ENV}: "batch_overlap" must be true, false or "auto", got '
-                         f"{overlap!r}")
+    check_mode(overlap, '"batch_overlap"', ENV)
     try:
         return MC2Config.from_dict(values), overlap
     except (TypeError, ValueError) as exc:
@@ -477,8 +475,7 @@ def use_mc2(spec: Any, *, config: MC2Config | None = None, pg_collection: Any = 
     extra: dict[str, Any] = {"mc2_config": config or DEFAULT_CONFIG}
     if pg_collection is not None:
         extra["pg_collection"] = pg_collection
-    if batch_overlap not in (False, True, "auto"):
-        raise ValueError(f"batch_overlap must be True, False or 'auto', got {batch_overlap!r}")
+    check_mode(batch_overlap, "batch_overlap")
     layer = None
     if batch_overlap:
         layer = {"batch_overlap": batch_overlap, "min_tokens": min_tokens}

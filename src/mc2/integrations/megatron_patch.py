@@ -23,6 +23,7 @@ import sys
 import types
 from typing import Any, Callable
 
+from mc2.engine.decide.batch_split import check_mode
 from mc2.engine.decide.config import MC2Config
 from mc2.integrations.megatron import (
     ENV, config_from_env, holds_moe_layer, settings_from_env, use_mc2)
@@ -120,8 +121,7 @@ def patch(config: MC2Config | None = None, batch_overlap: bool | str | None = No
     overlap = env_overlap if batch_overlap is None else batch_overlap
     if not isinstance(config, MC2Config):
         raise ValueError(f"config must be an mc2.MC2Config, got {type(config).__name__}")
-    if overlap not in (True, False, "auto"):
-        raise ValueError(f"batch_overlap must be True, False or 'auto', got {overlap!r}")
+    check_mode(overlap, "batch_overlap")
     unpatch()
     _install(moe_specs, _NAME, _wrapped(_original(getattr(moe_specs, _NAME)),
                                         lambda spec: use_mc2(spec, config=config), config))

@@ -89,19 +89,25 @@ class SharedInsideBlock:
     said once."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        mlp = self.shared_experts  # type: ignore[attr-defined]
-        # a hook on the experts would see the shared MLP's output added inside the call
-        problem = shared_swiglu_problem(mlp) or user_hook_problem(self.experts)  # type: ignore
-        if problem is not None:
-            say_once(f"mc2: the shared_experts of {type(self).__name__} run beside the experts' "
-                     f"call, as the model runs them: {problem}")
+        views = shared_views(self.shared_experts, self.experts,  # type: ignore[attr-defined]
+                             f"the shared_experts of {type(self).__name__} run beside the "
+                             "experts' call, as the model runs them")
+        if views is None:
             return super().forward(hidden_states)  # type: ignore[misc]
         shape = hidden_states.shape
         _, weights, ids = self.gate(hidden_states)  # type: ignore[attr-defined]
-        views = tuple(m.weight.t().unsqueeze(0)
-                      for m in (mlp.up_proj, mlp.gate_proj, mlp.down_proj))
         return self.experts(hidden_states.view(-1, shape[-1]), ids,  # type: ignore[attr-defined]
                             weights, shared=views).view(shape)
+
+
+def shared_views(mlp: Any, experts: Any, beside: str) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A shared SwiGLU ``mlp``'s weights as ``(up [1,H,F], gate [1,H,F], down [1,F,H])`` views
+    for the ``experts``' call; ``None``, said once (``beside``), where they are not what it computes
+    (:func:`shared_swiglu_problem`) or a hook on ``experts`` would see them added inside the call."""
+    if (problem := shared_swiglu_problem(mlp) or user_hook_problem(experts)) is not None:
+        say_once(f"mc2: {beside}: {problem}")
+        return None
+    return tuple(m.weight.t().unsqueeze(0) for m in (mlp.up_proj, mlp.gate_proj, mlp.down_proj))
 
 
 def shared_swiglu_problem(mlp: Any) -> str | None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from mc2.engine.autograd.function import saved_tensor_hooks_active
 from mc2.engine.autograd.layer_schedule import LayerStages
-from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, say_once
+from mc2.engine.decide.batch_split import MIN_TOKENS, SPLITS, BatchOverlapDecision, check_mode, say_once
 from mc2.engine.decide.planner import planner_for
 from mc2.integrations.layer_loop import run_layer_loop, split_sizes
 from mc2.integrations.layer_recording import NOT_RECORDED, close_recording, record_layer_call
@@ -304,9 +304,7 @@ def mc2_batch_overlap(cfg: Decoder.Config, *, batch_overlap: bool | str = True,
         ValueError: ``batch_overlap`` not ``True``, ``False`` or ``"auto"``; an option that is
             no MC2Config field; a layer of a block type other than Qwen3's or DeepSeek-V3's.
     """
-    if batch_overlap not in (True, False, "auto"):
-        raise ValueError(f"mc2_batch_overlap: batch_overlap must be True, False or 'auto', "
-                         f"got {batch_overlap!r}")
+    check_mode(batch_overlap, "batch_overlap", "mc2_batch_overlap")
     mc2_config_of(options)
     layers = []
     for index, layer in enumerate(cfg.layers):

@@ -25,9 +25,9 @@ from mc2.engine.autograd.staged import StagedCall
 from mc2.engine.decide.config import ConfigOptions, MC2Config
 from mc2.integrations.module_stage import (
     ModuleStageExperts, ep_experts, experts_problem, is_silu as _is_silu, shard_experts,
-    shared_inside, shared_swiglu_problem
+    shared_inside, shared_views
 )
-from mc2.integrations.weight_reads import say_once, user_hook_problem
+from mc2.integrations.weight_reads import user_hook_problem
 from mc2.parallel.expert_shards import expert_shards
 from mc2.layer import PackedExperts
 from mc2.parallel.mesh import resolve_layout
@@ -224,16 +224,12 @@ class MC2SparseMoeBlock(nn.Module):
         it, said once, and its gated output is the third item (else ``None``)."""
         if self.shared_expert is None or self.shared_expert_gate is None:
             return (None, None, None), None, None
-        mlp = self.shared_expert
-        # a hook on the experts would see the shared expert's output added inside the call
-        problem = shared_swiglu_problem(mlp) or user_hook_problem(self.experts)
-        if problem is not None:
-            say_once(f"mc2: {self.source}'s shared_expert runs beside the fused call, as the "
-                     f"model runs it: {problem}")
-            return (None, None, None), None, torch.sigmoid(self.shared_expert_gate(x)) * mlp(x)
-        views = tuple(getattr(mlp, name).weight.t().unsqueeze(0)
-                      for name in ("up_proj", "gate_proj", "down_proj"))
-        return views, torch.sigmoid(self.shared_expert_gate(x)), None
+        views = shared_views(self.shared_expert, self.experts, f"{self.source}'s shared_expert "
+                             "runs beside the fused call, as the model runs it")
+        scale = torch.sigmoid(self.shared_expert_gate(x))
+        if views is None:
+            return (None, None, None), None, scale * self.shared_expert(x)
+        return views, scale, None
 
 
 class BesideStagedCall:

@@ -35,6 +35,14 @@ _SIDES = {False: Candidate.of(1), True: Candidate.of(SPLITS)}
 MODE_CODES = {False: 0, True: 1, "auto": 2}  # a mode, as the ranks agree it
 
 
+def check_mode(value: Any, name: str, who: str = "") -> None:
+    """Refuse a mode other than those of :data:`MODE_CODES` (``ValueError`` naming ``name``,
+    after ``who: `` where given): checked where it is passed, before any rank agrees it."""
+    if value not in tuple(MODE_CODES):  # a tuple: compared, not hashed (a list is refused too)
+        prefix = f"{who}: " if who else ""
+        raise ValueError(f"{prefix}{name} must be True, False or 'auto', got {value!r}")
+
+
 def mode_name(code: float) -> str:
     """The mode of a code of :data:`MODE_CODES`, as the caller wrote it."""
     return next(repr(mode) for mode, c in MODE_CODES.items() if c == int(code))
@@ -83,8 +91,7 @@ class BatchOverlapDecision:
 
     def __init__(self, mode: bool | str, *, min_tokens: int = MIN_TOKENS, group: Any = None,
                  trials: int = 3, what: str = "batch overlap", unit: str = "forward") -> None:
-        if mode not in (True, False, "auto"):
-            raise ValueError(f"batch_overlap must be True, False or 'auto', got {mode!r}")
+        check_mode(mode, "batch_overlap")
         self.mode, self.min_tokens, self.group, self.trials = mode, min_tokens, group, trials
         # what is measured, and per what, in its messages (mc2.forward_backward decides its
         # pairing so, per step)
