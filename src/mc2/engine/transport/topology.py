@@ -54,8 +54,12 @@ class Topology:
 
     @property
     def uniform(self) -> bool:
-        """Every node holds the same number of ranks (what a 2-D All-to-All needs)."""
-        return len({len(self.ranks_of_node(n)) for n in range(self.nodes)}) == 1
+        """Every node holds the same number of ranks, numbered node by node: what a 2-D
+        All-to-All needs (its plan takes a rank's node and local rank as ``divmod`` of its
+        rank; ranks dealt to hosts in turn, ``A, B, A, B``, made ranks meet in different
+        exchanges and raise different errors; found by a review)."""
+        return (len({len(self.ranks_of_node(n)) for n in range(self.nodes)}) == 1
+                and self.node_of_rank == sorted(self.node_of_rank))
 
     def subgroups(self, group: Any = None) -> tuple[Any, Any]:
         """``(intra_node, inter_node)`` groups of this rank, made once (a collective of
@@ -66,7 +70,8 @@ class Topology:
         """
         if "intra" not in self._groups:
             if not self.uniform:
-                raise ValueError(f"a 2-D layout needs the same ranks per node: {self.describe()}")
+                raise ValueError(f"a 2-D layout needs the same ranks per node, numbered node "
+                                 f"by node: {self.describe()}")
             members = dist.get_process_group_ranks(group or dist.group.WORLD)
             per_node = [[members[r] for r in self.ranks_of_node(n)] for n in range(self.nodes)]
             across = [[ranks[local] for ranks in per_node] for local in range(len(per_node[0]))]
@@ -95,11 +100,17 @@ def discover(group: Any = None) -> Topology:
         and dist.get_world_size() % int(local) == 0 else 0
     ((smallest, largest),) = host_ranges([size], group, "topology")
     if size and smallest == largest:
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        return Topology([r // size for r in ranks], rank, "env")
-    hosts = gather_objects(socket.gethostname(), group)
-    order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
-    return Topology([order[h] for h in hosts], rank, "hostname")
+        # the world's node of each member, numbered by first appearance within the group
+        # (global numbers made a subgroup of nodes 0 and 2 a layout of three nodes)
+        nodes = [r // size for r in dist.get_process_group_ranks(group or dist.group.WORLD)]
+        return Topology(_numbered(nodes), rank, "env")
+    return Topology(_numbered(gather_objects(socket.gethostname(), group)), rank, "hostname")
+
+
+def _numbered(nodes: list[Any]) -> list[int]:
+    """Each rank's node as an index, nodes numbered by first appearance."""
+    order = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    return [order[n] for n in nodes]
 
 
 def topology_for(group: Any = None) -> Topology:
