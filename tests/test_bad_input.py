@@ -23,6 +23,8 @@ BAD = {
     "wire_dtype_unsupported": "wire_dtype must be None, torch.bfloat16",
     "wire_block": "wire_block 5 must divide the hidden size 16",
     "gemm_unknown": "gemm must be 'auto', 'grouped' or 'loop'",
+    "topk_zero": "topk == 0",
+    "topk_zero_capacity": "topk == 0",  # its ids were reshaped before the handshake: a crash
     "ids_device": "expert_ids must be on x's device",
     "weights_device": "routing_weights must be on x's device",
 }
@@ -71,3 +73,37 @@ def test_single_process_errors_are_plain_value_errors() -> None:
         mc2.fused_expert(x, w, w, wd, torch.zeros(4, 1, dtype=torch.long), gemm="fast")
     with pytest.raises(ValueError, match="x must be"):
         mc2.fused_expert(x.long(), w, w, wd, torch.zeros(4, 1, dtype=torch.long))
+
+
+def routing_grad_on_one_rank(rank: int, world: int, options: dict) -> dict:
+    """Rank 0's routing weights need a gradient, rank 1's are detached: the error, or rank 0's
+    routing-weight gradient against the dense reference's."""
+    from tests.problems import make_problem
+    from tests.reference import dense_moe
+
+    p = make_problem(world, "uniform", seed=1)
+    rw = p.rws[rank].clone().requires_grad_(rank == 0)
+    x = p.xs[rank].clone().requires_grad_()
+    try:
+        out = mc2.fused_expert(x, *p.local_weights(rank), p.ids[rank], rw, **options)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    (out * p.grad_outs[rank]).sum().backward()
+    want = p.rws[rank].clone().requires_grad_()
+    (dense_moe(p.xs[rank], p.w_up, p.w_gate, p.w_down, p.ids[rank], want)
+     * p.grad_outs[rank]).sum().backward()
+    close = rank != 0 or torch.allclose(rw.grad, want.grad, atol=1e-10)
+    return {"error": None, "close": close}
+
+
+@pytest.mark.parametrize("options", [{"dedup": True, "micro_batches": 2}, {"capacity": 64}],
+                         ids=["dedup", "capacity"])
+def test_routing_weights_that_need_a_gradient_on_some_ranks_only(options: dict) -> None:
+    """With rows once per destination or fixed slabs, whether the routing weights' gradient
+    is sent back decides which tables the experts' side keeps and whether a collective runs:
+    dedup hung, and capacity mode left most of rank 0's gradient zero, silently (found by a
+    review). Now a ``ValueError`` on every rank; rows per pair (no such tables) stay exact."""
+    for r in mc2.run_local(routing_grad_on_one_rank, 2, args=(options,), timeout_s=20):
+        assert r["error"] is not None and "routing_weights need a gradient" in r["error"], r
+    for r in mc2.run_local(routing_grad_on_one_rank, 2, args=({"micro_batches": 2},)):
+        assert r == {"error": None, "close": True}, r

@@ -463,3 +463,14 @@ def test_training_calls_run_trials_of_their_own() -> None:
         assert r["locked_alone"], r
         assert r["training_trials"][0], r  # the first training call is a trial
         assert set(r["kinds"]) == {False, True} and r["kinds"][False] is not None, r
+
+
+def test_a_recompute_runs_its_training_forwards_k_beside_an_evaluation() -> None:
+    """An evaluation's forward of the same shape between a checkpointed training forward and
+    its backward: the recompute ran the evaluation's K (its own trials a call ahead), and
+    PyTorch refused the recomputed shapes (``CheckpointError``; found by a review). A
+    recompute takes the last training forward's K first."""
+    from tests.workers import auto_recompute_beside_an_evaluation
+
+    for r in mc2.run_local(auto_recompute_beside_an_evaluation, 2, args=(8,)):
+        assert r["error"] is None, r["error"]

@@ -46,7 +46,8 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
     p = make_problem(world, "uniform")
     x, ids, rw = p.xs[rank], p.ids[rank], p.rws[rank]
     w_up, w_gate, w_down = p.local_weights(rank)
-    kwargs: dict[str, Any] = {}
+    # "..._capacity": every rank in capacity mode, the culprit's input bad as named
+    kwargs: dict[str, Any] = {"capacity": 48} if bad.endswith("_capacity") else {}
     if rank == culprit:
         if bad == "expert_out_of_range":
             ids = ids.clone()
@@ -79,6 +80,8 @@ def bad_input_then_good(rank: int, world: int, culprit: int, bad: str) -> dict:
             kwargs.update(wire_dtype="int8", wire_block=5)  # hidden is 16
         elif bad == "gemm_unknown":
             kwargs["gemm"] = "fastest"
+        elif bad in ("topk_zero", "topk_zero_capacity"):
+            ids, rw = ids[:, :0], rw[:, :0]
         elif bad == "ids_device":
             ids = ids.to("meta")
         elif bad == "weights_device":
@@ -618,3 +621,35 @@ def auto_by_kind(rank: int, world: int, calls: int) -> dict:
     training = [call(True) for _ in range(calls)]
     kinds = {key[-1]: d["locked"] for key, d in planner.decisions().items()}
     return {"locked_alone": locked_alone, "training_trials": training, "kinds": kinds}
+
+
+def auto_recompute_beside_an_evaluation(rank: int, world: int, steps: int) -> dict:
+    """``"auto"`` trials under non-reentrant activation checkpointing, where a forward alone
+    of the same shape (an evaluation) runs between each training forward and its backward,
+    one call ahead in its own trials: the K each training forward and its recompute ran,
+    and the first error."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(rank)
+    local, hidden, ffn, tokens = 2, 64, 128, 300
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, world * local, (tokens, 2), generator=g)
+    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05 for _ in range(2)] + \
+        [torch.randn(local, ffn, hidden, generator=g) * 0.05]
+    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2, drift=0)
+
+    def experts(h: torch.Tensor) -> torch.Tensor:
+        return mc2.fused_expert(h, *ws, ids, micro_batches="auto", planner=planner)
+
+    with torch.no_grad():
+        experts(x)  # the evaluation's trials one call ahead of training's
+    error = None
+    try:
+        for _ in range(steps):
+            out = checkpoint(experts, x.clone().requires_grad_(True), use_reentrant=False)
+            with torch.no_grad():
+                experts(x)
+            out.sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the test reports whatever ended the loop
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error}

@@ -82,10 +82,6 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
         for _ in range(2):
             step = _fused_step(p, rank, **options)
         counted[name] = {"forward": step["forward"], "backward": step["backward"]}
-    if "Kauto capacity" in cases:  # the first call after the planner locked checked its facts
-        step = _fused_step(p, rank, **cases["Kauto capacity"])  # with the data; now none
-        counted["Kauto capacity, locked"] = {"forward": step["forward"],
-                                             "backward": step["backward"]}
     if world == 2:
         torch.manual_seed(0)
         layer = mc2.MoELayer(32, 16, 4, 2, micro_batches=4).double()
@@ -196,3 +192,22 @@ def autocast_bf16(rank: int, world: int) -> dict[str, Any]:
     out.float().backward(p.grad_outs[rank])
     return {"dtype": out.dtype, "out": out.detach().float(), "x": x.grad,
             "w_dtypes": [w.grad.dtype for w in ws], "rw": rw.grad}
+
+
+def capacity_beside_dropless(rank: int, world: int, calls: int) -> dict[str, Any]:
+    """Capacity calls and dropless calls, both ``"auto"``, on one planner (a model of both
+    kinds of layer on one group): the reads of each capacity call once both shapes locked,
+    over more calls than a drift window of the dropless shape."""
+    from mc2.observation.host_syncs import HostSyncCounter
+
+    p = make_problem(world, "uniform", tokens=24)
+    args = (p.xs[rank], *p.local_weights(rank), p.ids[rank], p.rws[rank])
+    planner = mc2.Planner(candidates=(1, 2), repeats=1, drift_window=4)
+    reads = []
+    for _ in range(calls):
+        mc2.fused_expert(*args, micro_batches="auto", planner=planner)
+        with HostSyncCounter() as counted:
+            mc2.fused_expert(*args, micro_batches="auto", planner=planner, capacity=48)
+        if planner.settled():
+            reads.append(counted.reads)
+    return {"reads": reads, "settled": planner.settled()}

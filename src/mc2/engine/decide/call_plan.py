@@ -18,7 +18,7 @@ shape.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -194,7 +194,7 @@ def _local_check(x: Any, named_weights: dict[str, Any], expert_ids: Any, routing
 def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
                   needs_grad: bool, wire: WirePair,
                   planner_calls: int, group: Any, timeout: float | None,
-                  topk: int, paired: bool) -> SharedFacts:
+                  topk: int, paired: bool, routing_weights: Any) -> SharedFacts:
     """The values every rank must share, as the handshake carries them (all zero when this
     rank's input is bad: :meth:`SharedFacts.unknown`).
 
@@ -204,7 +204,11 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
     the 2-D exchange where its peers have. The rest change what a peer receives (capacity's
     slabs, dropped rows) or how long it waits (``timeout``). ``topk``: where the call sends
     slot tables ``2 * topk`` wide (dedup, capacity mode), whose receive buffers are sized by
-    the receiver's own (a plain call agrees the largest topk instead, so ranks may differ)."""
+    the receiver's own (a plain call agrees the largest topk instead, so ranks may differ).
+    ``routing_grad``: there too, whether the routing weights' gradient is sent back decides
+    which tables the experts' side keeps and whether a collective runs (a rank passing
+    ``None`` or detached weights among ranks that did not hung with dedup, and in capacity
+    mode left most of its routing weights' gradient zero, silently; found by a review)."""
     if weights is None:
         return SharedFacts.unknown()
     return SharedFacts(
@@ -219,7 +223,10 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         dedup=int(config.dedup), capacity=config.capacity or 0,
         overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
         timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite),
-        topk=topk if config.dedup or config.capacity is not None else 0, paired=int(paired))
+        topk=topk if config.dedup or config.capacity is not None else 0, paired=int(paired),
+        routing_grad=int(needs_grad and isinstance(routing_weights, Tensor)
+                         and routing_weights.requires_grad)
+        if config.dedup or config.capacity is not None else 0)
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,
@@ -367,8 +374,11 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
     facts = _shared_facts(config, 0 if auto else config.micro_batches, x,
                           weights if problem is None else None, needs_grad, PLAIN_PAIR,
                           plan_with.settled_digest(group) if plan_with is not None else 0,
-                          group, timeout, expert_ids.shape[-1], paired)
-    values = facts.values()
+                          group, timeout, expert_ids.shape[-1], paired, routing_weights)
+    on_host = carries_host_memory(group)
+    # on a host group every call's handshake compares the planner's count, so a count that
+    # moved (a dropless call's drift window on the same planner) asks for no data check
+    values = (replace(facts, planner_calls=0) if on_host else facts).values()
     agreed = group_state(group).of(AgreedCapacity)
     # check_finite: the data's check runs in every call's handshake (a read of the device
     # each call, which the caller asked for): a steady call's trusted handshake carries none.
@@ -378,39 +388,40 @@ def _capacity_call(x: Tensor, expert_ids: Tensor, routing_weights: Tensor | None
                          "call, a read of the device, which a CUDA graph's capture cannot "
                          "make (nor would its replays check): pass check_finite=False to the "
                          "calls you capture")
-    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     # "auto": the planner's trials, priced for full slabs (capacity rows to every rank). All
     # it uses is alike on every rank (the configuration, the shapes, the group's slowest
     # times), so every rank takes the same K with no exchange but the planner's own: its
     # calibration, once per group and weight shape, and one all-reduce when its trials end.
-    slabs = Agreement(max_tokens=config.capacity, max_topk=ids2d.shape[-1],
+    slabs = Agreement(max_tokens=config.capacity, max_topk=expert_ids.shape[-1],
                       max_rows=config.capacity * group_size(group))
     # what the slabs' experts run, decided here once: sorted pairs through grouped GEMMs, or
     # every row through every expert (priced as the loop)
     strategy = "grouped" if problem is None and sorts_slabs(weights) else "dense"
     priced = "grouped" if strategy == "grouped" else "loop"
-    # steady: nothing to check but the facts, and no collective of the planner's before the
-    # handshake is waited for (the calls that may run one wait for it at once)
-    steady = problem is None and values in agreed and not config.check_finite and (
-        plan_with is None or plan_with.quiet_for(
-            max_tokens=slabs.max_tokens, topk=slabs.max_topk, weights=weights, group=group,
-            strategy=priced, sent_rows=slabs.max_rows, watch=False, trained=needs_grad))
-    on_host = carries_host_memory(group)
+    # steady: nothing to check but the facts. quiet: the planner runs no collective here, so
+    # the handshake may be waited for after the slabs are planned (a call whose planner may
+    # run one waits for it first: a fresh planner on one rank raises, it does not calibrate
+    # alone; on NCCL alone such a call runs its handshake, one read)
+    steady = problem is None and values in agreed and not config.check_finite
+    quiet = steady and (plan_with is None or plan_with.quiet_for(
+        max_tokens=slabs.max_tokens, topk=slabs.max_topk, weights=weights, group=group,
+        strategy=priced, sent_rows=slabs.max_rows, watch=False, trained=needs_grad))
     if problem is not None and agreed and not on_host:
         raise ValueError(f"fused_expert: {problem}")
     trusted = None  # a steady call's agreement, waited for once the slabs are planned (below)
-    if on_host or not steady:
+    if on_host or not quiet:
         with maybe_span(timeline, "comm", "handshake", "forward"):
             agreement = agreement_issued(
                 problem, x=x, expert_ids=expert_ids, routing_weights=routing_weights,
                 shared=facts, group=group,
                 total_experts=group_size(group) * (weights.local_experts if weights else 0),
                 check_finite=config.check_finite, on_host=on_host, trusted=steady)
-            if steady:
+            if quiet:
                 trusted = agreement
             else:
                 agreement()
         agreed.add(values)
+    ids2d = expert_ids.reshape(-1, expert_ids.shape[-1])
     combine = combine_weights(routing_weights, ids2d, x)
     k, on_pass_done, _ = _choose_k(config, plan_with, slabs, weights, group, priced,
                                    PLAIN_PAIR, timeline, needs_grad, watch=False)
@@ -505,7 +516,8 @@ def plan_call(
                                                needs_grad, wire,
                                                plan_with.digest(group) if plan_with else 0,
                                                group, timeout,
-                                               expert_ids.shape[-1], paired),
+                                               expert_ids.shape[-1], paired,
+                                               routing_weights),
                           group=group,
                           total_experts=world * (weights.local_experts if weights else 0),
                           check_finite=config.check_finite,

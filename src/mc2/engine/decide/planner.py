@@ -489,7 +489,7 @@ class Planner:
         if not quiet:
             self._unsettled[group_key(group)] = self.settled_digest(group) + 1
         by_shape = self._forward_choice.setdefault(weights.anchor, {})
-        by_shape[key] = Choice(choice.micro_batches, plain_rows=choice.plain_rows)
+        by_shape[key, trained] = Choice(choice.micro_batches, plain_rows=choice.plain_rows)
         return choice
 
     def quiet_for(self, *, max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts,
@@ -497,14 +497,18 @@ class Planner:
                 sent_rows: int | None = None, watch: bool = True, trained: bool = True
                 ) -> bool:
         """Whether :meth:`choose` with these arguments runs no collective: nothing to
-        choose (one rank, one token), or the shape is locked and its calls are not watched.
-        (A capacity call that is not quiet waits for its handshake before choosing, so that
-        ranks whose planners differ raise there instead of one calibrating alone.)"""
+        choose (one rank, one token), or the shape is locked and this call ends no drift
+        window (unwatched, or its window not full). (A capacity call that is not quiet waits
+        for its handshake before choosing, so that ranks whose planners differ raise there
+        instead of one calibrating alone.)"""
         if group_size(group) <= 1 or max_tokens <= 1:
             return True
         held = self._shapes.get((*self.shape_key(max_tokens, topk, weights, group, strategy,
                                                  wire, sent_rows), trained))
-        return not watch and held is not None and held.locked is not None
+        if held is None or held.locked is None:
+            return False
+        return (not watch or not self._watching(held, weights)
+                or len(held.steady) < self.drift_window)
 
     @staticmethod
     def shape_key(max_tokens: int, topk: int, weights: ExpertWeights | ModuleExperts, group: Any,
@@ -537,9 +541,16 @@ class Planner:
         of :meth:`choose`), for a call made again during a backward (a recompute under
         activation checkpointing: it must run the K its forward ran, or PyTorch finds other
         saved shapes). Keyed on the shape too: one experts module over two inputs of
-        different token counts may have run two K. Counts no trial, runs no collective."""
+        different token counts may have run two K. Counts no trial, runs no collective.
+
+        The last training forward's K first: a forward alone of the shape (an evaluation)
+        between a checkpointed training forward and its backward ran its own trials' K,
+        which the recompute took, and PyTorch refused its saved shapes (found by a review).
+        A reentrant checkpoint's forward runs without gradients: where no training forward
+        of the shape ran, the last forward alone's."""
         key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
-        return self._forward_choice.get(weights.anchor, {}).get(key, Choice(1))
+        known = self._forward_choice.get(weights.anchor, {})
+        return known.get((key, True)) or known.get((key, False)) or Choice(1)
 
     def _choose(self, key: tuple, shape: dict[str, Any], wire: WirePair,
                 watch: bool) -> Choice:

@@ -51,6 +51,8 @@ class SharedFacts:
     check_finite: int = _fact("check_finite")
     topk: int = _fact("topk (dedup and capacity mode send k-wide slot tables)")
     paired: int = _fact("pairing (forward_backward's overlap on some ranks only)")
+    routing_grad: int = _fact("whether routing_weights need a gradient (dedup and capacity "
+                              "mode send it back by tables every rank keeps alike)")
 
     @classmethod
     def unknown(cls) -> "SharedFacts":
