@@ -248,3 +248,24 @@ def test_a_block_with_other_layers_is_refused_under_batch_overlap_only() -> None
     assert _layers(moe, mc2.MC2Config(), True).module.__name__ == "MC2TransformerLayer"
     with pytest.raises(ValueError, match="Identity"):
         _layers(block, mc2.MC2Config(), True)
+
+
+@pytest.mark.parametrize("kind", ["shared forward hook", "shared forward replaced"])
+def test_a_changed_shared_mlp_under_overlap_computes_what_megatron_computes(kind: str) -> None:
+    """Under ``moe_shared_expert_overlap`` Megatron's dispatcher calls the shared MLP's staged
+    methods, not the module: a hook on it, or its forward replaced, does not run there. mc2
+    ran them beside its call by calling the module (outputs 0.27 apart; found by a review)."""
+    from tests.workers_megatron import hook_case
+
+    for r in mc2.run_local(hook_case, 2, args=("shared_experts_gate_overlap", kind)):
+        assert r["error"] is None and r["worst"] < 1e-5, r
+
+
+def test_a_hook_on_the_experts_module_is_refused_on_every_rank() -> None:
+    """mc2 calls Megatron's experts module with unit weights and applies the probabilities
+    after the combine: a hook that is not linear in them saw other tensors (a clamp: outputs
+    0.83 apart, silently; found by a review)."""
+    from tests.workers_megatron import hook_case
+
+    for r in mc2.run_local(hook_case, 2, args=("top1", "experts clamp hook")):
+        assert r["error"] is not None and "experts: SequentialMLP has hooks" in r["error"], r

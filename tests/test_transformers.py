@@ -209,8 +209,8 @@ class FakeBlock(torch.nn.Module):
                                         ("shared_experts", "'shared_experts'"),
                                         ("own parameter", "e_score_correction_bias"),
                                         ("ungated shared_expert", "shared_expert_gate"),
-                                        ("hook", "FakeBlock has forward hooks (_doubled)"),
-                                        ("experts hook", "experts: FakeExperts has forward")])
+                                        ("hook", "FakeBlock has hooks (_doubled)"),
+                                        ("experts hook", "experts: FakeExperts has hooks")])
 def test_block_with_unknown_part_is_refused_and_nothing_replaced(part: str, named: str) -> None:
     model = torch.nn.Sequential(FakeBlock(), FakeBlock(part))
     with pytest.raises(ValueError, match="without losing a part") as err:
@@ -249,7 +249,7 @@ def test_a_hook_on_the_experts_sees_the_routed_experts_only() -> None:
     for model in (want, got):
         for layer in model.model.layers:
             layer.mlp.experts.register_forward_hook(_doubled)
-    with pytest.warns(UserWarning, match="runs beside the fused call.*has forward hooks"):
+    with pytest.warns(UserWarning, match="runs beside the fused call.*has hooks"):
         logits = _logits(got, ids)
     close(logits, _logits(want, ids), torch.float64, "logits")
 

@@ -516,3 +516,57 @@ def gathered_training(rank: int, world: int, wait: bool = True,
             found[name] = f"AssertionError: {exc}"
     found["staged calls"] = len(staged)
     return found
+
+
+def _user_change(kind: str, layer: torch.nn.Module) -> None:
+    """What a user adds to a Megatron MoE layer's modules (``hook_cases``)."""
+    if kind == "shared forward hook":
+        layer.shared_experts.register_forward_hook(lambda m, a, o: o * 2.0)
+    elif kind == "shared forward replaced":
+        own = layer.shared_experts.forward
+        layer.shared_experts.forward = lambda x: own(x) * 2.0
+    elif kind == "experts clamp hook":
+        layer.experts.register_forward_hook(lambda m, a, o: (o[0].clamp(-0.2, 0.2), o[1]))
+    else:
+        raise AssertionError(kind)
+
+
+def hook_case(rank: int, world: int, case: str, kind: str) -> dict[str, Any]:
+    """Megatron's MoELayer and MC2MoELayer, same weights, both changed by ``kind``: the
+    largest relative difference over the output and the gradients, or the error."""
+    import warnings
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    import mc2
+    from mc2.integrations.megatron import use_mc2
+
+    start(world)
+    fields = dict(CASES[case])
+    fields.pop("mc2", None)
+    config = transformer_config(world, **fields)
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                               moe_grouped_gemm=config.moe_grouped_gemm)
+    ref = build_module(spec, config=config)
+    got = build_module(use_mc2(spec, config=mc2.MC2Config(micro_batches=2)), config=config)
+    for m in (ref, got):
+        m.set_layer_number(1)
+        m.train()
+    _fill(ref, rank)
+    got.load_state_dict(ref.state_dict(), strict=True)
+    for m in (ref, got):
+        _user_change(kind, m)
+    g = torch.Generator().manual_seed(17 + rank)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    grad = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    want, _ = _run(ref, x, grad, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "runs beside", said once
+            have, _ = _run(got, x, grad, None)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    worst = max(float((have[k] - v).abs().max()) / (float(v.abs().max()) or 1.0)
+                for k, v in want.items() if v is not None and have.get(k) is not None)
+    return {"error": None, "worst": worst}

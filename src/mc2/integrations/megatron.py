@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mc2.engine.decide.batch_split import MIN_TOKENS, check_mode
 from mc2.integrations.megatron_overlap import MC2TransformerLayer, is_param_gather_hook
-from mc2.integrations.weight_reads import first_problem, hook_problem, say_once
+from mc2.integrations.weight_reads import first_problem, first_user_hook, hook_problem, say_once
 
 # what the layer runs when the spec names no config (the defaults: "auto" micro-batches)
 DEFAULT_CONFIG = MC2Config()
@@ -183,6 +183,7 @@ class MC2MoELayer(MoELayer):
         ties).
         """
         x, ids, weights = self._slots(hidden_states, probs, routing_map)
+        self._refuse_experts_hooks()
         wait_param_gathers(self.experts)
         out = fused_expert_module(x, self.experts, ids, weights, group=self.ep_group,
                                   config=self.mc2_config, num_experts=self.config.num_moe_experts,
@@ -200,6 +201,7 @@ class MC2MoELayer(MoELayer):
         inside = self._shared_inside(hidden_states)
         x, ids, weights = self._slots(
             hidden_states, *self.route(hidden_states, self._token_mask(padding_mask)))
+        self._refuse_experts_hooks()
         wait_param_gathers(self.experts)
         experts = ModuleExperts.of(self.experts, x.shape[-1], forward=self._experts_stage,
                                    local_experts=self.num_local_experts, tokens_per_expert=True)
@@ -214,8 +216,8 @@ class MC2MoELayer(MoELayer):
         them), or ``None`` (no shared experts, or inside: :meth:`_shared_inside`)."""
         if not self.use_shared_expert or self._shared_runs_inside():
             return None
-        if self.shared_expert_overlap:  # asked inside, but their modules must be called
-            return self.shared_experts(hidden_states)
+        if self.shared_expert_overlap:  # asked inside, but their linears must be called
+            return overlapped_shared(self.shared_experts, hidden_states)
         return self.shared_experts_compute(hidden_states)
 
     def _shared_inside(self, hidden_states: Tensor) -> dict[str, Tensor]:
@@ -238,6 +240,18 @@ class MC2MoELayer(MoELayer):
                      f"them: {problem}")
             return False
         return True
+
+    def _refuse_experts_hooks(self) -> None:
+        """A hook of the user's on the experts module, or its forward replaced: mc2 calls it
+        with unit weights and applies the router's probabilities after the combine, where
+        Megatron passes them in, so a hook that is not linear in them saw other tensors (a
+        clamp: outputs 0.83 apart; found by a review). Every rank holds the same modules, so
+        every rank raises alike, checked at each forward."""
+        if (problem := first_user_hook([("experts", self.experts)], is_param_gather_hook)):
+            raise ValueError(f"MC2MoELayer: {problem}: mc2 calls the experts module with unit "
+                             "weights and applies the router's probabilities after the "
+                             "combine, so the hook would see other tensors than under "
+                             "Megatron's MoELayer; register it on the MC2MoELayer instead")
 
     @staticmethod
     def _token_mask(padding_mask: Tensor | None) -> Tensor | None:
@@ -264,6 +278,18 @@ class MC2MoELayer(MoELayer):
         out, bias = self.experts(rows, tokens_per_expert, weights.reshape(-1))
         assert bias is None, "the experts' output bias is refused by megatron_problem"
         return out
+
+
+def overlapped_shared(mlp: Any, hidden_states: Tensor) -> Tensor:
+    """``SharedExpertMLP``'s output as Megatron computes it under
+    ``moe_shared_expert_overlap``: its dispatcher calls the MLP's staged methods, not the
+    module, so a hook on the MLP itself (or its forward replaced) does not run there, while
+    its linears' do (calling the module ran them: outputs 0.27 apart; found by a review)."""
+    mlp.pre_forward_comm(hidden_states)
+    mlp.linear_fc1_forward_and_act()
+    mlp.linear_fc2_forward()
+    mlp.post_forward_comm()
+    return mlp.get_output()
 
 
 def shared_views(mlp: Any, hidden_states: Tensor) -> dict[str, Tensor]:

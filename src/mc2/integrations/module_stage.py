@@ -112,10 +112,15 @@ def shared_views(mlp: Any, experts: Any, beside: str) -> tuple[Tensor, Tensor, T
 
 def shared_swiglu_problem(mlp: Any) -> str | None:
     """Why ``mlp`` does not read as the bias-free SwiGLU ``down(silu(gate x) * up x)`` of its
-    ``gate_proj``, ``up_proj`` and ``down_proj`` weights, or ``None``: each a plain
+    ``gate_proj``, ``up_proj`` and ``down_proj`` weights, or ``None``: the forward of
+    Hugging Face's class (not a subclass's, not one replaced on the instance), each a plain
     ``nn.Linear`` without bias, hook or parametrization (:func:`~mc2.integrations.
     weight_reads.read_problem`), matching shapes, a SiLU, no other tensor. Cheap enough for
     every forward (attribute reads only)."""
+    forward = getattr(type(mlp), "forward", None)
+    if not getattr(forward, "__module__", "").startswith("transformers."):
+        # a subclass with a forward of its own (a GELU, say) reads the same (found by a review)
+        return f"{type(mlp).__name__}'s forward is not the model's own (it may compute more)"
     linears = [(name, getattr(mlp, name, None)) for name in SHARED_PROJECTIONS]
     if (problem := first_problem(linears)) is not None:
         return problem

@@ -123,6 +123,7 @@ class MC2SparseMoeBlock(nn.Module):
         self.group = self.layout.ep_group
         self.config = config or MC2Config()
         self.source = type(block).__name__
+        self.train(block.training)  # an eval model stays in eval (no jitter; found by a review)
 
     @property
     def expert_index(self) -> Tensor:
@@ -189,8 +190,15 @@ class MC2SparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        views, beside = self._shared(x)  # before the router, as the model runs its shared MLP
         weights, ids = self._route(x)
-        shared, scale, beside = self._shared(x)
+        shared, scale = (None, None, None), None
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            scale = torch.sigmoid(self.shared_expert_gate(x))
+            if beside is not None:
+                beside, scale = scale * beside, None
+            else:
+                shared = views
         return x, {"expert_ids": ids, "routing_weights": weights.to(x.dtype), "group": self.group,
                    "config": self.config, "shared": shared, "shared_scale": scale}, beside
 
@@ -212,24 +220,20 @@ class MC2SparseMoeBlock(nn.Module):
             f"indices of shape [tokens, top_k] = [{x.shape[0]}, {self.top_k}]; it returned "
             f"{_describe(out)}")
 
-    def _shared(self, x: Tensor) -> tuple[tuple[Tensor | None, ...], Tensor | None,
-                                          Tensor | None]:
-        """The shared expert as split ``(up [1,H,F], gate [1,H,F], down [1,F,H])`` views of its
-        ``nn.Linear`` weights (no copy: their gradients land on the weights) and its per-token
-        scale ``sigmoid(shared_expert_gate(x))``; ``None``s without one.
-
-        Checked at every forward (:mod:`mc2.integrations.weight_reads`): where the views would
-        not be what the MLP computes (an adapter or a quantised layer on a projection, a hook,
-        added before or after ``enable_mc2``), the MLP runs beside the call as the model runs
-        it, said once, and its gated output is the third item (else ``None``)."""
+    def _shared(self, x: Tensor) -> tuple[Any, Tensor | None]:
+        """``(views, beside)``: the shared expert as split ``(up [1,H,F], gate [1,H,F],
+        down [1,F,H])`` views of its ``nn.Linear`` weights (no copy: their gradients land on
+        the weights), or, where the views would not be what the MLP computes (checked at every
+        forward, :mod:`mc2.integrations.weight_reads`: an adapter or a quantised layer on a
+        projection, a hook, added before or after ``enable_mc2``), its output, run beside the
+        call as the model runs it, said once; ``None``s without one. Called before the
+        router, where the model runs the MLP: an adapter's dropout draws there (run after the
+        router, a same-seed step drew other masks; found by a review)."""
         if self.shared_expert is None or self.shared_expert_gate is None:
-            return (None, None, None), None, None
+            return None, None
         views = shared_views(self.shared_expert, self.experts, f"{self.source}'s shared_expert "
                              "runs beside the fused call, as the model runs it")
-        scale = torch.sigmoid(self.shared_expert_gate(x))
-        if views is None:
-            return (None, None, None), None, scale * self.shared_expert(x)
-        return views, scale, None
+        return (views, None) if views is not None else (None, self.shared_expert(x))
 
 
 class BesideStagedCall:
@@ -456,6 +460,7 @@ def enable_mc2(model: nn.Module, group: Any = None, *, mesh: Any = None,
     problems += [f"{name}: {why}" for name, m in staged if (why := experts_problem(m))]
     if any(name == "" for name, _ in blocks):
         problems.append("the model itself is a sparse-MoE block: pass the model that holds it")
+    problems += _tied_experts([(f"{name}.experts", m.experts) for name, m in blocks] + staged)
     if problems:
         raise ValueError(_refusal("these blocks", problems))
     for name, module in blocks:
@@ -505,6 +510,23 @@ def _overlap_layers(model: nn.Module, mode: bool | str, min_tokens: int | None,
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child,
             OverlappedLayers(list(layers), decision=decision))
+
+
+def _tied_experts(experts: list[tuple[str, nn.Module]]) -> list[str]:
+    """Expert tensors one layer shares with another (tied, or views of one storage): mc2
+    copies each layer's share of its experts, which untied them, so each layer's gradient
+    went to its own copy and one optimizer step made the layers differ (found by a review)."""
+    seen: dict[int, str] = {}
+    problems = []
+    for name, module in experts:
+        for tensor_name, p in module.named_parameters(recurse=False):
+            key = p.untyped_storage().data_ptr() if p.device.type != "meta" and p.numel() \
+                else id(p)
+            if key in seen and not seen[key].startswith(f"{name}."):
+                problems.append(f"{name}.{tensor_name} shares its storage with {seen[key]}: "
+                                "mc2 copies each layer's experts, which would untie them")
+            seen.setdefault(key, f"{name}.{tensor_name}")
+    return problems
 
 
 def _whole_mesh_group(layout: Any) -> Any:

@@ -94,14 +94,43 @@ def first_user_hook(modules: Iterable[tuple[str, Any]],
 
 
 def hook_problem(module: Any, ignore: Callable[[Any], bool] | None = None) -> str | None:
-    """Where ``module`` has a forward hook or pre-hook (which a read of its weights would not
-    run; ``ignore``: hooks the caller runs itself), what it has; else ``None``."""
-    hooks = [h for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-             if ignore is None or not ignore(h)]
+    """Where calling ``module`` runs more than its own class's forward (which a read of its
+    weights, or a module standing in for it, would not run), what: a forward or backward hook
+    or pre-hook, its own or every module's (``register_module_forward_hook``; ``ignore``:
+    hooks the caller runs itself), or a ``forward`` replaced on the instance; else ``None``.
+    (Backward hooks, global hooks and replaced forwards passed unseen: gradients or outputs
+    differed from the model's, silently; found by a review.)"""
+    if (replaced := vars(module).get("forward")) is not None and not _framework_forward(replaced):
+        return f"{type(module).__name__} has its forward replaced on the instance"
+    hooks = [h for table in (module._forward_pre_hooks, module._forward_hooks,
+                             module._backward_pre_hooks, module._backward_hooks, *_global_hooks())
+             for h in table.values() if not _records_only(h) and (ignore is None or not ignore(h))]
     if not hooks:
         return None
     names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
-    return f"{type(module).__name__} has forward hooks ({names})"
+    return f"{type(module).__name__} has hooks ({names})"
+
+
+def _framework_forward(forward: Any) -> bool:
+    """A forward a framework put on the instance around the class's own: TorchTitan's
+    ``parallelize`` redistributes a module's inputs and outputs so (mc2's integration does
+    what it does for the calls it makes)."""
+    return getattr(forward, "__qualname__", "").endswith(
+        "parallelize.<locals>.forward_with_redistribution")
+
+
+def _global_hooks() -> tuple[dict, ...]:
+    """torch's hooks on every module's call (``register_module_*_hook``)."""
+    from torch.nn.modules import module as torch_module
+
+    return (torch_module._global_forward_pre_hooks, torch_module._global_forward_hooks,
+            torch_module._global_backward_pre_hooks, torch_module._global_backward_hooks)
+
+
+def _records_only(hook: Any) -> bool:
+    """torch's ``ModuleTracker`` (under ``FlopCounterMode`` and the debug modes): it records
+    which module runs and changes nothing."""
+    return type(getattr(hook, "__self__", None)).__name__ == "ModuleTracker"
 
 
 def _qualified(cls: type) -> str:

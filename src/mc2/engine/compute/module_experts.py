@@ -140,8 +140,13 @@ class ModuleExperts:
         """Why the module cannot take rows like ``like``'s, or ``None``: it runs once on one
         zero row per (width, dtype, device), before the call's handshake, so that a module that
         fails does so on every rank, as an error, and never mid-pipeline on some ranks while
-        the others wait in a transfer."""
-        key = (self.hidden, like.dtype, str(like.device))
+        the others wait in a transfer. Tried again when what the module runs changes (Hugging
+        Face's ``set_experts_implementation``, a forward replaced): a kernel chosen after the
+        first try failed inside the pipeline on the ranks that got rows while the others
+        waited (found by a review)."""
+        runs = getattr(self.forward, "__func__", self.forward)
+        key = (self.hidden, like.dtype, str(like.device), id(runs),
+               getattr(getattr(self.module, "config", None), "_experts_implementation", None))
         tried: set = self.module.__dict__.setdefault(TRIED_ATTRIBUTE, set())
         if key in tried:
             return None
