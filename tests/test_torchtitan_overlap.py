@@ -49,12 +49,13 @@ def test_qwen3_moe_model_with_batch_overlap_trains_like_torchtitan() -> None:
         assert losses[0] - losses[-1] > 20 * worst * abs(losses[0]), (losses, worst)
 
 
-@pytest.mark.parametrize("hooked", ["moe", "moe.routed_experts"])
+@pytest.mark.parametrize("hooked", ["moe", "moe.routed_experts", "moe subclass"])
 def test_a_hooked_moe_module_runs_unsplit_and_called(hooked: str) -> None:
     """Batch overlap runs a block's parts, not its MoE module or routed experts: where one
-    of them has a forward hook (here scaling its output), the forward runs unsplit and calls
-    the module, so the hook runs as in TorchTitan's model; the losses equal TorchTitan's
-    (before: split, the hook skipped)."""
+    of them has a forward hook (here scaling its output), or the MoE a forward of its own (a
+    subclass's; found by a review), the forward runs unsplit and calls the module, so the
+    hook runs as in TorchTitan's model; the losses equal TorchTitan's (before: split, the
+    hook or the forward skipped)."""
     from tests import workers_torchtitan_model as m
 
     results = mc2.run_local(m.train_against_torchtitan, 4,

@@ -37,6 +37,7 @@ from mc2.parallel.layer_gather import LayerGathers
 
 from torchtitan.config import derive, override
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.deepseek_v3.model import DeepSeekV3TransformerBlock
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 
@@ -107,11 +108,13 @@ def titan_block_forward(block: nn.Module, h: Tensor, masks: Any,
 
 
 def _moe_hook_problem(block: nn.Module) -> str | None:
-    """Where a block's MoE module or its routed experts has a forward hook of the user's
-    (:func:`titan_layer_stages` and :func:`titan_block_forward` run their parts, not them),
-    what it has; else ``None``."""
+    """Where a block's MoE module or its routed experts has a hook of the user's, or the MoE
+    computes with a forward other than TorchTitan's own (:func:`titan_layer_stages` and
+    :func:`titan_block_forward` run their parts, not them), what; else ``None``."""
     if not block.moe_enabled:
         return None
+    if type(block.moe).forward is not MoE.forward:  # a subclass's would be skipped, silently
+        return f"moe: {type(block.moe).__name__} has a forward of its own"
     return first_user_hook((("moe", block.moe), ("moe.routed_experts", block.moe.routed_experts)))
 
 
