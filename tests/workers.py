@@ -216,13 +216,7 @@ def auto_decode(rank: int, world: int, tokens: int, calls: int, hidden: int, ffn
     used, marks, equal = [], [], True
     expected = mc2.fused_expert(x, *ws, ids, micro_batches=1)
     for n in range(2 * calls):
-        grad = n >= calls
-        tl = mc2.Timeline()
-        with torch.set_grad_enabled(grad):
-            out = mc2.fused_expert(x.clone().requires_grad_(grad), *ws, ids,
-                                   micro_batches="auto", planner=planner, timeline=tl)
-            if grad:
-                out.sum().backward()
+        out, tl = _timed_auto_call(x, ws, ids, planner, trained=n >= calls)
         used.append(1 + max((s.micro_batch for s in tl.spans), default=0))
         marks.append([s.name for s in tl.spans if s.name.startswith("auto")])
         equal = equal and torch.equal(out.detach(), expected)
@@ -593,9 +587,21 @@ def initialised_ranks(rank: int, world: int) -> list[bool]:
     return [store.check([f"mc2/initialised/{r}"]) for r in range(world)]
 
 
-def auto_by_kind(rank: int, world: int, calls: int) -> dict:
-    """Forwards alone (no gradient) of one shape until ``"auto"`` locks them, then training
-    calls of the same shape: the K each training call used and whether it was a trial."""
+def _timed_auto_call(x: torch.Tensor, ws: list, ids: torch.Tensor, planner: Any,
+                     trained: bool) -> tuple[torch.Tensor, Any]:
+    """One ``"auto"`` call with a timeline, and its backward where ``trained``."""
+    tl = mc2.Timeline()
+    with torch.set_grad_enabled(trained):
+        out = mc2.fused_expert(x.clone().requires_grad_(trained), *ws, ids,
+                               micro_batches="auto", planner=planner, timeline=tl)
+        if trained:
+            out.sum().backward()
+    return out, tl
+
+
+def _auto_shape(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, list, Any]:
+    """One ``"auto"`` shape whose splits all have trials (the prior ranks K ascending): this
+    rank's tokens, ids, weights and the planner."""
     g = torch.Generator().manual_seed(rank)
     local, hidden, ffn, tokens = 2, 64, 128, 300
     x = torch.randn(tokens, hidden, generator=g)
@@ -603,14 +609,16 @@ def auto_by_kind(rank: int, world: int, calls: int) -> dict:
     ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05 for _ in range(2)] + \
         [torch.randn(local, ffn, hidden, generator=g) * 0.05]
     planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2, drift=0)
+    return x, ids, ws, planner
+
+
+def auto_by_kind(rank: int, world: int, calls: int) -> dict:
+    """Forwards alone (no gradient) of one shape until ``"auto"`` locks them, then training
+    calls of the same shape: the K each training call used and whether it was a trial."""
+    x, ids, ws, planner = _auto_shape(rank, world)
 
     def call(trained: bool) -> list[str]:
-        tl = mc2.Timeline()
-        with torch.set_grad_enabled(trained):
-            out = mc2.fused_expert(x.clone().requires_grad_(trained), *ws, ids,
-                                   micro_batches="auto", planner=planner, timeline=tl)
-        if trained:
-            out.sum().backward()
+        _, tl = _timed_auto_call(x, ws, ids, planner, trained)
         return [s.name for s in tl.spans if s.name.startswith("auto trial")]
 
     for _ in range(planner.max_trial_calls + 1):
@@ -630,13 +638,7 @@ def auto_recompute_beside_an_evaluation(rank: int, world: int, steps: int) -> di
     and the first error."""
     from torch.utils.checkpoint import checkpoint
 
-    g = torch.Generator().manual_seed(rank)
-    local, hidden, ffn, tokens = 2, 64, 128, 300
-    x = torch.randn(tokens, hidden, generator=g)
-    ids = torch.randint(0, world * local, (tokens, 2), generator=g)
-    ws = [torch.randn(local, hidden, ffn, generator=g) * 0.05 for _ in range(2)] + \
-        [torch.randn(local, ffn, hidden, generator=g) * 0.05]
-    planner = PriorPlanner([1, 2, 4, 8], candidates=(1, 2, 4, 8), explore=3, trials=2, drift=0)
+    x, ids, ws, planner = _auto_shape(rank, world)
 
     def experts(h: torch.Tensor) -> torch.Tensor:
         return mc2.fused_expert(h, *ws, ids, micro_batches="auto", planner=planner)
