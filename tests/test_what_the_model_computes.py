@@ -171,3 +171,33 @@ def test_a_kernel_chosen_after_the_first_call_is_tried_before_the_handshake() ->
     model.set_experts_implementation("grouped_mm")  # no float64 kernel on a CPU
     with pytest.raises(ValueError, match="fails on a row of width"):
         model(_ids())
+
+
+class _RunningMaxSiLU(nn.Module):
+    """A SiLU that keeps a running maximum of its output in a buffer (quantisation-aware
+    training's delayed scaling keeps one so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("amax", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.silu(x)
+        if self.training:
+            with torch.no_grad():
+                self.amax.mul_(0.9).add_(0.1 * y.abs().max())
+        return y * (self.amax / self.amax.detach())
+
+
+def test_an_experts_module_that_keeps_state_is_refused() -> None:
+    """mc2 calls a model's experts module once per micro-batch and expert, and once more to
+    try it: a running statistic inside it was updated more often than the model updates it
+    (logits 0.004 apart after a step, 33 gradients off; found by a review). Seen when the
+    try changes a buffer: a ``ValueError`` before any exchange."""
+    model = tiny_model("deepseek_v3").double().train()
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts.act_fn = _RunningMaxSiLU()
+    enable_mc2(model, micro_batches=2)
+    with pytest.raises(ValueError, match="changes its buffers when called"):
+        model(_ids())

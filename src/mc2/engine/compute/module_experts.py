@@ -65,6 +65,11 @@ def stand_in_problem(module: nn.Module) -> str | None:
     return None
 
 
+def _buffer_state(module: nn.Module) -> list[tuple[int, int]]:
+    """Each buffer's identity and version: what changes when a call updates one."""
+    return [(id(b), b._version) for b in module.buffers()]
+
+
 class KeptAsIs:
     """Activations kept as they are, not through ``save_for_backward``: an autograd graph of
     their own (a module stage's, a dense capacity pass's), or a capacity pass's sorted pairs.
@@ -145,13 +150,14 @@ class ModuleExperts:
         first try failed inside the pipeline on the ranks that got rows while the others
         waited (found by a review)."""
         runs = getattr(self.forward, "__func__", self.forward)
-        key = (self.hidden, like.dtype, str(like.device), id(runs),
+        key = (self.hidden, like.dtype, str(like.device), id(runs), self.module.training,
                getattr(getattr(self.module, "config", None), "_experts_implementation", None))
         tried: set = self.module.__dict__.setdefault(TRIED_ATTRIBUTE, set())
         if key in tried:
             return None
         row = torch.zeros(1, self.hidden, dtype=like.dtype, device=like.device)
         ids = torch.zeros(1, 1, dtype=torch.int64, device=like.device)
+        state = _buffer_state(self.module)
         try:
             with torch.no_grad():
                 self._call(row, ids, torch.ones(1, 1, dtype=like.dtype, device=like.device),
@@ -159,6 +165,13 @@ class ModuleExperts:
         except Exception as exc:  # noqa: BLE001 - reported on every rank by the handshake
             return (f"the experts module {type(self.module).__name__} fails on a row of "
                     f"width {self.hidden} and dtype {like.dtype}: {type(exc).__name__}: {exc}")
+        if _buffer_state(self.module) != state:
+            # a running statistic (a fake-quantised activation's amax, say) would be updated
+            # once per micro-batch and expert and once more here: other values than the
+            # model's, silently (found by a review)
+            return (f"the experts module {type(self.module).__name__} changes its buffers when "
+                    "called (a running statistic?): mc2 calls it once per micro-batch, and "
+                    "once more to try it, so its state would differ from the model's")
         tried.add(key)
         return None
 
