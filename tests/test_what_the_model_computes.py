@@ -201,3 +201,16 @@ def test_an_experts_module_that_keeps_state_is_refused() -> None:
     enable_mc2(model, micro_batches=2)
     with pytest.raises(ValueError, match="changes its buffers when called"):
         model(_ids())
+
+
+def test_a_hook_on_the_experts_sees_what_hugging_faces_experts_see() -> None:
+    """Hugging Face's block calls its experts ``experts(x, ids, weights)``; mc2's passed ids
+    and weights by name, so a pre-hook written for the model (here squaring the routing
+    weights) raised ``IndexError`` (found by a review). By position, it computes the same."""
+    model = tiny_model("mixtral").double()
+    ref = copy.deepcopy(model)
+    enable_mc2(model)
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.mlp.experts.register_forward_pre_hook(lambda mod, a: (a[0], a[1], a[2] ** 2))
+    _assert_same(model, ref)

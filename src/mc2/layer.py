@@ -58,8 +58,10 @@ class PackedExperts(nn.Module):
                 shared_scale: Tensor | None = None) -> Tensor:
         """:func:`mc2.fused_expert_packed` of ``x`` with these experts (``shared``: the split
         ``(up, gate, down)`` shared experts, or ``None``s; ``shared_scale``: their per-token
-        factor, or ``None``)."""
+        factor, or ``None``). The weights in the router's dtype, as a model's experts take
+        them (a hook of the user's computes on them in that dtype), cast here."""
         gate_up, down = self.weights()
+        routing_weights = routing_weights.to(x.dtype)
         return fused_expert_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
                                    config=config, shared_up=shared[0], shared_gate=shared[1],
                                    shared_down=shared[2], shared_scale=shared_scale)
@@ -72,7 +74,7 @@ class PackedExperts(nn.Module):
         """:meth:`forward` in stages (batch overlap, :mod:`mc2.engine.autograd.staged`): plans the
         call and issues its dispatch; ``.experts()`` and ``.end()`` do the rest."""
         gate_up, down = self.weights()
-        return begin_packed(x, gate_up, down, expert_ids, routing_weights, group=group,
+        return begin_packed(x, gate_up, down, expert_ids, routing_weights.to(x.dtype), group=group,
                             config=config, shared=shared, shared_scale=shared_scale)
 
 

@@ -157,7 +157,10 @@ class MC2SparseMoeBlock(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         x, call_args, beside = self._call_args(hidden_states)
-        out = self.experts(x, **call_args)
+        # ids and weights by position, as Hugging Face's block calls its experts, so a hook
+        # of the user's finds them where it would (by name, a pre-hook reading args[1] raised)
+        out = self.experts(x, call_args.pop("expert_ids"), call_args.pop("routing_weights"),
+                           **call_args)
         if beside is not None:
             out = out + beside
         return out.reshape(hidden_states.shape)
@@ -199,7 +202,7 @@ class MC2SparseMoeBlock(nn.Module):
                 beside, scale = scale * beside, None
             else:
                 shared = views
-        return x, {"expert_ids": ids, "routing_weights": weights.to(x.dtype), "group": self.group,
+        return x, {"expert_ids": ids, "routing_weights": weights, "group": self.group,
                    "config": self.config, "shared": shared, "shared_scale": scale}, beside
 
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
