@@ -214,3 +214,20 @@ def test_a_hook_on_the_experts_sees_what_hugging_faces_experts_see() -> None:
         for layer in m.model.layers:
             layer.mlp.experts.register_forward_pre_hook(lambda mod, a: (a[0], a[1], a[2] ** 2))
     _assert_same(model, ref)
+
+
+def test_a_flop_counter_leaves_the_shared_mlp_inside_the_call() -> None:
+    """torch's ``FlopCounterMode`` puts hooks on every module (its ``ModuleTracker``), which
+    only record: the shared MLP stays inside mc2's call, no warning, the same logits."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mc2.integrations.weight_reads import WeightReadWarning
+
+    model = tiny_model("qwen2_moe").double()
+    ref = copy.deepcopy(model)
+    enable_mc2(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WeightReadWarning)
+        with FlopCounterMode(display=False):
+            got = model(_ids()).logits
+    assert torch.allclose(got, ref(_ids()).logits, rtol=1e-10, atol=1e-10)
