@@ -211,6 +211,7 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
     mode left most of its routing weights' gradient zero, silently; found by a review)."""
     if weights is None:
         return SharedFacts.unknown()
+    tables = config.dedup or config.capacity is not None  # slot tables, k-wide, sent back
     return SharedFacts(
         micro_batches=0 if config.micro_batches == "auto" else config.micro_batches,
         largest_k=capacity, hidden=x.shape[-1], ffn=weights.ffn,
@@ -223,10 +224,9 @@ def _shared_facts(config: MC2Config, capacity: int, x: Tensor, weights: Any,
         dedup=int(config.dedup), capacity=config.capacity or 0,
         overflow=_OVERFLOW_CODES[config.overflow], gemm=GEMMS.index(config.gemm),
         timeout_ms=timeout_code(timeout), check_finite=int(config.check_finite),
-        topk=topk if config.dedup or config.capacity is not None else 0, paired=int(paired),
-        routing_grad=int(needs_grad and isinstance(routing_weights, Tensor)
-                         and routing_weights.requires_grad)
-        if config.dedup or config.capacity is not None else 0)
+        topk=topk if tables else 0, paired=int(paired),
+        routing_grad=int(tables and needs_grad and isinstance(routing_weights, Tensor)
+                         and routing_weights.requires_grad))
 
 
 def _choose_k(config: MC2Config, planner: Planner | None, agreement: Any, weights: Any,

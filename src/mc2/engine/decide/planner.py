@@ -481,7 +481,7 @@ class Planner:
         shape = dict(max_tokens=max_tokens, topk=topk, weights=weights, group=group,
                      strategy=strategy, sent_rows=sent_rows)
         key = self.shape_key(wire=wire, **shape)
-        quiet = self.quiet_for(**shape, wire=wire, watch=watch, trained=trained)
+        quiet = self._quiet((*key, trained), group, max_tokens, weights, watch)
         # nothing to hide (one rank), or nothing to split (one token)
         choice = self._choose((*key, trained), shape, wire, watch) \
             if group_size(group) > 1 and max_tokens > 1 else Choice(1)
@@ -501,10 +501,16 @@ class Planner:
         window (unwatched, or its window not full). (A capacity call that is not quiet waits
         for its handshake before choosing, so that ranks whose planners differ raise there
         instead of one calibrating alone.)"""
+        key = self.shape_key(max_tokens, topk, weights, group, strategy, wire, sent_rows)
+        return self._quiet((*key, trained), group, max_tokens, weights, watch)
+
+    def _quiet(self, trials_key: tuple, group: Any, max_tokens: int,
+               weights: ExpertWeights | ModuleExperts, watch: bool) -> bool:
+        """:meth:`quiet_for` of the trials under ``trials_key`` (:meth:`shape_key` and the
+        kind), which :meth:`choose` has already made."""
         if group_size(group) <= 1 or max_tokens <= 1:
             return True
-        held = self._shapes.get((*self.shape_key(max_tokens, topk, weights, group, strategy,
-                                                 wire, sent_rows), trained))
+        held = self._shapes.get(trials_key)
         if held is None or held.locked is None:
             return False
         return (not watch or not self._watching(held, weights)
@@ -528,7 +534,7 @@ class Planner:
 
     def settled_digest(self, group: Any) -> int:
         """How many of this planner's choices on ``group`` could have run a collective (all
-        but an unwatched locked shape's). The handshake of a capacity call carries this, not
+        but those :meth:`quiet_for` finds quiet). The handshake of a capacity call carries this, not
         :meth:`digest`: its steady calls are trusted without reading anything while their
         shared values stay the same, which a count of every call would end; a fresh planner
         on some ranks still differs here, before it calibrates alone."""
